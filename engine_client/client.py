@@ -1,0 +1,286 @@
+"""``KVDClient``: one engine process's session with the kvd daemon.
+
+Every call is batched and synchronous. Token ids go over the socket as packed int32
+bytes; KV bytes never do: ``page()`` returns a zero-copy view of shared memory.
+
+    with KVDClient.connect("/tmp/kvd.sock") as kvd:
+        ns = kvd.register_namespace("my-model", PageLayout(32, 8, 128, 16, "bfloat16"))
+        [a] = kvd.allocate_with_prefix(ns, [SequenceRequest("a", prompt_ids)])
+        for page_id in a.private_pages:
+            kvd.page(ns, page_id)[...] = ...        # write K/V of the suffix
+        kvd.publish(ns, ["a"])
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import grpc
+import numpy as np
+
+from engine_client.pages import PageMap, extent_tensor
+from engine_client.types import (
+    ExtendItem, ExtendResult, ExtraKey, KVDError, LookupResult, Namespace, PinResult, PublishResult,
+    Rebind, SequenceAllocation, SequenceRequest, SequenceState, pack_tokens, unpack_pages,
+)
+from kvd.wire import kvd_pb2 as pb
+from kvd.wire import kvd_pb2_grpc
+from kvd.wire.layout import PageLayout
+from kvd.wire.paths import default_socket
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+]
+
+
+def _extra_keys(keys) -> list[pb.ExtraKey]:
+    return [pb.ExtraKey(kind=k.kind, value=k.value, offset=k.offset, length=k.length) for k in keys]
+
+
+def _requests(requests) -> list[pb.SequenceRequest]:
+    return [
+        pb.SequenceRequest(seq_id=r.seq_id, tokens=pack_tokens(r.token_ids), extra_keys=_extra_keys(r.extra_keys))
+        for r in requests
+    ]
+
+
+def _allocation(msg: pb.SequenceAllocation) -> SequenceAllocation:
+    return SequenceAllocation(
+        seq_id=msg.seq_id,
+        shared_pages=unpack_pages(msg.shared_pages),
+        private_pages=unpack_pages(msg.private_pages),
+        shared_prefix_tokens=msg.shared_prefix_tokens,
+        suffix_start=msg.suffix_start,
+        num_tokens=msg.num_tokens,
+    )
+
+
+class KVDClient:
+    """A session with the daemon; use ``connect`` and close it (or use ``with``)."""
+
+    def __init__(self, channel: grpc.Channel, stub: kvd_pb2_grpc.KVDStub, stream, opened: pb.SessionOpened) -> None:
+        self._channel = channel
+        self._stub = stub
+        self._stream = stream
+        self.session = opened.session
+        self.prefix_reuse = opened.prefix_reuse
+        self.host_bytes = opened.host_bytes
+        self._namespaces: dict[int, Namespace] = {}
+        self._page_maps: dict[int, PageMap] = {}
+        self._evicted: set[tuple[int, str]] = set()
+        self._lock = threading.Lock()
+        self.session_lost = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_session, name="kvd-session", daemon=True)
+        self._watcher.start()
+
+    @classmethod
+    def connect(cls, socket: str | None = None, client_name: str | None = None, timeout: float = 10.0) -> "KVDClient":
+        """Opens a session; the daemon drops its references when this process closes it or dies."""
+        path = socket or default_socket()
+        channel = grpc.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise KVDError(grpc.StatusCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
+        stub = kvd_pb2_grpc.KVDStub(channel)
+        stream = stub.OpenSession(pb.OpenSessionRequest(
+            client_name=client_name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid(),
+        ))
+        try:
+            first = next(stream)
+        except grpc.RpcError as e:
+            channel.close()
+            raise KVDError.from_rpc(e) from None
+        return cls(channel, stub, stream, first.opened)
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._channel.close()
+
+    def __enter__(self) -> "KVDClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _watch_session(self) -> None:
+        try:
+            for event in self._stream:
+                if event.HasField("evicted"):
+                    with self._lock:
+                        self._evicted.update((event.evicted.namespace_id, s) for s in event.evicted.seq_ids)
+        except grpc.RpcError:
+            pass  # cancelled by close(), or the daemon went away
+        finally:
+            self.session_lost.set()
+
+    def take_evicted(self) -> set[tuple[int, str]]:
+        """(namespace, seq_id) of sequences the daemon evicted since the last call."""
+        with self._lock:
+            evicted, self._evicted = self._evicted, set()
+        return evicted
+
+    def _call(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request)
+        except grpc.RpcError as e:
+            raise KVDError.from_rpc(e) from None
+
+    # ---- namespaces and pages -----------------------------------------------------
+
+    def register_namespace(self, model: str, layout: PageLayout, *, revision: str = "", tp_rank: int = 0,
+                           tp_size: int = 1, attention: str = "gqa", vocab_size: int = 0,
+                           extra: dict[str, str] | None = None) -> int:
+        """The namespace id for this KV identity; equal identities get equal ids."""
+        reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(
+            session=self.session,
+            identity=pb.NamespaceIdentity(
+                model=model, revision=revision, tp_rank=tp_rank, tp_size=tp_size, attention=attention,
+                vocab_size=vocab_size, extra=extra or {},
+                layout=pb.PageLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                     head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype),
+            ),
+        ))
+        self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes)
+        self._page_maps.setdefault(reply.namespace_id, PageMap(layout))
+        return reply.namespace_id
+
+    def layout(self, ns: int) -> PageLayout:
+        return self._namespace(ns).layout
+
+    def _namespace(self, ns: int) -> Namespace:
+        try:
+            return self._namespaces[ns]
+        except KeyError:
+            raise KVDError(grpc.StatusCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
+
+    def _locate(self, ns: int, page_id: int):
+        self._namespace(ns)
+        page_map = self._page_maps[ns]
+        found = page_map.find(page_id)
+        if found is None:
+            reply = self._call("DescribeExtents", pb.DescribeExtentsRequest(session=self.session, namespace_id=ns))
+            page_map.refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
+            found = page_map.find(page_id)
+            if found is None:
+                raise KVDError(grpc.StatusCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")
+        return found
+
+    def page_array(self, ns: int, page_id: int) -> np.ndarray:
+        """numpy view of one page, [num_layers, 2, page_size, num_kv_heads, head_dim].
+
+        bfloat16 and float8 pages are viewed as uint16/uint8 (numpy has no such dtypes).
+        """
+        extent, index = self._locate(ns, page_id)
+        return extent.array[index]
+
+    def page(self, ns: int, page_id: int):
+        """torch view of one page, [num_layers, 2 (K, V), page_size, num_kv_heads, head_dim].
+
+        Reads and writes go straight to shared memory. Write only the private pages of
+        your own sequences: published pages are immutable.
+        """
+        extent, index = self._locate(ns, page_id)
+        return extent_tensor(extent, self._namespace(ns).layout)[index]
+
+    def mapped_extents(self, ns: int):
+        """The extents of a namespace this process has mapped (for cudaHostRegister)."""
+        return self._page_maps[ns].extents()
+
+    # ---- sequences ----------------------------------------------------------------
+
+    def allocate_with_prefix(self, ns: int, requests: list[SequenceRequest]) -> list[SequenceAllocation]:
+        """Pins the longest full-page prefix hit of each request and allocates private pages
+        for the rest, in one atomic step; the whole batch or nothing."""
+        reply = self._call("AllocateWithPrefix", pb.AllocateRequest(
+            session=self.session, namespace_id=ns, sequences=_requests(requests),
+        ))
+        return [_allocation(s) for s in reply.sequences]
+
+    allocate_pages_for_sequences_with_prefix = allocate_with_prefix
+
+    def lookup(self, ns: int, requests: list[SequenceRequest]) -> list[LookupResult]:
+        """The prefix hits allocate_with_prefix would find now, without pinning anything."""
+        reply = self._call("Lookup", pb.LookupRequest(session=self.session, namespace_id=ns, sequences=_requests(requests)))
+        return [LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens) for r in reply.results]
+
+    def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:
+        """Makes the sequences' full private pages immutable and shareable.
+
+        ``num_tokens`` may limit a sequence to the pages covering its first N tokens (a
+        whole number of pages). A page identical to one published meanwhile is replaced
+        by it; the result's ``rebinds`` say which page ids changed.
+        """
+        num_tokens = num_tokens or {}
+        reply = self._call("Publish", pb.PublishRequest(
+            session=self.session, namespace_id=ns,
+            items=[pb.PublishItem(seq_id=s, num_tokens=num_tokens.get(s, 0)) for s in seq_ids],
+        ))
+        return [
+            PublishResult(r.seq_id, r.published_pages, [Rebind(b.position, b.old_page, b.new_page) for b in r.rebinds])
+            for r in reply.results
+        ]
+
+    def extend(self, ns: int, seq_id: str, num_tokens: int, token_ids=None) -> ExtendResult:
+        """Room for ``num_tokens`` more tokens, in private pages. Give their ids to publish them later."""
+        return self.extend_batch(ns, [ExtendItem(seq_id, num_tokens, token_ids)])[0]
+
+    def extend_batch(self, ns: int, items: list[ExtendItem]) -> list[ExtendResult]:
+        """extend() for a whole decode batch in one call; all or nothing."""
+        reply = self._call("Extend", pb.ExtendRequest(session=self.session, namespace_id=ns, items=[
+            pb.ExtendItem(seq_id=i.seq_id, num_tokens=i.num_tokens,
+                          tokens=pack_tokens(i.token_ids) if i.token_ids is not None else b"")
+            for i in items
+        ]))
+        return [ExtendResult(r.seq_id, unpack_pages(r.new_pages), r.num_tokens) for r in reply.results]
+
+    def fork(self, ns: int, src: str, dst: str) -> SequenceAllocation:
+        """dst shares src's published pages; src's private pages (its partial tail) are copied."""
+        return _allocation(self._call("Fork", pb.ForkRequest(
+            session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst,
+        )).sequence)
+
+    def release(self, ns: int, seq_ids: list[str]) -> int:
+        """Drops the sequences; returns the number of page references released."""
+        return self._call("Release", pb.ReleaseRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)).released_pages
+
+    def set_state(self, ns: int, seq_id: str, state: SequenceState | str) -> SequenceState:
+        """Moves a sequence through PREFILLED → IN_DECODE ⇄ ON_HOLD → COMPLETED; returns the previous state."""
+        state = SequenceState[state] if isinstance(state, str) else state
+        reply = self._call("SetState", pb.SetStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value))
+        return SequenceState(reply.previous)
+
+    def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
+        """Stores non-KV per-sequence state (recurrent state, checkpoints); a fork copies it."""
+        self._call("SetAuxState", pb.SetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, data=data))
+
+    def get_aux_state(self, ns: int, seq_id: str) -> bytes:
+        return self._call("GetAuxState", pb.GetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id)).data
+
+    # ---- pins, stats --------------------------------------------------------------
+
+    def pin(self, ns: int, token_ids, ttl: float | None = None, extra_keys: tuple[ExtraKey, ...] = ()) -> PinResult:
+        """Keeps the cached pages of this prefix resident until unpin, ttl seconds, or session end."""
+        reply = self._call("Pin", pb.PinRequest(
+            session=self.session, namespace_id=ns, tokens=pack_tokens(token_ids),
+            extra_keys=_extra_keys(extra_keys), ttl_seconds=ttl or 0.0,
+        ))
+        return PinResult(reply.pin_id, reply.pinned_pages, reply.pinned_tokens)
+
+    def unpin(self, pin_id: int) -> None:
+        self._call("Unpin", pb.UnpinRequest(session=self.session, pin_id=pin_id))
+
+    def stats(self) -> dict:
+        """The daemon's page statistics, as ``kvd stats --json`` prints them."""
+        from engine_client.admin import stats_dict
+        return stats_dict(self._call("GetStats", pb.StatsRequest()))
+
+    def check_invariants(self) -> list[str]:
+        """Broken invariants of the daemon's state (empty when healthy)."""
+        return list(self._call("CheckInvariants", pb.CheckInvariantsRequest()).violations)
+
+    def ping(self) -> None:
+        self._call("Ping", pb.PingRequest())

@@ -1,0 +1,151 @@
+"""Requests and results of the client API, and the one error type it raises."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from kvd.wire.layout import PageLayout
+
+
+class KVDError(Exception):
+    """A call the daemon refused; ``code`` is the gRPC status, the message says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> "KVDError":
+        return cls(e.code(), e.details() or "")
+
+
+class SequenceState(enum.Enum):
+    PREFILLED = 1
+    IN_DECODE = 2
+    ON_HOLD = 3
+    EVICTED = 4
+    COMPLETED = 5
+
+
+class ExtraKind(enum.IntEnum):
+    MULTIMODAL = 1
+    LORA = 2
+    CACHE_SALT = 3
+
+
+@dataclass(frozen=True)
+class ExtraKey:
+    """Something besides token ids that changes KV; see the constructors."""
+
+    kind: ExtraKind
+    value: bytes
+    offset: int = 0
+    length: int = 1
+
+    @classmethod
+    def multimodal(cls, content_hash: bytes, offset: int, length: int) -> "ExtraKey":
+        """An image/audio item whose placeholder tokens are [offset, offset + length)."""
+        return cls(ExtraKind.MULTIMODAL, content_hash, offset, length)
+
+    @classmethod
+    def lora(cls, adapter: str | bytes) -> "ExtraKey":
+        return cls(ExtraKind.LORA, adapter.encode() if isinstance(adapter, str) else adapter)
+
+    @classmethod
+    def cache_salt(cls, salt: str | bytes) -> "ExtraKey":
+        return cls(ExtraKind.CACHE_SALT, salt.encode() if isinstance(salt, str) else salt)
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    seq_id: str
+    token_ids: object  # a sequence of ints or an integer numpy array
+    extra_keys: tuple[ExtraKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class SequenceAllocation:
+    """Where a sequence's KV lives. Prefill computes tokens [suffix_start, num_tokens)."""
+
+    seq_id: str
+    shared_pages: list[int]
+    private_pages: list[int]
+    shared_prefix_tokens: int
+    suffix_start: int
+    num_tokens: int
+
+    @property
+    def pages(self) -> list[int]:
+        """The combined page table: shared prefix pages, then private pages."""
+        return self.shared_pages + self.private_pages
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    seq_id: str
+    hit_pages: list[int]
+    hit_tokens: int
+
+
+@dataclass(frozen=True)
+class Rebind:
+    """The sequence's page at ``position`` is now ``new_page``; ``old_page`` was freed."""
+
+    position: int
+    old_page: int
+    new_page: int
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    seq_id: str
+    published_pages: int
+    rebinds: list[Rebind] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ExtendItem:
+    seq_id: str
+    num_tokens: int
+    token_ids: object = None
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    seq_id: str
+    new_pages: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PinResult:
+    pin_id: int
+    pinned_pages: int
+    pinned_tokens: int
+
+
+@dataclass(frozen=True)
+class Namespace:
+    id: int
+    layout: PageLayout
+    page_bytes: int
+
+
+def pack_tokens(token_ids) -> bytes:
+    """Token ids as packed little-endian int32, the wire format."""
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        return bytes(token_ids)
+    arr = np.asarray(token_ids)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
+        raise ValueError("token ids must fit in int32")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def unpack_pages(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<u4").tolist()

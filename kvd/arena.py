@@ -1,0 +1,233 @@
+"""The page arena: POSIX shared-memory extents under one host byte budget.
+
+The daemon alone creates, resizes and unlinks extents; clients only attach to them by
+name. Each extent belongs to one namespace and holds whole pages of that namespace's
+``page_bytes``; global page ids ``[first_page, first_page + num_pages)`` map to offsets
+``(page - first_page) * page_bytes``. Page ids are never reused across extents, so a
+stale id from a client can never alias another extent's page.
+
+Extents are created as the budget fills, not at start-up. Creating one is split into a
+pure ``build`` (create, map, pre-fault, mlock: slow, thread-safe) and an ``adopt`` on
+the event loop, so the daemon can build the next extent off the request path.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from kvd.types import NamespaceId, PageId
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+# Touching one byte per OS page faults the whole extent in; first touch of shared
+# memory runs ~25x slower than resident memory, so it must not happen on a request.
+_OS_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class ExtentPlan:
+    """A budget reservation for an extent that has not been built yet."""
+
+    name: str
+    namespace: NamespaceId
+    first_page: PageId
+    num_pages: int
+    page_bytes: int
+
+    @property
+    def size(self) -> int:
+        return self.num_pages * self.page_bytes
+
+
+class Extent:
+    """One mapped shared-memory segment holding whole pages of one namespace."""
+
+    def __init__(self, plan: ExtentPlan, memory: mmap.mmap, locked: bool) -> None:
+        self.plan = plan
+        self.memory = memory
+        self.locked = locked
+        # bytes: [num_pages, page_bytes]
+        self.pages = np.frombuffer(memory, dtype=np.uint8).reshape(plan.num_pages, plan.page_bytes)
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def first_page(self) -> PageId:
+        return self.plan.first_page
+
+    @property
+    def num_pages(self) -> int:
+        return self.plan.num_pages
+
+    def page_bytes_view(self, page: PageId) -> np.ndarray:
+        """The bytes of one page: uint8 [page_bytes], a view into shared memory."""
+        return self.pages[page - self.plan.first_page]
+
+    def close(self) -> None:
+        self.pages = None  # drop the numpy export before closing the map
+        self.memory.close()
+
+
+class _MemoryLocker:
+    """mlock through libc where RLIMIT_MEMLOCK allows it, warning once otherwise."""
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def lock(self, address: int, size: int) -> bool:
+        if self._libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) == 0:
+            return True
+        err = ctypes.get_errno()
+        with self._lock:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "cannot mlock host pages (%s); they may be swapped out. Raise "
+                    "RLIMIT_MEMLOCK (systemd: LimitMEMLOCK=infinity) to keep them resident",
+                    os.strerror(err),
+                )
+        return False
+
+
+class Arena:
+    """All extents of one daemon, their names and the host byte budget they share."""
+
+    def __init__(self, budget_bytes: int, extent_bytes: int, name_prefix: str, lock_memory: bool = True) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"host budget must be positive, got {budget_bytes}")
+        if extent_bytes <= 0:
+            raise ValueError(f"extent size must be positive, got {extent_bytes}")
+        self.budget_bytes = budget_bytes
+        self.extent_bytes = extent_bytes
+        self.name_prefix = name_prefix
+        self._locker = _MemoryLocker() if lock_memory else None
+        self._reserved_bytes = 0  # planned + adopted extents
+        self._next_page = 0
+        self._next_extent = 0
+        self._extents: dict[str, Extent] = {}
+        self._by_first_page: list[Extent] = []  # sorted by first_page
+
+    # ---- budget -------------------------------------------------------------------
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_bytes
+
+    def creatable_pages(self, page_bytes: int) -> int:
+        """Pages of this size that new extents could still hold within the budget."""
+        return (self.budget_bytes - self._reserved_bytes) // page_bytes
+
+    def plan(self, namespace: NamespaceId, page_bytes: int) -> ExtentPlan | None:
+        """Reserves budget for the next extent of a namespace; None when none fits."""
+        num_pages = min(max(1, self.extent_bytes // page_bytes), self.creatable_pages(page_bytes))
+        if num_pages == 0:
+            return None
+        plan = ExtentPlan(
+            name=f"{self.name_prefix}-{self._next_extent}",
+            namespace=namespace,
+            first_page=PageId(self._next_page),
+            num_pages=num_pages,
+            page_bytes=page_bytes,
+        )
+        self._next_extent += 1
+        self._next_page += num_pages
+        self._reserved_bytes += plan.size
+        return plan
+
+    def build(self, plan: ExtentPlan) -> Extent:
+        """Creates, maps, pre-faults and locks the segment. Touches no arena state."""
+        shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
+        try:
+            memory = mmap.mmap(shm.fd, plan.size)
+        finally:
+            shm.close_fd()
+        view = np.frombuffer(memory, dtype=np.uint8)
+        view[::_OS_PAGE] = 0  # pre-fault every OS page
+        locked = False
+        if self._locker is not None:
+            locked = self._locker.lock(view.ctypes.data, plan.size)
+        del view
+        return Extent(plan, memory, locked)
+
+    def adopt(self, extent: Extent) -> None:
+        """Makes a built extent's pages addressable."""
+        self._extents[extent.name] = extent
+        self._by_first_page.append(extent)
+        self._by_first_page.sort(key=lambda e: e.first_page)
+
+    def release(self, extent: Extent) -> None:
+        """Unmaps and unlinks an extent whose pages are all free; returns its budget."""
+        del self._extents[extent.name]
+        self._by_first_page.remove(extent)
+        self._reserved_bytes -= extent.plan.size
+        extent.close()
+        posix_ipc.unlink_shared_memory(extent.name)
+
+    def cancel(self, plan: ExtentPlan) -> None:
+        """Returns the budget of a plan whose build failed."""
+        self._reserved_bytes -= plan.size
+
+    # ---- lookup -------------------------------------------------------------------
+
+    def extents(self) -> list[Extent]:
+        return list(self._by_first_page)
+
+    def extent_of(self, page: PageId) -> Extent:
+        lo, hi = 0, len(self._by_first_page)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._by_first_page[mid].first_page <= page:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo:
+            extent = self._by_first_page[lo - 1]
+            if page < extent.first_page + extent.num_pages:
+                return extent
+        raise KeyError(page)
+
+    def page_bytes_view(self, page: PageId) -> np.ndarray:
+        return self.extent_of(page).page_bytes_view(page)
+
+    def copy_page(self, src: PageId, dst: PageId) -> None:
+        np.copyto(self.page_bytes_view(dst), self.page_bytes_view(src))
+
+    def close(self, unlink: bool = True) -> None:
+        """Unmaps every extent; unlinks them unless a warm restart should find them."""
+        for extent in list(self._by_first_page):
+            extent.close()
+            if unlink:
+                posix_ipc.unlink_shared_memory(extent.name)
+        self._extents.clear()
+        self._by_first_page.clear()
+
+
+def leftover_segments(name_prefix: str) -> list[str]:
+    """Names of shared-memory segments with this daemon's prefix that still exist."""
+    base = name_prefix.lstrip("/") + "-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted("/" + n for n in names if n.startswith(base) and n[len(base):].isdigit())
+
+
+def unlink_segments(names: list[str]) -> None:
+    for name in names:
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.ExistentialError:
+            pass  # gone already

@@ -1,0 +1,124 @@
+"""``kvd``: serve, stats, clean.
+
+    kvd serve [--socket PATH] [--host-bytes 8GiB] [--enable-prefix-reuse] [--metrics-port N]
+    kvd stats [--socket PATH] [--json] [--watch SECONDS]
+    kvd clean [--socket PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from kvd import config as config_mod
+
+
+def _serve(args) -> int:
+    flags = {
+        "socket": args.socket, "host_bytes": args.host_bytes, "extent_bytes": args.extent_bytes,
+        "enable_prefix_reuse": args.enable_prefix_reuse, "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host, "log_level": args.log_level,
+    }
+    cfg = config_mod.load(flags, config_file=args.config)
+    from kvd.server import serve  # the daemon's modules load only for `serve`
+    metrics = None
+    if cfg.metrics_port:
+        from kvd.metrics import MetricsExporter
+        metrics = MetricsExporter()
+    serve(cfg, metrics)
+    return 0
+
+
+def _socket(args) -> str:
+    return config_mod.load({"socket": args.socket}, config_file=args.config).socket
+
+
+def stats_table(stats: dict) -> str:
+    """A readable table of the JSON stats: totals and one column per namespace."""
+    from kvd.stats import STAT_FIELDS
+    columns = [("total", stats)] + [(f"ns {n['namespace_id']} {n['model']}", n) for n in stats["namespaces"]]
+    width = max(len(f) for f in STAT_FIELDS)
+    head = " " * width + "".join(f"  {name[:24]:>24}" for name, _ in columns)
+    rows = [f"{f:<{width}}" + "".join(f"  {col[f]:>24,}" for _, col in columns) for f in STAT_FIELDS]
+    footer = (
+        f"host budget {stats['host_bytes']:,} bytes, arena {stats['arena_bytes']:,} bytes, "
+        f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}"
+    )
+    return "\n".join([head, *rows, footer])
+
+
+def _stats(args) -> int:
+    from engine_client.admin import fetch_stats
+    path = _socket(args)
+    while True:
+        stats = fetch_stats(path)
+        if args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            print(stats_table(stats))
+        if not args.watch:
+            return 0
+        sys.stdout.flush()
+        time.sleep(args.watch)
+
+
+def _clean(args) -> int:
+    from kvd.arena import leftover_segments, unlink_segments
+    from kvd.server import socket_answers
+    cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
+    if socket_answers(cfg.socket):
+        print(f"kvd clean: a daemon is running on {cfg.socket}; stop it first", file=sys.stderr)
+        return 1
+    names = leftover_segments(cfg.shm_prefix)
+    unlink_segments(names)
+    print(f"removed {len(names)} shared-memory extents of {cfg.socket}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvd", description="host KV-cache daemon for LLM inference")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--socket", help="unix socket path (default: $XDG_RUNTIME_DIR/kvd.sock or /tmp/kvd-UID.sock)")
+        sp.add_argument("--config", help=f"TOML config file (default: $KVD_CONFIG, else {config_mod.DEFAULT_CONFIG_FILE} if present)")
+
+    s = sub.add_parser("serve", help="run the daemon")
+    common(s)
+    s.add_argument("--host-bytes", help="budget for all host pages, e.g. 8GiB (default 1GiB)")
+    s.add_argument("--extent-bytes", help="size of one shared-memory extent (default 64MiB)")
+    s.add_argument("--enable-prefix-reuse", action="store_true", default=None,
+                   help="share identical full prefix pages between sequences (off by default)")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
+    s.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    s.set_defaults(func=_serve)
+
+    st = sub.add_parser("stats", help="print the daemon's page statistics")
+    common(st)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--watch", type=float, nargs="?", const=1.0, help="refresh every N seconds (default 1)")
+    st.set_defaults(func=_stats)
+
+    c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
+    common(c)
+    c.set_defaults(func=_clean)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except config_mod.ConfigError as e:
+        print(f"kvd: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Chained page keys and the prefix index of published full pages.
+
+A page key hashes (parent key, page index, the page's token ids, the page's extra keys);
+the chain starts at a per-request root that hashes the namespace root, the page size and
+the request-wide extra keys (LoRA identity, cache salt). Every extra key is tagged with
+its kind and length-prefixed, so a LoRA name can never collide with a cache salt or an
+image hash. Raw prompt text is never hashed or stored; token ids are.
+
+The hash only narrows the search: a hit counts only when the stored page's token ids,
+parent page and local extra bytes equal the request's (``PageContent``), so a collision
+costs a miss, never wrong KV.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import xxhash
+
+from kvd.types import PageId, PageKey
+
+_hash = xxhash.xxh3_128_digest
+_U32 = struct.Struct("<I")
+
+
+class ExtraKind(IntEnum):
+    MULTIMODAL = 1
+    LORA = 2
+    CACHE_SALT = 3
+
+
+@dataclass(frozen=True)
+class ExtraKey:
+    """Something other than token ids that changes a page's KV.
+
+    MULTIMODAL items cover tokens [offset, offset + length) and enter the key of every
+    page they overlap, with their offset relative to that page. LORA and CACHE_SALT apply
+    to the whole request and enter the chain root.
+    """
+
+    kind: ExtraKind
+    value: bytes
+    offset: int = 0
+    length: int = 1
+
+
+def _tagged(kind: int, value: bytes, *fields: int) -> bytes:
+    return bytes([kind]) + _U32.pack(len(value)) + value + b"".join(struct.pack("<q", f) for f in fields)
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """Everything a request contributes to its page keys besides token ids."""
+
+    root: bytes                      # 16-byte start of the chain
+    page_local: dict[int, bytes]     # page index -> tagged multimodal bytes of that page
+
+    def local_bytes(self, page_index: int) -> bytes:
+        """Bytes a stored page must match beyond tokens and parent: page 0 also pins the root."""
+        local = self.page_local.get(page_index, b"")
+        return self.root + local if page_index == 0 else local
+
+
+def chain_spec(namespace_root: bytes, page_size: int, extra_keys: list[ExtraKey]) -> ChainSpec:
+    """Builds the chain root and per-page extra bytes of one request."""
+    request_wide = b"".join(
+        _tagged(k.kind, k.value) for k in sorted(
+            (k for k in extra_keys if k.kind != ExtraKind.MULTIMODAL), key=lambda k: (k.kind, k.value)
+        )
+    )
+    # Once per request, so a cryptographic digest costs nothing and keeps tenants' salts apart.
+    root = hashlib.blake2b(namespace_root + _U32.pack(page_size) + request_wide, digest_size=16).digest()
+    page_local: dict[int, bytes] = {}
+    for k in sorted((k for k in extra_keys if k.kind == ExtraKind.MULTIMODAL), key=lambda k: (k.offset, k.value)):
+        first, last = k.offset // page_size, (k.offset + k.length - 1) // page_size
+        for page_index in range(first, last + 1):
+            rel = k.offset - page_index * page_size
+            page_local[page_index] = page_local.get(page_index, b"") + _tagged(k.kind, k.value, rel, k.length)
+    return ChainSpec(root=root, page_local=page_local)
+
+
+def page_key(parent_key: bytes, page_index: int, page_tokens: bytes, local: bytes) -> PageKey:
+    """Key of one full page given its parent's key (or the chain root for page 0)."""
+    return PageKey(_hash(parent_key + _U32.pack(page_index) + page_tokens + local))
+
+
+@dataclass(frozen=True)
+class PageContent:
+    """What a published page holds, stored beside it to confirm hash hits."""
+
+    key: PageKey
+    tokens: bytes              # page_size little-endian int32 token ids
+    parent: PageId | None      # the previous page of the chain; None for page 0
+    local: bytes               # ChainSpec.local_bytes of this page
+
+    def matches(self, tokens: bytes, parent: PageId | None, local: bytes) -> bool:
+        return self.parent == parent and self.tokens == tokens and self.local == local
+
+
+class PrefixIndex:
+    """Maps page keys to the published page holding that content."""
+
+    def __init__(self) -> None:
+        self._pages: dict[PageKey, PageId] = {}
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def get(self, key: PageKey) -> PageId | None:
+        return self._pages.get(key)
+
+    def insert(self, key: PageKey, page: PageId) -> None:
+        assert key not in self._pages, f"page key {key.hex()} already indexed to page {self._pages[key]}"
+        self._pages[key] = page
+
+    def remove(self, key: PageKey, page: PageId) -> None:
+        owner = self._pages.pop(key)
+        assert owner == page, f"index held page {owner} under the key of page {page}"
+
+    def items(self):
+        return self._pages.items()

@@ -1,0 +1,629 @@
+"""The cache policy: what each client call does to pages, sequences, pins and sessions.
+
+Every public method validates the whole request first and raises a ``KvdError`` before
+changing anything; only then does it act. All methods run on the daemon's event loop,
+one at a time, so a lookup and the pin of its hits happen in one atomic step.
+
+Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
+shared memory in ``Arena``, page tables in ``SequenceTable``, leases in ``SessionRegistry``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.arena import Arena, Extent, ExtentPlan
+from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry
+from kvd.pool import PagePool
+from kvd.sequences import Sequence, SequenceTable
+from kvd.sessions import Pin, Session, SessionRegistry
+from kvd.types import NamespaceId, PageId, PageKey, PinId, SeqId, SeqState, SessionId
+
+log = logging.getLogger(__name__)
+
+TOKEN_BYTES = 4  # token ids travel and are stored as little-endian int32
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one request, so one client cannot monopolise the daemon."""
+
+    max_batch_sequences: int = 4096
+    max_tokens_per_sequence: int = 1 << 22
+    max_seq_id_chars: int = 256
+    max_extra_keys: int = 4096
+    max_extra_key_bytes: int = 1024
+    max_aux_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    seq_id: str
+    tokens: bytes
+    extra_keys: tuple[ExtraKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where one sequence's KV lives: prefill computes tokens [suffix_start, num_tokens)."""
+
+    seq_id: SeqId
+    shared_pages: list[PageId]
+    private_pages: list[PageId]
+    shared_prefix_tokens: int
+    suffix_start: int
+    num_tokens: int
+
+    @property
+    def pages(self) -> list[PageId]:
+        return self.shared_pages + self.private_pages
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    seq_id: str
+    hit_pages: list[PageId]
+    hit_tokens: int
+
+
+@dataclass(frozen=True)
+class Rebind:
+    """Publishing found an identical page: ``old_page`` was freed, ``new_page`` replaces it."""
+
+    position: int
+    old_page: PageId
+    new_page: PageId
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    seq_id: SeqId
+    published_pages: int
+    rebinds: list[Rebind]
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    seq_id: SeqId
+    new_pages: list[PageId]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PinResult:
+    pin_id: PinId
+    pages: list[PageId]
+    tokens: int
+
+
+@dataclass
+class NamespaceCounters:
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+
+
+@dataclass
+class _Prepared:
+    request: SequenceRequest
+    tokens: bytes
+    num_tokens: int
+    chain: ChainSpec
+    reentry: Sequence | None = None
+    hits: list[PageId] = field(default_factory=list)
+    hit_keys: list[PageKey] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, arena: Arena, prefix_reuse: bool, limits: Limits = Limits()) -> None:
+        self.arena = arena
+        self.prefix_reuse = prefix_reuse
+        self.limits = limits
+        self.namespaces = NamespaceRegistry()
+        self.pool = PagePool()
+        self.index = PrefixIndex()
+        self.sequences = SequenceTable()
+        self.sessions = SessionRegistry()
+        self.counters: dict[NamespaceId, NamespaceCounters] = {}
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-extent")
+        self._building: dict[NamespaceId, tuple[ExtentPlan, Future]] = {}
+
+    def close(self, unlink: bool = True) -> None:
+        for plan, future in self._building.values():
+            self._adopt(future.result())
+        self._building.clear()
+        self._builder.shutdown()
+        self.arena.close(unlink=unlink)
+
+    # ---- sessions -----------------------------------------------------------------
+
+    def open_session(self, client_name: str, pid: int) -> Session:
+        session = self.sessions.open(client_name, pid)
+        log.info("session %s opened by %s (pid %d)", session.id[:8], client_name or "?", pid)
+        return session
+
+    def close_session(self, session_id: SessionId) -> None:
+        """Drops every sequence and pin of the session."""
+        session = self.sessions.get(session_id)
+        for key in list(session.sequences):
+            self._drop(self.sequences.find(*key))
+        for pin in list(session.pins.values()):
+            self._unpin(session, pin)
+        self.sessions.remove(session)
+        log.info("session %s of %s closed", session.id[:8], session.client_name or "?")
+
+    # ---- namespaces ---------------------------------------------------------------
+
+    def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
+        ns = self.namespaces.register(identity)
+        self.counters.setdefault(ns.id, NamespaceCounters())
+        self._provision(ns)
+        return ns
+
+    def extents(self, namespace_id: int) -> list[ExtentPlan]:
+        ns = self.namespaces.get(namespace_id)
+        self._adopt_built()
+        return [e.plan for e in self.arena.extents() if e.plan.namespace == ns.id]
+
+    # ---- allocation ---------------------------------------------------------------
+
+    def allocate(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[SequencePlan]:
+        """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        self._check_batch([r.seq_id for r in requests])
+        prepared = [self._prepare(ns, r) for r in requests]
+        for p in prepared:
+            p.reentry = self.sequences.find(ns.id, p.request.seq_id)
+            if p.reentry is not None:
+                self.sequences.owned(ns.id, p.request.seq_id, session.id)
+                if p.reentry.state is not SeqState.EVICTED:
+                    raise FailedPrecondition(
+                        f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
+                        "release it or use another id"
+                    )
+        for p in prepared:  # match and pin in one step: no hit can be evicted after this
+            if self.prefix_reuse:
+                p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
+                for page in p.hits:
+                    self.pool.acquire(page)
+        need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
+        try:
+            self._ensure_free(ns, need)
+        except ResourceExhausted:
+            for p in reversed(prepared):
+                for page in reversed(p.hits):
+                    self.pool.release(page)
+            raise
+        plans = []
+        counters = self.counters[ns.id]
+        for p in prepared:
+            if p.reentry is not None:
+                self._forget(p.reentry)
+            private = [self.pool.allocate(ns.id) for _ in range(-(-p.num_tokens // ns.page_size) - len(p.hits))]
+            hit_tokens = len(p.hits) * ns.page_size
+            seq = Sequence(
+                seq_id=SeqId(p.request.seq_id), namespace=ns.id, session=session.id, chain=p.chain,
+                pages=p.hits + private, num_tokens=p.num_tokens, tokens=bytearray(p.tokens),
+                keys=p.hit_keys, shared_prefix_tokens=hit_tokens,
+            )
+            self._add(session, seq)
+            counters.lookup_tokens += p.num_tokens
+            counters.hit_tokens += hit_tokens
+            plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
+        self._provision(ns)
+        return plans
+
+    def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
+        """The same matching as allocate, without pinning or allocating anything."""
+        self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        self._check_batch([r.seq_id for r in requests], unique=False)
+        results = []
+        for r in requests:
+            p = self._prepare(ns, r)
+            hits = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
+            results.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size))
+        return results
+
+    def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
+        """Makes full private pages immutable and shareable; dedups against equal published pages.
+
+        ``items`` holds (seq_id, num_tokens); num_tokens 0 publishes every full page whose
+        token ids are known, otherwise exactly the pages covering the first num_tokens.
+        """
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        self._check_batch([seq_id for seq_id, _ in items])
+        targets = []
+        for seq_id, num_tokens in items:
+            seq = self._live(ns, seq_id, session)
+            if num_tokens == 0:
+                upto = min(seq.num_tokens, seq.known_tokens) // ns.page_size
+            else:
+                if num_tokens % ns.page_size or num_tokens > seq.num_tokens:
+                    raise InvalidArgument(
+                        f"sequence {seq_id!r}: cannot publish {num_tokens} tokens; only full pages are "
+                        f"published (a multiple of page_size {ns.page_size}, at most its {seq.num_tokens} tokens)"
+                    )
+                if num_tokens > seq.known_tokens:
+                    raise FailedPrecondition(
+                        f"sequence {seq_id!r}: token ids after position {seq.known_tokens} are unknown; "
+                        "pass them to extend() to publish their pages"
+                    )
+                upto = num_tokens // ns.page_size
+            targets.append((seq, upto))
+        results = []
+        for seq, upto in targets:
+            if not self.prefix_reuse:
+                results.append(PublishResult(seq.seq_id, 0, []))
+                continue
+            before = seq.num_published
+            rebinds = [r for i in range(before, upto) if (r := self._publish_page(ns, seq, i))]
+            results.append(PublishResult(seq.seq_id, seq.num_published - before, rebinds))
+        return results
+
+    def extend(self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]) -> list[ExtendResult]:
+        """Room for more tokens (decode), always in private pages; all or nothing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        self._check_batch([seq_id for seq_id, _, _ in items])
+        plans = []
+        for seq_id, num_tokens, tokens in items:
+            seq = self._live(ns, seq_id, session)
+            if seq.state not in (SeqState.PREFILLED, SeqState.IN_DECODE):
+                raise FailedPrecondition(f"sequence {seq_id!r} is {seq.state.name}; only PREFILLED or IN_DECODE sequences grow")
+            if num_tokens <= 0:
+                raise InvalidArgument(f"sequence {seq_id!r}: extend needs a positive number of tokens, got {num_tokens}")
+            if seq.num_tokens + num_tokens > self.limits.max_tokens_per_sequence:
+                raise InvalidArgument(
+                    f"sequence {seq_id!r} would hold {seq.num_tokens + num_tokens} tokens, "
+                    f"over the limit of {self.limits.max_tokens_per_sequence}"
+                )
+            if tokens:
+                tokens = self._check_tokens(ns, tokens, f"sequence {seq_id!r}")
+                if len(tokens) != num_tokens * TOKEN_BYTES:
+                    raise InvalidArgument(
+                        f"sequence {seq_id!r}: {len(tokens) // TOKEN_BYTES} token ids given for {num_tokens} new tokens"
+                    )
+                if seq.known_tokens != seq.num_tokens:
+                    raise FailedPrecondition(
+                        f"sequence {seq_id!r}: token ids of positions {seq.known_tokens}..{seq.num_tokens - 1} "
+                        "were never given, so later ids cannot be recorded"
+                    )
+            new_pages = -(-(seq.num_tokens + num_tokens) // ns.page_size) - len(seq.pages)
+            plans.append((seq, num_tokens, tokens, new_pages))
+        self._ensure_free(ns, sum(p[3] for p in plans))
+        results = []
+        for seq, num_tokens, tokens, new_pages in plans:
+            pages = [self.pool.allocate(ns.id) for _ in range(new_pages)]
+            seq.pages.extend(pages)
+            seq.num_tokens += num_tokens
+            if tokens:
+                seq.tokens += tokens
+            results.append(ExtendResult(seq.seq_id, pages, seq.num_tokens))
+        self._provision(ns)
+        return results
+
+    def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> SequencePlan:
+        """dst shares src's published pages; src's private pages (its partial tail) are copied."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        src = self._live(ns, src_id, session)
+        self._check_seq_id(dst_id)
+        if self.sequences.find(ns.id, dst_id) is not None:
+            raise FailedPrecondition(f"cannot fork into {dst_id!r}: that sequence already exists")
+        shared = src.shared_pages
+        copies = src.private_pages
+        self._ensure_free(ns, len(copies), protect=src)
+        for page in shared:
+            self.pool.acquire(page)
+        private = []
+        for page in copies:
+            dst_page = self.pool.allocate(ns.id)
+            self.arena.copy_page(page, dst_page)
+            private.append(dst_page)
+        dst = Sequence(
+            seq_id=SeqId(dst_id), namespace=ns.id, session=session.id, chain=src.chain,
+            pages=shared + private, num_tokens=src.num_tokens, tokens=bytearray(src.tokens),
+            keys=list(src.keys), shared_prefix_tokens=len(shared) * ns.page_size, aux=src.aux,
+        )
+        self._add(session, dst)
+        self._provision(ns)
+        return SequencePlan(dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens)
+
+    def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
+        """Drops the sequences; returns how many page references were released."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        self._check_batch(seq_ids)
+        seqs = [self.sequences.owned(ns.id, s, session.id) for s in seq_ids]
+        released = 0
+        for seq in seqs:
+            released += len(seq.pages)
+            self._drop(seq)
+        return released
+
+    def set_state(self, session_id: str, namespace_id: int, seq_id: str, state: SeqState) -> SeqState:
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        seq = self.sequences.owned(ns.id, seq_id, session.id)
+        previous = seq.state
+        self.sequences.set_state(seq, state)  # raises on an invalid transition
+        if state is SeqState.COMPLETED:
+            self._drop(seq)
+        elif state is SeqState.EVICTED:
+            self._release_pages(seq)
+        return previous
+
+    def set_aux(self, session_id: str, namespace_id: int, seq_id: str, data: bytes) -> None:
+        """Stores the sequence's non-KV state (never shared; a fork copies it)."""
+        seq = self._live(self.namespaces.get(namespace_id), seq_id, self.sessions.get(session_id))
+        if len(data) > self.limits.max_aux_bytes:
+            raise InvalidArgument(f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes}")
+        seq.aux = bytes(data)
+
+    def get_aux(self, session_id: str, namespace_id: int, seq_id: str) -> bytes:
+        session = self.sessions.get(session_id)
+        return self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id).aux
+
+    # ---- pins ---------------------------------------------------------------------
+
+    def pin(self, session_id: str, namespace_id: int, tokens: bytes, extra_keys: tuple[ExtraKey, ...],
+            ttl_seconds: float) -> PinResult:
+        """Keeps the cached pages of a prefix from eviction until unpinned, expired or the session ends."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        if not ttl_seconds >= 0 or ttl_seconds == float("inf"):
+            raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
+        p = self._prepare(ns, SequenceRequest("pin", tokens, extra_keys))
+        pages = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
+        for page in pages:
+            self.pool.acquire(page, pin=True)
+        expires = time.monotonic() + ttl_seconds if ttl_seconds else None
+        pin = Pin(self.sessions.new_pin_id(), session.id, ns.id, pages, expires)
+        session.pins[pin.id] = pin
+        return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
+
+    def unpin(self, session_id: str, pin_id: int) -> None:
+        session = self.sessions.get(session_id)
+        self._unpin(session, self.sessions.pin_of(session, pin_id))
+
+    def expire_pins(self, now: float) -> int:
+        expired = self.sessions.expired_pins(now)
+        for pin in expired:
+            self._unpin(self.sessions.get(pin.session), pin)
+        return len(expired)
+
+    def _unpin(self, session: Session, pin: Pin) -> None:
+        for page in reversed(pin.pages):
+            self.pool.release(page, pin=True)
+        del session.pins[pin.id]
+
+    # ---- internals: validation ----------------------------------------------------
+
+    def _check_batch(self, seq_ids: list[str], unique: bool = True) -> None:
+        if len(seq_ids) > self.limits.max_batch_sequences:
+            raise InvalidArgument(
+                f"batch of {len(seq_ids)} sequences is over the limit of {self.limits.max_batch_sequences}"
+            )
+        for s in seq_ids:
+            self._check_seq_id(s)
+        if unique and len(set(seq_ids)) != len(seq_ids):
+            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
+            raise InvalidArgument(f"sequence {dup!r} appears twice in one batch")
+
+    def _check_seq_id(self, seq_id: str) -> None:
+        if not seq_id or len(seq_id) > self.limits.max_seq_id_chars:
+            raise InvalidArgument(f"sequence id must have 1 to {self.limits.max_seq_id_chars} characters, got {seq_id!r:.300}")
+
+    def _check_tokens(self, ns: Namespace, tokens: bytes, what: str) -> bytes:
+        if len(tokens) % TOKEN_BYTES:
+            raise InvalidArgument(
+                f"{what}: token bytes length {len(tokens)} is not a multiple of {TOKEN_BYTES} "
+                "(token ids are packed little-endian int32)"
+            )
+        if len(tokens) // TOKEN_BYTES > self.limits.max_tokens_per_sequence:
+            raise InvalidArgument(
+                f"{what}: {len(tokens) // TOKEN_BYTES} tokens is over the limit of {self.limits.max_tokens_per_sequence}"
+            )
+        if tokens:
+            ids = np.frombuffer(tokens, dtype="<i4")
+            vocab = ns.identity.vocab_size
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if vocab else np.flatnonzero(ids < 0)
+            if bad.size:
+                limit = f"[0, {vocab})" if vocab else "[0, 2^31)"
+                raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
+        return bytes(tokens)
+
+    def _prepare(self, ns: Namespace, r: SequenceRequest) -> _Prepared:
+        what = f"sequence {r.seq_id!r}"
+        tokens = self._check_tokens(ns, r.tokens, what)
+        num_tokens = len(tokens) // TOKEN_BYTES
+        if len(r.extra_keys) > self.limits.max_extra_keys:
+            raise InvalidArgument(f"{what}: {len(r.extra_keys)} extra keys is over the limit of {self.limits.max_extra_keys}")
+        for k in r.extra_keys:
+            if k.kind not in ExtraKind.__members__.values():
+                raise InvalidArgument(f"{what}: extra key kind {k.kind!r} is unknown (MULTIMODAL, LORA or CACHE_SALT)")
+            if not k.value or len(k.value) > self.limits.max_extra_key_bytes:
+                raise InvalidArgument(
+                    f"{what}: {ExtraKind(k.kind).name} extra key value must have 1 to "
+                    f"{self.limits.max_extra_key_bytes} bytes, got {len(k.value)}"
+                )
+            if k.kind == ExtraKind.MULTIMODAL and (k.length < 1 or k.offset + k.length > num_tokens):
+                raise InvalidArgument(
+                    f"{what}: multimodal item at tokens [{k.offset}, {k.offset + k.length}) lies outside "
+                    f"the prompt of {num_tokens} tokens"
+                )
+        return _Prepared(r, tokens, num_tokens, chain_spec(ns.root, ns.page_size, list(r.extra_keys)))
+
+    def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
+        seq = self.sequences.owned(ns.id, seq_id, session.id)
+        if seq.state is SeqState.EVICTED:
+            raise FailedPrecondition(
+                f"sequence {seq_id!r} was evicted under memory pressure; allocate it again to re-enter"
+            )
+        return seq
+
+    # ---- internals: matching and publishing ---------------------------------------
+
+    def _match(self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int) -> tuple[list[PageId], list[PageKey]]:
+        """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
+        step = ns.page_size * TOKEN_BYTES
+        pages: list[PageId] = []
+        keys: list[PageKey] = []
+        parent_key, parent = chain.root, None
+        index_get, content_of = self.index.get, self.pool.content
+        for i in range(full_pages):
+            page_tokens = tokens[i * step:(i + 1) * step]
+            local = chain.local_bytes(i)
+            key = page_key(parent_key, i, page_tokens, local)
+            page = index_get(key)
+            if page is None or not content_of(page).matches(page_tokens, parent, local):
+                break
+            pages.append(page)
+            keys.append(key)
+            parent_key, parent = key, page
+        return pages, keys
+
+    def _publish_page(self, ns: Namespace, seq: Sequence, i: int) -> Rebind | None:
+        step = ns.page_size * TOKEN_BYTES
+        page = seq.pages[i]
+        page_tokens = bytes(seq.tokens[i * step:(i + 1) * step])
+        local = seq.chain.local_bytes(i)
+        parent_key, parent = (seq.keys[i - 1], seq.pages[i - 1]) if i else (seq.chain.root, None)
+        key = page_key(parent_key, i, page_tokens, local)
+        seq.keys.append(key)
+        existing = self.index.get(key)
+        if existing is not None and self.pool.content(existing).matches(page_tokens, parent, local):
+            self.pool.acquire(existing)
+            seq.pages[i] = existing
+            self.pool.release(page)
+            return Rebind(i, page, existing)
+        # On a (verified) hash collision the page is published but left out of the index.
+        indexed = existing is None
+        self.pool.publish(page, PageContent(key, page_tokens, parent, local), indexed)
+        if indexed:
+            self.index.insert(key, page)
+        return None
+
+    # ---- internals: room ----------------------------------------------------------
+
+    def _ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+        """Makes ``need`` pages free in the namespace, or raises before evicting anything."""
+        self._adopt_built()
+        if self.pool.free_count(ns.id) >= need:
+            return
+        building = self._building.get(ns.id)
+        available = (
+            self.pool.free_count(ns.id)
+            + (building[0].num_pages if building else 0)
+            + self.arena.creatable_pages(ns.page_bytes)
+            + self.pool.cached_count(ns.id)
+            + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
+            + sum(len(s.private_pages) for s in self.sequences.on_hold(ns.id) if s is not protect)
+        )
+        if need > available:
+            raise ResourceExhausted(
+                f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
+                f"freed within the host budget of {self.arena.budget_bytes} bytes"
+            )
+        while self.pool.free_count(ns.id) < need:
+            self._make_room(ns, protect)
+
+    def _make_room(self, ns: Namespace, protect: Sequence | None) -> None:
+        """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction."""
+        building = self._building.pop(ns.id, None)
+        if building is not None:
+            self._adopt(building[1].result())
+            return
+        plan = self.arena.plan(ns.id, ns.page_bytes)
+        if plan is not None:
+            self._adopt(self._build(plan))
+            return
+        if self.pool.cached_count(ns.id):
+            page, content = self.pool.evict_oldest(ns.id)
+            self.index.remove(content.key, page)
+            return
+        reclaimable = self._reclaimable(ns)
+        if reclaimable:
+            self._reclaim(reclaimable[0])
+            return
+        victim = next((s for s in self.sequences.on_hold(ns.id) if s is not protect), None)
+        assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
+        self.sequences.set_state(victim, SeqState.EVICTED)
+        self._release_pages(victim)
+        log.info("evicted on-hold sequence %r of namespace %d", victim.seq_id, ns.id)
+        session = self.sessions.get(victim.session)
+        if session.listener is not None:
+            session.listener(ns.id, [victim.seq_id])
+
+    def _reclaimable(self, ns: Namespace) -> list[Extent]:
+        """Other namespaces' extents holding no referenced page: their budget can move."""
+        return [
+            e for e in self.arena.extents()
+            if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0
+        ]
+
+    def _reclaim(self, extent: Extent) -> None:
+        first, count = extent.first_page, extent.num_pages
+        for page in map(PageId, range(first, first + count)):
+            if self.pool.content(page) is not None:
+                self.index.remove(self.pool.evict(page).key, page)
+        self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
+        self.arena.release(extent)
+        log.info("reclaimed extent %s (%d pages) for another namespace", extent.name, count)
+
+    def _provision(self, ns: Namespace) -> None:
+        """Builds the namespace's next extent in the background when its free pages run low."""
+        self._adopt_built()
+        if ns.id in self._building:
+            return
+        watermark = max(1, self.arena.extent_bytes // ns.page_bytes // 2)
+        if self.pool.free_count(ns.id) >= watermark:
+            return
+        plan = self.arena.plan(ns.id, ns.page_bytes)
+        if plan is not None:
+            self._building[ns.id] = (plan, self._builder.submit(self.arena.build, plan))
+
+    def _adopt_built(self) -> None:
+        for ns_id, (plan, future) in list(self._building.items()):
+            if future.done():
+                del self._building[ns_id]
+                self._adopt(future.result())
+
+    def _build(self, plan: ExtentPlan) -> Extent:
+        try:
+            return self.arena.build(plan)
+        except BaseException:
+            self.arena.cancel(plan)
+            raise
+
+    def _adopt(self, extent: Extent) -> None:
+        self.arena.adopt(extent)
+        self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
+
+    # ---- internals: sequence bookkeeping ------------------------------------------
+
+    def _add(self, session: Session, seq: Sequence) -> None:
+        self.sequences.add(seq)
+        session.sequences.add((seq.namespace, seq.seq_id))
+
+    def _release_pages(self, seq: Sequence) -> None:
+        """Releases tail first, so the chain's tail is evicted before its parents."""
+        for page in reversed(seq.pages):
+            self.pool.release(page)
+        seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
+
+    def _forget(self, seq: Sequence) -> None:
+        self.sequences.remove(seq)
+        self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
+
+    def _drop(self, seq: Sequence) -> None:
+        self._release_pages(seq)
+        self._forget(seq)

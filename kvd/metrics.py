@@ -1,0 +1,98 @@
+"""Prometheus metrics (``--metrics-port``): page stats, sessions and call latency.
+
+The HTTP endpoint runs on prometheus-client's own thread while the core lives on the
+event loop, so the loop publishes a stats snapshot every ``SNAPSHOT_SECONDS`` and
+scrapes read only that snapshot: a scrape never touches the core's data structures.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvd import stats as stats_mod
+from kvd.stats import Stats
+
+SNAPSHOT_SECONDS = 1.0
+
+_GAUGES = {
+    "logical_pages": "Page-table entries of all sequences",
+    "physical_pages": "Distinct pages referenced by sequences",
+    "shared_pages": "Published pages with at least one reference",
+    "private_pages": "Pages owned by one sequence, writable",
+    "cached_pages": "Published pages with no reference, evictable in LRU order",
+    "pinned_pages": "Pages held by pins",
+    "free_pages": "Free pages in the extents created so far",
+    "host_pages_saved": "Logical minus physical pages",
+    "host_bytes_saved": "Bytes sharing saves against keeping each sequence's KV separately",
+    "sequences": "Live sequences",
+}
+_COUNTERS = {
+    "refcount_increments": "Page reference increments",
+    "refcount_decrements": "Page reference decrements",
+    "lookup_tokens": "Prompt tokens looked up for prefix hits",
+    "hit_tokens": "Prompt tokens served from cached pages",
+    "evicted_pages": "Cached pages evicted",
+}
+
+
+class _StatsCollector:
+    def __init__(self) -> None:
+        self.snapshot: Stats | None = None
+
+    def collect(self):
+        snap = self.snapshot
+        if snap is None:
+            return
+        for name, doc in _GAUGES.items():
+            g = GaugeMetricFamily(f"kvd_{name}", doc, labels=["namespace"])
+            g.add_metric(["all"], getattr(snap.totals, name))
+            for n in snap.namespaces:
+                g.add_metric([str(n.namespace_id)], getattr(n.pages, name))
+            yield g
+        for name, doc in _COUNTERS.items():
+            c = CounterMetricFamily(f"kvd_{name}", doc, labels=["namespace"])
+            c.add_metric(["all"], getattr(snap.totals, name))
+            for n in snap.namespaces:
+                c.add_metric([str(n.namespace_id)], getattr(n.pages, name))
+            yield c
+        yield GaugeMetricFamily("kvd_sessions", "Open client sessions", value=snap.totals.sessions)
+        yield GaugeMetricFamily("kvd_host_budget_bytes", "Host byte budget for pages", value=snap.host_bytes)
+        yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=snap.arena_bytes)
+
+
+class MetricsExporter:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._collector = _StatsCollector()
+        self.registry.register(self._collector)
+        self._latency = Histogram(
+            "kvd_request_seconds", "Latency of gRPC calls inside the daemon", ["method"], registry=self.registry,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0),
+        )
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    def observe_latency(self, method: str, seconds: float) -> None:
+        self._latency.labels(method).observe(seconds)
+
+    def start(self, manager, host: str, port: int) -> None:
+        """Starts the HTTP endpoint and the snapshot task (call on the event loop)."""
+        self._collector.snapshot = stats_mod.collect(manager)
+        self._server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._thread: threading.Thread = thread
+
+        async def refresh() -> None:
+            while True:
+                await asyncio.sleep(SNAPSHOT_SECONDS)
+                self._collector.snapshot = stats_mod.collect(manager)
+
+        self._task = asyncio.get_running_loop().create_task(refresh())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._server is not None:
+            self._server.shutdown()

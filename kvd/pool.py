@@ -1,0 +1,215 @@
+"""Page states and reference counts: the one class that changes a refcount.
+
+``acquire`` and ``release`` are symmetric. A page's refcount is the number of sequence
+references plus pins. Its state follows from the count and from whether it was published:
+
+    FREE --allocate--> PRIVATE(1) --publish--> PUBLISHED(>=1) --release to 0--> CACHED
+      ^                    |                                                      |
+      +---release to 0-----+<-----------------------evict (LRU)-------------------+
+
+CACHED pages sit in a per-namespace LRU (an OrderedDict, oldest first). Callers release
+a sequence's pages tail first, so a chain's tail is evicted before its parents.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvd.index import PageContent
+from kvd.types import NamespaceId, PageId, PageState
+
+
+@dataclass
+class _Page:
+    namespace: NamespaceId
+    extent: str
+    state: PageState = PageState.FREE
+    refcount: int = 0
+    pins: int = 0
+    content: PageContent | None = None  # set while PUBLISHED or CACHED
+    indexed: bool = False               # the index maps content.key to this page
+
+
+@dataclass
+class PoolCounters:
+    refcount_increments: int = 0
+    refcount_decrements: int = 0
+    evicted_pages: int = 0
+
+
+@dataclass
+class _NamespacePages:
+    free: list[PageId] = field(default_factory=list)
+    lru: OrderedDict[PageId, None] = field(default_factory=OrderedDict)
+
+
+class PagePool:
+    """States, refcounts, free lists and LRU of every host page of the daemon."""
+
+    def __init__(self) -> None:
+        self._pages: dict[PageId, _Page] = {}
+        self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
+        self._extent_in_use: dict[str, int] = {}  # PRIVATE or PUBLISHED pages per extent
+        self._counters: dict[NamespaceId, PoolCounters] = {}
+
+    # ---- extents ------------------------------------------------------------------
+
+    def add_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
+        """Adds a new extent's pages as FREE."""
+        pages = self._ns(namespace)
+        for page in range(first + count - 1, first - 1, -1):  # pop() hands out low ids first
+            self._pages[PageId(page)] = _Page(namespace, extent)
+            pages.free.append(PageId(page))
+        self._extent_in_use[extent] = 0
+
+    def remove_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
+        """Forgets an extent whose pages are all FREE."""
+        assert self._extent_in_use.pop(extent) == 0, f"extent {extent} removed while pages are in use"
+        gone = set(range(first, first + count))
+        for page in gone:
+            p = self._pages.pop(PageId(page))
+            assert p.state is PageState.FREE, f"page {page} of extent {extent} removed while {p.state.value}"
+        pages = self._ns(namespace)
+        pages.free = [p for p in pages.free if p not in gone]
+
+    def extent_in_use(self, extent: str) -> int:
+        return self._extent_in_use[extent]
+
+    # ---- queries ------------------------------------------------------------------
+
+    def __contains__(self, page: PageId) -> bool:
+        return page in self._pages
+
+    def namespace_of(self, page: PageId) -> NamespaceId:
+        return self._pages[page].namespace
+
+    def state(self, page: PageId) -> PageState:
+        return self._pages[page].state
+
+    def refcount(self, page: PageId) -> int:
+        return self._pages[page].refcount
+
+    def pins(self, page: PageId) -> int:
+        return self._pages[page].pins
+
+    def content(self, page: PageId) -> PageContent | None:
+        return self._pages[page].content
+
+    def is_indexed(self, page: PageId) -> bool:
+        return self._pages[page].indexed
+
+    def counters(self, namespace: NamespaceId) -> PoolCounters:
+        counters = self._counters.get(namespace)
+        if counters is None:
+            counters = self._counters[namespace] = PoolCounters()
+        return counters
+
+    def free_count(self, namespace: NamespaceId) -> int:
+        return len(self._ns(namespace).free)
+
+    def cached_count(self, namespace: NamespaceId) -> int:
+        return len(self._ns(namespace).lru)
+
+    def lru_order(self, namespace: NamespaceId) -> list[PageId]:
+        """CACHED pages of a namespace, next eviction first."""
+        return list(self._ns(namespace).lru)
+
+    def free_list(self, namespace: NamespaceId) -> list[PageId]:
+        return list(self._ns(namespace).free)
+
+    def pages(self):
+        """(page id, state, refcount, pins, namespace) of every page."""
+        for page, p in self._pages.items():
+            yield page, p.state, p.refcount, p.pins, p.namespace
+
+    # ---- transitions --------------------------------------------------------------
+
+    def allocate(self, namespace: NamespaceId) -> PageId:
+        """FREE → PRIVATE with refcount 1. The caller made sure a free page exists."""
+        page = self._ns(namespace).free.pop()
+        p = self._pages[page]
+        assert p.state is PageState.FREE and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
+        p.state = PageState.PRIVATE
+        p.refcount = 1
+        self.counters(namespace).refcount_increments += 1
+        self._extent_in_use[p.extent] += 1
+        return page
+
+    def acquire(self, page: PageId, pin: bool = False) -> None:
+        """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
+        p = self._pages[page]
+        if p.state is PageState.CACHED:
+            del self._by_namespace[p.namespace].lru[page]
+            p.state = PageState.PUBLISHED
+            self._extent_in_use[p.extent] += 1
+        assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
+        p.refcount += 1
+        if pin:
+            p.pins += 1
+        self.counters(p.namespace).refcount_increments += 1
+
+    def release(self, page: PageId, pin: bool = False) -> None:
+        """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
+        p = self._pages[page]
+        assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
+        assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
+        p.refcount -= 1
+        if pin:
+            p.pins -= 1
+        self.counters(p.namespace).refcount_decrements += 1
+        if p.refcount:
+            return
+        self._extent_in_use[p.extent] -= 1
+        if p.state is PageState.PUBLISHED and p.indexed:
+            p.state = PageState.CACHED
+            self._by_namespace[p.namespace].lru[page] = None
+        else:
+            self._to_free(page, p)
+
+    def publish(self, page: PageId, content: PageContent, indexed: bool) -> None:
+        """PRIVATE → PUBLISHED: the page is immutable from now on."""
+        p = self._pages[page]
+        assert p.state is PageState.PRIVATE and p.refcount == 1, (
+            f"page {page} published while {p.state.value} with refcount {p.refcount}"
+        )
+        p.state = PageState.PUBLISHED
+        p.content = content
+        p.indexed = indexed
+
+    def touch(self, page: PageId) -> None:
+        """Marks a CACHED page as recently used."""
+        p = self._pages[page]
+        if p.state is PageState.CACHED:
+            self._by_namespace[p.namespace].lru.move_to_end(page)
+
+    def evict_oldest(self, namespace: NamespaceId) -> tuple[PageId, PageContent]:
+        """CACHED → FREE for the least recently used page; returns it and what it held."""
+        page, _ = self._ns(namespace).lru.popitem(last=False)
+        return page, self._evict(page)
+
+    def evict(self, page: PageId) -> PageContent:
+        """CACHED → FREE for one page (integrity failures, extent reclaim)."""
+        p = self._pages[page]
+        assert p.state is PageState.CACHED, f"page {page} evicted while {p.state.value}"
+        del self._by_namespace[p.namespace].lru[page]
+        return self._evict(page)
+
+    def _evict(self, page: PageId) -> PageContent:
+        p = self._pages[page]
+        content = p.content
+        assert content is not None, f"cached page {page} has no content"
+        self.counters(p.namespace).evicted_pages += 1
+        self._to_free(page, p)
+        return content
+
+    def _to_free(self, page: PageId, p: _Page) -> None:
+        p.state = PageState.FREE
+        p.content = None
+        p.indexed = False
+        self._by_namespace[p.namespace].free.append(page)
+
+    def _ns(self, namespace: NamespaceId) -> _NamespacePages:
+        pages = self._by_namespace.get(namespace)
+        if pages is None:
+            pages = self._by_namespace[namespace] = _NamespacePages()
+        return pages

@@ -1,0 +1,117 @@
+"""Sequences: host page tables, known token ids and the life cycle.
+
+A sequence's page table is ``[published prefix pages | private pages]``: the first
+``num_published`` pages are immutable and may be shared, the rest belong to this
+sequence alone. ``pages`` is the combined view. Non-KV state (``aux``: recurrent or
+indexer state, checkpoints) is per sequence and a fork copies it.
+
+    PREFILLED -> IN_DECODE <-> ON_HOLD -> COMPLETED
+                                 |
+                                 +-> EVICTED (private pages dropped; re-enters by allocating again)
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvd.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvd.index import ChainSpec
+from kvd.types import NamespaceId, PageId, PageKey, SeqId, SeqState, SessionId
+
+TRANSITIONS: dict[SeqState, frozenset[SeqState]] = {
+    SeqState.PREFILLED: frozenset({SeqState.IN_DECODE, SeqState.ON_HOLD, SeqState.COMPLETED}),
+    SeqState.IN_DECODE: frozenset({SeqState.ON_HOLD, SeqState.COMPLETED}),
+    SeqState.ON_HOLD: frozenset({SeqState.IN_DECODE, SeqState.EVICTED, SeqState.COMPLETED}),
+    SeqState.EVICTED: frozenset({SeqState.COMPLETED}),
+    SeqState.COMPLETED: frozenset(),
+}
+
+
+@dataclass
+class Sequence:
+    seq_id: SeqId
+    namespace: NamespaceId
+    session: SessionId
+    chain: ChainSpec
+    pages: list[PageId]
+    num_tokens: int
+    tokens: bytearray            # known token ids, little-endian int32, a prefix of the sequence
+    keys: list[PageKey]          # keys of the published pages, in order
+    shared_prefix_tokens: int    # tokens covered by prefix hits when it was allocated
+    state: SeqState = SeqState.PREFILLED
+    aux: bytes = b""
+
+    @property
+    def num_published(self) -> int:
+        return len(self.keys)
+
+    @property
+    def shared_pages(self) -> list[PageId]:
+        return self.pages[: self.num_published]
+
+    @property
+    def private_pages(self) -> list[PageId]:
+        return self.pages[self.num_published:]
+
+    @property
+    def known_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+
+@dataclass
+class SequenceTable:
+    """Every live sequence, by namespace and id, plus the ON_HOLD queue for eviction."""
+
+    _seqs: dict[tuple[NamespaceId, SeqId], Sequence] = field(default_factory=dict)
+    _on_hold: dict[NamespaceId, OrderedDict[SeqId, None]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self):
+        return iter(self._seqs.values())
+
+    def find(self, namespace: NamespaceId, seq_id: str) -> Sequence | None:
+        return self._seqs.get((namespace, SeqId(seq_id)))
+
+    def owned(self, namespace: NamespaceId, seq_id: str, session: SessionId) -> Sequence:
+        """The session's sequence, or the error that says why not."""
+        seq = self._seqs.get((namespace, SeqId(seq_id)))
+        if seq is None:
+            raise NotFound(
+                f"sequence {seq_id!r} does not exist in namespace {namespace} "
+                "(never allocated, already released or completed)"
+            )
+        if seq.session != session:
+            raise PermissionDenied(f"sequence {seq_id!r} belongs to another session")
+        return seq
+
+    def add(self, seq: Sequence) -> None:
+        key = (seq.namespace, seq.seq_id)
+        assert key not in self._seqs, f"sequence {seq.seq_id!r} added twice"
+        self._seqs[key] = seq
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[(seq.namespace, seq.seq_id)]
+        self._on_hold.get(seq.namespace, {}).pop(seq.seq_id, None)
+
+    def set_state(self, seq: Sequence, state: SeqState) -> None:
+        if state not in TRANSITIONS[seq.state]:
+            raise FailedPrecondition(
+                f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}"
+            )
+        held = self._on_hold.setdefault(seq.namespace, OrderedDict())
+        if state is SeqState.ON_HOLD:
+            held[seq.seq_id] = None
+        else:
+            held.pop(seq.seq_id, None)
+        seq.state = state
+
+    def oldest_on_hold(self, namespace: NamespaceId) -> Sequence | None:
+        held = self._on_hold.get(namespace)
+        if not held:
+            return None
+        return self._seqs[(namespace, next(iter(held)))]
+
+    def on_hold(self, namespace: NamespaceId) -> list[Sequence]:
+        return [self._seqs[(namespace, s)] for s in self._on_hold.get(namespace, ())]

@@ -1,0 +1,146 @@
+"""The launcher: owns server options, health, reflection, signals, readiness and shutdown.
+
+``kvd serve`` runs ``serve(config)``: asyncio on uvloop, grpc.aio on a unix socket.
+The daemon tells systemd it is ready (``READY=1`` on ``$NOTIFY_SOCKET``) only once the
+socket accepts calls. SIGTERM/SIGINT stop it gracefully: no new calls, calls in flight
+finish, then the arena is unmapped and unlinked.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket as socket_mod
+import time
+
+import grpc
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvd.arena import Arena, leftover_segments, unlink_segments
+from kvd.config import ServeConfig
+from kvd.manager import KVCacheManager
+from kvd.service import KvdServicer
+from kvd.wire import kvd_pb2, kvd_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kvd_pb2.DESCRIPTOR.services_by_name["KVD"].full_name
+
+SERVER_OPTIONS = [
+    # Batches of 50K-token prompts and large aux states exceed gRPC's 4 MiB default.
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    # A unix socket serves one host; reusing a port makes no sense and hides a second daemon.
+    ("grpc.so_reuseport", 0),
+    # Session streams are long-lived and idle; let clients ping them to detect a dead daemon.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+]
+
+PIN_SWEEP_SECONDS = 0.5
+
+
+class DaemonRunning(RuntimeError):
+    """Another daemon answers on the socket."""
+
+
+def notify_systemd(message: str) -> bool:
+    """Sends an sd_notify message when started by systemd (Type=notify); False otherwise."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        sock.sendall(message.encode())
+    return True
+
+
+def socket_answers(path: str) -> bool:
+    """True when a process accepts connections on the unix socket."""
+    with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
+        try:
+            sock.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+def _prepare_socket(path: str) -> None:
+    if os.path.exists(path):
+        if socket_answers(path):
+            raise DaemonRunning(f"a daemon already serves {path}")
+        os.unlink(path)  # left behind by a daemon that died
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+async def run(config: ServeConfig, metrics=None) -> None:
+    _prepare_socket(config.socket)
+    stale = leftover_segments(config.shm_prefix)
+    if stale:
+        log.warning("removing %d shared-memory extents a previous daemon left behind", len(stale))
+        unlink_segments(stale)
+    started = time.perf_counter()
+    arena = Arena(config.host_bytes, min(config.extent_bytes, config.host_bytes), config.shm_prefix, config.lock_memory)
+    manager = KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = KvdServicer(manager, observe_latency=metrics.observe_latency if metrics else None)
+    kvd_pb2_grpc.add_KVDServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
+    )
+    server.add_insecure_port(f"unix:{config.socket}")
+    old_umask = os.umask(0o117)  # the socket file is created with mode 0660
+    try:
+        await server.start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(config.socket, config.socket_mode)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if metrics is not None:
+        metrics.start(manager, config.metrics_host, config.metrics_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def sweep_pins() -> None:
+        while True:
+            await asyncio.sleep(PIN_SWEEP_SECONDS)
+            manager.expire_pins(time.monotonic())
+
+    sweeper = asyncio.create_task(sweep_pins())
+    log.info(
+        "kvd serving on %s (host budget %d bytes, prefix reuse %s) after %.0f ms",
+        config.socket, config.host_bytes, "on" if config.enable_prefix_reuse else "off",
+        (time.perf_counter() - started) * 1e3,
+    )
+    notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
+    await stop.wait()
+
+    log.info("stopping: finishing calls in flight")
+    notify_systemd("STOPPING=1")
+    await health_servicer.enter_graceful_shutdown()
+    sweeper.cancel()
+    await server.stop(grace=config.shutdown_grace_seconds)
+    manager.close(unlink=True)
+    if metrics is not None:
+        metrics.stop()
+    try:
+        os.unlink(config.socket)
+    except FileNotFoundError:
+        pass
+    log.info("stopped")
+
+
+def serve(config: ServeConfig, metrics=None) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(run(config, metrics))

@@ -1,0 +1,237 @@
+"""The gRPC servicer: proto → core call → proto, and core errors → status codes.
+
+Nothing here decides anything. Conversions are the small functions at the top; the
+one table ``STATUS_FOR`` maps each core error class to its gRPC status.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from kvd import invariants, stats as stats_mod
+from kvd.errors import (
+    FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied, ResourceExhausted,
+)
+from kvd.index import ExtraKey
+from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
+from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.stats import PageStats, Stats
+from kvd.types import SeqState
+from kvd.wire import kvd_pb2 as pb
+from kvd.wire import kvd_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+STATUS_FOR: dict[type[KvdError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+# Called with (method name, seconds) after every unary call; the metrics exporter listens.
+LatencyObserver = Callable[[str, float], None]
+
+
+# ---- conversions ---------------------------------------------------------------------
+
+def pack_pages(pages) -> bytes:
+    return np.asarray(pages, dtype="<u4").tobytes()
+
+
+def _extra_keys(keys) -> tuple[ExtraKey, ...]:
+    return tuple(ExtraKey(k.kind, k.value, k.offset, max(1, k.length)) for k in keys)
+
+
+def _requests(sequences) -> list[SequenceRequest]:
+    return [SequenceRequest(s.seq_id, s.tokens, _extra_keys(s.extra_keys)) for s in sequences]
+
+
+def _identity(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
+    if not msg.HasField("layout"):
+        raise InvalidArgument("namespace identity needs a page layout")
+    lay = msg.layout
+    return NamespaceIdentity(
+        model=msg.model,
+        layout=make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype),
+        revision=msg.revision,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        attention=msg.attention or "gqa",
+        vocab_size=msg.vocab_size,
+        extra=tuple(sorted(msg.extra.items())),
+    )
+
+
+def _plan(plan: SequencePlan) -> pb.SequenceAllocation:
+    return pb.SequenceAllocation(
+        seq_id=plan.seq_id,
+        shared_pages=pack_pages(plan.shared_pages),
+        private_pages=pack_pages(plan.private_pages),
+        shared_prefix_tokens=plan.shared_prefix_tokens,
+        suffix_start=plan.suffix_start,
+        num_tokens=plan.num_tokens,
+    )
+
+
+def _seq_state(value: int) -> SeqState:
+    try:
+        return SeqState(value)
+    except ValueError:
+        raise InvalidArgument(
+            f"unknown sequence state {value}; use one of {[s.name for s in SeqState]}"
+        ) from None
+
+
+def _page_stats(s: PageStats) -> pb.PageStats:
+    return pb.PageStats(**s.as_dict())
+
+
+def stats_reply(s: Stats) -> pb.StatsReply:
+    return pb.StatsReply(
+        totals=_page_stats(s.totals),
+        host_bytes=s.host_bytes,
+        arena_bytes=s.arena_bytes,
+        prefix_reuse=s.prefix_reuse,
+        namespaces=[
+            pb.NamespaceStats(namespace_id=n.namespace_id, model=n.model, page_bytes=n.page_bytes, pages=_page_stats(n.pages))
+            for n in s.namespaces
+        ],
+    )
+
+
+# ---- the servicer --------------------------------------------------------------------
+
+def _unary(method):
+    """Runs a sync core call; maps core errors to statuses and reports latency."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: "KvdServicer", request, context: grpc.aio.ServicerContext):
+        start = time.perf_counter()
+        try:
+            return method(self, request)
+        except KvdError as e:
+            await context.abort(STATUS_FOR[type(e)], str(e))
+        finally:
+            if self.observe_latency is not None:
+                self.observe_latency(name, time.perf_counter() - start)
+
+    return wrapper
+
+
+class KvdServicer(kvd_pb2_grpc.KVDServicer):
+    def __init__(self, manager: KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
+        self.m = manager
+        self.observe_latency = observe_latency
+
+    async def OpenSession(self, request, context):
+        session = self.m.open_session(request.client_name, request.pid)
+        events: asyncio.Queue[pb.SessionEvent] = asyncio.Queue()
+        session.listener = lambda ns, seq_ids: events.put_nowait(
+            pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
+        )
+        try:
+            yield pb.SessionEvent(opened=pb.SessionOpened(
+                session=session.id, prefix_reuse=self.m.prefix_reuse, host_bytes=self.m.arena.budget_bytes,
+            ))
+            while True:
+                yield await events.get()
+        finally:
+            self.m.close_session(session.id)
+
+    @_unary
+    def RegisterNamespace(self, r):
+        self.m.sessions.get(r.session)
+        ns = self.m.register_namespace(_identity(r.identity))
+        return pb.RegisterNamespaceReply(namespace_id=ns.id, page_bytes=ns.page_bytes, root=ns.root)
+
+    @_unary
+    def DescribeExtents(self, r):
+        self.m.sessions.get(r.session)
+        return pb.DescribeExtentsReply(extents=[
+            pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
+            for e in self.m.extents(r.namespace_id)
+        ])
+
+    @_unary
+    def AllocateWithPrefix(self, r):
+        plans = self.m.allocate(r.session, r.namespace_id, _requests(r.sequences))
+        return pb.AllocateReply(sequences=[_plan(p) for p in plans])
+
+    @_unary
+    def Lookup(self, r):
+        results = self.m.lookup(r.session, r.namespace_id, _requests(r.sequences))
+        return pb.LookupReply(results=[
+            pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
+            for x in results
+        ])
+
+    @_unary
+    def Publish(self, r):
+        results = self.m.publish(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
+        return pb.PublishReply(results=[
+            pb.PublishResult(
+                seq_id=x.seq_id, published_pages=x.published_pages,
+                rebinds=[pb.Rebind(position=b.position, old_page=b.old_page, new_page=b.new_page) for b in x.rebinds],
+            )
+            for x in results
+        ])
+
+    @_unary
+    def Extend(self, r):
+        results = self.m.extend(r.session, r.namespace_id, [(i.seq_id, i.num_tokens, i.tokens) for i in r.items])
+        return pb.ExtendReply(results=[
+            pb.ExtendResult(seq_id=x.seq_id, new_pages=pack_pages(x.new_pages), num_tokens=x.num_tokens) for x in results
+        ])
+
+    @_unary
+    def Fork(self, r):
+        return pb.ForkReply(sequence=_plan(self.m.fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)))
+
+    @_unary
+    def Release(self, r):
+        return pb.ReleaseReply(released_pages=self.m.release(r.session, r.namespace_id, list(r.seq_ids)))
+
+    @_unary
+    def SetState(self, r):
+        previous = self.m.set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
+        return pb.SetStateReply(previous=previous.value)
+
+    @_unary
+    def SetAuxState(self, r):
+        self.m.set_aux(r.session, r.namespace_id, r.seq_id, r.data)
+        return pb.SetAuxStateReply()
+
+    @_unary
+    def GetAuxState(self, r):
+        return pb.GetAuxStateReply(data=self.m.get_aux(r.session, r.namespace_id, r.seq_id))
+
+    @_unary
+    def Pin(self, r):
+        pin = self.m.pin(r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds)
+        return pb.PinReply(pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens)
+
+    @_unary
+    def Unpin(self, r):
+        self.m.unpin(r.session, r.pin_id)
+        return pb.UnpinReply()
+
+    @_unary
+    def GetStats(self, r):
+        return stats_reply(stats_mod.collect(self.m))
+
+    @_unary
+    def CheckInvariants(self, r):
+        return pb.CheckInvariantsReply(violations=invariants.violations(self.m))
+
+    @_unary
+    def Ping(self, r):
+        return pb.PingReply()

@@ -1,0 +1,124 @@
+"""Page statistics, globally and per namespace, computed from the core's state on demand.
+
+Field names are part of the public contract (``kvd stats --json``, the gRPC StatsReply,
+Prometheus metrics): logical pages count every sequence's page-table entries, physical
+pages count the distinct pages those entries point at, so ``host_pages_saved`` is what
+sharing saves against keeping each sequence's KV separately.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from kvd.types import PageState
+
+STAT_FIELDS = (
+    "logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages",
+    "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved",
+    "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens",
+    "evicted_pages", "sessions", "sequences",
+)
+
+
+@dataclass
+class PageStats:
+    logical_pages: int = 0
+    physical_pages: int = 0
+    shared_pages: int = 0      # published pages with at least one reference
+    private_pages: int = 0
+    cached_pages: int = 0
+    pinned_pages: int = 0
+    free_pages: int = 0        # free pages in extents created so far
+    host_pages_saved: int = 0
+    host_bytes_saved: int = 0
+    refcount_increments: int = 0
+    refcount_decrements: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_pages: int = 0
+    sessions: int = 0
+    sequences: int = 0
+
+    def add(self, other: "PageStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class NamespaceStats:
+    namespace_id: int
+    model: str
+    page_bytes: int
+    pages: PageStats
+
+
+@dataclass
+class Stats:
+    totals: PageStats
+    namespaces: list[NamespaceStats]
+    host_bytes: int
+    arena_bytes: int
+    prefix_reuse: bool
+
+    def as_dict(self) -> dict:
+        return {
+            **self.totals.as_dict(),
+            "host_bytes": self.host_bytes,
+            "arena_bytes": self.arena_bytes,
+            "prefix_reuse": self.prefix_reuse,
+            "namespaces": [
+                {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **n.pages.as_dict()}
+                for n in self.namespaces
+            ],
+        }
+
+
+def collect(manager) -> Stats:
+    """Walks sequences and pages once; costs O(pages), fine for an admin call."""
+    per_ns: dict[int, PageStats] = {}
+    referenced: dict[int, set] = {}
+    holders: dict[int, set] = {}
+    for ns in manager.namespaces.all():
+        counters = manager.pool.counters(ns.id)
+        per_ns[ns.id] = PageStats(
+            refcount_increments=counters.refcount_increments,
+            refcount_decrements=counters.refcount_decrements,
+            evicted_pages=counters.evicted_pages,
+            lookup_tokens=manager.counters[ns.id].lookup_tokens,
+            hit_tokens=manager.counters[ns.id].hit_tokens,
+            free_pages=manager.pool.free_count(ns.id),
+        )
+        referenced[ns.id], holders[ns.id] = set(), set()
+    for seq in manager.sequences:
+        s = per_ns[seq.namespace]
+        s.logical_pages += len(seq.pages)
+        s.sequences += 1
+        referenced[seq.namespace].update(seq.pages)
+        holders[seq.namespace].add(seq.session)
+    for session in manager.sessions:
+        for pin in session.pins.values():
+            holders[pin.namespace].add(session.id)
+    for _page, state, refcount, pins, ns_id in manager.pool.pages():
+        s = per_ns[ns_id]
+        if state is PageState.PRIVATE:
+            s.private_pages += 1
+        elif state is PageState.PUBLISHED:
+            s.shared_pages += 1
+        elif state is PageState.CACHED:
+            s.cached_pages += 1
+        if pins:
+            s.pinned_pages += 1
+    totals = PageStats()
+    namespaces = []
+    for ns in manager.namespaces.all():
+        s = per_ns[ns.id]
+        s.physical_pages = len(referenced[ns.id])
+        s.host_pages_saved = s.logical_pages - s.physical_pages
+        s.host_bytes_saved = s.host_pages_saved * ns.page_bytes
+        s.sessions = len(holders[ns.id])
+        totals.add(s)
+        namespaces.append(NamespaceStats(ns.id, ns.identity.model, ns.page_bytes, s))
+    totals.sessions = len(manager.sessions)
+    return Stats(totals, namespaces, manager.arena.budget_bytes, manager.arena.reserved_bytes, manager.prefix_reuse)

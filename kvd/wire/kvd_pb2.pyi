@@ -1,0 +1,516 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SequenceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEQUENCE_STATE_UNSPECIFIED: _ClassVar[SequenceState]
+    PREFILLED: _ClassVar[SequenceState]
+    IN_DECODE: _ClassVar[SequenceState]
+    ON_HOLD: _ClassVar[SequenceState]
+    EVICTED: _ClassVar[SequenceState]
+    COMPLETED: _ClassVar[SequenceState]
+SEQUENCE_STATE_UNSPECIFIED: SequenceState
+PREFILLED: SequenceState
+IN_DECODE: SequenceState
+ON_HOLD: SequenceState
+EVICTED: SequenceState
+COMPLETED: SequenceState
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name", "pid")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("opened", "evicted")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    evicted: SequencesEvicted
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[SequencesEvicted, _Mapping]] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session", "prefix_reuse", "host_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    prefix_reuse: bool
+    host_bytes: int
+    def __init__(self, session: _Optional[str] = ..., prefix_reuse: _Optional[bool] = ..., host_bytes: _Optional[int] = ...) -> None: ...
+
+class SequencesEvicted(_message.Message):
+    __slots__ = ("namespace_id", "seq_ids")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PageLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class NamespaceIdentity(_message.Message):
+    __slots__ = ("model", "revision", "layout", "tp_rank", "tp_size", "attention", "vocab_size", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    layout: PageLayout
+    tp_rank: int
+    tp_size: int
+    attention: str
+    vocab_size: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., attention: _Optional[str] = ..., vocab_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RegisterNamespaceRequest(_message.Message):
+    __slots__ = ("session", "identity")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    identity: NamespaceIdentity
+    def __init__(self, session: _Optional[str] = ..., identity: _Optional[_Union[NamespaceIdentity, _Mapping]] = ...) -> None: ...
+
+class RegisterNamespaceReply(_message.Message):
+    __slots__ = ("namespace_id", "page_bytes", "root")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    page_bytes: int
+    root: bytes
+    def __init__(self, namespace_id: _Optional[int] = ..., page_bytes: _Optional[int] = ..., root: _Optional[bytes] = ...) -> None: ...
+
+class DescribeExtentsRequest(_message.Message):
+    __slots__ = ("session", "namespace_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ...) -> None: ...
+
+class ExtentInfo(_message.Message):
+    __slots__ = ("shm_name", "first_page", "num_pages", "page_bytes")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    first_page: int
+    num_pages: int
+    page_bytes: int
+    def __init__(self, shm_name: _Optional[str] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class DescribeExtentsReply(_message.Message):
+    __slots__ = ("extents",)
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    extents: _containers.RepeatedCompositeFieldContainer[ExtentInfo]
+    def __init__(self, extents: _Optional[_Iterable[_Union[ExtentInfo, _Mapping]]] = ...) -> None: ...
+
+class ExtraKey(_message.Message):
+    __slots__ = ("kind", "value", "offset", "length")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[ExtraKey.Kind]
+        MULTIMODAL: _ClassVar[ExtraKey.Kind]
+        LORA: _ClassVar[ExtraKey.Kind]
+        CACHE_SALT: _ClassVar[ExtraKey.Kind]
+    KIND_UNSPECIFIED: ExtraKey.Kind
+    MULTIMODAL: ExtraKey.Kind
+    LORA: ExtraKey.Kind
+    CACHE_SALT: ExtraKey.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    kind: ExtraKey.Kind
+    value: bytes
+    offset: int
+    length: int
+    def __init__(self, kind: _Optional[_Union[ExtraKey.Kind, str]] = ..., value: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SequenceRequest(_message.Message):
+    __slots__ = ("seq_id", "tokens", "extra_keys")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    tokens: bytes
+    extra_keys: _containers.RepeatedCompositeFieldContainer[ExtraKey]
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "sequences")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+
+class SequenceAllocation(_message.Message):
+    __slots__ = ("seq_id", "shared_pages", "private_pages", "shared_prefix_tokens", "suffix_start", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    shared_pages: bytes
+    private_pages: bytes
+    shared_prefix_tokens: int
+    suffix_start: int
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., shared_pages: _Optional[bytes] = ..., private_pages: _Optional[bytes] = ..., shared_prefix_tokens: _Optional[int] = ..., suffix_start: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AllocateReply(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "sequences")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+
+class LookupResult(_message.Message):
+    __slots__ = ("seq_id", "hit_pages", "hit_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    hit_pages: bytes
+    hit_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., hit_pages: _Optional[bytes] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LookupResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[LookupResult, _Mapping]]] = ...) -> None: ...
+
+class PublishItem(_message.Message):
+    __slots__ = ("seq_id", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "items")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    items: _containers.RepeatedCompositeFieldContainer[PublishItem]
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[PublishItem, _Mapping]]] = ...) -> None: ...
+
+class Rebind(_message.Message):
+    __slots__ = ("position", "old_page", "new_page")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    OLD_PAGE_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGE_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    old_page: int
+    new_page: int
+    def __init__(self, position: _Optional[int] = ..., old_page: _Optional[int] = ..., new_page: _Optional[int] = ...) -> None: ...
+
+class PublishResult(_message.Message):
+    __slots__ = ("seq_id", "published_pages", "rebinds")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REBINDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    published_pages: int
+    rebinds: _containers.RepeatedCompositeFieldContainer[Rebind]
+    def __init__(self, seq_id: _Optional[str] = ..., published_pages: _Optional[int] = ..., rebinds: _Optional[_Iterable[_Union[Rebind, _Mapping]]] = ...) -> None: ...
+
+class PublishReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PublishResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PublishResult, _Mapping]]] = ...) -> None: ...
+
+class ExtendItem(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_tokens: int
+    tokens: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class ExtendRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "items")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+
+class ExtendResult(_message.Message):
+    __slots__ = ("seq_id", "new_pages", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    new_pages: bytes
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., new_pages: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ExtendReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ExtendResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ExtendResult, _Mapping]]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "src_seq_id", "dst_seq_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    src_seq_id: str
+    dst_seq_id: str
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., src_seq_id: _Optional[str] = ..., dst_seq_id: _Optional[str] = ...) -> None: ...
+
+class ForkReply(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: SequenceAllocation
+    def __init__(self, sequence: _Optional[_Union[SequenceAllocation, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "seq_ids")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released_pages",)
+    RELEASED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    released_pages: int
+    def __init__(self, released_pages: _Optional[int] = ...) -> None: ...
+
+class SetStateRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "seq_id", "state")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    seq_id: str
+    state: SequenceState
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., state: _Optional[_Union[SequenceState, str]] = ...) -> None: ...
+
+class SetStateReply(_message.Message):
+    __slots__ = ("previous",)
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    previous: SequenceState
+    def __init__(self, previous: _Optional[_Union[SequenceState, str]] = ...) -> None: ...
+
+class SetAuxStateRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "seq_id", "data")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    seq_id: str
+    data: bytes
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SetAuxStateReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetAuxStateRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "seq_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    seq_id: str
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_id: _Optional[str] = ...) -> None: ...
+
+class GetAuxStateReply(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "tokens", "extra_keys", "ttl_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    tokens: bytes
+    extra_keys: _containers.RepeatedCompositeFieldContainer[ExtraKey]
+    ttl_seconds: float
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., tokens: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class PinReply(_message.Message):
+    __slots__ = ("pin_id", "pinned_pages", "pinned_tokens")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    pinned_pages: int
+    pinned_tokens: int
+    def __init__(self, pin_id: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pinned_tokens: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("session", "pin_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    pin_id: int
+    def __init__(self, session: _Optional[str] = ..., pin_id: _Optional[int] = ...) -> None: ...
+
+class UnpinReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PageStats(_message.Message):
+    __slots__ = ("logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages", "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved", "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens", "evicted_pages", "sequences", "sessions")
+    LOGICAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_SAVED_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_SAVED_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNT_INCREMENTS_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNT_DECREMENTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    logical_pages: int
+    physical_pages: int
+    shared_pages: int
+    private_pages: int
+    cached_pages: int
+    pinned_pages: int
+    free_pages: int
+    host_pages_saved: int
+    host_bytes_saved: int
+    refcount_increments: int
+    refcount_decrements: int
+    lookup_tokens: int
+    hit_tokens: int
+    evicted_pages: int
+    sequences: int
+    sessions: int
+    def __init__(self, logical_pages: _Optional[int] = ..., physical_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., host_pages_saved: _Optional[int] = ..., host_bytes_saved: _Optional[int] = ..., refcount_increments: _Optional[int] = ..., refcount_decrements: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., sequences: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace_id", "model", "page_bytes", "pages")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    model: str
+    page_bytes: int
+    pages: PageStats
+    def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[_Union[PageStats, _Mapping]] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces")
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    totals: PageStats
+    host_bytes: int
+    arena_bytes: int
+    prefix_reuse: bool
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+
+class CheckInvariantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckInvariantsReply(_message.Message):
+    __slots__ = ("violations",)
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    violations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, violations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

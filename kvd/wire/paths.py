@@ -1,0 +1,12 @@
+"""Where daemon and clients meet by default: part of the contract, like the proto."""
+from __future__ import annotations
+
+import os
+
+
+def default_socket() -> str:
+    """$XDG_RUNTIME_DIR/kvd.sock when that directory exists, else /tmp/kvd-<uid>.sock."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "kvd.sock")
+    return f"/tmp/kvd-{os.getuid()}.sock"
