@@ -1,0 +1,195 @@
+"""Decode-batch planner: host rows in, GPU page tables and the loads to fill them out.
+
+Each sequence in a decode batch brings its host row, `[shared prefix pages | private
+pages]` in token order. The planner asks the pool, in one all-or-nothing `acquire`, for
+every host page the batch's sequences do not already hold plus the missing decode runway
+(fresh private GPU pages appended after each row for the tokens decode will write). The
+pool dedups host pages across the batch, so a prefix shared by N sequences is loaded once
+and the N page-table rows point at the same physical pages.
+
+A sequence keeps its GPU references between steps, so the next decode step of the same
+batch loads nothing. Life cycle, as the daemon's sequence states map onto it:
+
+- IN_DECODE: `plan` (again each step; only what changed is acquired);
+- IN_DECODE → ON_HOLD: `suspend` drops the GPU references; the copies stay cached;
+- ON_HOLD → IN_DECODE: `plan` again; only pages evicted meanwhile are reloaded;
+- COMPLETED: `complete` drops the references and forgets the private host pages, whose
+  ids the daemon may reuse (one that is published instead merely costs a reload later).
+
+Decode writes land in the sequence's private GPU pages (the copy of its private host tail
+and the runway). Offload them (`PageLoader.store`) and, for full runway pages, call
+`adopt_runway` before `suspend`, so cached copies and host pages agree.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import NewType
+
+import torch
+
+from gpu_worker.pool import (
+    GpuPageId,
+    GpuPagePool,
+    HostPageId,
+    PageLoad,
+    PoolExhausted,
+)
+
+SeqId = NewType("SeqId", str)
+
+
+@dataclass(frozen=True)
+class HostRow:
+    """A sequence's host page table: `[shared prefix pages | private pages]`, token order."""
+
+    shared: tuple[HostPageId, ...]
+    private: tuple[HostPageId, ...] = ()
+
+    @property
+    def pages(self) -> tuple[HostPageId, ...]:
+        return self.shared + self.private
+
+
+@dataclass(frozen=True, eq=False)  # eq would compare tensors elementwise
+class DecodePlan:
+    """Page tables of one decode batch and the host→device copies they wait on."""
+
+    seq_ids: tuple[SeqId, ...]  # row order of the tables below
+    rows: tuple[tuple[GpuPageId, ...], ...]  # unpadded page table of each sequence (model runner input)
+    # page_tables: [batch, max_pages] int32 pool page indices. Row i is valid for
+    # j < row_pages[i]; entries past that are padding, 0, never read.
+    page_tables: torch.Tensor
+    row_pages: torch.Tensor  # [batch] int32: host pages + runway pages of each row
+    host_pages: torch.Tensor  # [batch] int32: leading host-backed entries; runway starts there
+    loads: tuple[PageLoad, ...]  # unique missing host pages, one copy each; do them before use
+    evicted: tuple[HostPageId, ...]  # cached copies dropped to make room
+    logical_pages: int  # sum of row_pages
+    physical_pages: int  # distinct GPU pages in page_tables
+
+
+@dataclass(frozen=True)
+class PlanExhausted:
+    """No room for the batch even after eviction; no count changed."""
+
+    needed: int
+    available: int
+
+
+@dataclass
+class _HeldPages:
+    """The GPU references one sequence holds."""
+
+    row: HostRow
+    gpu: list[GpuPageId]  # copy of row.pages[i] is gpu[i]
+    runway: list[GpuPageId]  # private pages after the row
+
+
+class DecodeBatchPlanner:
+    """Turns decode batches of host rows into page tables over one `GpuPagePool`."""
+
+    def __init__(self, pool: GpuPagePool) -> None:
+        self.pool = pool
+        self._held: dict[SeqId, _HeldPages] = {}
+
+    def plan(
+        self, rows: Mapping[SeqId, HostRow], runway_pages: int = 1
+    ) -> DecodePlan | PlanExhausted:
+        """Page tables for `rows` (in its iteration order), each with at least
+        `runway_pages` private pages after its host pages; all or nothing.
+
+        A sequence already holding pages acquires only the host pages new to its row and
+        releases those no longer in it (after the acquire, so a tight pool may refuse a
+        change it could have made by releasing first). Held sequences absent from `rows`
+        keep their pages."""
+        if runway_pages < 0:
+            raise ValueError(f"runway_pages must be ≥ 0, got {runway_pages}")
+        request: list[HostPageId] = []
+        runway_needed: dict[SeqId, int] = {}
+        for seq, row in rows.items():
+            if len(set(row.pages)) != len(row.pages):
+                raise ValueError(f"sequence {seq!r}: host row lists a page twice: {row.pages}")
+            held = self._held.get(seq)
+            held_pages = set(held.row.pages) if held else set()
+            request.extend(h for h in row.pages if h not in held_pages)
+            runway_needed[seq] = max(0, runway_pages - (len(held.runway) if held else 0))
+
+        got = self.pool.acquire(request, private=sum(runway_needed.values()))
+        if isinstance(got, PoolExhausted):
+            return PlanExhausted(needed=got.needed, available=got.available)
+
+        acquired = dict(zip(request, got.gpu_pages))
+        fresh_runway = iter(got.private_pages)
+        for seq, row in rows.items():
+            held = self._held.get(seq) or _HeldPages(HostRow(()), [], [])
+            old = dict(zip(held.row.pages, held.gpu))
+            keep = set(row.pages)
+            self.pool.release((g for h, g in old.items() if h not in keep), owner=f"sequence {seq!r}")
+            runway = held.runway + [next(fresh_runway) for _ in range(runway_needed[seq])]
+            self._held[seq] = _HeldPages(
+                row, [old[h] if h in old else acquired[h] for h in row.pages], runway
+            )
+        return self._tables(tuple(rows), got.loads, got.evicted)
+
+    def suspend(self, seq: SeqId) -> None:
+        """IN_DECODE → ON_HOLD: drop the sequence's GPU references; its copies stay cached."""
+        held = self._pop(seq)
+        self.pool.release(chain(held.gpu, held.runway), owner=f"sequence {seq!r}")
+
+    def complete(self, seq: SeqId) -> None:
+        """COMPLETED: drop every GPU reference and forget the private host pages' copies."""
+        held = self._pop(seq)
+        self.pool.release(chain(held.gpu, held.runway), owner=f"sequence {seq!r}")
+        self.pool.forget(held.row.private)
+
+    def adopt_runway(self, seq: SeqId, host_pages: Sequence[HostPageId]) -> None:
+        """The first len(host_pages) runway pages were offloaded into these new private host
+        pages: they join the sequence's host row, and their GPU pages become the copies."""
+        held = self._held.get(seq)
+        if held is None:
+            raise KeyError(f"sequence {seq!r} holds no GPU pages")
+        n = len(host_pages)
+        if n > len(held.runway):
+            raise ValueError(
+                f"sequence {seq!r}: {n} host pages adopted but only {len(held.runway)} runway pages"
+            )
+        for g, h in zip(held.runway, host_pages):
+            self.pool.bind(g, h)
+        held.row = HostRow(held.row.shared, held.row.private + tuple(host_pages))
+        held.gpu.extend(held.runway[:n])
+        del held.runway[:n]
+
+    def holding(self) -> tuple[SeqId, ...]:
+        """Sequences that hold GPU references."""
+        return tuple(self._held)
+
+    def _pop(self, seq: SeqId) -> _HeldPages:
+        held = self._held.pop(seq, None)
+        if held is None:
+            raise KeyError(f"sequence {seq!r} holds no GPU pages")
+        return held
+
+    def _tables(
+        self, seqs: tuple[SeqId, ...], loads: tuple[PageLoad, ...], evicted: tuple[HostPageId, ...]
+    ) -> DecodePlan:
+        entries = [self._held[s].gpu + self._held[s].runway for s in seqs]
+        width = max((len(e) for e in entries), default=0)
+        device = self.pool.device
+        # page_tables: [batch, width] int32, padded with page 0 past row_pages
+        page_tables = torch.tensor(
+            [e + [0] * (width - len(e)) for e in entries], dtype=torch.int32
+        ).reshape(len(seqs), width)
+        row_pages = torch.tensor([len(e) for e in entries], dtype=torch.int32)  # [batch]
+        host_pages = torch.tensor([len(self._held[s].gpu) for s in seqs], dtype=torch.int32)
+        return DecodePlan(
+            seq_ids=seqs,
+            rows=tuple(tuple(e) for e in entries),
+            page_tables=page_tables.to(device),
+            row_pages=row_pages.to(device),
+            host_pages=host_pages.to(device),
+            loads=loads,
+            evicted=evicted,
+            logical_pages=sum(len(e) for e in entries),
+            physical_pages=len(set(chain.from_iterable(entries))),
+        )

@@ -1,0 +1,206 @@
+"""A real `kvd serve` process with real engine processes sharing real shared memory."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import agents
+from engine_client import KVDClient, KVDError, SequenceRequest
+
+SPAWN = multiprocessing.get_context("spawn")
+PREFIX = 5000
+PRIVATE = 100
+
+
+def ideal_pages(num_agents: int, prefix: int = PREFIX, private: int = PRIVATE, page: int = 16) -> int:
+    """Shared full prefix pages once, plus each agent's own pages."""
+    shared = prefix // page
+    per_agent = -(-(prefix + private) // page) - shared
+    return shared + num_agents * per_agent
+
+
+def run_sequential(socket: str, groups: list[list[int]], observer: KVDClient):
+    """Engines start one after another; each publishes before the next allocates."""
+    done = SPAWN.Barrier(len(groups) + 1)
+    results = SPAWN.Queue()
+    solo = SPAWN.Barrier(1)  # kept alive until the children have unpickled it
+    procs, outs = [], []
+    for group in groups:
+        p = SPAWN.Process(target=agents.run_agents, args=(socket, group, PREFIX, PRIVATE, solo, done, results))
+        p.start()
+        procs.append(p)
+        outs.append(results.get(timeout=60))
+    done.wait(timeout=60)
+    stats, violations = observer.stats(), observer.check_invariants()
+    done.wait(timeout=60)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0, f"engine process exited with {p.exitcode}"
+    return outs, stats, violations
+
+
+def run_concurrent(socket: str, groups: list[list[int]], observer: KVDClient):
+    """Engines allocate at the same moment: nobody has published yet, so all prefill the prefix."""
+    start = SPAWN.Barrier(len(groups))
+    done = SPAWN.Barrier(len(groups) + 1)
+    results = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(target=agents.run_agents, args=(socket, g, PREFIX, PRIVATE, start, done, results))
+        for g in groups
+    ]
+    for p in procs:
+        p.start()
+    outs = [results.get(timeout=60) for _ in groups]
+    done.wait(timeout=60)
+    stats, violations = observer.stats(), observer.check_invariants()
+    done.wait(timeout=60)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0, f"engine process exited with {p.exitcode}"
+    return outs, stats, violations
+
+
+def test_four_agents_in_three_processes_store_the_prefix_once(daemon):
+    with KVDClient.connect(daemon.socket) as observer:
+        outs, stats, violations = run_sequential(daemon.socket, [[0, 1], [2], [3]], observer)
+    assert violations == []
+    assert all(o["bad_reads"] == 0 for o in outs), outs
+    assert stats["physical_pages"] == ideal_pages(4)
+    assert stats["logical_pages"] == 4 * -(-(PREFIX + PRIVATE) // 16)
+    assert stats["host_pages_saved"] == stats["logical_pages"] - stats["physical_pages"]
+    # The first engine's two agents allocate in one batch before anything is published:
+    # both prefill, and publishing dedups the second onto the first's pages.
+    full_prefix = PREFIX // 16 * 16
+    assert outs[0]["hit_tokens"] == 0 and outs[0]["rebinds"] == PREFIX // 16
+    # Every later engine hits the whole shared prefix and computes only its suffix.
+    assert [o["hit_tokens"] for o in outs[1:]] == [full_prefix, full_prefix]
+    assert [o["computed"] for o in outs[1:]] == [PREFIX + PRIVATE - full_prefix] * 2
+    assert stats["sessions"] == 4  # three engines and the observer
+
+
+def test_concurrent_identical_prefills_dedup_to_the_ideal(daemon):
+    with KVDClient.connect(daemon.socket) as observer:
+        outs, stats, violations = run_concurrent(daemon.socket, [[0], [1], [2], [3]], observer)
+    assert violations == []
+    assert all(o["bad_reads"] == 0 for o in outs), outs
+    assert all(o["hit_tokens"] == 0 for o in outs), "nobody had published when they allocated"
+    # Three of the four engines lost the publish race for each shared page and were rebound.
+    assert sum(o["rebinds"] for o in outs) == 3 * (PREFIX // 16)
+    assert stats["physical_pages"] == ideal_pages(4)
+
+
+def test_prefix_reuse_disabled_shares_nothing_with_the_same_api(daemon_factory):
+    d = daemon_factory("--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+    with KVDClient.connect(d.socket) as observer:
+        assert observer.prefix_reuse is False
+        outs, stats, violations = run_sequential(d.socket, [[0, 1], [2], [3]], observer)
+    assert violations == []
+    assert all(o["bad_reads"] == 0 and o["hit_tokens"] == 0 and o["rebinds"] == 0 for o in outs)
+    assert stats["physical_pages"] == stats["logical_pages"] == 4 * -(-(PREFIX + PRIVATE) // 16)
+    assert stats["host_pages_saved"] == 0 and stats["cached_pages"] == 0
+
+
+def test_fork_copies_the_partial_tail_and_shares_full_pages(daemon):
+    with KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace(agents.MODEL, agents.LAYOUT)
+        tokens = agents.prompt(40, 0, 0)  # 2 full pages + 8 tokens
+        [src] = client.allocate_with_prefix(ns, [SequenceRequest("src", tokens)])
+        agents.write_kv(client, ns, src.pages, tokens, 0)
+        client.set_aux_state(ns, "src", b"recurrent-state")
+        client.publish(ns, ["src"])
+        dst = client.fork(ns, "src", "dst")
+        assert dst.shared_pages == src.pages[:2]
+        assert len(dst.private_pages) == 1 and dst.private_pages[0] != src.pages[2]
+        assert dst.num_tokens == 40 and dst.shared_prefix_tokens == 32
+        assert np.array_equal(client.page_array(ns, dst.private_pages[0]), client.page_array(ns, src.pages[2]))
+        assert client.get_aux_state(ns, "dst") == b"recurrent-state"
+        # Writing dst's tail leaves src's tail alone.
+        before = client.page_array(ns, src.pages[2]).copy()
+        client.page(ns, dst.private_pages[0])[:, :, 8:] = 5.0
+        assert np.array_equal(client.page_array(ns, src.pages[2]), before)
+        assert client.stats()["physical_pages"] == 4
+        assert client.check_invariants() == []
+
+
+def test_sigkill_of_a_client_releases_its_references_within_a_second(daemon):
+    ready = SPAWN.Event()
+    victim = SPAWN.Process(target=agents.hold_and_wait, args=(daemon.socket, 64, ready))
+    victim.start()
+    try:
+        assert ready.wait(60)
+        with KVDClient.connect(daemon.socket) as observer:
+            held = observer.stats()
+            assert held["sequences"] == 1 and held["pinned_pages"] == 4 and held["sessions"] == 2
+            os.kill(victim.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            while time.monotonic() - killed_at < 1.0:
+                after = observer.stats()
+                if after["sessions"] == 1:
+                    break
+                time.sleep(0.02)
+            assert after["sessions"] == 1, "the dead client's session is still open after 1 s"
+            assert after["sequences"] == 0 and after["pinned_pages"] == 0
+            assert after["private_pages"] == 0 and after["shared_pages"] == 0
+            assert after["cached_pages"] == 4, "its published prefix pages stay cached for others"
+            assert observer.check_invariants() == []
+    finally:
+        victim.kill()
+        victim.join(timeout=10)
+
+
+def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(daemon):
+    import grpc
+    with KVDClient.connect(daemon.socket) as a, KVDClient.connect(daemon.socket) as b:
+        ns = a.register_namespace(agents.MODEL, agents.LAYOUT, vocab_size=50000)
+        b.register_namespace(agents.MODEL, agents.LAYOUT, vocab_size=50000)
+        a.allocate_with_prefix(ns, [SequenceRequest("mine", agents.prompt(20, 0, 0))])
+        before = a.stats()
+        cases = [
+            (lambda: a.allocate_with_prefix(ns + 7, [SequenceRequest("x", [1])]), grpc.StatusCode.NOT_FOUND, "namespace"),
+            (lambda: a.release(ns, ["nope"]), grpc.StatusCode.NOT_FOUND, "'nope'"),
+            (lambda: b.release(ns, ["mine"]), grpc.StatusCode.PERMISSION_DENIED, "another session"),
+            (lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", b"\x01\x00\x00")]), grpc.StatusCode.INVALID_ARGUMENT, "multiple of 4"),
+            (lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", [1, 60000])]), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+            (lambda: a.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", [1]) for i in range(5000)]), grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
+            (lambda: a.publish(ns, ["mine"], num_tokens={"mine": 20}), grpc.StatusCode.INVALID_ARGUMENT, "only full pages"),
+            (lambda: a.page(ns, 10**9), grpc.StatusCode.NOT_FOUND, "not a page"),
+            (lambda: a.set_state(ns, "mine", "EVICTED"), grpc.StatusCode.FAILED_PRECONDITION, "PREFILLED to EVICTED"),
+            (lambda: a.extend(ns, "mine", 10**8), grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
+        ]
+        for call, code, words in cases:
+            with pytest.raises(KVDError) as e:
+                call()
+            assert e.value.code == code, e.value
+            assert words in e.value.message, e.value
+        after = a.stats()
+        assert after == before
+        a.release(ns, ["mine"])
+        with pytest.raises(KVDError) as e:
+            a.release(ns, ["mine"])
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and "already released" in e.value.message
+        assert a.check_invariants() == []
+
+
+def test_budget_exhaustion_is_resource_exhausted_and_rolls_back(daemon_factory):
+    import grpc
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "256KiB")
+    with KVDClient.connect(d.socket) as client:
+        ns = client.register_namespace(agents.MODEL, agents.LAYOUT)  # 2 KiB pages: 512 fit
+        client.allocate_with_prefix(ns, [SequenceRequest("a", agents.prompt(16 * 300, 0, 0))])
+        before = client.stats()
+        with pytest.raises(KVDError) as e:
+            client.allocate_with_prefix(ns, [
+                SequenceRequest("b", agents.prompt(16 * 100, 1, 0)),
+                SequenceRequest("c", agents.prompt(16 * 200, 2, 0)),
+            ])
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "host budget" in e.value.message
+        after = client.stats()
+        assert {k: after[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")} == \
+               {k: before[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")}
+        assert after["arena_bytes"] <= after["host_bytes"]
+        assert client.check_invariants() == []

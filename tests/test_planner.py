@@ -1,0 +1,201 @@
+"""DecodeBatchPlanner over a CPU pool and real shared-memory host pages."""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+
+import pytest
+import torch
+
+from engine_client import PageLayout
+from gpu_worker.ipc import SharedSegment
+from gpu_worker.loader import PageLoader, PageStore
+from gpu_worker.planner import DecodeBatchPlanner, DecodePlan, HostRow, PlanExhausted, SeqId
+from gpu_worker.pool import GpuPagePool, HostPageId, torch_dtype
+
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+PREFIX = 40
+PRIVATE = 3
+BATCH = 8
+
+
+class ShmHostPages:
+    """HostPages over one real posix_ipc segment, standing in for the engine client."""
+
+    def __init__(self, layout: PageLayout, num_pages: int) -> None:
+        name = f"/kvd-test-host-{os.getpid()}-{secrets.token_hex(4)}"
+        self.segment = SharedSegment.create(name, num_pages * layout.page_bytes)
+        # pages: [num_pages, L, 2, P, H, D]
+        self.pages = self.segment.tensor(torch_dtype(layout), (num_pages, *layout.page_shape))
+        raw = self.segment.tensor(torch.uint8, (num_pages * layout.page_bytes,))
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+
+    def page(self, page_id: HostPageId) -> torch.Tensor:
+        return self.pages[page_id]
+
+    def extents(self) -> list[memoryview]:
+        return [memoryview(self.segment.buffer)]
+
+
+@pytest.fixture
+def host() -> ShmHostPages:
+    pages = ShmHostPages(LAYOUT, 256)
+    yield pages
+    pages.segment.unlink()
+
+
+def seq(i: int) -> SeqId:
+    return SeqId(f"s{i}")
+
+
+def rows(count: int = BATCH, prefix_start: int = 0, private_start: int = 100) -> dict[SeqId, HostRow]:
+    """`count` sequences sharing pages [prefix_start, prefix_start + PREFIX) plus PRIVATE own pages."""
+    shared = tuple(HostPageId(p) for p in range(prefix_start, prefix_start + PREFIX))
+    return {
+        seq(i): HostRow(shared, tuple(HostPageId(private_start + PRIVATE * i + j) for j in range(PRIVATE)))
+        for i in range(count)
+    }
+
+
+def planned(result: DecodePlan | PlanExhausted) -> DecodePlan:
+    assert isinstance(result, DecodePlan), result
+    return result
+
+
+def digest(page: torch.Tensor) -> str:
+    return hashlib.sha256(page.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_shared_prefix_is_loaded_once_and_shared_by_every_row() -> None:
+    pool = GpuPagePool.allocate(LAYOUT, 128)
+    plan = planned(DecodeBatchPlanner(pool).plan(rows(), runway_pages=1))
+    assert len(plan.loads) == PREFIX + BATCH * PRIVATE
+    assert len({load.host_page for load in plan.loads}) == len(plan.loads)
+    tables = plan.page_tables
+    assert tables.shape == (BATCH, PREFIX + PRIVATE + 1) and tables.dtype == torch.int32
+    assert torch.equal(tables[:, :PREFIX], tables[:1, :PREFIX].expand(BATCH, PREFIX))
+    assert plan.row_pages.tolist() == [PREFIX + PRIVATE + 1] * BATCH
+    assert plan.host_pages.tolist() == [PREFIX + PRIVATE] * BATCH
+    assert plan.logical_pages == BATCH * (PREFIX + PRIVATE + 1)
+    assert plan.physical_pages == PREFIX + BATCH * (PRIVATE + 1)
+    stats = pool.stats()
+    assert (stats.logical_pages, stats.physical_pages) == (plan.logical_pages, plan.physical_pages)
+    assert (stats.shared_pages, stats.shared_refs) == (PREFIX, PREFIX * BATCH)
+    assert stats.duplicate_loads_skipped == (BATCH - 1) * PREFIX
+
+
+def test_second_decode_step_loads_nothing() -> None:
+    planner = DecodeBatchPlanner(GpuPagePool.allocate(LAYOUT, 128))
+    first = planned(planner.plan(rows()))
+    before = planner.pool.snapshot()
+    second = planned(planner.plan(rows()))
+    assert second.loads == ()
+    assert torch.equal(first.page_tables, second.page_tables)
+    assert planner.pool.snapshot() == before
+
+
+def test_rows_of_different_lengths_are_padded_and_masked_by_length() -> None:
+    planner = DecodeBatchPlanner(GpuPagePool.allocate(LAYOUT, 16))
+    batch = {seq(0): HostRow(tuple(map(HostPageId, (1, 2, 3)))), seq(1): HostRow((HostPageId(1),))}
+    plan = planned(planner.plan(batch, runway_pages=2))
+    assert plan.row_pages.tolist() == [5, 3]
+    assert plan.page_tables.tolist() == [[0, 1, 2, 3, 4], [0, 5, 6, 0, 0]]
+    assert plan.rows == ((0, 1, 2, 3, 4), (0, 5, 6))
+
+
+def test_hold_and_resume_reload_only_what_was_evicted() -> None:
+    pool = GpuPagePool.allocate(LAYOUT, 100)
+    planner = DecodeBatchPlanner(pool)
+    batch = rows(count=2)
+    planned(planner.plan(batch))
+    for s in batch:
+        planner.suspend(s)  # IN_DECODE → ON_HOLD
+    assert pool.stats().logical_pages == 0
+    assert pool.stats().cached_pages == PREFIX + 2 * PRIVATE
+    # Another batch with its own 40-page prefix needs 60 pages: 54 free, 6 evicted (oldest).
+    other = rows(count=4, prefix_start=200, private_start=300)
+    squeeze = planned(planner.plan(other, runway_pages=2))
+    assert len(squeeze.evicted) == PREFIX + 4 * PRIVATE + 4 * 2 - (100 - PREFIX - 2 * PRIVATE)
+    for s in other:
+        planner.complete(s)
+    resumed = planned(planner.plan(batch))  # ON_HOLD → IN_DECODE
+    assert {load.host_page for load in resumed.loads} == set(squeeze.evicted)
+
+
+def test_completion_releases_every_gpu_reference_and_private_copies() -> None:
+    pool = GpuPagePool.allocate(LAYOUT, 128)
+    planner = DecodeBatchPlanner(pool)
+    batch = rows()
+    planned(planner.plan(batch, runway_pages=2))
+    for s in batch:
+        planner.complete(s)
+    assert planner.holding() == ()
+    state = pool.snapshot()
+    assert state.refcounts == {}
+    assert set(state.host_of_gpu.values()) == set(range(PREFIX))  # private copies forgotten
+    pool.check()
+
+
+def test_failed_extension_changes_nothing() -> None:
+    pool = GpuPagePool.allocate(LAYOUT, 80)
+    planner = DecodeBatchPlanner(pool)
+    batch = rows()
+    first = planned(planner.plan(batch))
+    before = pool.snapshot()
+    grown = {s: HostRow(r.shared, r.private + tuple(HostPageId(500 + 10 * i + j) for j in range(2)))
+             for i, (s, r) in enumerate(batch.items())}
+    result = planner.plan(grown, runway_pages=1)
+    assert result == PlanExhausted(needed=16, available=80 - first.physical_pages)
+    assert pool.snapshot() == before
+    again = planned(planner.plan(batch))
+    assert again.loads == () and torch.equal(again.page_tables, first.page_tables)
+
+
+def test_bad_row_is_rejected_before_any_change() -> None:
+    planner = DecodeBatchPlanner(GpuPagePool.allocate(LAYOUT, 8))
+    with pytest.raises(ValueError, match="sequence 's0': host row lists a page twice"):
+        planner.plan({seq(0): HostRow((HostPageId(1), HostPageId(1)))})
+    with pytest.raises(KeyError, match="sequence 's9' holds no GPU pages"):
+        planner.suspend(seq(9))
+    assert planner.pool.snapshot().refcounts == {}
+
+
+def test_adopted_runway_needs_no_reload_after_hold(host: ShmHostPages) -> None:
+    pool = GpuPagePool.allocate(LAYOUT, 16)
+    planner = DecodeBatchPlanner(pool)
+    loader = PageLoader(pool, host)
+    row = HostRow(tuple(map(HostPageId, (1, 2))), (HostPageId(3),))
+    plan = planned(planner.plan({seq(0): row}, runway_pages=1))
+    loader.load(plan.loads)
+    runway = plan.page_tables[0, 3].item()
+    pool.kv[runway].fill_(0.25)  # decode filled the runway page
+    loader.store([PageStore(runway, HostPageId(4))]).synchronize()
+    planner.adopt_runway(seq(0), [HostPageId(4)])
+    planner.suspend(seq(0))
+    grown = HostRow(row.shared, row.private + (HostPageId(4),))
+    resumed = planned(planner.plan({seq(0): grown}, runway_pages=1))
+    assert resumed.loads == ()
+    assert resumed.page_tables[0, 3].item() == runway
+    assert digest(pool.kv[runway]) == digest(host.page(HostPageId(4)))
+
+
+def test_shared_pages_stay_byte_identical_over_many_decode_steps(host: ShmHostPages) -> None:
+    """Decode writes only private GPU pages; the shared copies keep matching the host."""
+    pool = GpuPagePool.allocate(LAYOUT, 128)
+    planner = DecodeBatchPlanner(pool)
+    loader = PageLoader(pool, host)
+    batch = rows()
+    plan = planned(planner.plan(batch, runway_pages=2))
+    loader.load(plan.loads).synchronize()
+    for host_page, gpu_page in plan.loads:
+        assert digest(pool.kv[gpu_page]) == digest(host.page(host_page))
+    shared_gpu = plan.page_tables[0, :PREFIX].tolist()
+    for step in range(30):
+        plan = planned(planner.plan(batch, runway_pages=2))
+        assert plan.loads == ()
+        for i in range(BATCH):
+            runway = plan.page_tables[i, plan.host_pages[i]:plan.row_pages[i]]
+            pool.kv[runway.long(), :, :, step % LAYOUT.page_size] = float(step + i)
+    for p in range(PREFIX):
+        assert digest(pool.kv[shared_gpu[p]]) == digest(host.page(HostPageId(p)))
