@@ -24,38 +24,24 @@ def ideal_pages(num_agents: int, prefix: int = PREFIX, private: int = PRIVATE, p
     return shared + num_agents * per_agent
 
 
-def run_sequential(socket: str, groups: list[list[int]], observer: KVDClient):
-    """Engines start one after another; each publishes before the next allocates."""
+def run_engines(socket: str, groups: list[list[int]], observer: KVDClient, concurrent: bool):
+    """One engine process per group of agents; returns their reports and the stats read while they hold.
+
+    Sequential: each engine publishes before the next allocates. Concurrent: all allocate at
+    the same moment, so nobody has published yet and all prefill the prefix.
+    """
+    start = SPAWN.Barrier(len(groups) if concurrent else 1)  # kept alive until the children unpickle it
     done = SPAWN.Barrier(len(groups) + 1)
     results = SPAWN.Queue()
-    solo = SPAWN.Barrier(1)  # kept alive until the children have unpickled it
     procs, outs = [], []
     for group in groups:
-        p = SPAWN.Process(target=agents.run_agents, args=(socket, group, PREFIX, PRIVATE, solo, done, results))
+        p = SPAWN.Process(target=agents.run_agents, args=(socket, group, PREFIX, PRIVATE, start, done, results))
         p.start()
         procs.append(p)
-        outs.append(results.get(timeout=60))
-    done.wait(timeout=60)
-    stats, violations = observer.stats(), observer.check_invariants()
-    done.wait(timeout=60)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0, f"engine process exited with {p.exitcode}"
-    return outs, stats, violations
-
-
-def run_concurrent(socket: str, groups: list[list[int]], observer: KVDClient):
-    """Engines allocate at the same moment: nobody has published yet, so all prefill the prefix."""
-    start = SPAWN.Barrier(len(groups))
-    done = SPAWN.Barrier(len(groups) + 1)
-    results = SPAWN.Queue()
-    procs = [
-        SPAWN.Process(target=agents.run_agents, args=(socket, g, PREFIX, PRIVATE, start, done, results))
-        for g in groups
-    ]
-    for p in procs:
-        p.start()
-    outs = [results.get(timeout=60) for _ in groups]
+        if not concurrent:
+            outs.append(results.get(timeout=60))
+    if concurrent:
+        outs = [results.get(timeout=60) for _ in groups]
     done.wait(timeout=60)
     stats, violations = observer.stats(), observer.check_invariants()
     done.wait(timeout=60)
@@ -67,7 +53,7 @@ def run_concurrent(socket: str, groups: list[list[int]], observer: KVDClient):
 
 def test_four_agents_in_three_processes_store_the_prefix_once(daemon):
     with KVDClient.connect(daemon.socket) as observer:
-        outs, stats, violations = run_sequential(daemon.socket, [[0, 1], [2], [3]], observer)
+        outs, stats, violations = run_engines(daemon.socket, [[0, 1], [2], [3]], observer, concurrent=False)
     assert violations == []
     assert all(o["bad_reads"] == 0 for o in outs), outs
     assert stats["physical_pages"] == ideal_pages(4)
@@ -85,7 +71,7 @@ def test_four_agents_in_three_processes_store_the_prefix_once(daemon):
 
 def test_concurrent_identical_prefills_dedup_to_the_ideal(daemon):
     with KVDClient.connect(daemon.socket) as observer:
-        outs, stats, violations = run_concurrent(daemon.socket, [[0], [1], [2], [3]], observer)
+        outs, stats, violations = run_engines(daemon.socket, [[0], [1], [2], [3]], observer, concurrent=True)
     assert violations == []
     assert all(o["bad_reads"] == 0 for o in outs), outs
     assert all(o["hit_tokens"] == 0 for o in outs), "nobody had published when they allocated"
@@ -98,7 +84,7 @@ def test_prefix_reuse_disabled_shares_nothing_with_the_same_api(daemon_factory):
     d = daemon_factory("--host-bytes", "64MiB", "--extent-bytes", "4MiB")
     with KVDClient.connect(d.socket) as observer:
         assert observer.prefix_reuse is False
-        outs, stats, violations = run_sequential(d.socket, [[0, 1], [2], [3]], observer)
+        outs, stats, violations = run_engines(d.socket, [[0, 1], [2], [3]], observer, concurrent=False)
     assert violations == []
     assert all(o["bad_reads"] == 0 and o["hit_tokens"] == 0 and o["rebinds"] == 0 for o in outs)
     assert stats["physical_pages"] == stats["logical_pages"] == 4 * -(-(PREFIX + PRIVATE) // 16)

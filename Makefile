@@ -1,0 +1,42 @@
+# Two commands on a fresh machine:
+#   make demo   — set up, start a kvd daemon, run the multi-agent demo, print the result
+#   make test   — set up and run the whole test suite
+# Setup creates .venv and installs kvd with its engine and test extras. torch comes
+# first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
+# CUDA build of PyPI where one is.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: installing the CUDA build of torch"; \
+		$(PY) -m pip install --quiet torch; \
+	else \
+		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
+		$(PY) -m pip install --quiet $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install --quiet -e '.[engine,test]'
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m gpu_worker.demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) bench/bench_host.py
+	$(PY) bench/bench_prefill.py
+	$(PY) bench/bench_decode_loads.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,223 @@
+"""Host-side benchmarks of kvd: memory against the ideal, control-plane latency, data-plane bandwidth.
+
+Every figure is printed as a ratio measured side by side in one run (these machines are
+shared and noisy):
+
+1. workload: 4 agents x a 50,000-token shared prefix + 1,000 private tokens (page_size 16),
+   prefilled one after another and concurrently: physical/logical and physical/ideal pages.
+2. control plane: p50/p99 of allocate_with_prefix for one 50K-token prompt (miss and hit),
+   against an empty gRPC round trip in the same run; calls/s of a 64-sequence decode-step
+   extend batch from 1 and 8 client processes.
+3. data plane: bytes/s writing and reading pages through page() views against numpy.copyto
+   of the same bytes.
+
+    python bench/bench_host.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from engine_client import ExtendItem, KVDClient, PageLayout, SequenceRequest
+
+SPAWN = multiprocessing.get_context("spawn")
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")
+BIG_LAYOUT = PageLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")  # 2 MiB pages
+
+
+def start_daemon(socket: str, host_bytes: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd.cli", "serve", "--socket", socket, "--host-bytes", host_bytes,
+         "--enable-prefix-reuse", "--log-level", "WARNING"],
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if os.path.exists(socket):
+            try:
+                KVDClient.connect(socket, timeout=1).close()
+                return proc
+            except Exception:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("daemon did not start")
+
+
+def agent_prompt(prefix: int, private: int, agent: int) -> np.ndarray:
+    return np.concatenate([np.arange(prefix, dtype=np.int32) % 50000,
+                           50000 + agent * private + np.arange(private, dtype=np.int32)])
+
+
+def _agent(socket: str, model: str, agent: int, prefix: int, private: int, start, done, out) -> None:
+    with KVDClient.connect(socket) as c:
+        ns = c.register_namespace(model, LAYOUT)
+        start.wait()
+        c.allocate_with_prefix(ns, [SequenceRequest(f"agent{agent}", agent_prompt(prefix, private, agent))])
+        c.publish(ns, [f"agent{agent}"])
+        out.put(ns)
+        done.wait()  # hold the sequences while the parent reads stats
+        done.wait()
+
+
+def workload(socket: str, concurrent: bool, prefix: int = 50_000, private: int = 1_000, agents: int = 4) -> dict:
+    """Agent processes, each publishing before the next allocates, or all allocating at once."""
+    model = "bench-concurrent" if concurrent else "bench-sequential"
+    start = SPAWN.Barrier(agents if concurrent else 1)
+    done = SPAWN.Barrier(agents + 1)
+    out = SPAWN.Queue()
+    procs = []
+    with KVDClient.connect(socket) as observer:
+        for i in range(agents):
+            p = SPAWN.Process(target=_agent, args=(socket, model, i, prefix, private, start, done, out))
+            p.start()
+            procs.append(p)
+            if not concurrent:
+                ns = out.get()
+        if concurrent:
+            ns = [out.get() for _ in range(agents)][0]
+        done.wait()
+        [stats] = [n for n in observer.stats()["namespaces"] if n["namespace_id"] == ns]
+        done.wait()
+    for p in procs:
+        p.join()
+    ideal = prefix // 16 + agents * (-(-(prefix + private) // 16) - prefix // 16)
+    return {"logical": stats["logical_pages"], "physical": stats["physical_pages"], "ideal": ideal}
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples) * 1e3, q))
+
+
+def control_plane(socket: str, repeats: int) -> None:
+    with KVDClient.connect(socket) as c:
+        ns = c.register_namespace("bench-control", LAYOUT)
+        prompt = np.arange(50_000, dtype=np.int32)
+        ping, miss, hit = [], [], []
+        for i in range(repeats):
+            t = time.perf_counter(); c.ping(); ping.append(time.perf_counter() - t)
+            p = prompt.copy(); p[0] = i + 1  # a fresh first page: the whole prompt misses
+            t = time.perf_counter()
+            c.allocate_with_prefix(ns, [SequenceRequest(f"miss{i}", p)])
+            miss.append(time.perf_counter() - t)
+            c.release(ns, [f"miss{i}"])
+        c.allocate_with_prefix(ns, [SequenceRequest("base", prompt)])
+        c.publish(ns, ["base"])
+        for i in range(repeats):
+            t = time.perf_counter()
+            c.allocate_with_prefix(ns, [SequenceRequest(f"hit{i}", prompt)])
+            hit.append(time.perf_counter() - t)
+            c.release(ns, [f"hit{i}"])
+        rt = percentile(ping, 50)
+        print(f"  empty round trip          p50 {rt:6.3f} ms  p99 {percentile(ping, 99):6.3f} ms")
+        for name, s in (("50K allocate, miss", miss), ("50K allocate, hit", hit)):
+            print(f"  {name:<25} p50 {percentile(s, 50):6.3f} ms  p99 {percentile(s, 99):6.3f} ms"
+                  f"  = {percentile(s, 50) / rt:5.2f}x round trip  (target p50 <= 3 ms)")
+        c.release(ns, ["base"])
+
+
+def _decoder(socket: str, tag: str, steps: int, barrier, out) -> None:
+    with KVDClient.connect(socket) as c:
+        ns = c.register_namespace("bench-decode", LAYOUT)
+        ids = [f"{tag}-{i}" for i in range(64)]
+        c.allocate_with_prefix(ns, [SequenceRequest(s, np.arange(100, dtype=np.int32)) for s in ids])
+        items = [ExtendItem(s, 1, [7]) for s in ids]
+        ping = []
+        for _ in range(50):
+            t = time.perf_counter(); c.ping(); ping.append(time.perf_counter() - t)
+        barrier.wait()
+        t = time.perf_counter()
+        for _ in range(steps):
+            c.extend_batch(ns, items)
+        elapsed = time.perf_counter() - t
+        out.put((steps / elapsed, float(np.median(ping))))
+        c.release(ns, ids)
+
+
+def decode_batches(socket: str, clients: int, steps: int) -> None:
+    barrier, out = SPAWN.Barrier(clients), SPAWN.Queue()
+    procs = [SPAWN.Process(target=_decoder, args=(socket, f"c{i}", steps, barrier, out)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    rate = sum(r[0] for r in results)
+    per_call_ms = clients / rate * 1e3
+    rt = float(np.median([r[1] for r in results])) * 1e3
+    print(f"  64-seq extend batch, {clients} client(s): {rate:8.0f} calls/s total, {per_call_ms:6.3f} ms per call"
+          f" = {per_call_ms / rt:4.2f}x empty round trip {rt:.3f} ms (target <= 2x)")
+
+
+def data_plane(socket: str, pages: int) -> None:
+    with KVDClient.connect(socket) as c:
+        ns = c.register_namespace("bench-data", BIG_LAYOUT)
+        [a] = c.allocate_with_prefix(ns, [SequenceRequest("data", np.arange(pages * 16, dtype=np.int32))])
+        import torch
+        views = [c.page(ns, p) for p in a.pages]
+        src = torch.randn(BIG_LAYOUT.page_shape).to(torch.bfloat16)
+        dst = torch.empty_like(src)
+        plain_src = np.random.randint(0, 1 << 16, size=BIG_LAYOUT.page_shape, dtype=np.uint16)
+        plain = [np.empty_like(plain_src) for _ in range(pages)]
+        nbytes = pages * BIG_LAYOUT.page_bytes
+        for v in views:  # warm both sides
+            v.copy_(src)
+        for p in plain:
+            np.copyto(p, plain_src)
+        timings = {}
+        for name, fn in (
+            ("numpy.copyto write", lambda: [np.copyto(p, plain_src) for p in plain]),
+            ("page() view write", lambda: [v.copy_(src) for v in views]),
+            ("numpy.copyto read", lambda: [np.copyto(plain_src, p) for p in plain]),
+            ("page() view read", lambda: [dst.copy_(v) for v in views]),
+        ):
+            best = min(_timed(fn) for _ in range(5))
+            timings[name] = nbytes / best
+        for kind in ("write", "read"):
+            ours, base = timings[f"page() view {kind}"], timings[f"numpy.copyto {kind}"]
+            print(f"  {kind:<5} {ours / 1e9:6.2f} GB/s through page() vs {base / 1e9:6.2f} GB/s numpy.copyto"
+                  f" = {ours / base:4.2f} (target >= 0.8)")
+        c.release(ns, ["data"])
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = ap.parse_args()
+    repeats = 30 if args.quick else 200
+    with tempfile.TemporaryDirectory() as tmp:
+        socket = os.path.join(tmp, "kvd.sock")
+        daemon = start_daemon(socket, "2GiB")
+        try:
+            print("1. workload: 4 agents x 50,000 shared + 1,000 private tokens, page_size 16")
+            for concurrent in (False, True):
+                r = workload(socket, concurrent)
+                print(f"  {'concurrent' if concurrent else 'sequential'} prefill: logical {r['logical']} physical {r['physical']}"
+                      f" ideal {r['ideal']}: physical/logical {r['physical'] / r['logical']:.3f},"
+                      f" physical/ideal {r['physical'] / r['ideal']:.3f} (target 1.00)")
+            print("2. control plane")
+            control_plane(socket, repeats)
+            for clients in (1, 8):
+                decode_batches(socket, clients, 100 if args.quick else 500)
+            print("3. data plane (2 MiB pages, 256 MiB)")
+            data_plane(socket, 128)
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
