@@ -151,6 +151,7 @@ class Arena:
         """Creates, maps, pre-faults and locks the segment. Touches no arena state."""
         shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
         try:
+            os.fchmod(shm.fd, 0o660)  # whatever the umask: engines in the daemon's group map it read-write
             memory = mmap.mmap(shm.fd, plan.size)
         finally:
             shm.close_fd()

@@ -1,6 +1,6 @@
 """``kvd``: serve, stats, clean.
 
-    kvd serve [--socket PATH] [--host-bytes 8GiB] [--enable-prefix-reuse] [--metrics-port N]
+    kvd serve [--config FILE] [--socket PATH] [--host-bytes 8GiB] [--[no-]enable-prefix-reuse] [--metrics-port N]
     kvd stats [--socket PATH] [--json] [--watch SECONDS]
     kvd clean [--socket PATH]
 """
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket as socket_mod
+import stat
 import sys
 import time
 
@@ -21,12 +24,16 @@ def _serve(args) -> int:
         "metrics_host": args.metrics_host, "log_level": args.log_level,
     }
     cfg = config_mod.load(flags, config_file=args.config)
-    from kvd.server import serve  # the daemon's modules load only for `serve`
+    from kvd.server import StartupError, serve  # the daemon's modules load only for `serve`
     metrics = None
     if cfg.metrics_port:
         from kvd.metrics import MetricsExporter
         metrics = MetricsExporter()
-    serve(cfg, metrics)
+    try:
+        serve(cfg, metrics)
+    except StartupError as e:
+        print(f"kvd serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -50,9 +57,17 @@ def stats_table(stats: dict) -> str:
 
 def _stats(args) -> int:
     from engine_client.admin import fetch_stats
+    from engine_client.types import KVDError
+    if args.watch is not None and not args.watch > 0:
+        print(f"kvd stats: --watch needs a positive number of seconds, got {args.watch}", file=sys.stderr)
+        return 2
     path = _socket(args)
     while True:
-        stats = fetch_stats(path)
+        try:
+            stats = fetch_stats(path)
+        except KVDError as e:
+            print(f"kvd stats: no answer from the daemon on {path} ({e})", file=sys.stderr)
+            return 1
         if args.json:
             print(json.dumps(stats, indent=2))
         else:
@@ -67,13 +82,26 @@ def _stats(args) -> int:
 
 def _clean(args) -> int:
     from kvd.arena import leftover_segments, unlink_segments
-    from kvd.server import socket_answers
     cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
-    if socket_answers(cfg.socket):
+    try:
+        with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
+            sock.connect(cfg.socket)
         print(f"kvd clean: a daemon is running on {cfg.socket}; stop it first", file=sys.stderr)
         return 1
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass  # no daemon: the socket is missing, or a dead daemon's file
+    except OSError as e:  # e.g. EACCES: a daemon may be running; never pull its memory away
+        print(f"kvd clean: cannot tell whether a daemon runs on {cfg.socket} ({e.strerror})", file=sys.stderr)
+        return 1
     names = leftover_segments(cfg.shm_prefix)
-    unlink_segments(names)
+    try:
+        unlink_segments(names)
+    except PermissionError:
+        print(f"kvd clean: not allowed to remove the extents of {cfg.socket}; run it as the daemon's user",
+              file=sys.stderr)
+        return 1
+    if os.path.exists(cfg.socket) and stat.S_ISSOCK(os.lstat(cfg.socket).st_mode):
+        os.unlink(cfg.socket)  # a dead daemon's socket file
     print(f"removed {len(names)} shared-memory extents of {cfg.socket}")
     return 0
 
@@ -90,8 +118,9 @@ def parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--host-bytes", help="budget for all host pages, e.g. 8GiB (default 1GiB)")
     s.add_argument("--extent-bytes", help="size of one shared-memory extent (default 64MiB)")
-    s.add_argument("--enable-prefix-reuse", action="store_true", default=None,
-                   help="share identical full prefix pages between sequences (off by default)")
+    s.add_argument("--enable-prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="share identical full prefix pages between sequences (off by default; "
+                        "--no-enable-prefix-reuse overrides a config file)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     s.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")

@@ -85,6 +85,10 @@ def _coerce(name: str, value, source: str):
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
             raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a {kind}, got {value!r}")
+        if name == "socket_mode" and isinstance(value, str):
+            return int(value, 8)  # "0660", "660" or "0o660", as chmod reads it
         if kind == "int":
             return int(value, 0) if isinstance(value, str) else int(value)
         if kind == "float":
@@ -94,6 +98,29 @@ def _coerce(name: str, value, source: str):
         raise ConfigError(f"{e} (from {source})") from None
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: cannot use {value!r} (from {source})") from None
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check(name: str, value, source: str):
+    """Range checks, so a bad value fails at start-up with its source, not deep in the daemon."""
+    problem = None
+    if name == "log_level" and value.upper() not in _LOG_LEVELS:
+        problem = f"expected one of {', '.join(_LOG_LEVELS)}"
+    elif name == "metrics_port" and not 0 <= value <= 65535:
+        problem = "expected a TCP port, 1-65535 (0: no metrics endpoint)"
+    elif name == "socket_mode" and not 0 <= value <= 0o777:
+        problem = "expected permission bits such as 0660"
+    elif name == "shutdown_grace_seconds" and not value >= 0:
+        problem = "expected seconds >= 0"
+    elif name in ("socket", "metrics_host") and not value:
+        problem = "must not be empty"
+    elif name == "socket" and len(os.fsencode(value)) > 107:
+        problem = "a unix socket path holds at most 107 bytes"
+    if problem:
+        raise ConfigError(f"{name}: {problem}, got {value!r} (from {source})")
+    return value
 
 
 def load(flags: dict, environ: dict | None = None, config_file: str | None = None) -> ServeConfig:
@@ -114,12 +141,14 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
         for key, value in doc.items():
             if key not in _FIELDS:
                 raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {sorted(_FIELDS)}")
-            values[key] = _coerce(key, value, path)
+            values[key] = _check(key, _coerce(key, value, path), path)
     for name in _FIELDS:
         env = environ.get(f"KVD_{name.upper()}")
         if env is not None:
-            values[name] = _coerce(name, env, f"KVD_{name.upper()}")
+            source = f"KVD_{name.upper()}"
+            values[name] = _check(name, _coerce(name, env, source), source)
     for name, value in flags.items():
         if value is not None:
-            values[name] = _coerce(name, value, f"--{name.replace('_', '-')}")
+            source = f"--{name.replace('_', '-')}"
+            values[name] = _check(name, _coerce(name, value, source), source)
     return ServeConfig(**values)

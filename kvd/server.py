@@ -43,7 +43,11 @@ SERVER_OPTIONS = [
 PIN_SWEEP_SECONDS = 0.5
 
 
-class DaemonRunning(RuntimeError):
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why (``kvd serve`` prints it, exits 1)."""
+
+
+class DaemonRunning(StartupError):
     """Another daemon answers on the socket."""
 
 
@@ -71,11 +75,14 @@ def socket_answers(path: str) -> bool:
 
 
 def _prepare_socket(path: str) -> None:
-    if os.path.exists(path):
-        if socket_answers(path):
-            raise DaemonRunning(f"a daemon already serves {path}")
-        os.unlink(path)  # left behind by a daemon that died
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        if os.path.exists(path):
+            if socket_answers(path):
+                raise DaemonRunning(f"a daemon already serves {path}; stop it first or choose another socket")
+            os.unlink(path)  # left behind by a daemon that died
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"cannot prepare socket {path}: {e.strerror}") from None
 
 
 async def run(config: ServeConfig, metrics=None) -> None:
@@ -95,17 +102,28 @@ async def run(config: ServeConfig, metrics=None) -> None:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
     )
-    server.add_insecure_port(f"unix:{config.socket}")
+    if metrics is not None:  # before the socket: a busy port must not leave a half-started daemon
+        try:
+            metrics.start(manager, config.metrics_host, config.metrics_port)
+        except OSError as e:
+            manager.close(unlink=True)
+            raise StartupError(
+                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e.strerror}"
+            ) from None
     old_umask = os.umask(0o117)  # the socket file is created with mode 0660
     try:
+        server.add_insecure_port(f"unix:{config.socket}")
         await server.start()
+    except RuntimeError as e:
+        if metrics is not None:
+            metrics.stop()
+        manager.close(unlink=True)
+        raise StartupError(f"cannot listen on {config.socket}: {e}") from None
     finally:
         os.umask(old_umask)
     os.chmod(config.socket, config.socket_mode)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if metrics is not None:
-        metrics.start(manager, config.metrics_host, config.metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -129,6 +147,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     log.info("stopping: finishing calls in flight")
     notify_systemd("STOPPING=1")
     await health_servicer.enter_graceful_shutdown()
+    servicer.end_sessions()
     sweeper.cancel()
     await server.stop(grace=config.shutdown_grace_seconds)
     manager.close(unlink=True)

@@ -116,6 +116,8 @@ def _unary(method):
     @functools.wraps(method)
     async def wrapper(self: "KvdServicer", request, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back")
         try:
             return method(self, request)
         except KvdError as e:
@@ -131,20 +133,31 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def __init__(self, manager: KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
         self.m = manager
         self.observe_latency = observe_latency
+        self._session_events: set[asyncio.Queue] = set()
+        self.stopping = False
+
+    def end_sessions(self) -> None:
+        """Ends every session stream and refuses further calls (at shutdown), so a stop
+        need not wait for clients to leave."""
+        self.stopping = True
+        for events in self._session_events:
+            events.put_nowait(None)
 
     async def OpenSession(self, request, context):
         session = self.m.open_session(request.client_name, request.pid)
-        events: asyncio.Queue[pb.SessionEvent] = asyncio.Queue()
+        events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the daemon is stopping
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
         )
+        self._session_events.add(events)
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(
                 session=session.id, prefix_reuse=self.m.prefix_reuse, host_bytes=self.m.arena.budget_bytes,
             ))
-            while True:
-                yield await events.get()
+            while (event := await events.get()) is not None:
+                yield event
         finally:
+            self._session_events.discard(events)
             self.m.close_session(session.id)
 
     @_unary
