@@ -128,17 +128,21 @@ class PageLoader:
                 self.pool.kv[gpu_page].copy_(src, non_blocking=self._cuda)
         return self._finish(len(loads), len(loads) * self.pool.layout.page_bytes)
 
-    def store(self, stores: Sequence[PageStore]) -> CopyBatch:
+    def store(self, stores: Sequence[PageStore], *, compute_waits: bool = True) -> CopyBatch:
         """Offload each store's layers of its GPU page into its host private page, after
         the KV queued to be written is written. Call `synchronize()` on the result before
-        the host pages are read or published."""
+        the host pages are read or published.
+
+        With `compute_waits=False` the compute stream does not wait for the copies, so an
+        offload issued after layer i overlaps layers i+1...; the caller must then
+        `synchronize()` before anything overwrites the stored GPU pages."""
         nbytes = 0
         with self._side_stream():
             for gpu_page, host_page, layers in stores:
                 dst = self._host_page(host_page)[layers]  # [layers, 2, P, H, D] on host
                 dst.copy_(self.pool.kv[gpu_page, layers], non_blocking=self._cuda)
                 nbytes += dst.numel() * dst.element_size()
-        return self._finish(len(stores), nbytes)
+        return self._finish(len(stores), nbytes, compute_waits)
 
     def _host_page(self, host_page: HostPageId) -> torch.Tensor:
         page = self.host.page(host_page)
@@ -162,11 +166,12 @@ class PageLoader:
         with torch.cuda.stream(self._stream):
             yield
 
-    def _finish(self, pages: int, nbytes: int) -> CopyBatch:
-        """CUDA: record the copies' event and make the compute stream wait on it."""
+    def _finish(self, pages: int, nbytes: int, compute_waits: bool = True) -> CopyBatch:
+        """CUDA: record the copies' event and (unless told not to) make the compute stream wait on it."""
         if self._stream is None:
             return CopyBatch(pages, nbytes, None)
         done = torch.cuda.Event()
         done.record(self._stream)
-        torch.cuda.current_stream(self.pool.device).wait_event(done)
+        if compute_waits:
+            torch.cuda.current_stream(self.pool.device).wait_event(done)
         return CopyBatch(pages, nbytes, done)

@@ -30,6 +30,7 @@ from typing import NewType
 import torch
 
 from gpu_worker.pool import (
+    Acquired,
     GpuPageId,
     GpuPagePool,
     HostPageId,
@@ -94,16 +95,18 @@ class DecodeBatchPlanner:
         self._held: dict[SeqId, _HeldPages] = {}
 
     def plan(
-        self, rows: Mapping[SeqId, HostRow], runway_pages: int = 1
+        self, rows: Mapping[SeqId, HostRow], runway_pages: int | Mapping[SeqId, int] = 1
     ) -> DecodePlan | PlanExhausted:
         """Page tables for `rows` (in its iteration order), each with at least
-        `runway_pages` private pages after its host pages; all or nothing.
+        `runway_pages` private pages after its host pages (one count for every row, or one
+        per sequence: a suffix-only prefill needs as many as its suffix pages); all or nothing.
 
         A sequence already holding pages acquires only the host pages new to its row and
         releases those no longer in it (after the acquire, so a tight pool may refuse a
         change it could have made by releasing first). Held sequences absent from `rows`
         keep their pages."""
-        if runway_pages < 0:
+        wanted = runway_pages if isinstance(runway_pages, Mapping) else dict.fromkeys(rows, runway_pages)
+        if any(n < 0 for n in wanted.values()):
             raise ValueError(f"runway_pages must be ≥ 0, got {runway_pages}")
         request: list[HostPageId] = []
         runway_needed: dict[SeqId, int] = {}
@@ -113,7 +116,7 @@ class DecodeBatchPlanner:
             held = self._held.get(seq)
             held_pages = set(held.row.pages) if held else set()
             request.extend(h for h in row.pages if h not in held_pages)
-            runway_needed[seq] = max(0, runway_pages - (len(held.runway) if held else 0))
+            runway_needed[seq] = max(0, wanted.get(seq, 0) - (len(held.runway) if held else 0))
 
         got = self.pool.acquire(request, private=sum(runway_needed.values()))
         if isinstance(got, PoolExhausted):
@@ -159,6 +162,54 @@ class DecodeBatchPlanner:
         held.row = HostRow(held.row.shared, held.row.private + tuple(host_pages))
         held.gpu.extend(held.runway[:n])
         del held.runway[:n]
+
+    def trim_runway(self, seq: SeqId, keep: int) -> None:
+        """Release the sequence's runway pages after the first `keep` (undoes the runway a
+        `plan` added when the step it was for cannot run)."""
+        held = self._held.get(seq)
+        if held is None:
+            raise KeyError(f"sequence {seq!r} holds no GPU pages")
+        extra = held.runway[keep:]
+        del held.runway[keep:]
+        self.pool.release(extra, owner=f"sequence {seq!r}")
+
+    def rebind(self, seq: SeqId, position: int, host_page: HostPageId) -> PageLoad | None:
+        """The daemon replaced the sequence's host page at `position` of its row by the
+        identical published page `host_page` and freed the old one (publish dedup).
+
+        If `host_page` is resident, the row now points at that copy and its own copy is
+        released and forgotten. Otherwise its own copy is renamed to `host_page` and the
+        returned load refreshes it from the host, so the copy equals the host page byte
+        for byte (two computations of the same KV may differ in rounding)."""
+        held = self._held.get(seq)
+        if held is None:
+            raise KeyError(f"sequence {seq!r} holds no GPU pages")
+        pages = list(held.row.pages)
+        old = pages[position]
+        if old == host_page:
+            return None
+        if host_page in pages:
+            raise ValueError(f"sequence {seq!r}: host page {host_page} would appear twice in its row")
+        pages[position] = host_page
+        n_shared = len(held.row.shared)
+        held.row = HostRow(tuple(pages[:n_shared]), tuple(pages[n_shared:]))
+        resident = self.pool.copy_of(host_page)
+        if resident is None:
+            self.pool.rename(old, host_page)
+            return PageLoad(host_page, held.gpu[position])
+        got = self.pool.acquire([host_page])
+        assert isinstance(got, Acquired) and not got.loads, f"resident host page {host_page} needed a load"
+        self.pool.release([held.gpu[position]], owner=f"sequence {seq!r}")
+        self.pool.forget([old])
+        held.gpu[position] = got.gpu_pages[0]
+        return None
+
+    def table(self, seq: SeqId) -> tuple[GpuPageId, ...]:
+        """The sequence's current page table: copies of its host row, then its runway."""
+        held = self._held.get(seq)
+        if held is None:
+            raise KeyError(f"sequence {seq!r} holds no GPU pages")
+        return tuple(held.gpu + held.runway)
 
     def holding(self) -> tuple[SeqId, ...]:
         """Sequences that hold GPU references."""

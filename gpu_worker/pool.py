@@ -136,6 +136,10 @@ class GpuPagePool:
         """The host page `gpu_page` is a copy of; None for free and private pages."""
         return self._host_of_gpu.get(gpu_page)
 
+    def copy_of(self, host_page: HostPageId) -> GpuPageId | None:
+        """The GPU page holding a copy of `host_page` (in use or cached); None if not resident."""
+        return self._gpu_of_host.get(host_page)
+
     # ---- refcount changes ----------------------------------------------------------------
 
     def acquire(
@@ -219,6 +223,22 @@ class GpuPagePool:
             )
         self._host_of_gpu[gpu_page] = host_page
         self._gpu_of_host[host_page] = gpu_page
+
+    def rename(self, old: HostPageId, new: HostPageId) -> None:
+        """Host page `old` was replaced by host page `new` (the daemon found an identical page
+        on publish and freed `old`): the copy of `old` now stands for `new`, with its
+        references. The caller reloads it from `new` if the bytes may differ."""
+        g = self._gpu_of_host.get(old)
+        if g is None:
+            raise PoolInvariantError(f"host page {old} renamed to {new} but it is not resident")
+        if new in self._gpu_of_host:
+            raise PoolInvariantError(
+                f"host page {old} renamed to {new}, which is already resident in gpu page "
+                f"{self._gpu_of_host[new]}"
+            )
+        del self._gpu_of_host[old]
+        self._gpu_of_host[new] = g
+        self._host_of_gpu[g] = new
 
     def forget(self, host_pages: Iterable[HostPageId]) -> None:
         """Drop the cached copies of host pages whose ids the daemon will reuse (freed
