@@ -18,37 +18,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 from engine_client import ExtendItem, KVDClient, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
 
 SPAWN = multiprocessing.get_context("spawn")
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")
 BIG_LAYOUT = PageLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16")  # 2 MiB pages
-
-
-def start_daemon(socket: str, host_bytes: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.cli", "serve", "--socket", socket, "--host-bytes", host_bytes,
-         "--enable-prefix-reuse", "--log-level", "WARNING"],
-    )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if os.path.exists(socket):
-            try:
-                KVDClient.connect(socket, timeout=1).close()
-                return proc
-            except Exception:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("daemon did not start")
 
 
 def agent_prompt(prefix: int, private: int, agent: int) -> np.ndarray:
@@ -200,7 +180,8 @@ def main() -> None:
     repeats = 30 if args.quick else 200
     with tempfile.TemporaryDirectory() as tmp:
         socket = os.path.join(tmp, "kvd.sock")
-        daemon = start_daemon(socket, "2GiB")
+        daemon = DaemonProcess.start(socket, "--host-bytes", "2GiB", "--enable-prefix-reuse", "--log-level", "WARNING",
+                                     log_path=os.path.join(tmp, "kvd.log"))
         try:
             print("1. workload: 4 agents x 50,000 shared + 1,000 private tokens, page_size 16")
             for concurrent in (False, True):
@@ -215,8 +196,7 @@ def main() -> None:
             print("3. data plane (2 MiB pages, 256 MiB)")
             data_plane(socket, 128)
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(timeout=30)
+            daemon.stop()
 
 
 if __name__ == "__main__":

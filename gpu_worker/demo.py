@@ -21,8 +21,6 @@ import argparse
 import multiprocessing
 import os
 import queue
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_client.launch import DaemonProcess
 from gpu_worker.model import ModelRunner, PrefillRequest
 from gpu_worker.model_config import ModelSpec, parse_config
 from gpu_worker.weights import DenseMlpWeights, LayerWeights, Linear, ModelWeights, MoeWeights
@@ -202,43 +201,21 @@ class Daemon:
     def __init__(self, host_bytes: str = "256MiB", extent_bytes: str = "8MiB") -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="kvd-demo-")
         self.socket = os.path.join(self.dir.name, "kvd.sock")
-        self.log_path = os.path.join(self.dir.name, "kvd.log")
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvd.cli", "serve", "--socket", self.socket, "--enable-prefix-reuse",
-                 "--host-bytes", host_bytes, "--extent-bytes", extent_bytes, "--log-level", "WARNING"],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
+        self.daemon = DaemonProcess(
+            self.socket, ("--enable-prefix-reuse", "--host-bytes", host_bytes, "--extent-bytes", extent_bytes,
+                          "--log-level", "WARNING"), log_path=os.path.join(self.dir.name, "kvd.log"),
+        )
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        from engine_client import KVDClient
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvd serve exited with {self.process.returncode}:\n{self.log()}")
-            if os.path.exists(self.socket):
-                try:
-                    KVDClient.connect(self.socket, client_name="kvd-demo", timeout=1).close()
-                    return
-                except Exception:
-                    pass
-            time.sleep(0.05)
-        raise RuntimeError(f"kvd serve did not answer within {timeout} s:\n{self.log()}")
+        self.daemon.wait_ready(timeout)
 
     def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
+        return self.daemon.log()
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = self.daemon.stop()
         self.dir.cleanup()
-        return self.process.returncode
+        return code
 
 
 def _next_message(messages, procs, timeout: float = 300.0):

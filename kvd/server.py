@@ -143,6 +143,9 @@ async def run(config: ServeConfig, metrics=None) -> None:
     )
     notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
     await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a repeated signal must not cut the graceful stop short
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
     log.info("stopping: finishing calls in flight")
     notify_systemd("STOPPING=1")
