@@ -119,5 +119,30 @@ class PrefixIndex:
         owner = self._pages.pop(key)
         assert owner == page, f"index held page {owner} under the key of page {page}"
 
+    def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int,
+              content_of) -> tuple[list[PageId], list[PageKey]]:
+        """The longest run of leading full pages whose stored content equals the request's.
+
+        ``page_bytes`` is the size of one page's token ids; ``content_of(page)`` returns the
+        stored ``PageContent``. Runs once per page of every prompt, so it avoids calls.
+        """
+        pages: list[PageId] = []
+        keys: list[PageKey] = []
+        parent_key, parent = chain.root, None
+        index_get, page_local = self._pages.get, chain.page_local
+        for i in range(full_pages):
+            page_tokens = tokens[i * page_bytes:(i + 1) * page_bytes]
+            local = chain.local_bytes(i) if i == 0 or page_local else b""
+            key = page_key(parent_key, i, page_tokens, local)
+            page = index_get(key)
+            if page is None:
+                break
+            if not content_of(page).matches(page_tokens, parent, local):
+                break  # a hash collision: a miss, never wrong KV
+            pages.append(page)
+            keys.append(key)
+            parent_key, parent = key, page
+        return pages, keys
+
     def items(self):
         return self._pages.items()

@@ -43,8 +43,8 @@ def violations(manager) -> list[str]:
                 expected[page] += 1
                 pinned[page] += 1
     physical = 0
-    free_by_ns: Counter = Counter()
-    cached_by_ns: Counter = Counter()
+    free_by_ns: dict[int, set] = {}
+    cached_by_ns: dict[int, set] = {}
     for page, state, refcount, pins, ns_id in pool.pages():
         if refcount != expected[page]:
             found.append(f"page {page} has refcount {refcount} but {expected[page]} references (sequences + pins)")
@@ -53,7 +53,7 @@ def violations(manager) -> list[str]:
         if owners.get(page):
             physical += 1
         if state is PageState.FREE:
-            free_by_ns[ns_id] += 1
+            free_by_ns.setdefault(ns_id, set()).add(page)
             if refcount:
                 found.append(f"free page {page} has refcount {refcount}")
         elif state is PageState.PRIVATE:
@@ -63,21 +63,28 @@ def violations(manager) -> list[str]:
             if refcount < 1:
                 found.append(f"published page {page} has refcount {refcount}")
         elif state is PageState.CACHED:
-            cached_by_ns[ns_id] += 1
+            cached_by_ns.setdefault(ns_id, set()).add(page)
             if refcount or not pool.is_indexed(page):
                 found.append(f"cached page {page} has refcount {refcount}, indexed={pool.is_indexed(page)}")
         if state in (PageState.PUBLISHED, PageState.CACHED) and pool.content(page) is None:
             found.append(f"{state.value} page {page} has no content record")
+        elif pool.is_indexed(page) and index.get(pool.content(page).key) != page:
+            found.append(f"page {page} is marked indexed but the index does not map its key to it")
     for key, page in index.items():
         if page not in pool or pool.state(page) not in (PageState.PUBLISHED, PageState.CACHED):
             found.append(f"index maps a key to page {page}, which is not published")
         elif pool.content(page).key != key or not pool.is_indexed(page):
             found.append(f"index key of page {page} does not match its content")
     for ns in manager.namespaces.all():
-        if free_by_ns[ns.id] != pool.free_count(ns.id):
-            found.append(f"namespace {ns.id}: {free_by_ns[ns.id]} free pages but {pool.free_count(ns.id)} on the free list")
-        if cached_by_ns[ns.id] != pool.cached_count(ns.id):
-            found.append(f"namespace {ns.id}: {cached_by_ns[ns.id]} cached pages but {pool.cached_count(ns.id)} in the LRU")
+        for what, listed, pages in (
+            ("free list", pool.free_list(ns.id), free_by_ns.get(ns.id, set())),
+            ("LRU", pool.lru_order(ns.id), cached_by_ns.get(ns.id, set())),
+        ):
+            if len(listed) != len(pages) or set(listed) != pages:
+                found.append(
+                    f"namespace {ns.id}: {what} holds pages {sorted(set(listed) - pages)} it should not, misses "
+                    f"{sorted(pages - set(listed))} and lists {len(listed) - len(set(listed))} pages twice"
+                )
     if physical > logical:
         found.append(f"physical pages {physical} exceed logical pages {logical}")
     if manager.arena.reserved_bytes > manager.arena.budget_bytes:

@@ -23,7 +23,7 @@ from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry
 from kvd.pool import PagePool
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
-from kvd.types import NamespaceId, PageId, PageKey, PinId, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, PageState, PinId, SeqId, SeqState, SessionId
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class KVCacheManager:
 
     def close(self, unlink: bool = True) -> None:
         for plan, future in self._building.values():
-            self._adopt(future.result())
+            self._take_built(plan, future)
         self._building.clear()
         self._builder.shutdown()
         self.arena.close(unlink=unlink)
@@ -187,19 +187,15 @@ class KVCacheManager:
                         f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
                         "release it or use another id"
                     )
-        for p in prepared:  # match and pin in one step: no hit can be evicted after this
-            if self.prefix_reuse:
+        if self.prefix_reuse:
+            for p in prepared:
                 p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
-                for page in p.hits:
-                    self.pool.acquire(page)
         need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
-        try:
-            self._ensure_free(ns, need)
-        except ResourceExhausted:
-            for p in reversed(prepared):
-                for page in reversed(p.hits):
-                    self.pool.release(page)
-            raise
+        # Raise before pinning anything: a failed batch leaves counters and LRU order alone.
+        self._check_room(ns, need, held=frozenset(page for p in prepared for page in p.hits))
+        for p in prepared:  # pin the hits before making room: no hit can be evicted after this
+            self.pool.acquire_all(p.hits)
+        self._ensure_free(ns, need)
         plans = []
         counters = self.counters[ns.id]
         for p in prepared:
@@ -246,7 +242,7 @@ class KVCacheManager:
             if num_tokens == 0:
                 upto = min(seq.num_tokens, seq.known_tokens) // ns.page_size
             else:
-                if num_tokens % ns.page_size or num_tokens > seq.num_tokens:
+                if num_tokens < 0 or num_tokens % ns.page_size or num_tokens > seq.num_tokens:
                     raise InvalidArgument(
                         f"sequence {seq_id!r}: cannot publish {num_tokens} tokens; only full pages are "
                         f"published (a multiple of page_size {ns.page_size}, at most its {seq.num_tokens} tokens)"
@@ -321,8 +317,7 @@ class KVCacheManager:
         shared = src.shared_pages
         copies = src.private_pages
         self._ensure_free(ns, len(copies), protect=src)
-        for page in shared:
-            self.pool.acquire(page)
+        self.pool.acquire_all(shared)
         private = []
         for page in copies:
             dst_page = self.pool.allocate(ns.id)
@@ -383,8 +378,7 @@ class KVCacheManager:
             raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
         p = self._prepare(ns, SequenceRequest("pin", tokens, extra_keys))
         pages = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
-        for page in pages:
-            self.pool.acquire(page, pin=True)
+        self.pool.acquire_all(pages, pin=True)
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
         pin = Pin(self.sessions.new_pin_id(), session.id, ns.id, pages, expires)
         session.pins[pin.id] = pin
@@ -401,8 +395,7 @@ class KVCacheManager:
         return len(expired)
 
     def _unpin(self, session: Session, pin: Pin) -> None:
-        for page in reversed(pin.pages):
-            self.pool.release(page, pin=True)
+        self.pool.release_all(reversed(pin.pages), pin=True)
         del session.pins[pin.id]
 
     # ---- internals: validation ----------------------------------------------------
@@ -474,22 +467,7 @@ class KVCacheManager:
 
     def _match(self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int) -> tuple[list[PageId], list[PageKey]]:
         """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
-        step = ns.page_size * TOKEN_BYTES
-        pages: list[PageId] = []
-        keys: list[PageKey] = []
-        parent_key, parent = chain.root, None
-        index_get, content_of = self.index.get, self.pool.content
-        for i in range(full_pages):
-            page_tokens = tokens[i * step:(i + 1) * step]
-            local = chain.local_bytes(i)
-            key = page_key(parent_key, i, page_tokens, local)
-            page = index_get(key)
-            if page is None or not content_of(page).matches(page_tokens, parent, local):
-                break
-            pages.append(page)
-            keys.append(key)
-            parent_key, parent = key, page
-        return pages, keys
+        return self.index.match(chain, tokens, ns.page_size * TOKEN_BYTES, full_pages, self.pool.content)
 
     def _publish_page(self, ns: Namespace, seq: Sequence, i: int) -> Rebind | None:
         step = ns.page_size * TOKEN_BYTES
@@ -516,15 +494,23 @@ class KVCacheManager:
 
     def _ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """Makes ``need`` pages free in the namespace, or raises before evicting anything."""
+        self._check_room(ns, need, protect)
+        while self.pool.free_count(ns.id) < need:
+            self._make_room(ns, protect)
+
+    def _check_room(self, ns: Namespace, need: int, protect: Sequence | None = None,
+                    held: frozenset[PageId] = frozenset()) -> None:
+        """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired."""
         self._adopt_built()
         if self.pool.free_count(ns.id) >= need:
             return
         building = self._building.get(ns.id)
+        held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
         available = (
             self.pool.free_count(ns.id)
             + (building[0].num_pages if building else 0)
             + self.arena.creatable_pages(ns.page_bytes)
-            + self.pool.cached_count(ns.id)
+            + self.pool.cached_count(ns.id) - held_cached
             + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
             + sum(len(s.private_pages) for s in self.sequences.on_hold(ns.id) if s is not protect)
         )
@@ -533,14 +519,12 @@ class KVCacheManager:
                 f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
                 f"freed within the host budget of {self.arena.budget_bytes} bytes"
             )
-        while self.pool.free_count(ns.id) < need:
-            self._make_room(ns, protect)
 
     def _make_room(self, ns: Namespace, protect: Sequence | None) -> None:
         """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction."""
         building = self._building.pop(ns.id, None)
         if building is not None:
-            self._adopt(building[1].result())
+            self._take_built(*building)
             return
         plan = self.arena.plan(ns.id, ns.page_bytes)
         if plan is not None:
@@ -595,7 +579,18 @@ class KVCacheManager:
         for ns_id, (plan, future) in list(self._building.items()):
             if future.done():
                 del self._building[ns_id]
-                self._adopt(future.result())
+                self._take_built(plan, future)
+
+    def _take_built(self, plan: ExtentPlan, future: Future) -> None:
+        """Adopts a background build, or returns the budget of one that failed."""
+        try:
+            extent = future.result()
+        except Exception:
+            # The next build runs on the request path (_make_room) and reports the error there.
+            self.arena.cancel(plan)
+            log.exception("building extent %s in the background failed; its budget is returned", plan.name)
+            return
+        self._adopt(extent)
 
     def _build(self, plan: ExtentPlan) -> Extent:
         try:
@@ -616,8 +611,7 @@ class KVCacheManager:
 
     def _release_pages(self, seq: Sequence) -> None:
         """Releases tail first, so the chain's tail is evicted before its parents."""
-        for page in reversed(seq.pages):
-            self.pool.release(page)
+        self.pool.release_all(reversed(seq.pages))
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
     def _forget(self, seq: Sequence) -> None:

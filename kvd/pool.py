@@ -137,34 +137,52 @@ class PagePool:
 
     def acquire(self, page: PageId, pin: bool = False) -> None:
         """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
-        p = self._pages[page]
-        if p.state is PageState.CACHED:
-            del self._by_namespace[p.namespace].lru[page]
-            p.state = PageState.PUBLISHED
-            self._extent_in_use[p.extent] += 1
-        assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
-        p.refcount += 1
-        if pin:
-            p.pins += 1
-        self.counters(p.namespace).refcount_increments += 1
+        self.acquire_all((page,), pin)
+
+    def acquire_all(self, pages, pin: bool = False) -> None:
+        """acquire() for each page, in one pass (a 50K-token hit pins ~3K pages)."""
+        pages_of, lru_of, in_use = self._pages, self._by_namespace, self._extent_in_use
+        counted: dict[NamespaceId, int] = {}
+        for page in pages:
+            p = pages_of[page]
+            if p.state is PageState.CACHED:
+                del lru_of[p.namespace].lru[page]
+                p.state = PageState.PUBLISHED
+                in_use[p.extent] += 1
+            assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
+            p.refcount += 1
+            if pin:
+                p.pins += 1
+            counted[p.namespace] = counted.get(p.namespace, 0) + 1
+        for namespace, n in counted.items():
+            self.counters(namespace).refcount_increments += n
 
     def release(self, page: PageId, pin: bool = False) -> None:
         """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
-        p = self._pages[page]
-        assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
-        assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
-        p.refcount -= 1
-        if pin:
-            p.pins -= 1
-        self.counters(p.namespace).refcount_decrements += 1
-        if p.refcount:
-            return
-        self._extent_in_use[p.extent] -= 1
-        if p.state is PageState.PUBLISHED and p.indexed:
-            p.state = PageState.CACHED
-            self._by_namespace[p.namespace].lru[page] = None
-        else:
-            self._to_free(page, p)
+        self.release_all((page,), pin)
+
+    def release_all(self, pages, pin: bool = False) -> None:
+        """release() for each page in the given order (callers pass a chain tail first)."""
+        pages_of = self._pages
+        counted: dict[NamespaceId, int] = {}
+        for page in pages:
+            p = pages_of[page]
+            assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
+            assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
+            p.refcount -= 1
+            if pin:
+                p.pins -= 1
+            counted[p.namespace] = counted.get(p.namespace, 0) + 1
+            if p.refcount:
+                continue
+            self._extent_in_use[p.extent] -= 1
+            if p.state is PageState.PUBLISHED and p.indexed:
+                p.state = PageState.CACHED
+                self._by_namespace[p.namespace].lru[page] = None
+            else:
+                self._to_free(page, p)
+        for namespace, n in counted.items():
+            self.counters(namespace).refcount_decrements += n
 
     def publish(self, page: PageId, content: PageContent, indexed: bool) -> None:
         """PRIVATE → PUBLISHED: the page is immutable from now on."""

@@ -1,0 +1,260 @@
+"""Chained page keys and the prefix index: what enters a key, and what a hit must match."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import identity
+
+import kvd.index
+import kvd.manager
+from kvd import invariants
+from kvd.errors import InvalidArgument
+from kvd.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.manager import SequenceRequest
+from kvd.types import PageId, PageKey, PageState
+
+PAGE_SIZE = 4
+ROOT = bytes(range(16))
+
+
+def toks(ids) -> bytes:
+    """Token ids packed as the wire carries them: little-endian int32."""
+    return np.asarray(list(ids), dtype="<i4").tobytes()
+
+
+def chain_keys(spec: ChainSpec, ids: list[int], page_size: int = PAGE_SIZE) -> list[PageKey]:
+    """Keys of every full page of a prompt, computed independently of the manager."""
+    keys, parent = [], spec.root
+    for i in range(len(ids) // page_size):
+        parent = page_key(parent, i, toks(ids[i * page_size:(i + 1) * page_size]), spec.local_bytes(i))
+        keys.append(parent)
+    return keys
+
+
+def lora(name: bytes) -> ExtraKey:
+    return ExtraKey(ExtraKind.LORA, name)
+
+
+def salt(value: bytes) -> ExtraKey:
+    return ExtraKey(ExtraKind.CACHE_SALT, value)
+
+
+def image(digest: bytes, offset: int, length: int) -> ExtraKey:
+    return ExtraKey(ExtraKind.MULTIMODAL, digest, offset, length)
+
+
+@pytest.fixture
+def core(make_manager):
+    """A manager, one session, one namespace of page_size 4."""
+    m = make_manager()
+    session = m.open_session("test", 1)
+    ns = m.register_namespace(identity(page_size=PAGE_SIZE))
+    return m, session.id, ns.id
+
+
+def allocate_and_publish(m, sid, ns, seq_id, ids, extra=()):
+    plan = m.allocate(sid, ns, [SequenceRequest(seq_id, toks(ids), tuple(extra))])[0]
+    m.publish(sid, ns, [(seq_id, 0)])
+    return plan
+
+
+def hits(m, sid, ns, ids, extra=()) -> list[PageId]:
+    return m.lookup(sid, ns, [SequenceRequest("probe", toks(ids), tuple(extra))])[0].hit_pages
+
+
+# ---- chained keys -------------------------------------------------------------------
+
+def test_key_depends_on_page_index_parent_tokens_and_local_bytes():
+    tokens = toks([1, 2, 3, 4])
+    base = page_key(ROOT, 0, tokens, b"")
+    assert page_key(ROOT, 0, tokens, b"") == base  # deterministic
+    assert page_key(ROOT, 1, tokens, b"") != base
+    assert page_key(bytes(16), 0, tokens, b"") != base
+    assert page_key(ROOT, 0, toks([1, 2, 3, 5]), b"") != base
+    assert page_key(ROOT, 0, tokens, b"x") != base
+    assert len(base) == 16
+
+
+def test_same_page_tokens_under_another_parent_is_a_different_page(core):
+    m, sid, ns = core
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    allocate_and_publish(m, sid, ns, "ab", a + b)          # pages 0, 1
+    assert hits(m, sid, ns, a + b) == [0, 1]
+    # b's tokens behind another first page: no hit, the chain stops at page 0.
+    assert hits(m, sid, ns, c + b) == []
+    # b's tokens at page index 0 (no parent): no hit either.
+    assert hits(m, sid, ns, b) == []
+    # the same tokens repeated at two page indexes are two pages with two keys.
+    plan = allocate_and_publish(m, sid, ns, "aa", a + a)
+    assert plan.shared_pages == [0] and plan.private_pages == [2]
+    assert hits(m, sid, ns, a + a) == [0, 2]
+    assert len(m.index) == 3
+    keys = chain_keys(chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, []), a + a)
+    assert keys[0] != keys[1]
+    assert {m.index.get(k) for k in keys} == {0, 2}
+    assert invariants.violations(m) == []
+
+
+def test_publishing_a_page_under_another_parent_does_not_dedup(core):
+    m, sid, ns = core
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    allocate_and_publish(m, sid, ns, "ab", a + b)
+    m.allocate(sid, ns, [SequenceRequest("cb", toks(c + b))])
+    [result] = m.publish(sid, ns, [("cb", 0)])
+    assert result.published_pages == 2 and result.rebinds == []
+    assert m.sequences.find(ns, "cb").pages == [2, 3]
+    assert len(m.index) == 4
+
+
+# ---- extra keys ---------------------------------------------------------------------
+
+def test_extra_keys_are_tagged_so_a_lora_name_never_equals_a_salt():
+    plain = chain_spec(ROOT, PAGE_SIZE, [])
+    as_lora = chain_spec(ROOT, PAGE_SIZE, [lora(b"tenant-1")])
+    as_salt = chain_spec(ROOT, PAGE_SIZE, [salt(b"tenant-1")])
+    assert len({plain.root, as_lora.root, as_salt.root}) == 3
+    # request-wide keys do not depend on their order in the request
+    both = chain_spec(ROOT, PAGE_SIZE, [lora(b"l"), salt(b"s")])
+    assert chain_spec(ROOT, PAGE_SIZE, [salt(b"s"), lora(b"l")]).root == both.root
+
+
+def test_extra_keys_are_length_prefixed():
+    # Tag bytes alone would encode LORA b"x" + SALT b"y" as 02 'x' 03 'y', the same bytes as
+    # one LORA key b"x\x03y"; the length prefix keeps them apart.
+    two = chain_spec(ROOT, PAGE_SIZE, [lora(b"x"), salt(b"y")])
+    one = chain_spec(ROOT, PAGE_SIZE, [lora(b"x" + bytes([ExtraKind.CACHE_SALT]) + b"y")])
+    assert two.root != one.root
+    # the same split inside one kind
+    assert chain_spec(ROOT, PAGE_SIZE, [lora(b"ab")]).root != chain_spec(ROOT, PAGE_SIZE, [lora(b"a"), lora(b"b")]).root
+
+
+def test_lora_and_salt_with_equal_bytes_never_share_pages(core):
+    m, sid, ns = core
+    ids = list(range(1, 9))
+    allocate_and_publish(m, sid, ns, "lora", ids, [lora(b"t1")])
+    assert hits(m, sid, ns, ids, [lora(b"t1")]) == [0, 1]
+    assert hits(m, sid, ns, ids, [salt(b"t1")]) == []
+    assert hits(m, sid, ns, ids) == []
+    assert hits(m, sid, ns, ids, [lora(b"t2")]) == []
+    plan = m.allocate(sid, ns, [SequenceRequest("salt", toks(ids), (salt(b"t1"),))])[0]
+    assert plan.shared_pages == [] and plan.private_pages == [2, 3]
+    [result] = m.publish(sid, ns, [("salt", 0)])
+    assert result.rebinds == [] and result.published_pages == 2
+
+
+@pytest.mark.parametrize(
+    "offset, length, pages",
+    [(5, 6, {1, 2}), (4, 4, {1}), (3, 2, {0, 1}), (0, 1, {0}), (15, 1, {3}), (0, 16, {0, 1, 2, 3})],
+)
+def test_multimodal_item_enters_every_page_it_overlaps_and_only_those(offset, length, pages):
+    ids = list(range(100, 116))  # 4 full pages
+    plain = chain_spec(ROOT, PAGE_SIZE, [])
+    spec = chain_spec(ROOT, PAGE_SIZE, [image(b"img-1", offset, length)])
+    assert spec.root == plain.root
+    assert set(spec.page_local) == pages
+    for i in range(4):
+        if i in pages:
+            # the offset is relative to the page, so the same image elsewhere is different content
+            expected = kvd.index._tagged(ExtraKind.MULTIMODAL, b"img-1", offset - i * PAGE_SIZE, length)
+            assert spec.page_local[i] == expected
+    plain_keys, keys = chain_keys(plain, ids), chain_keys(spec, ids)
+    first = min(pages)
+    # pages before the item keep their keys; from the item's first page on, the chain differs
+    assert keys[:first] == plain_keys[:first]
+    assert all(k != p for k, p in zip(keys[first:], plain_keys[first:]))
+
+
+def test_multimodal_hits_stop_at_the_first_page_with_another_image(core):
+    m, sid, ns = core
+    ids = list(range(100, 116))
+    allocate_and_publish(m, sid, ns, "img1", ids, [image(b"h1", 5, 6)])   # pages 0..3
+    assert hits(m, sid, ns, ids, [image(b"h1", 5, 6)]) == [0, 1, 2, 3]
+    assert hits(m, sid, ns, ids, [image(b"h2", 5, 6)]) == [0]             # page 1 holds the image
+    assert hits(m, sid, ns, ids, [image(b"h1", 6, 5)]) == [0]             # same image, other place
+    assert hits(m, sid, ns, ids) == [0]
+
+
+def test_multimodal_item_outside_the_prompt_is_rejected(core):
+    m, sid, ns = core
+    with pytest.raises(InvalidArgument, match="outside the prompt"):
+        m.allocate(sid, ns, [SequenceRequest("x", toks(range(8)), (image(b"h", 6, 4),))])
+    assert len(m.sequences) == 0
+
+
+# ---- collisions ---------------------------------------------------------------------
+
+def test_a_forced_hash_collision_costs_a_miss_never_a_wrong_hit(core, monkeypatch):
+    m, sid, ns = core
+    constant = lambda *args: PageKey(b"\0" * 16)  # noqa: E731
+    monkeypatch.setattr(kvd.index, "page_key", constant)       # matching
+    monkeypatch.setattr(kvd.manager, "page_key", constant, raising=False)   # publishing
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    plan = allocate_and_publish(m, sid, ns, "ab", a + b)
+    assert plan.pages == [0, 1]
+    # page 1 collides with page 0: published (immutable) but left out of the index
+    assert m.pool.state(1) is PageState.PUBLISHED and not m.pool.is_indexed(1)
+    assert len(m.index) == 1 and m.index.get(PageKey(b"\0" * 16)) == 0
+    assert hits(m, sid, ns, b + a) == []          # same key as page 0, other tokens: miss
+    assert hits(m, sid, ns, a + b) == [0]         # page 1's key leads to page 0: parent differs, miss
+    # dedup on publish is confirmed too: a colliding page is never rebound to other content
+    m.allocate(sid, ns, [SequenceRequest("ba", toks(b + a))])
+    [result] = m.publish(sid, ns, [("ba", 0)])
+    assert result.rebinds == [] and result.published_pages == 2
+    assert m.sequences.find(ns, "ba").pages == [2, 3]
+    assert invariants.violations(m) == []
+    # an unindexed published page is freed, not cached, when its last reference goes
+    m.release(sid, ns, ["ab", "ba"])
+    assert m.pool.lru_order(ns) == [0]
+    assert invariants.violations(m) == []
+
+
+def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
+    m, sid, ns = core
+    allocate_and_publish(m, sid, ns, "a", [1, 2, 3, 4])   # page 0
+    wanted = [9, 9, 9, 9]
+    key = chain_keys(chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, []), wanted)[0]
+    m.index.insert(key, PageId(0))                        # a collision planted in the index
+    try:
+        assert hits(m, sid, ns, wanted) == []
+        plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))])[0]
+        assert plan.shared_pages == [] and plan.shared_prefix_tokens == 0
+    finally:
+        m.index.remove(key, PageId(0))
+    assert invariants.violations(m) == []
+
+
+def test_page_content_confirms_tokens_parent_and_local_bytes():
+    content = PageContent(PageKey(b"k" * 16), toks([1, 2, 3, 4]), PageId(7), b"L")
+    assert content.matches(toks([1, 2, 3, 4]), PageId(7), b"L")
+    assert not content.matches(toks([1, 2, 3, 5]), PageId(7), b"L")
+    assert not content.matches(toks([1, 2, 3, 4]), PageId(8), b"L")
+    assert not content.matches(toks([1, 2, 3, 4]), None, b"L")
+    assert not content.matches(toks([1, 2, 3, 4]), PageId(7), b"")
+
+
+def test_prefix_index_rejects_a_second_page_under_one_key():
+    index = PrefixIndex()
+    index.insert(PageKey(b"k"), PageId(1))
+    with pytest.raises(AssertionError, match="already indexed to page 1"):
+        index.insert(PageKey(b"k"), PageId(2))
+    with pytest.raises(AssertionError, match="index held page 1 under the key of page 2"):
+        index.remove(PageKey(b"k"), PageId(2))
+
+
+# ---- tokens only --------------------------------------------------------------------
+
+def test_keys_and_stored_content_are_token_ids_only(core):
+    m, sid, ns = core
+    # a request carries token ids; there is no field for text
+    assert {f.name for f in dataclasses.fields(SequenceRequest)} == {"seq_id", "tokens", "extra_keys"}
+    ids = [17, 4242, 0, 31999, 5, 6, 7, 8, 9]
+    allocate_and_publish(m, sid, ns, "t", ids)
+    spec = chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, [])
+    keys = chain_keys(spec, ids)
+    assert [m.index.get(k) for k in keys] == [0, 1]
+    assert sorted(k for k, _ in m.index.items()) == sorted(keys)
+    assert m.pool.content(0).tokens == toks(ids[:4])
+    assert m.pool.content(1).tokens == toks(ids[4:8])
+    assert m.pool.content(1).parent == 0 and m.pool.content(0).parent is None
