@@ -467,7 +467,7 @@ class KVCacheManager:
 
     def _match(self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int) -> tuple[list[PageId], list[PageKey]]:
         """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
-        return self.index.match(chain, tokens, ns.page_size * TOKEN_BYTES, full_pages, self.pool.content)
+        return self.index.match(chain, tokens, ns.page_size * TOKEN_BYTES, full_pages)
 
     def _publish_page(self, ns: Namespace, seq: Sequence, i: int) -> Rebind | None:
         step = ns.page_size * TOKEN_BYTES
@@ -477,17 +477,18 @@ class KVCacheManager:
         parent_key, parent = (seq.keys[i - 1], seq.pages[i - 1]) if i else (seq.chain.root, None)
         key = page_key(parent_key, i, page_tokens, local)
         seq.keys.append(key)
-        existing = self.index.get(key)
-        if existing is not None and self.pool.content(existing).matches(page_tokens, parent, local):
-            self.pool.acquire(existing)
-            seq.pages[i] = existing
+        existing = self.index.lookup(key)
+        if existing is not None and existing.matches(page_tokens, parent, local):
+            self.pool.acquire(existing.page)
+            seq.pages[i] = existing.page
             self.pool.release(page)
-            return Rebind(i, page, existing)
+            return Rebind(i, page, existing.page)
         # On a (verified) hash collision the page is published but left out of the index.
+        content = PageContent(page, key, page_tokens, parent, local)
         indexed = existing is None
-        self.pool.publish(page, PageContent(key, page_tokens, parent, local), indexed)
+        self.pool.publish(page, content, indexed)
         if indexed:
-            self.index.insert(key, page)
+            self.index.insert(content)
         return None
 
     # ---- internals: room ----------------------------------------------------------
@@ -531,8 +532,7 @@ class KVCacheManager:
             self._adopt(self._build(plan))
             return
         if self.pool.cached_count(ns.id):
-            page, content = self.pool.evict_oldest(ns.id)
-            self.index.remove(content.key, page)
+            self.index.remove(self.pool.evict_oldest(ns.id))
             return
         reclaimable = self._reclaimable(ns)
         if reclaimable:
@@ -558,7 +558,7 @@ class KVCacheManager:
         first, count = extent.first_page, extent.num_pages
         for page in map(PageId, range(first, first + count)):
             if self.pool.content(page) is not None:
-                self.index.remove(self.pool.evict(page).key, page)
+                self.index.remove(self.pool.evict(page))
         self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
         self.arena.release(extent)
         log.info("reclaimed extent %s (%d pages) for another namespace", extent.name, count)

@@ -200,10 +200,10 @@ class PagePool:
         if p.state is PageState.CACHED:
             self._by_namespace[p.namespace].lru.move_to_end(page)
 
-    def evict_oldest(self, namespace: NamespaceId) -> tuple[PageId, PageContent]:
-        """CACHED → FREE for the least recently used page; returns it and what it held."""
+    def evict_oldest(self, namespace: NamespaceId) -> PageContent:
+        """CACHED → FREE for the least recently used page; returns what it held."""
         page, _ = self._ns(namespace).lru.popitem(last=False)
-        return page, self._evict(page)
+        return self._evict(page)
 
     def evict(self, page: PageId) -> PageContent:
         """CACHED → FREE for one page (integrity failures, extent reclaim)."""

@@ -215,18 +215,19 @@ def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
     allocate_and_publish(m, sid, ns, "a", [1, 2, 3, 4])   # page 0
     wanted = [9, 9, 9, 9]
     key = chain_keys(chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, []), wanted)[0]
-    m.index.insert(key, PageId(0))                        # a collision planted in the index
+    planted = dataclasses.replace(m.pool.content(PageId(0)), key=key)
+    m.index.insert(planted)                               # a collision planted in the index
     try:
         assert hits(m, sid, ns, wanted) == []
         plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))])[0]
         assert plan.shared_pages == [] and plan.shared_prefix_tokens == 0
     finally:
-        m.index.remove(key, PageId(0))
+        m.index.remove(planted)
     assert invariants.violations(m) == []
 
 
 def test_page_content_confirms_tokens_parent_and_local_bytes():
-    content = PageContent(PageKey(b"k" * 16), toks([1, 2, 3, 4]), PageId(7), b"L")
+    content = PageContent(PageId(8), PageKey(b"k" * 16), toks([1, 2, 3, 4]), PageId(7), b"L")
     assert content.matches(toks([1, 2, 3, 4]), PageId(7), b"L")
     assert not content.matches(toks([1, 2, 3, 5]), PageId(7), b"L")
     assert not content.matches(toks([1, 2, 3, 4]), PageId(8), b"L")
@@ -236,11 +237,13 @@ def test_page_content_confirms_tokens_parent_and_local_bytes():
 
 def test_prefix_index_rejects_a_second_page_under_one_key():
     index = PrefixIndex()
-    index.insert(PageKey(b"k"), PageId(1))
+    first = PageContent(PageId(1), PageKey(b"k"), toks([1, 2, 3, 4]), None, b"")
+    second = dataclasses.replace(first, page=PageId(2))
+    index.insert(first)
     with pytest.raises(AssertionError, match="already indexed to page 1"):
-        index.insert(PageKey(b"k"), PageId(2))
+        index.insert(second)
     with pytest.raises(AssertionError, match="index held page 1 under the key of page 2"):
-        index.remove(PageKey(b"k"), PageId(2))
+        index.remove(second)
 
 
 # ---- tokens only --------------------------------------------------------------------

@@ -866,10 +866,10 @@ def test_invariant_checker_finds_corruption(make_manager):
     assert invariants.violations(c.m) == [f"namespace {c.ns}: free list holds pages [0] it should not, misses [5] "
                                           "and lists 0 pages twice"]
     free[i] = 5
-    key = pool.content(1).key
-    del index._pages[key]
+    content = pool.content(1)
+    index.remove(content)
     assert invariants.violations(c.m) == ["page 1 is marked indexed but the index does not map its key to it"]
-    index._pages[key] = 1
+    index.insert(content)
     pool._pages[0].refcount += 1
     assert invariants.violations(c.m) == ["page 0 has refcount 2 but 1 references (sequences + pins)"]
     pool._pages[0].refcount -= 1
