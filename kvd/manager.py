@@ -496,8 +496,15 @@ class KVCacheManager:
     def _ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """Makes ``need`` pages free in the namespace, or raises before evicting anything."""
         self._check_room(ns, need, protect)
+        counters = self.pool.counters(ns.id)
+        evicted_before, held_evicted = counters.evicted_pages, 0
         while self.pool.free_count(ns.id) < need:
-            self._make_room(ns, protect)
+            held_evicted += self._make_room(ns, protect)
+        if counters.evicted_pages > evicted_before or held_evicted:
+            log.info(
+                "namespace %d: evicted %d cached pages and %d on-hold sequences to make room for %d pages",
+                ns.id, counters.evicted_pages - evicted_before, held_evicted, need,
+            )
 
     def _check_room(self, ns: Namespace, need: int, protect: Sequence | None = None,
                     held: frozenset[PageId] = frozenset()) -> None:
@@ -521,31 +528,33 @@ class KVCacheManager:
                 f"freed within the host budget of {self.arena.budget_bytes} bytes"
             )
 
-    def _make_room(self, ns: Namespace, protect: Sequence | None) -> None:
-        """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction."""
+    def _make_room(self, ns: Namespace, protect: Sequence | None) -> int:
+        """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction.
+
+        Returns the number of on-hold sequences it evicted (0 or 1)."""
         building = self._building.pop(ns.id, None)
         if building is not None:
             self._take_built(*building)
-            return
+            return 0
         plan = self.arena.plan(ns.id, ns.page_bytes)
         if plan is not None:
             self._adopt(self._build(plan))
-            return
+            return 0
         if self.pool.cached_count(ns.id):
             self.index.remove(self.pool.evict_oldest(ns.id))
-            return
+            return 0
         reclaimable = self._reclaimable(ns)
         if reclaimable:
             self._reclaim(reclaimable[0])
-            return
+            return 0
         victim = next((s for s in self.sequences.on_hold(ns.id) if s is not protect), None)
         assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
         self.sequences.set_state(victim, SeqState.EVICTED)
         self._release_pages(victim)
-        log.info("evicted on-hold sequence %r of namespace %d", victim.seq_id, ns.id)
         session = self.sessions.get(victim.session)
         if session.listener is not None:
             session.listener(ns.id, [victim.seq_id])
+        return 1
 
     def _reclaimable(self, ns: Namespace) -> list[Extent]:
         """Other namespaces' extents holding no referenced page: their budget can move."""

@@ -39,6 +39,13 @@ STATUS_FOR: dict[type[KvdError], grpc.StatusCode] = {
 # Called with (method name, seconds) after every unary call; the metrics exporter listens.
 LatencyObserver = Callable[[str, float], None]
 
+# A status message travels percent-encoded in the HTTP/2 trailers, and a client drops
+# trailers over 8 KiB (grpc's default soft metadata limit), reporting RESOURCE_EXHAUSTED
+# instead of the real status. Messages quote client input (a sequence id of any length),
+# so they are cut: 512 characters stay under 8 KiB even when every one is a 4-byte
+# UTF-8 character encoded as %XX.
+MAX_STATUS_CHARS = 512
+
 
 # ---- conversions ---------------------------------------------------------------------
 
@@ -54,13 +61,25 @@ def _requests(sequences) -> list[SequenceRequest]:
     return [SequenceRequest(s.seq_id, s.tokens, _extra_keys(s.extra_keys)) for s in sequences]
 
 
+# RegisterNamespaceReply.page_bytes and every later StatsReply carry page_bytes as uint64.
+_MAX_PAGE_BYTES = (1 << 64) - 1
+
+
 def _identity(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
     if not msg.HasField("layout"):
         raise InvalidArgument("namespace identity needs a page layout")
     lay = msg.layout
+    layout = make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
+    if layout.page_bytes > _MAX_PAGE_BYTES:
+        # Refused before registering: a namespace whose page size the wire cannot carry
+        # would make every later GetStats fail.
+        raise InvalidArgument(
+            f"page layout {list(layout.page_shape)} {layout.dtype} makes pages of {layout.page_bytes} bytes, "
+            f"more than the {_MAX_PAGE_BYTES} the wire can carry"
+        )
     return NamespaceIdentity(
         model=msg.model,
-        layout=make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype),
+        layout=layout,
         revision=msg.revision,
         tp_rank=msg.tp_rank,
         tp_size=msg.tp_size or 1,
@@ -88,6 +107,13 @@ def _seq_state(value: int) -> SeqState:
         raise InvalidArgument(
             f"unknown sequence state {value}; use one of {[s.name for s in SeqState]}"
         ) from None
+
+
+def status_message(text: str) -> str:
+    if len(text) <= MAX_STATUS_CHARS:
+        return text
+    tail = f"... ({len(text)} characters)"
+    return text[:MAX_STATUS_CHARS - len(tail)] + tail
 
 
 def _page_stats(s: PageStats) -> pb.PageStats:
@@ -121,7 +147,7 @@ def _unary(method):
         try:
             return method(self, request)
         except KvdError as e:
-            await context.abort(STATUS_FOR[type(e)], str(e))
+            await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
         finally:
             if self.observe_latency is not None:
                 self.observe_latency(name, time.perf_counter() - start)
