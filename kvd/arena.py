@@ -31,6 +31,8 @@ SHM_DIR = "/dev/shm"
 # Touching one byte per OS page faults the whole extent in; first touch of shared
 # memory runs ~25x slower than resident memory, so it must not happen on a request.
 _OS_PAGE = mmap.PAGESIZE
+# Each page has a record on the daemon's heap: bound how many one extent adds at once.
+MAX_EXTENT_PAGES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ class Arena:
 
     def plan(self, namespace: NamespaceId, page_bytes: int) -> ExtentPlan | None:
         """Reserves budget for the next extent of a namespace; None when none fits."""
-        num_pages = min(max(1, self.extent_bytes // page_bytes), self.creatable_pages(page_bytes))
+        num_pages = min(max(1, self.extent_bytes // page_bytes), MAX_EXTENT_PAGES, self.creatable_pages(page_bytes))
         if num_pages == 0:
             return None
         plan = ExtentPlan(

@@ -74,10 +74,12 @@ def chain_spec(namespace_root: bytes, page_size: int, extra_keys: list[ExtraKey]
     root = hashlib.blake2b(namespace_root + _U32.pack(page_size) + request_wide, digest_size=16).digest()
     page_local: dict[int, bytes] = {}
     for k in sorted((k for k in extra_keys if k.kind == ExtraKind.MULTIMODAL), key=lambda k: (k.offset, k.value)):
+        # An item spans many pages: each holds a fixed-size digest of its value, not the value.
+        value = hashlib.blake2b(k.value, digest_size=16).digest()
         first, last = k.offset // page_size, (k.offset + k.length - 1) // page_size
         for page_index in range(first, last + 1):
             rel = k.offset - page_index * page_size
-            page_local[page_index] = page_local.get(page_index, b"") + _tagged(k.kind, k.value, rel, k.length)
+            page_local[page_index] = page_local.get(page_index, b"") + _tagged(k.kind, value, rel, k.length)
     return ChainSpec(root=root, page_local=page_local)
 
 

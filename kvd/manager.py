@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -132,6 +133,7 @@ class KVCacheManager:
         self.counters: dict[NamespaceId, NamespaceCounters] = {}
         self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-extent")
         self._building: dict[NamespaceId, tuple[ExtentPlan, Future]] = {}
+        self._aux_bytes = 0  # non-KV state of all sequences
 
     def close(self, unlink: bool = True) -> None:
         for plan, future in self._building.values():
@@ -314,6 +316,7 @@ class KVCacheManager:
         self._check_seq_id(dst_id)
         if self.sequences.find(ns.id, dst_id) is not None:
             raise FailedPrecondition(f"cannot fork into {dst_id!r}: that sequence already exists")
+        self._check_aux_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
         self._ensure_free(ns, len(copies), protect=src)
@@ -329,6 +332,7 @@ class KVCacheManager:
             keys=list(src.keys), shared_prefix_tokens=len(shared) * ns.page_size, aux=src.aux,
         )
         self._add(session, dst)
+        self._aux_bytes += len(dst.aux)
         self._provision(ns)
         return SequencePlan(dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens)
 
@@ -361,7 +365,21 @@ class KVCacheManager:
         seq = self._live(self.namespaces.get(namespace_id), seq_id, self.sessions.get(session_id))
         if len(data) > self.limits.max_aux_bytes:
             raise InvalidArgument(f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes}")
+        self._check_aux_room(len(data) - len(seq.aux))
+        self._aux_bytes += len(data) - len(seq.aux)
         seq.aux = bytes(data)
+
+    @property
+    def aux_budget(self) -> int:
+        """Non-KV state lives on the daemon's heap; it may take a quarter of the host budget."""
+        return self.arena.budget_bytes // 4
+
+    def _check_aux_room(self, more: int) -> None:
+        if self._aux_bytes + more > self.aux_budget:
+            raise ResourceExhausted(
+                f"aux state of all sequences would take {self._aux_bytes + more} bytes, over its budget of "
+                f"{self.aux_budget} bytes (a quarter of the host budget)"
+            )
 
     def get_aux(self, session_id: str, namespace_id: int, seq_id: str) -> bytes:
         session = self.sessions.get(session_id)
@@ -453,6 +471,13 @@ class KVCacheManager:
                     f"{what}: multimodal item at tokens [{k.offset}, {k.offset + k.length}) lies outside "
                     f"the prompt of {num_tokens} tokens"
                 )
+        items = sorted((k.offset, k.offset + k.length) for k in r.extra_keys if k.kind == ExtraKind.MULTIMODAL)
+        for (_, end), (start, next_end) in zip(items, items[1:]):
+            if start < end:
+                raise InvalidArgument(
+                    f"{what}: multimodal items at tokens [..., {end}) and [{start}, {next_end}) overlap; "
+                    "each placeholder token belongs to one item"
+                )
         return _Prepared(r, tokens, num_tokens, chain_spec(ns.root, ns.page_size, list(r.extra_keys)))
 
     def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
@@ -520,13 +545,26 @@ class KVCacheManager:
             + self.arena.creatable_pages(ns.page_bytes)
             + self.pool.cached_count(ns.id) - held_cached
             + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
-            + sum(len(s.private_pages) for s in self.sequences.on_hold(ns.id) if s is not protect)
+            + self._freeable_on_hold(ns, protect, held)
         )
         if need > available:
             raise ResourceExhausted(
                 f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
                 f"freed within the host budget of {self.arena.budget_bytes} bytes"
             )
+
+    def _freeable_on_hold(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
+        """Pages that evicting every on-hold sequence (but ``protect``) would free or make evictable:
+        their private pages, and published pages no one else references."""
+        on_hold_refs: Counter[PageId] = Counter()
+        private = 0
+        for seq in self.sequences.on_hold(ns.id):
+            if seq is not protect:
+                private += len(seq.private_pages)
+                on_hold_refs.update(seq.shared_pages)
+        return private + sum(
+            1 for page, refs in on_hold_refs.items() if refs == self.pool.refcount(page) and page not in held
+        )
 
     def _make_room(self, ns: Namespace, protect: Sequence | None) -> int:
         """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction.
@@ -624,6 +662,7 @@ class KVCacheManager:
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
     def _forget(self, seq: Sequence) -> None:
+        self._aux_bytes -= len(seq.aux)
         self.sequences.remove(seq)
         self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
 

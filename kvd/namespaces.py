@@ -54,12 +54,24 @@ class NamespaceIdentity:
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
+# The daemon keeps a record per page, so tiny pages would cost more metadata than KV;
+# real models' pages are tens of KiB to MiB.
+MIN_PAGE_BYTES = 512
+MAX_PAGE_BYTES = 1 << 30
+
+
 def make_layout(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str) -> PageLayout:
-    """A PageLayout, with layout errors reported as bad client input."""
+    """A PageLayout the daemon accepts, with layout errors reported as bad client input."""
     try:
-        return PageLayout(num_layers, num_kv_heads, head_dim, page_size, dtype)
+        layout = PageLayout(num_layers, num_kv_heads, head_dim, page_size, dtype)
     except LayoutError as e:
         raise InvalidArgument(str(e)) from None
+    if not MIN_PAGE_BYTES <= layout.page_bytes <= MAX_PAGE_BYTES:
+        raise InvalidArgument(
+            f"page layout {list(layout.page_shape)} {layout.dtype} makes pages of {layout.page_bytes} bytes; "
+            f"kvd takes pages of {MIN_PAGE_BYTES} to {MAX_PAGE_BYTES} bytes (raise page_size for tiny models)"
+        )
+    return layout
 
 
 @dataclass(frozen=True)

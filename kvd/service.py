@@ -61,22 +61,11 @@ def _requests(sequences) -> list[SequenceRequest]:
     return [SequenceRequest(s.seq_id, s.tokens, _extra_keys(s.extra_keys)) for s in sequences]
 
 
-# RegisterNamespaceReply.page_bytes and every later StatsReply carry page_bytes as uint64.
-_MAX_PAGE_BYTES = (1 << 64) - 1
-
-
 def _identity(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
     if not msg.HasField("layout"):
         raise InvalidArgument("namespace identity needs a page layout")
     lay = msg.layout
     layout = make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
-    if layout.page_bytes > _MAX_PAGE_BYTES:
-        # Refused before registering: a namespace whose page size the wire cannot carry
-        # would make every later GetStats fail.
-        raise InvalidArgument(
-            f"page layout {list(layout.page_shape)} {layout.dtype} makes pages of {layout.page_bytes} bytes, "
-            f"more than the {_MAX_PAGE_BYTES} the wire can carry"
-        )
     return NamespaceIdentity(
         model=msg.model,
         layout=layout,
@@ -143,14 +132,20 @@ def _unary(method):
     async def wrapper(self: "KvdServicer", request, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         if self.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back")
-        try:
-            return method(self, request)
-        except KvdError as e:
-            await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
-        finally:
-            if self.observe_latency is not None:
-                self.observe_latency(name, time.perf_counter() - start)
+            code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
+        else:
+            try:
+                return method(self, request)
+            except KvdError as e:
+                code, message = STATUS_FOR[type(e)], status_message(str(e))
+            finally:
+                if self.observe_latency is not None:
+                    self.observe_latency(name, time.perf_counter() - start)
+        # Set, not raised: an exception's traceback would keep the request (possibly
+        # hundreds of MiB) alive in a reference cycle until the next garbage collection.
+        context.set_code(code)
+        context.set_details(message)
+        return None
 
     return wrapper
 

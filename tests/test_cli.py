@@ -186,7 +186,7 @@ def test_clean_refuses_while_running_and_removes_what_a_killed_daemon_left(tmp_p
     prefix = shm_prefix(daemon.socket)
     try:
         with KVDClient.connect(daemon.socket) as client:
-            for model, layout in (("tiny", LAYOUT), ("other", PageLayout(1, 1, 8, 4, "float32"))):
+            for model, layout in (("tiny", LAYOUT), ("other", PageLayout(1, 1, 16, 4, "float32"))):
                 ns = client.register_namespace(model, layout)
                 client.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX)])  # its extent exists now
             extents = leftover_segments(prefix)

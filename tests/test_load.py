@@ -380,10 +380,6 @@ def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(da
     assert samples["rss"] - baseline_rss <= BUDGET + (64 << 20), "daemon RSS grew far beyond its budget"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvd/manager.py _check_room counts only the PRIVATE pages of on-hold sequences as freeable, so an "
-    "on-hold sequence whose pages are all published (refcount 1, referenced by nothing else) is never "
-    "evicted: the call is refused with RESOURCE_EXHAUSTED although evicting it would free enough pages"))
 def test_on_hold_sequence_with_published_pages_is_evicted_under_pressure(daemon_factory):
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "256KiB")  # 512 pages
     with KVDClient.connect(d.socket, client_name="pressure") as client:
@@ -398,10 +394,6 @@ def test_on_hold_sequence_with_published_pages_is_evicted_under_pressure(daemon_
         assert client.check_invariants() == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvd/manager.py set_aux stores up to Limits.max_aux_bytes (64 MiB) per sequence outside the host "
-    "budget, and sequences without tokens need no pages: one client can grow the daemon's memory "
-    "without bound (here 10 x 32 MiB of aux state beside a 4 MiB budget) instead of getting RESOURCE_EXHAUSTED"))
 def test_aux_state_counts_against_the_host_budget(daemon_factory):
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", str(BUDGET), "--extent-bytes", "512KiB")
     with KVDClient.connect(d.socket, client_name="aux") as client:
@@ -420,11 +412,6 @@ def test_aux_state_counts_against_the_host_budget(daemon_factory):
     assert rss <= BUDGET + RSS_SLACK, f"daemon RSS {rss >> 20} MiB with a {BUDGET >> 20} MiB budget ({refused} refused)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvd/pool.py add_pages keeps one Python _Page object (~220 bytes) per page and nothing bounds how small "
-    "a namespace's pages may be: registering a 2-byte page layout makes the daemon create "
-    "extent_bytes / 2 page records on its event loop (4 MiB extent: 2M records, ~450 MiB, seconds of "
-    "blocking; the default 64 MiB extent: 33M records, ~7 GiB)"))
 def test_tiny_page_layout_cannot_blow_up_daemon_metadata(daemon_factory):
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", str(BUDGET), "--extent-bytes", str(BUDGET))
     with KVDClient.connect(d.socket, client_name="tiny") as client:
