@@ -9,6 +9,10 @@ bytes; KV bytes never do: ``page()`` returns a zero-copy view of shared memory.
         for page_id in a.private_pages:
             kvd.page(ns, page_id)[...] = ...        # write K/V of the suffix
         kvd.publish(ns, ["a"])
+
+When the daemon dies, calls fail fast with UNAVAILABLE and ``session_lost`` is set;
+``reconnect()`` opens a new session once a daemon answers again. Sequences do not survive
+a daemon restart (their ids then get NOT_FOUND); published pages do (warm restart).
 """
 from __future__ import annotations
 
@@ -60,25 +64,62 @@ def _allocation(msg: pb.SequenceAllocation) -> SequenceAllocation:
 class KVDClient:
     """A session with the daemon; use ``connect`` and close it (or use ``with``)."""
 
-    def __init__(self, channel: grpc.Channel, stub: kvd_pb2_grpc.KVDStub, stream, opened: pb.SessionOpened) -> None:
+    def __init__(self, channel: grpc.Channel, stub: kvd_pb2_grpc.KVDStub, stream, opened: pb.SessionOpened,
+                 socket: str | None = None, client_name: str | None = None) -> None:
+        self._socket = socket or default_socket()
+        self._client_name = client_name
+        self._namespaces: dict[int, Namespace] = {}
+        self._registrations: dict[int, pb.NamespaceIdentity] = {}
+        self._page_maps: dict[int, PageMap] = {}
+        self._evicted: set[tuple[int, str]] = set()
+        self._lock = threading.Lock()
+        self._reconnected = False
+        self._closed = False
+        self._attach(channel, stub, stream, opened)
+
+    def _attach(self, channel, stub, stream, opened: pb.SessionOpened) -> None:
         self._channel = channel
         self._stub = stub
         self._stream = stream
         self.session = opened.session
         self.prefix_reuse = opened.prefix_reuse
         self.host_bytes = opened.host_bytes
-        self._namespaces: dict[int, Namespace] = {}
-        self._page_maps: dict[int, PageMap] = {}
-        self._evicted: set[tuple[int, str]] = set()
-        self._lock = threading.Lock()
-        self.session_lost = threading.Event()
-        self._watcher = threading.Thread(target=self._watch_session, name="kvd-session", daemon=True)
+        self.session_lost = threading.Event()  # one per session: set when this session ends
+        self._watcher = threading.Thread(target=self._watch_session, args=(stream, self.session_lost),
+                                         name="kvd-session", daemon=True)
         self._watcher.start()
 
     @classmethod
     def connect(cls, socket: str | None = None, client_name: str | None = None, timeout: float = 10.0) -> "KVDClient":
         """Opens a session; the daemon drops its references when this process closes it or dies."""
         path = socket or default_socket()
+        return cls(*cls._open(path, client_name, timeout), socket=path, client_name=client_name)
+
+    def reconnect(self, timeout: float = 10.0) -> dict[int, int]:
+        """Opens a new session (after the daemon restarted) and registers this client's
+        namespaces again; returns {old namespace id: new id} (equal after a warm restart).
+
+        Sequences of the old session are gone: their ids get NOT_FOUND. Published pages
+        survive a warm restart and hit again."""
+        opened = self._open(self._socket, self._client_name, timeout)
+        self._stream.cancel()
+        self._channel.close()
+        self._attach(*opened)
+        self._reconnected = True
+        self._closed = False
+        registrations, self._registrations = self._registrations, {}
+        namespaces, self._namespaces, self._page_maps = self._namespaces, {}, {}
+        renamed = {}
+        for old_id, identity in registrations.items():
+            reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity))
+            self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, namespaces[old_id].layout, reply.page_bytes)
+            self._registrations[reply.namespace_id] = identity
+            self._page_maps[reply.namespace_id] = PageMap(namespaces[old_id].layout)  # extents may be new
+            renamed[old_id] = reply.namespace_id
+        return renamed
+
+    @staticmethod
+    def _open(path: str, client_name: str | None, timeout: float):
         channel = grpc.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -94,9 +135,10 @@ class KVDClient:
         except grpc.RpcError as e:
             channel.close()
             raise KVDError.from_rpc(e) from None
-        return cls(channel, stub, stream, first.opened)
+        return channel, stub, stream, first.opened
 
     def close(self) -> None:
+        self._closed = True
         self._stream.cancel()
         self._channel.close()
 
@@ -106,16 +148,16 @@ class KVDClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _watch_session(self) -> None:
+    def _watch_session(self, stream, lost: threading.Event) -> None:
         try:
-            for event in self._stream:
+            for event in stream:
                 if event.HasField("evicted"):
                     with self._lock:
                         self._evicted.update((event.evicted.namespace_id, s) for s in event.evicted.seq_ids)
         except grpc.RpcError:
             pass  # cancelled by close(), or the daemon went away
         finally:
-            self.session_lost.set()
+            lost.set()
 
     def take_evicted(self) -> set[tuple[int, str]]:
         """(namespace, seq_id) of sequences the daemon evicted since the last call."""
@@ -124,10 +166,26 @@ class KVDClient:
         return evicted
 
     def _call(self, method: str, request):
+        if self.session_lost.is_set() and not self._closed:
+            raise KVDError(grpc.StatusCode.UNAVAILABLE, (
+                f"the session with the kvd daemon on {self._socket} ended (the daemon stopped, died or restarted); "
+                "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
+            ))
         try:
             return getattr(self._stub, method)(request)
         except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+            error = KVDError.from_rpc(e)
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            error = KVDError(error.code, (
+                f"the kvd daemon on {self._socket} does not answer (stopped, died or restarting): {error.message}; "
+                "call reconnect() once it is back"
+            ))
+        elif error.code == grpc.StatusCode.NOT_FOUND and self._reconnected and "sequence" in error.message:
+            error = KVDError(error.code, (
+                f"{error.message}; sequences do not survive a daemon restart (published pages do): "
+                "allocate it again, its published prefix still hits"
+            ))
+        raise error from None
 
     # ---- namespaces and pages -----------------------------------------------------
 
@@ -135,16 +193,15 @@ class KVDClient:
                            tp_size: int = 1, attention: str = "gqa", vocab_size: int = 0,
                            extra: dict[str, str] | None = None) -> int:
         """The namespace id for this KV identity; equal identities get equal ids."""
-        reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(
-            session=self.session,
-            identity=pb.NamespaceIdentity(
-                model=model, revision=revision, tp_rank=tp_rank, tp_size=tp_size, attention=attention,
-                vocab_size=vocab_size, extra=extra or {},
-                layout=pb.PageLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                     head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype),
-            ),
-        ))
+        identity_msg = pb.NamespaceIdentity(
+            model=model, revision=revision, tp_rank=tp_rank, tp_size=tp_size, attention=attention,
+            vocab_size=vocab_size, extra=extra or {},
+            layout=pb.PageLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                 head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype),
+        )
+        reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg))
         self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes)
+        self._registrations[reply.namespace_id] = identity_msg
         self._page_maps.setdefault(reply.namespace_id, PageMap(layout))
         return reply.namespace_id
 
@@ -281,6 +338,11 @@ class KVDClient:
     def check_invariants(self) -> list[str]:
         """Broken invariants of the daemon's state (empty when healthy)."""
         return list(self._call("CheckInvariants", pb.CheckInvariantsRequest()).violations)
+
+    def verify_pages(self) -> dict:
+        """Audits every published page against its checksum (admin; ``kvd verify``)."""
+        from engine_client.admin import verify_dict
+        return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest()))
 
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass, field
 
 import grpc
@@ -139,6 +140,11 @@ def pack_tokens(token_ids) -> bytes:
     """Token ids as packed little-endian int32, the wire format."""
     if isinstance(token_ids, (bytes, bytearray, memoryview)):
         return bytes(token_ids)
+    if isinstance(token_ids, (list, tuple)) and len(token_ids) <= 256:  # a decode step: skip numpy
+        try:
+            return struct.pack(f"<{len(token_ids)}i", *token_ids)
+        except struct.error:
+            pass  # not all int32: numpy below says which way
     arr = np.asarray(token_ids)
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
@@ -148,4 +154,4 @@ def pack_tokens(token_ids) -> bytes:
 
 
 def unpack_pages(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype="<u4").tolist()
+    return list(struct.unpack(f"<{len(data) // 4}I", data))

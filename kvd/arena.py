@@ -9,6 +9,10 @@ stale id from a client can never alias another extent's page.
 Extents are created as the budget fills, not at start-up. Creating one is split into a
 pure ``build`` (create, map, pre-fault, mlock: slow, thread-safe) and an ``adopt`` on
 the event loop, so the daemon can build the next extent off the request path.
+
+Each extent has a companion metadata segment ``{name}.meta`` (kvd/meta.py) with one
+record per page, and the arena keeps a manifest segment ``{prefix}-manifest``; with
+them a restarted daemon re-attaches the extents (``attach``) instead of deleting them.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
+from kvd.meta import META_SUFFIX, ExtentHeader, ExtentMeta, manifest_name, unlink_quietly, write_manifest
 from kvd.types import NamespaceId, PageId
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ class ExtentPlan:
     first_page: PageId
     num_pages: int
     page_bytes: int
+    page_size: int = 1        # tokens per page, for the metadata records
+    root: bytes = b""         # the namespace root, checked at recovery
 
     @property
     def size(self) -> int:
@@ -53,10 +60,11 @@ class ExtentPlan:
 class Extent:
     """One mapped shared-memory segment holding whole pages of one namespace."""
 
-    def __init__(self, plan: ExtentPlan, memory: mmap.mmap, locked: bool) -> None:
+    def __init__(self, plan: ExtentPlan, memory: mmap.mmap, locked: bool, meta: ExtentMeta) -> None:
         self.plan = plan
         self.memory = memory
         self.locked = locked
+        self.meta = meta
         # bytes: [num_pages, page_bytes]
         self.pages = np.frombuffer(memory, dtype=np.uint8).reshape(plan.num_pages, plan.page_bytes)
 
@@ -76,9 +84,12 @@ class Extent:
         """The bytes of one page: uint8 [page_bytes], a view into shared memory."""
         return self.pages[page - self.plan.first_page]
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
         self.pages = None  # drop the numpy export before closing the map
         self.memory.close()
+        self.meta.close(unlink)
+        if unlink:
+            posix_ipc.unlink_shared_memory(self.name)
 
 
 class _MemoryLocker:
@@ -121,6 +132,7 @@ class Arena:
         self._next_extent = 0
         self._extents: dict[str, Extent] = {}
         self._by_first_page: list[Extent] = []  # sorted by first_page
+        self._manifest: mmap.mmap | None = None
 
     # ---- budget -------------------------------------------------------------------
 
@@ -132,7 +144,7 @@ class Arena:
         """Pages of this size that new extents could still hold within the budget."""
         return (self.budget_bytes - self._reserved_bytes) // page_bytes
 
-    def plan(self, namespace: NamespaceId, page_bytes: int) -> ExtentPlan | None:
+    def plan(self, namespace: NamespaceId, page_bytes: int, page_size: int = 1, root: bytes = b"") -> ExtentPlan | None:
         """Reserves budget for the next extent of a namespace; None when none fits."""
         num_pages = min(max(1, self.extent_bytes // page_bytes), MAX_EXTENT_PAGES, self.creatable_pages(page_bytes))
         if num_pages == 0:
@@ -143,6 +155,8 @@ class Arena:
             first_page=PageId(self._next_page),
             num_pages=num_pages,
             page_bytes=page_bytes,
+            page_size=page_size,
+            root=root,
         )
         self._next_extent += 1
         self._next_page += num_pages
@@ -163,7 +177,42 @@ class Arena:
         if self._locker is not None:
             locked = self._locker.lock(view.ctypes.data, plan.size)
         del view
-        return Extent(plan, memory, locked)
+        try:
+            meta = ExtentMeta.create(plan.name, ExtentHeader(
+                plan.namespace, plan.root, plan.first_page, plan.num_pages, plan.page_size, plan.page_bytes,
+            ))
+        except BaseException:
+            memory.close()
+            posix_ipc.unlink_shared_memory(plan.name)
+            raise
+        return Extent(plan, memory, locked, meta)
+
+    def attach(self, plan: ExtentPlan, meta: ExtentMeta) -> Extent:
+        """Maps an extent a previous daemon left (warm restart); ``adopt_recovered`` it next."""
+        shm = posix_ipc.SharedMemory(plan.name)
+        try:
+            if shm.size < plan.size:
+                raise ValueError(f"extent {plan.name} holds {shm.size} bytes, its metadata says {plan.size}")
+            memory = mmap.mmap(shm.fd, plan.size)
+        finally:
+            shm.close_fd()
+        locked = False
+        if self._locker is not None:
+            view = np.frombuffer(memory, dtype=np.uint8)
+            locked = self._locker.lock(view.ctypes.data, plan.size)
+            del view
+        return Extent(plan, memory, locked, meta)
+
+    def adopt_recovered(self, extent: Extent) -> None:
+        """Adopts an attached extent: it takes its budget, and new ids and names follow it."""
+        self._reserved_bytes += extent.plan.size
+        self._next_page = max(self._next_page, extent.first_page + extent.num_pages)
+        self._next_extent = max(self._next_extent, int(extent.name.rsplit("-", 1)[1]) + 1)
+        self.adopt(extent)
+
+    def write_manifest(self, doc: dict) -> None:
+        """Rewrites the manifest segment (kvd/meta.py) with the namespaces and settings."""
+        self._manifest = write_manifest(self.name_prefix, doc, self._manifest)
 
     def adopt(self, extent: Extent) -> None:
         """Makes a built extent's pages addressable."""
@@ -176,8 +225,7 @@ class Arena:
         del self._extents[extent.name]
         self._by_first_page.remove(extent)
         self._reserved_bytes -= extent.plan.size
-        extent.close()
-        posix_ipc.unlink_shared_memory(extent.name)
+        extent.close(unlink=True)
 
     def cancel(self, plan: ExtentPlan) -> None:
         """Returns the budget of a plan whose build failed."""
@@ -211,26 +259,42 @@ class Arena:
     def close(self, unlink: bool = True) -> None:
         """Unmaps every extent; unlinks them unless a warm restart should find them."""
         for extent in list(self._by_first_page):
-            extent.close()
-            if unlink:
-                posix_ipc.unlink_shared_memory(extent.name)
+            extent.close(unlink)
         self._extents.clear()
         self._by_first_page.clear()
+        if self._manifest is not None:
+            self._manifest.close()
+            self._manifest = None
+        if unlink:
+            unlink_quietly(manifest_name(self.name_prefix))
 
 
 def leftover_segments(name_prefix: str) -> list[str]:
-    """Names of shared-memory segments with this daemon's prefix that still exist."""
+    """Names of the page extents with this daemon's prefix that still exist."""
     base = name_prefix.lstrip("/") + "-"
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted("/" + n for n in names if n.startswith(base) and n[len(base):].isdigit())
+    return sorted(("/" + n for n in names if n.startswith(base) and n[len(base):].isdigit()),
+                  key=lambda n: int(n.rsplit("-", 1)[1]))
+
+
+def daemon_segments(name_prefix: str) -> list[str]:
+    """Every segment of this daemon's prefix: extents, their metadata and the manifest."""
+    base = name_prefix.lstrip("/") + "-"
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    ours = [n for n in names if n.startswith(base) and (
+        n[len(base):].isdigit()
+        or (n.endswith(META_SUFFIX) and n[len(base):-len(META_SUFFIX)].isdigit())
+        or "/" + n == manifest_name(name_prefix)
+    )]
+    return sorted("/" + n for n in ours)
 
 
 def unlink_segments(names: list[str]) -> None:
     for name in names:
-        try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            pass  # gone already
+        unlink_quietly(name)

@@ -3,6 +3,7 @@
     kvd serve [--config FILE] [--socket PATH] [--host-bytes 8GiB] [--[no-]enable-prefix-reuse] [--metrics-port N]
     kvd stats [--socket PATH] [--json] [--watch SECONDS]
     kvd clean [--socket PATH]
+    kvd verify [--socket PATH] [--json]   (exit status 1 when it found corrupted pages)
 """
 from __future__ import annotations
 
@@ -80,8 +81,25 @@ def _stats(args) -> int:
         time.sleep(args.watch)
 
 
+def _verify(args) -> int:
+    from engine_client.admin import verify_pages
+    from engine_client.types import KVDError
+    path = _socket(args)
+    try:
+        result = verify_pages(path)
+    except KVDError as e:
+        print(f"kvd verify: no answer from the daemon on {path} ({e})", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"verified {result['checked_pages']} published pages ({result['checked_bytes']:,} bytes) in "
+              f"{result['seconds'] * 1e3:.1f} ms: {result['corrupted_pages']} corrupted pages dropped")
+    return 1 if result["corrupted_pages"] else 0
+
+
 def _clean(args) -> int:
-    from kvd.arena import leftover_segments, unlink_segments
+    from kvd.arena import daemon_segments, leftover_segments, unlink_segments
     cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
     try:
         with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
@@ -95,7 +113,7 @@ def _clean(args) -> int:
         return 1
     names = leftover_segments(cfg.shm_prefix)
     try:
-        unlink_segments(names)
+        unlink_segments(daemon_segments(cfg.shm_prefix))  # extents, their metadata, the manifest
     except PermissionError:
         print(f"kvd clean: not allowed to remove the extents of {cfg.socket}; run it as the daemon's user",
               file=sys.stderr)
@@ -131,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", type=float, nargs="?", const=1.0, help="refresh every N seconds (default 1)")
     st.set_defaults(func=_stats)
+
+    v = sub.add_parser("verify", help="check every published page against its checksum; drop corrupted ones")
+    common(v)
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.set_defaults(func=_verify)
 
     c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
     common(c)

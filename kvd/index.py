@@ -7,7 +7,7 @@ its kind and length-prefixed, so a LoRA name can never collide with a cache salt
 image hash. Raw prompt text is never hashed or stored; token ids are.
 
 The hash only narrows the search: a hit counts only when the stored page's token ids,
-parent page and local extra bytes equal the request's (``PageContent``), so a collision
+parent page and a digest of the local extra bytes equal the request's (``PageContent``), so a collision
 costs a miss, never wrong KV.
 """
 from __future__ import annotations
@@ -62,6 +62,15 @@ class ChainSpec:
         local = self.page_local.get(page_index, b"")
         return self.root + local if page_index == 0 else local
 
+    def local_digest(self, page_index: int) -> bytes:
+        """What a stored page keeps of ``local_bytes``: a 16-byte digest, or b"" when there are none.
+
+        Page 0's local bytes hold the chain root plus its multimodal items, so they are
+        long; a fixed-size digest fits the page's shared-memory record (kvd/meta.py).
+        """
+        local = self.local_bytes(page_index)
+        return hashlib.blake2b(local, digest_size=16).digest() if local else b""
+
 
 def chain_spec(namespace_root: bytes, page_size: int, extra_keys: list[ExtraKey]) -> ChainSpec:
     """Builds the chain root and per-page extra bytes of one request."""
@@ -96,7 +105,7 @@ class PageContent:
     key: PageKey
     tokens: bytes              # page_size little-endian int32 token ids
     parent: PageId | None      # the previous page of the chain; None for page 0
-    local: bytes               # ChainSpec.local_bytes of this page
+    local: bytes               # ChainSpec.local_digest of this page
 
     def matches(self, tokens: bytes, parent: PageId | None, local: bytes) -> bool:
         return self.parent == parent and self.tokens == tokens and self.local == local
@@ -142,7 +151,7 @@ class PrefixIndex:
             local = chain.local_bytes(i) if i == 0 or page_local else b""
             key = page_key(parent_key, i, page_tokens, local)
             content = entry_of(key)
-            if content is None or not content.matches(page_tokens, parent, local):
+            if content is None or not content.matches(page_tokens, parent, chain.local_digest(i) if local else b""):
                 break  # a miss; on a hash collision too, never wrong KV
             parent_key, parent = key, content.page
             pages.append(parent)

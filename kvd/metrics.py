@@ -35,6 +35,7 @@ _COUNTERS = {
     "lookup_tokens": "Prompt tokens looked up for prefix hits",
     "hit_tokens": "Prompt tokens served from cached pages",
     "evicted_pages": "Cached pages evicted",
+    "corrupted_pages": "Published pages dropped because their bytes failed the checksum",
 }
 
 

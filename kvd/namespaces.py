@@ -118,3 +118,24 @@ class NamespaceRegistry:
 
     def all(self) -> list[Namespace]:
         return list(self._by_id.values())
+
+
+def identity_doc(identity: NamespaceIdentity) -> dict:
+    """A JSON-able form of an identity, for the shared-memory manifest (kvd/meta.py)."""
+    lay = identity.layout
+    return {
+        "model": identity.model, "revision": identity.revision,
+        "layout": [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype],
+        "tp_rank": identity.tp_rank, "tp_size": identity.tp_size, "attention": identity.attention,
+        "vocab_size": identity.vocab_size, "extra": [list(pair) for pair in identity.extra],
+    }
+
+
+def identity_from_doc(doc: dict) -> NamespaceIdentity:
+    """The inverse of identity_doc; raises InvalidArgument, KeyError or TypeError on a bad doc."""
+    num_layers, num_kv_heads, head_dim, page_size, dtype = doc["layout"]
+    return NamespaceIdentity(
+        model=doc["model"], layout=make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype),
+        revision=doc["revision"], tp_rank=doc["tp_rank"], tp_size=doc["tp_size"], attention=doc["attention"],
+        vocab_size=doc["vocab_size"], extra=tuple((str(k), str(v)) for k, v in doc["extra"]),
+    )

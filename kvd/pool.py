@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvd.index import PageContent
 from kvd.types import NamespaceId, PageId, PageState
@@ -35,6 +36,7 @@ class PoolCounters:
     refcount_increments: int = 0
     refcount_decrements: int = 0
     evicted_pages: int = 0
+    corrupted_pages: int = 0  # published pages whose bytes no longer match their checksum
 
 
 @dataclass
@@ -46,7 +48,9 @@ class _NamespacePages:
 class PagePool:
     """States, refcounts, free lists and LRU of every host page of the daemon."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_unpublish: Callable[[PageId], None] | None = None) -> None:
+        # Called when a published page stops being published (freed), before it can be reused.
+        self._on_unpublish = on_unpublish
         self._pages: dict[PageId, _Page] = {}
         self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
         self._extent_in_use: dict[str, int] = {}  # PRIVATE or PUBLISHED pages per extent
@@ -71,6 +75,20 @@ class PagePool:
             assert p.state is PageState.FREE, f"page {page} of extent {extent} removed while {p.state.value}"
         pages = self._ns(namespace)
         pages.free = [p for p in pages.free if p not in gone]
+
+    def restore(self, namespace: NamespaceId, contents: list[PageContent]) -> None:
+        """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered.
+
+        ``contents`` come in eviction order: first in the list, first evicted."""
+        pages = self._ns(namespace)
+        restored = set()
+        for content in contents:
+            p = self._pages[content.page]
+            assert p.state is PageState.FREE and p.namespace == namespace, f"page {content.page} restored while {p.state.value}"
+            p.state, p.content, p.indexed = PageState.CACHED, content, True
+            pages.lru[content.page] = None
+            restored.add(content.page)
+        pages.free = [page for page in pages.free if page not in restored]
 
     def extent_in_use(self, extent: str) -> int:
         return self._extent_in_use[extent]
@@ -212,6 +230,17 @@ class PagePool:
         del self._by_namespace[p.namespace].lru[page]
         return self._evict(page)
 
+    def unindex(self, page: PageId) -> None:
+        """Takes a published page out of sharing (it failed its checksum): a CACHED one is
+        freed now, a referenced one stays with its holders and is freed, never cached, on
+        its last release. The caller removes its index entry."""
+        p = self._pages[page]
+        assert p.content is not None, f"page {page} unindexed while {p.state.value}"
+        p.indexed = False
+        if p.state is PageState.CACHED:
+            del self._by_namespace[p.namespace].lru[page]
+            self._to_free(page, p)
+
     def _evict(self, page: PageId) -> PageContent:
         p = self._pages[page]
         content = p.content
@@ -221,6 +250,8 @@ class PagePool:
         return content
 
     def _to_free(self, page: PageId, p: _Page) -> None:
+        if p.content is not None and self._on_unpublish is not None:
+            self._on_unpublish(page)
         p.state = PageState.FREE
         p.content = None
         p.indexed = False

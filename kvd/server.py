@@ -3,7 +3,9 @@
 ``kvd serve`` runs ``serve(config)``: asyncio on uvloop, grpc.aio on a unix socket.
 The daemon tells systemd it is ready (``READY=1`` on ``$NOTIFY_SOCKET``) only once the
 socket accepts calls. SIGTERM/SIGINT stop it gracefully: no new calls, calls in flight
-finish, then the arena is unmapped and unlinked.
+finish, then the arena is unmapped and unlinked. A daemon that dies instead (``kill -9``,
+a crash) leaves its extents and their metadata; the next one on the same socket
+re-attaches them and serves the published pages again (warm restart, kvd/recovery.py).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd.arena import Arena, leftover_segments, unlink_segments
+from kvd import recovery
+from kvd.arena import Arena, daemon_segments, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
 from kvd.service import KvdServicer
@@ -85,15 +88,30 @@ def _prepare_socket(path: str) -> None:
         raise StartupError(f"cannot prepare socket {path}: {e.strerror}") from None
 
 
+def _new_manager(config: ServeConfig) -> KVCacheManager:
+    arena = Arena(config.host_bytes, min(config.extent_bytes, config.host_bytes), config.shm_prefix, config.lock_memory)
+    return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
+
+
+def _recovered_manager(config: ServeConfig) -> KVCacheManager:
+    """A manager holding what a killed daemon on this socket left (kvd/recovery.py), or an empty one."""
+    manager = _new_manager(config)
+    try:
+        recovery.recover(manager)
+    except Exception:  # noqa: BLE001 - never refuse to start over leftovers: start empty
+        log.exception("warm restart failed; discarding the previous daemon's shared memory and starting empty")
+        manager.close(unlink=True)
+        unlink_segments(daemon_segments(config.shm_prefix))
+        manager = _new_manager(config)
+    return manager
+
+
 async def run(config: ServeConfig, metrics=None) -> None:
     _prepare_socket(config.socket)
-    stale = leftover_segments(config.shm_prefix)
-    if stale:
-        log.warning("removing %d shared-memory extents a previous daemon left behind", len(stale))
-        unlink_segments(stale)
     started = time.perf_counter()
-    arena = Arena(config.host_bytes, min(config.extent_bytes, config.host_bytes), config.shm_prefix, config.lock_memory)
-    manager = KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
+    manager = _recovered_manager(config)
+    loop = asyncio.get_running_loop()
+    manager.sealer.notify = lambda: loop.call_soon_threadsafe(manager.apply_seals)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = KvdServicer(manager, observe_latency=metrics.observe_latency if metrics else None)
     kvd_pb2_grpc.add_KVDServicer_to_server(servicer, server)
@@ -126,7 +144,6 @@ async def run(config: ServeConfig, metrics=None) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
@@ -153,6 +170,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     servicer.end_sessions()
     sweeper.cancel()
     await server.stop(grace=config.shutdown_grace_seconds)
+    manager.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
     manager.close(unlink=True)
     if metrics is not None:
         metrics.stop()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import struct
 import logging
 import time
 from typing import Callable
 
 import grpc
-import numpy as np
 
 from kvd import invariants, stats as stats_mod
 from kvd.errors import (
@@ -49,8 +49,9 @@ MAX_STATUS_CHARS = 512
 
 # ---- conversions ---------------------------------------------------------------------
 
-def pack_pages(pages) -> bytes:
-    return np.asarray(pages, dtype="<u4").tobytes()
+def pack_pages(pages: list) -> bytes:
+    """Page ids as packed little-endian uint32, the wire format."""
+    return struct.pack(f"<{len(pages)}I", *pages)
 
 
 def _extra_keys(keys) -> tuple[ExtraKey, ...]:
@@ -265,6 +266,12 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def CheckInvariants(self, r):
         return pb.CheckInvariantsReply(violations=invariants.violations(self.m))
+
+    @_unary
+    def VerifyPages(self, r):
+        v = self.m.verify()
+        return pb.VerifyPagesReply(checked_pages=v.checked_pages, checked_bytes=v.checked_bytes,
+                                   corrupted_pages=v.corrupted_pages, seconds=v.seconds)
 
     @_unary
     def Ping(self, r):

@@ -15,7 +15,7 @@ STAT_FIELDS = (
     "logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages",
     "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved",
     "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens",
-    "evicted_pages", "sessions", "sequences",
+    "evicted_pages", "corrupted_pages", "sessions", "sequences",
 )
 
 
@@ -35,6 +35,7 @@ class PageStats:
     lookup_tokens: int = 0
     hit_tokens: int = 0
     evicted_pages: int = 0
+    corrupted_pages: int = 0   # published pages dropped because their bytes failed the checksum
     sessions: int = 0
     sequences: int = 0
 
@@ -86,6 +87,7 @@ def collect(manager) -> Stats:
             refcount_increments=counters.refcount_increments,
             refcount_decrements=counters.refcount_decrements,
             evicted_pages=counters.evicted_pages,
+            corrupted_pages=counters.corrupted_pages,
             lookup_tokens=manager.counters[ns.id].lookup_tokens,
             hit_tokens=manager.counters[ns.id].hit_tokens,
             free_pages=manager.pool.free_count(ns.id),

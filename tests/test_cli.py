@@ -85,7 +85,7 @@ def test_stats_json_fields_and_values(tmp_path):
                 "logical_pages": 9, "physical_pages": 5, "shared_pages": 4, "private_pages": 1,
                 "cached_pages": 0, "pinned_pages": 0, "host_pages_saved": 4, "host_bytes_saved": 4 * PAGE_BYTES,
                 "refcount_increments": 9, "refcount_decrements": 0, "lookup_tokens": 16 + 19, "hit_tokens": 16,
-                "evicted_pages": 0, "sessions": 1, "sequences": 2,
+                "evicted_pages": 0, "corrupted_pages": 0, "sessions": 1, "sequences": 2,
             }
             for view in (stats, entry):
                 assert {f: view[f] for f in expected} == expected

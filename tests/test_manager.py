@@ -787,7 +787,7 @@ def test_stats_in_a_small_scenario(make_manager):
         "logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages",
         "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved",
         "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens",
-        "evicted_pages", "sessions", "sequences",
+        "evicted_pages", "corrupted_pages", "sessions", "sequences",
     )
     c = Core(make_manager, pages=64)
     c.m.open_session("idle", 2)
@@ -803,7 +803,7 @@ def test_stats_in_a_small_scenario(make_manager):
         logical_pages=6, physical_pages=4, shared_pages=2, private_pages=2, cached_pages=1,
         pinned_pages=1, free_pages=59, host_pages_saved=2, host_bytes_saved=2 * PAGE_BYTES,
         refcount_increments=8, refcount_decrements=1, lookup_tokens=24, hit_tokens=8,
-        evicted_pages=0, sessions=2, sequences=2,
+        evicted_pages=0, corrupted_pages=0, sessions=2, sequences=2,
     )
     s = stats.collect(c.m)
     assert s.totals.as_dict() == expected
@@ -811,7 +811,7 @@ def test_stats_in_a_small_scenario(make_manager):
     assert ns.pages.as_dict() == {**expected, "sessions": 1}   # the idle session holds nothing here
     assert (ns.namespace_id, ns.model, ns.page_bytes) == (c.ns, "tiny", PAGE_BYTES)
     assert (s.host_bytes, s.arena_bytes, s.prefix_reuse) == (64 * PAGE_BYTES, 64 * PAGE_BYTES, True)
-    assert list(s.as_dict())[:16] == list(stats.STAT_FIELDS)
+    assert list(s.as_dict())[:17] == list(stats.STAT_FIELDS)
     check(c.m)
 
 

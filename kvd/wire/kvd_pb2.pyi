@@ -436,7 +436,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PageStats(_message.Message):
-    __slots__ = ("logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages", "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved", "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens", "evicted_pages", "sequences", "sessions")
+    __slots__ = ("logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages", "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved", "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens", "evicted_pages", "sequences", "sessions", "corrupted_pages")
     LOGICAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     PHYSICAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -453,6 +453,7 @@ class PageStats(_message.Message):
     EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     logical_pages: int
     physical_pages: int
     shared_pages: int
@@ -469,7 +470,8 @@ class PageStats(_message.Message):
     evicted_pages: int
     sequences: int
     sessions: int
-    def __init__(self, logical_pages: _Optional[int] = ..., physical_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., host_pages_saved: _Optional[int] = ..., host_bytes_saved: _Optional[int] = ..., refcount_increments: _Optional[int] = ..., refcount_decrements: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., sequences: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    corrupted_pages: int
+    def __init__(self, logical_pages: _Optional[int] = ..., physical_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., host_pages_saved: _Optional[int] = ..., host_bytes_saved: _Optional[int] = ..., refcount_increments: _Optional[int] = ..., refcount_decrements: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., sequences: _Optional[int] = ..., sessions: _Optional[int] = ..., corrupted_pages: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace_id", "model", "page_bytes", "pages")
@@ -506,6 +508,22 @@ class CheckInvariantsReply(_message.Message):
     VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     violations: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, violations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifyPagesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifyPagesReply(_message.Message):
+    __slots__ = ("checked_pages", "checked_bytes", "corrupted_pages", "seconds")
+    CHECKED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    checked_pages: int
+    checked_bytes: int
+    corrupted_pages: int
+    seconds: float
+    def __init__(self, checked_pages: _Optional[int] = ..., checked_bytes: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -114,6 +114,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.CheckInvariantsRequest.SerializeToString,
                 response_deserializer=kvd__pb2.CheckInvariantsReply.FromString,
                 _registered_method=True)
+        self.VerifyPages = channel.unary_unary(
+                '/kvd.v1.KVD/VerifyPages',
+                request_serializer=kvd__pb2.VerifyPagesRequest.SerializeToString,
+                response_deserializer=kvd__pb2.VerifyPagesReply.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/kvd.v1.KVD/Ping',
                 request_serializer=kvd__pb2.PingRequest.SerializeToString,
@@ -226,6 +231,14 @@ class KVDServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyPages(self, request, context):
+        """Admin: re-hashes every published or cached page against its checksum; pages whose
+        bytes changed are dropped from the index and counted in corrupted_pages (`kvd verify`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """An empty round trip, for measuring the transport itself.
         """
@@ -315,6 +328,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.CheckInvariants,
                     request_deserializer=kvd__pb2.CheckInvariantsRequest.FromString,
                     response_serializer=kvd__pb2.CheckInvariantsReply.SerializeToString,
+            ),
+            'VerifyPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyPages,
+                    request_deserializer=kvd__pb2.VerifyPagesRequest.FromString,
+                    response_serializer=kvd__pb2.VerifyPagesReply.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -754,6 +772,33 @@ class KVD:
             '/kvd.v1.KVD/CheckInvariants',
             kvd__pb2.CheckInvariantsRequest.SerializeToString,
             kvd__pb2.CheckInvariantsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/VerifyPages',
+            kvd__pb2.VerifyPagesRequest.SerializeToString,
+            kvd__pb2.VerifyPagesReply.FromString,
             options,
             channel_credentials,
             insecure,
