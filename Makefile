@@ -37,6 +37,7 @@ bench: setup
 	$(PY) bench/bench_host.py
 	$(PY) bench/bench_prefill.py
 	$(PY) bench/bench_decode_loads.py
+	$(PY) bench/bench_decode_step.py
 
 clean-venv:
 	rm -rf $(VENV)
