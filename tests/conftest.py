@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import pytest
 
@@ -34,6 +35,38 @@ def make_manager():
         prefix = m.arena.name_prefix
         m.close()
         assert leftover_segments(prefix) == [], f"extents of {prefix} leaked"
+
+
+def wait_until(predicate, what: str, timeout: float = 2.0):
+    """Polls ``predicate`` until it returns something truthy (returned); fails the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout} s")
+        time.sleep(0.005)
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """A memory figure of a process from /proc/<pid>/status (VmRSS, VmHWM, ...), in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def clean_env(tmp_path, **extra: str) -> dict:
+    """The test's environment without KVD_* settings or a systemd notify socket, and with
+    an empty config file, so a kvd installed on this host cannot change the daemon."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") and k != "NOTIFY_SOCKET"}
+    empty = tmp_path / "empty.toml"
+    empty.touch()
+    env["KVD_CONFIG"] = str(empty)
+    env.update(extra)
+    return env
 
 
 def identity(model: str = "tiny", num_layers: int = 2, num_kv_heads: int = 2, head_dim: int = 8,

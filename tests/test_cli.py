@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import start_daemon
+from conftest import clean_env, start_daemon
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from kvd import config as config_mod
 from kvd.arena import leftover_segments
@@ -32,15 +32,6 @@ PREFIX = list(range(1000, 1016))  # 4 full pages
 SMALL = ("--host-bytes", "64MiB", "--extent-bytes", "4MiB")
 
 
-def clean_env(tmp_path, **extra: str) -> dict:
-    """The test's environment without KVD_* settings or a systemd notify socket, and with
-    an empty config file, so a kvd installed on this host cannot change the daemon."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") and k != "NOTIFY_SOCKET"}
-    empty = tmp_path / "empty.toml"
-    empty.touch()
-    env["KVD_CONFIG"] = str(empty)
-    env.update(extra)
-    return env
 
 
 def kvd(*args: str, env: dict, timeout: float = 30) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ import agents
 from engine_client import KVDClient, SequenceRequest
 from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
+from conftest import wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
 PAGE = agents.LAYOUT.page_size
@@ -137,21 +138,12 @@ def map_every_extent(socket: str, prompt_tokens: int, ready) -> None:
 
 # ---- the observer's side --------------------------------------------------------------
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout} s")
-        time.sleep(0.005)
 
 
 def observer(socket: str) -> KVDClient:
     """A session of the test itself, once it is the only one (the launcher's probe has gone)."""
     client = KVDClient.connect(socket, client_name="observer")
-    wait_until(lambda: client.stats()["sessions"] == 1, 5, "other sessions did not end")
+    wait_until(lambda: client.stats()["sessions"] == 1, "other sessions did not end", timeout=5)
     return client
 
 
@@ -203,7 +195,7 @@ def test_sigkill_mid_allocation_loop_releases_everything(daemon, kill_after):
         try:
             for r in readies:
                 assert r.wait(60)
-            wait_until(lambda: all(c.value >= kill_after for c in counters), 60, f"loops did not reach {kill_after}")
+            wait_until(lambda: all(c.value >= kill_after for c in counters), f"loops did not reach {kill_after}", timeout=60)
             assert all(p.is_alive() for p in procs), "a looper died on its own"
             took = kill_and_wait_released(obs, procs)
         finally:
@@ -251,7 +243,7 @@ def test_sigkill_between_publish_calls_keeps_exactly_the_published_prefix(daemon
         attempted, done = SPAWN.Value("i", 0), SPAWN.Value("i", 0)
         procs = [start(publish_page_by_page, daemon.socket, prompt_pages, attempted, done)]
         try:
-            wait_until(lambda: done.value >= 20, 60, "the publisher did not publish 20 pages")
+            wait_until(lambda: done.value >= 20, "the publisher did not publish 20 pages", timeout=60)
             kill_and_wait_released(obs, procs)
         finally:
             finish(procs)

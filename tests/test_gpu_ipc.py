@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import os
 import pickle
-import secrets
 
 import pytest
 import torch
@@ -14,35 +12,18 @@ from engine_client import PageLayout
 from gpu_worker.ipc import PoolExport, PoolHandle, PoolImport, SharedSegment
 from gpu_worker.loader import PageLoader
 from gpu_worker.planner import DecodeBatchPlanner, DecodePlan, HostRow, SeqId
-from gpu_worker.pool import HostPageId, torch_dtype
+from gpu_worker.pool import HostPageId
+from shm_host_pages import ShmHostPages
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
 HOST_PAGES = 64
 
 
-class ShmHostPages:
-    """HostPages over one real posix_ipc segment, standing in for the engine client."""
-
-    def __init__(self, segment: SharedSegment, layout: PageLayout) -> None:
-        self.segment = segment
-        # pages: [num_pages, L, 2, P, H, D]
-        self.pages = segment.tensor(torch_dtype(layout), (HOST_PAGES, *layout.page_shape))
-
-    def page(self, page_id: HostPageId) -> torch.Tensor:
-        return self.pages[page_id]
-
-    def extents(self) -> list[memoryview]:
-        return [memoryview(self.segment.buffer)]
-
-
 @pytest.fixture
 def host() -> ShmHostPages:
-    name = f"/kvd-test-host-{os.getpid()}-{secrets.token_hex(4)}"
-    segment = SharedSegment.create(name, HOST_PAGES * LAYOUT.page_bytes)
-    raw = segment.tensor(torch.uint8, (segment.size,))
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
-    yield ShmHostPages(segment, LAYOUT)
-    segment.unlink()
+    pages = ShmHostPages.create(LAYOUT, HOST_PAGES, seed=5)
+    yield pages
+    pages.segment.unlink()
 
 
 @pytest.fixture
@@ -71,7 +52,7 @@ def load_shared_batch(export: PoolExport, host: ShmHostPages) -> DecodePlan:
 def importer_main(handle: PoolHandle, host_segment: str, replies: mp.Queue) -> None:
     """Child process: open the pool, check its pages against the host pages, mark one page."""
     pool = PoolImport(handle)
-    host = ShmHostPages(SharedSegment.attach(host_segment), handle.layout)
+    host = ShmHostPages(SharedSegment.attach(host_segment), handle.layout, HOST_PAGES)
     mapping = pool.lookup()
     mismatched = [h for h, g in mapping.items() if digest(pool.kv[g]) != digest(host.page(h))]
     free_page = min(set(range(handle.num_pages)) - set(mapping.values()))

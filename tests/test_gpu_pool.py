@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import secrets
 
 import hypothesis.strategies as st
 import pytest
@@ -12,7 +10,6 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_client import PageLayout
-from gpu_worker.ipc import SharedSegment
 from gpu_worker.loader import PageLoader, PageStore, register_chunks, register_host_extents
 from gpu_worker.pool import (
     Acquired,
@@ -22,33 +19,15 @@ from gpu_worker.pool import (
     PageLoad,
     PoolExhausted,
     PoolInvariantError,
-    torch_dtype,
 )
+from shm_host_pages import ShmHostPages
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
 
 
-class ShmHostPages:
-    """HostPages over one real posix_ipc segment, standing in for the engine client."""
-
-    def __init__(self, layout: PageLayout, num_pages: int) -> None:
-        name = f"/kvd-test-host-{os.getpid()}-{secrets.token_hex(4)}"
-        self.segment = SharedSegment.create(name, num_pages * layout.page_bytes)
-        # pages: [num_pages, L, 2, P, H, D]
-        self.pages = self.segment.tensor(torch_dtype(layout), (num_pages, *layout.page_shape))
-        raw = self.segment.tensor(torch.uint8, (num_pages * layout.page_bytes,))
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(7)))
-
-    def page(self, page_id: HostPageId) -> torch.Tensor:
-        return self.pages[page_id]
-
-    def extents(self) -> list[memoryview]:
-        return [memoryview(self.segment.buffer)]
-
-
 @pytest.fixture
 def host() -> ShmHostPages:
-    pages = ShmHostPages(LAYOUT, 64)
+    pages = ShmHostPages.create(LAYOUT, 64, seed=7)
     yield pages
     pages.segment.unlink()
 

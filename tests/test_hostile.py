@@ -27,7 +27,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test,
 )
 
-from conftest import start_daemon
+from conftest import start_daemon, vm_kib, wait_until
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 
@@ -121,7 +121,7 @@ def env(tmp_path_factory):
     ns = {"A": register(wire, session, "hostile-a", layout(PAGE_SIZE["A"]), VOCAB_A),
           "B": register(wire, session, "hostile-b", layout(PAGE_SIZE["B"]))}
     stream.cancel()
-    wait_for(lambda: wire.stats().totals.sessions == 0, "the setup session did not end")
+    wait_until(lambda: wire.stats().totals.sessions == 0, "the setup session did not end")
     try:
         yield Env(d, wire, ns)
     finally:
@@ -134,15 +134,6 @@ def env(tmp_path_factory):
     assert "Traceback" not in log, f"the daemon logged an exception:\n{log}"
 
 
-def wait_for(predicate, what: str, timeout: float = 2.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout} s")
-        time.sleep(0.005)
 
 
 def assert_healthy(env: Env) -> pb.StatsReply:
@@ -178,7 +169,7 @@ def two_sessions(env):
     yield a, b
     stream_a.cancel()
     stream_b.cancel()
-    wait_for(lambda: env.wire.stats().totals.sessions == 0, "the two sessions did not end")
+    wait_until(lambda: env.wire.stats().totals.sessions == 0, "the two sessions did not end")
     assert env.wire.stats().totals.sequences == 0
 
 
@@ -326,7 +317,7 @@ def test_short_pin_ttl_expires(env, two_sessions):
     env.wire.ok("Release", pb.ReleaseRequest(session=a, namespace_id=ns, seq_ids=["t"]))
     pin = env.wire.ok("Pin", pb.PinRequest(session=a, namespace_id=ns, tokens=prompt, ttl_seconds=1e-3))
     assert pin.pinned_pages == 2
-    wait_for(lambda: env.wire.stats().totals.pinned_pages == 0, "a 1 ms pin did not expire", timeout=3)
+    wait_until(lambda: env.wire.stats().totals.pinned_pages == 0, "a 1 ms pin did not expire", timeout=3)
     refused(env, "Unpin", pb.UnpinRequest(session=a, pin_id=pin.pin_id), {Code.NOT_FOUND})
     assert_healthy(env)
 
@@ -358,17 +349,11 @@ def test_bad_namespace_identity_is_invalid_argument(env, case):
         assert len(env.wire.stats().namespaces) == before, "a refused identity was registered"
     finally:
         stream.cancel()
-    wait_for(lambda: env.wire.stats().totals.sessions == 0, "the session did not end")
+    wait_until(lambda: env.wire.stats().totals.sessions == 0, "the session did not end")
     refused(env, "RegisterNamespace", pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(
         model="m", layout=layout(4))), {Code.NOT_FOUND})  # a closed session is unknown
 
 
-def vm_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def test_multimodal_extra_keys_cannot_amplify_daemon_memory(env):
@@ -481,7 +466,7 @@ class HostileMachine(RuleBasedStateMachine):
             return
         self.dead_tokens.extend(s for s, _ in self.sessions)
         w = self.env.wire
-        wait_for(lambda: w.stats().totals.sessions == 0, "sessions of an example did not end")
+        wait_until(lambda: w.stats().totals.sessions == 0, "sessions of an example did not end")
         t = w.stats().totals
         assert (t.sequences, t.private_pages, t.shared_pages, t.pinned_pages) == (0, 0, 0, 0), t
 
@@ -797,7 +782,7 @@ class HostileMachine(RuleBasedStateMachine):
         w = self.env.wire
         token, stream = self.sessions[which]
         stream.cancel()
-        wait_for(lambda: w.stats().totals.sessions == 1, "a cancelled session did not end")
+        wait_until(lambda: w.stats().totals.sessions == 1, "a cancelled session did not end")
         self.dead_tokens.append(token)
         self.owner = {k: v for k, v in self.owner.items() if v != which}
         self.pins[which] = []

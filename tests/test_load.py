@@ -23,6 +23,7 @@ import agents
 from engine_client import KVDClient, KVDError, SequenceRequest
 from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
+from conftest import wait_until, vm_kib
 
 SPAWN = multiprocessing.get_context("spawn")
 LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB
@@ -171,20 +172,11 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) * 1e3
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout} s")
-        time.sleep(0.01)
 
 
 def test_sixteen_clients_mixed_load_leaves_only_free_and_cached_pages(daemon):
     with KVDClient.connect(daemon.socket, client_name="observer") as observer:
-        wait_until(lambda: observer.stats()["sessions"] == 1, 5, "the launcher's session did not end")
+        wait_until(lambda: observer.stats()["sessions"] == 1, "the launcher's session did not end", timeout=5)
         start = SPAWN.Barrier(NUM_CLIENTS + 1)
         results = SPAWN.Queue()
         procs = [SPAWN.Process(target=load_client, args=(daemon.socket, w, OPS_PER_CLIENT, start, results))
@@ -215,7 +207,7 @@ def test_sixteen_clients_mixed_load_leaves_only_free_and_cached_pages(daemon):
             for p in procs:
                 if p.is_alive():
                     p.kill()
-        wait_until(lambda: observer.stats()["sessions"] == 1, 2, "load clients' sessions did not end")
+        wait_until(lambda: observer.stats()["sessions"] == 1, "load clients' sessions did not end", timeout=2)
         stats = observer.stats()
         violations = observer.check_invariants()
 
@@ -297,12 +289,6 @@ def pressure_client(socket: str, worker: int, rounds: int, results) -> None:
         results.put({"worker": worker, "counts": counts, "other": other})
 
 
-def vm_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(daemon_factory):
@@ -345,7 +331,7 @@ def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(da
                     p.kill()
         # Now nothing but the observer's own sequence and cached pages remain: a request
         # larger than everything that can be freed must be refused, and change nothing.
-        wait_until(lambda: observer.stats()["sessions"] == 1, 2, "pressure clients' sessions did not end")
+        wait_until(lambda: observer.stats()["sessions"] == 1, "pressure clients' sessions did not end", timeout=2)
         before = observer.stats()
         with pytest.raises(KVDError) as e:
             observer.allocate_with_prefix(ns, [SequenceRequest("too-big", np.arange(1400 * PAGE, dtype=np.int32))])
@@ -390,7 +376,7 @@ def test_on_hold_sequence_with_published_pages_is_evicted_under_pressure(daemon_
         # 212 pages are free; evicting 'paused' frees its 300 published pages (no one else holds them).
         [alloc] = client.allocate_with_prefix(ns, [SequenceRequest("next", np.arange(300 * PAGE, dtype=np.int32) + 50_000)])
         assert len(alloc.private_pages) == 300
-        assert wait_until(lambda: client.take_evicted(), 2, "no eviction event") == {(ns, "paused")}
+        assert wait_until(lambda: client.take_evicted(), "no eviction event", timeout=2) == {(ns, "paused")}
         assert client.check_invariants() == []
 
 

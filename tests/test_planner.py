@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import secrets
 
 import pytest
 import torch
 
 from engine_client import PageLayout
-from gpu_worker.ipc import SharedSegment
 from gpu_worker.loader import PageLoader, PageStore
 from gpu_worker.planner import DecodeBatchPlanner, DecodePlan, HostRow, PlanExhausted, SeqId
-from gpu_worker.pool import GpuPagePool, HostPageId, torch_dtype
+from gpu_worker.pool import GpuPagePool, HostPageId
+from shm_host_pages import ShmHostPages
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
 PREFIX = 40
@@ -20,27 +18,9 @@ PRIVATE = 3
 BATCH = 8
 
 
-class ShmHostPages:
-    """HostPages over one real posix_ipc segment, standing in for the engine client."""
-
-    def __init__(self, layout: PageLayout, num_pages: int) -> None:
-        name = f"/kvd-test-host-{os.getpid()}-{secrets.token_hex(4)}"
-        self.segment = SharedSegment.create(name, num_pages * layout.page_bytes)
-        # pages: [num_pages, L, 2, P, H, D]
-        self.pages = self.segment.tensor(torch_dtype(layout), (num_pages, *layout.page_shape))
-        raw = self.segment.tensor(torch.uint8, (num_pages * layout.page_bytes,))
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
-
-    def page(self, page_id: HostPageId) -> torch.Tensor:
-        return self.pages[page_id]
-
-    def extents(self) -> list[memoryview]:
-        return [memoryview(self.segment.buffer)]
-
-
 @pytest.fixture
 def host() -> ShmHostPages:
-    pages = ShmHostPages(LAYOUT, 256)
+    pages = ShmHostPages.create(LAYOUT, 256, seed=3)
     yield pages
     pages.segment.unlink()
 

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import start_daemon
+from conftest import clean_env, start_daemon
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
 from kvd import config as config_mod
 from kvd.arena import leftover_segments
@@ -44,15 +44,6 @@ LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype
 PREFIX = list(range(1000, 1016))  # 4 full pages
 
 
-def clean_env(tmp_path, **extra: str) -> dict:
-    """The test's environment without KVD_* settings or a systemd notify socket, and with
-    an empty config file, so a kvd installed on this host cannot change the daemon."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") and k != "NOTIFY_SOCKET"}
-    empty = tmp_path / "empty.toml"
-    empty.touch()
-    env["KVD_CONFIG"] = str(empty)
-    env.update(extra)
-    return env
 
 
 def shm_prefix(socket: str) -> str:
