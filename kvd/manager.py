@@ -10,118 +10,33 @@ shared memory in ``Arena``, page tables in ``SequenceTable``, leases in ``Sessio
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 
 from kvd.arena import Arena, Extent, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvd.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
+from kvd.requests import (
+    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
+    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_tokens, prepare,
+)
 from kvd.integrity import Sealer, SealJob, VerifyResult
 from kvd.meta import page_checksum
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
-from kvd.types import NamespaceId, PageId, PageKey, PageState, PinId, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SeqState, SessionId
 
 log = logging.getLogger(__name__)
-
-TOKEN_BYTES = 4  # token ids travel and are stored as little-endian int32
-_SMALL_TOKEN_BYTES = 1024
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds on one request, so one client cannot monopolise the daemon."""
-
-    max_batch_sequences: int = 4096
-    max_tokens_per_sequence: int = 1 << 22
-    max_seq_id_chars: int = 256
-    max_extra_keys: int = 4096
-    max_extra_key_bytes: int = 1024
-    max_aux_bytes: int = 64 << 20
-
-
-@dataclass(frozen=True)
-class SequenceRequest:
-    seq_id: str
-    tokens: bytes
-    extra_keys: tuple[ExtraKey, ...] = ()
-
-
-@dataclass(frozen=True)
-class SequencePlan:
-    """Where one sequence's KV lives: prefill computes tokens [suffix_start, num_tokens)."""
-
-    seq_id: SeqId
-    shared_pages: list[PageId]
-    private_pages: list[PageId]
-    shared_prefix_tokens: int
-    suffix_start: int
-    num_tokens: int
-
-    @property
-    def pages(self) -> list[PageId]:
-        return self.shared_pages + self.private_pages
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    seq_id: str
-    hit_pages: list[PageId]
-    hit_tokens: int
-
-
-@dataclass(frozen=True)
-class Rebind:
-    """Publishing found an identical page: ``old_page`` was freed, ``new_page`` replaces it."""
-
-    position: int
-    old_page: PageId
-    new_page: PageId
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    seq_id: SeqId
-    published_pages: int
-    rebinds: list[Rebind]
-
-
-@dataclass(frozen=True)
-class ExtendResult:
-    seq_id: SeqId
-    new_pages: list[PageId]
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class PinResult:
-    pin_id: PinId
-    pages: list[PageId]
-    tokens: int
-
 
 @dataclass
 class NamespaceCounters:
     lookup_tokens: int = 0
     hit_tokens: int = 0
-
-
-@dataclass
-class _Prepared:
-    request: SequenceRequest
-    tokens: bytes
-    num_tokens: int
-    chain: ChainSpec
-    reentry: Sequence | None = None
-    hits: list[PageId] = field(default_factory=list)
-    hit_keys: list[PageKey] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -248,8 +163,8 @@ class KVCacheManager:
         """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        self._check_batch([r.seq_id for r in requests])
-        prepared = [self._prepare(ns, r) for r in requests]
+        check_batch(self.limits, [r.seq_id for r in requests])
+        prepared = [prepare(self.limits, ns, r) for r in requests]
         for p in prepared:
             p.reentry = self.sequences.find(ns.id, p.request.seq_id)
             if p.reentry is not None:
@@ -291,10 +206,10 @@ class KVCacheManager:
         """The same matching as allocate, without pinning or allocating anything."""
         self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        self._check_batch([r.seq_id for r in requests], unique=False)
+        check_batch(self.limits, [r.seq_id for r in requests], unique=False)
         results = []
         for r in requests:
-            p = self._prepare(ns, r)
+            p = prepare(self.limits, ns, r)
             hits = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
             results.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size))
         return results
@@ -307,7 +222,7 @@ class KVCacheManager:
         """
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        self._check_batch([seq_id for seq_id, _ in items])
+        check_batch(self.limits, [seq_id for seq_id, _ in items])
         targets = []
         for seq_id, num_tokens in items:
             seq = self._live(ns, seq_id, session)
@@ -343,7 +258,7 @@ class KVCacheManager:
         """Room for more tokens (decode), always in private pages; all or nothing."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        self._check_batch([seq_id for seq_id, _, _ in items])
+        check_batch(self.limits, [seq_id for seq_id, _, _ in items])
         plans = []
         for seq_id, num_tokens, tokens in items:
             seq = self._live(ns, seq_id, session)
@@ -357,7 +272,7 @@ class KVCacheManager:
                     f"over the limit of {self.limits.max_tokens_per_sequence}"
                 )
             if tokens:
-                tokens = self._check_tokens(ns, tokens, f"sequence {seq_id!r}")
+                tokens = check_tokens(self.limits, ns, tokens, f"sequence {seq_id!r}")
                 if len(tokens) != num_tokens * TOKEN_BYTES:
                     raise InvalidArgument(
                         f"sequence {seq_id!r}: {len(tokens) // TOKEN_BYTES} token ids given for {num_tokens} new tokens"
@@ -386,7 +301,7 @@ class KVCacheManager:
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         src = self._live(ns, src_id, session)
-        self._check_seq_id(dst_id)
+        check_seq_id(self.limits, dst_id)
         if self.sequences.find(ns.id, dst_id) is not None:
             raise FailedPrecondition(f"cannot fork into {dst_id!r}: that sequence already exists")
         self._check_aux_room(len(src.aux))
@@ -413,7 +328,7 @@ class KVCacheManager:
         """Drops the sequences; returns how many page references were released."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        self._check_batch(seq_ids)
+        check_batch(self.limits, seq_ids)
         seqs = [self.sequences.owned(ns.id, s, session.id) for s in seq_ids]
         released = 0
         for seq in seqs:
@@ -467,7 +382,7 @@ class KVCacheManager:
         ns = self.namespaces.get(namespace_id)
         if not ttl_seconds >= 0 or ttl_seconds == float("inf"):
             raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
-        p = self._prepare(ns, SequenceRequest("pin", tokens, extra_keys))
+        p = prepare(self.limits, ns, SequenceRequest("pin", tokens, extra_keys))
         pages = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
         self.pool.acquire_all(pages, pin=True)
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
@@ -488,74 +403,6 @@ class KVCacheManager:
     def _unpin(self, session: Session, pin: Pin) -> None:
         self.pool.release_all(reversed(pin.pages), pin=True)
         del session.pins[pin.id]
-
-    # ---- internals: validation ----------------------------------------------------
-
-    def _check_batch(self, seq_ids: list[str], unique: bool = True) -> None:
-        if len(seq_ids) > self.limits.max_batch_sequences:
-            raise InvalidArgument(
-                f"batch of {len(seq_ids)} sequences is over the limit of {self.limits.max_batch_sequences}"
-            )
-        for s in seq_ids:
-            self._check_seq_id(s)
-        if unique and len(set(seq_ids)) != len(seq_ids):
-            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
-            raise InvalidArgument(f"sequence {dup!r} appears twice in one batch")
-
-    def _check_seq_id(self, seq_id: str) -> None:
-        if not seq_id or len(seq_id) > self.limits.max_seq_id_chars:
-            raise InvalidArgument(f"sequence id must have 1 to {self.limits.max_seq_id_chars} characters, got {seq_id!r:.300}")
-
-    def _check_tokens(self, ns: Namespace, tokens: bytes, what: str) -> bytes:
-        if len(tokens) % TOKEN_BYTES:
-            raise InvalidArgument(
-                f"{what}: token bytes length {len(tokens)} is not a multiple of {TOKEN_BYTES} "
-                "(token ids are packed little-endian int32)"
-            )
-        if len(tokens) // TOKEN_BYTES > self.limits.max_tokens_per_sequence:
-            raise InvalidArgument(
-                f"{what}: {len(tokens) // TOKEN_BYTES} tokens is over the limit of {self.limits.max_tokens_per_sequence}"
-            )
-        vocab = ns.identity.vocab_size
-        if 0 < len(tokens) <= _SMALL_TOKEN_BYTES:  # a decode step's few ids: cheaper without numpy
-            ids = struct.unpack(f"<{len(tokens) // TOKEN_BYTES}i", tokens)
-            if min(ids) >= 0 and (not vocab or max(ids) < vocab):
-                return bytes(tokens)
-        if tokens:
-            ids = np.frombuffer(tokens, dtype="<i4")
-            bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if vocab else np.flatnonzero(ids < 0)
-            if bad.size:
-                limit = f"[0, {vocab})" if vocab else "[0, 2^31)"
-                raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
-        return bytes(tokens)
-
-    def _prepare(self, ns: Namespace, r: SequenceRequest) -> _Prepared:
-        what = f"sequence {r.seq_id!r}"
-        tokens = self._check_tokens(ns, r.tokens, what)
-        num_tokens = len(tokens) // TOKEN_BYTES
-        if len(r.extra_keys) > self.limits.max_extra_keys:
-            raise InvalidArgument(f"{what}: {len(r.extra_keys)} extra keys is over the limit of {self.limits.max_extra_keys}")
-        for k in r.extra_keys:
-            if k.kind not in ExtraKind.__members__.values():
-                raise InvalidArgument(f"{what}: extra key kind {k.kind!r} is unknown (MULTIMODAL, LORA or CACHE_SALT)")
-            if not k.value or len(k.value) > self.limits.max_extra_key_bytes:
-                raise InvalidArgument(
-                    f"{what}: {ExtraKind(k.kind).name} extra key value must have 1 to "
-                    f"{self.limits.max_extra_key_bytes} bytes, got {len(k.value)}"
-                )
-            if k.kind == ExtraKind.MULTIMODAL and (k.length < 1 or k.offset + k.length > num_tokens):
-                raise InvalidArgument(
-                    f"{what}: multimodal item at tokens [{k.offset}, {k.offset + k.length}) lies outside "
-                    f"the prompt of {num_tokens} tokens"
-                )
-        items = sorted((k.offset, k.offset + k.length) for k in r.extra_keys if k.kind == ExtraKind.MULTIMODAL)
-        for (_, end), (start, next_end) in zip(items, items[1:]):
-            if start < end:
-                raise InvalidArgument(
-                    f"{what}: multimodal items at tokens [..., {end}) and [{start}, {next_end}) overlap; "
-                    "each placeholder token belongs to one item"
-                )
-        return _Prepared(r, tokens, num_tokens, chain_spec(ns.root, ns.page_size, list(r.extra_keys)))
 
     def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
         seq = self.sequences.owned(ns.id, seq_id, session.id)

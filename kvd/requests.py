@@ -1,0 +1,175 @@
+"""What clients ask of the cache and what they get back, and the checks every request passes.
+
+The manager validates a whole request with these functions before it changes anything,
+so bad input raises ``InvalidArgument`` and loses nothing.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.errors import InvalidArgument
+from kvd.index import ChainSpec, ExtraKey, ExtraKind, chain_spec
+from kvd.namespaces import Namespace
+from kvd.sequences import Sequence
+from kvd.types import PageId, PageKey, PinId, SeqId
+
+TOKEN_BYTES = 4  # token ids travel and are stored as little-endian int32
+_SMALL_TOKEN_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one request, so one client cannot monopolise the daemon."""
+
+    max_batch_sequences: int = 4096
+    max_tokens_per_sequence: int = 1 << 22
+    max_seq_id_chars: int = 256
+    max_extra_keys: int = 4096
+    max_extra_key_bytes: int = 1024
+    max_aux_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    seq_id: str
+    tokens: bytes
+    extra_keys: tuple[ExtraKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where one sequence's KV lives: prefill computes tokens [suffix_start, num_tokens)."""
+
+    seq_id: SeqId
+    shared_pages: list[PageId]
+    private_pages: list[PageId]
+    shared_prefix_tokens: int
+    suffix_start: int
+    num_tokens: int
+
+    @property
+    def pages(self) -> list[PageId]:
+        return self.shared_pages + self.private_pages
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    seq_id: str
+    hit_pages: list[PageId]
+    hit_tokens: int
+
+
+@dataclass(frozen=True)
+class Rebind:
+    """Publishing found an identical page: ``old_page`` was freed, ``new_page`` replaces it."""
+
+    position: int
+    old_page: PageId
+    new_page: PageId
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    seq_id: SeqId
+    published_pages: int
+    rebinds: list[Rebind]
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    seq_id: SeqId
+    new_pages: list[PageId]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PinResult:
+    pin_id: PinId
+    pages: list[PageId]
+    tokens: int
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request with its chain spec; the manager fills in what matching finds."""
+
+    request: SequenceRequest
+    tokens: bytes
+    num_tokens: int
+    chain: ChainSpec
+    reentry: Sequence | None = None
+    hits: list[PageId] = field(default_factory=list)
+    hit_keys: list[PageKey] = field(default_factory=list)
+
+
+def check_batch(limits: Limits, seq_ids: list[str], unique: bool = True) -> None:
+    """Batch size, sequence ids, and (for batches that create or change sequences) no id twice."""
+    if len(seq_ids) > limits.max_batch_sequences:
+        raise InvalidArgument(
+            f"batch of {len(seq_ids)} sequences is over the limit of {limits.max_batch_sequences}"
+        )
+    for s in seq_ids:
+        check_seq_id(limits, s)
+    if unique and len(set(seq_ids)) != len(seq_ids):
+        dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
+        raise InvalidArgument(f"sequence {dup!r} appears twice in one batch")
+
+def check_seq_id(limits: Limits, seq_id: str) -> None:
+    if not seq_id or len(seq_id) > limits.max_seq_id_chars:
+        raise InvalidArgument(f"sequence id must have 1 to {limits.max_seq_id_chars} characters, got {seq_id!r:.300}")
+
+def check_tokens(limits: Limits, ns: Namespace, tokens: bytes, what: str) -> bytes:
+    """Packed int32 token ids within the namespace's vocabulary; returns them as bytes."""
+    if len(tokens) % TOKEN_BYTES:
+        raise InvalidArgument(
+            f"{what}: token bytes length {len(tokens)} is not a multiple of {TOKEN_BYTES} "
+            "(token ids are packed little-endian int32)"
+        )
+    if len(tokens) // TOKEN_BYTES > limits.max_tokens_per_sequence:
+        raise InvalidArgument(
+            f"{what}: {len(tokens) // TOKEN_BYTES} tokens is over the limit of {limits.max_tokens_per_sequence}"
+        )
+    vocab = ns.identity.vocab_size
+    if 0 < len(tokens) <= _SMALL_TOKEN_BYTES:  # a decode step's few ids: cheaper without numpy
+        ids = struct.unpack(f"<{len(tokens) // TOKEN_BYTES}i", tokens)
+        if min(ids) >= 0 and (not vocab or max(ids) < vocab):
+            return bytes(tokens)
+    if tokens:
+        ids = np.frombuffer(tokens, dtype="<i4")
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if vocab else np.flatnonzero(ids < 0)
+        if bad.size:
+            limit = f"[0, {vocab})" if vocab else "[0, 2^31)"
+            raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
+    return bytes(tokens)
+
+def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedRequest:
+    """Validates one sequence request and builds its chain spec; raises InvalidArgument."""
+    what = f"sequence {r.seq_id!r}"
+    tokens = check_tokens(limits, ns, r.tokens, what)
+    num_tokens = len(tokens) // TOKEN_BYTES
+    if len(r.extra_keys) > limits.max_extra_keys:
+        raise InvalidArgument(f"{what}: {len(r.extra_keys)} extra keys is over the limit of {limits.max_extra_keys}")
+    for k in r.extra_keys:
+        if k.kind not in ExtraKind.__members__.values():
+            raise InvalidArgument(f"{what}: extra key kind {k.kind!r} is unknown (MULTIMODAL, LORA or CACHE_SALT)")
+        if not k.value or len(k.value) > limits.max_extra_key_bytes:
+            raise InvalidArgument(
+                f"{what}: {ExtraKind(k.kind).name} extra key value must have 1 to "
+                f"{limits.max_extra_key_bytes} bytes, got {len(k.value)}"
+            )
+        if k.kind == ExtraKind.MULTIMODAL and (k.length < 1 or k.offset + k.length > num_tokens):
+            raise InvalidArgument(
+                f"{what}: multimodal item at tokens [{k.offset}, {k.offset + k.length}) lies outside "
+                f"the prompt of {num_tokens} tokens"
+            )
+    items = sorted((k.offset, k.offset + k.length) for k in r.extra_keys if k.kind == ExtraKind.MULTIMODAL)
+    for (_, end), (start, next_end) in zip(items, items[1:]):
+        if start < end:
+            raise InvalidArgument(
+                f"{what}: multimodal items at tokens [..., {end}) and [{start}, {next_end}) overlap; "
+                "each placeholder token belongs to one item"
+            )
+    return PreparedRequest(r, tokens, num_tokens, chain_spec(ns.root, ns.page_size, list(r.extra_keys)))
