@@ -1,8 +1,13 @@
-"""Session-less admin calls (stats, verify), for the CLI and monitoring."""
+"""Session-less admin calls (stats, verify), for the CLI and monitoring.
+
+A daemon with tenants answers them only for its own uid or root: each call first fetches
+an admin ticket through the handshake (engine_client/auth.py), when the daemon has one.
+"""
 from __future__ import annotations
 
 import grpc
 
+from engine_client.auth import fetch_ticket
 from engine_client.types import KVDError
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
@@ -20,7 +25,8 @@ def stats_dict(reply: pb.StatsReply) -> dict:
         "arena_bytes": reply.arena_bytes,
         "prefix_reuse": reply.prefix_reuse,
         "namespaces": [
-            {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **_fields(n.pages)}
+            {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **_fields(n.pages),
+             **({"tenant": n.tenant} if n.tenant else {})}
             for n in reply.namespaces
         ],
     }
@@ -29,7 +35,8 @@ def stats_dict(reply: pb.StatsReply) -> dict:
 def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         try:
-            return stats_dict(kvd_pb2_grpc.KVDStub(channel).GetStats(pb.StatsRequest(), timeout=timeout))
+            request = pb.StatsRequest(ticket=fetch_ticket(socket, timeout))
+            return stats_dict(kvd_pb2_grpc.KVDStub(channel).GetStats(request, timeout=timeout))
         except grpc.RpcError as e:
             raise KVDError.from_rpc(e) from None
 
@@ -42,6 +49,7 @@ def verify_pages(socket: str, timeout: float = 600.0) -> dict:
     """Runs VerifyPages: every published page re-hashed (~35 ms per GiB), corrupted ones dropped."""
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         try:
-            return verify_dict(kvd_pb2_grpc.KVDStub(channel).VerifyPages(pb.VerifyPagesRequest(), timeout=timeout))
+            request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
+            return verify_dict(kvd_pb2_grpc.KVDStub(channel).VerifyPages(request, timeout=timeout))
         except grpc.RpcError as e:
             raise KVDError.from_rpc(e) from None

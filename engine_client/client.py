@@ -13,6 +13,10 @@ bytes; KV bytes never do: ``page()`` returns a zero-copy view of shared memory.
 When the daemon dies, calls fail fast with UNAVAILABLE and ``session_lost`` is set;
 ``reconnect()`` opens a new session once a daemon answers again. Sequences do not survive
 a daemon restart (their ids then get NOT_FOUND); published pages do (warm restart).
+
+A daemon that isolates tenants (kvd/tenants.py) sees only this process's tenant: ``connect``
+does the handshake on ``<socket>.auth`` first (engine_client/auth.py), and a process whose
+user belongs to no tenant gets PERMISSION_DENIED.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import threading
 import grpc
 import numpy as np
 
+from engine_client.auth import fetch_ticket
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.types import (
     ExtendItem, ExtendResult, ExtraKey, KVDError, LookupResult, Namespace, PinResult, PublishResult,
@@ -126,9 +131,14 @@ class KVDClient:
         except grpc.FutureTimeoutError:
             channel.close()
             raise KVDError(grpc.StatusCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
+        try:
+            ticket = fetch_ticket(path, timeout)
+        except KVDError:
+            channel.close()
+            raise
         stub = kvd_pb2_grpc.KVDStub(channel)
         stream = stub.OpenSession(pb.OpenSessionRequest(
-            client_name=client_name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid(),
+            client_name=client_name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid(), ticket=ticket,
         ))
         try:
             first = next(stream)
@@ -331,18 +341,18 @@ class KVDClient:
         self._call("Unpin", pb.UnpinRequest(session=self.session, pin_id=pin_id))
 
     def stats(self) -> dict:
-        """The daemon's page statistics, as ``kvd stats --json`` prints them."""
+        """The daemon's page statistics, as ``kvd stats --json`` prints them (with tenants: this tenant's)."""
         from engine_client.admin import stats_dict
-        return stats_dict(self._call("GetStats", pb.StatsRequest()))
+        return stats_dict(self._call("GetStats", pb.StatsRequest(session=self.session)))
 
     def check_invariants(self) -> list[str]:
         """Broken invariants of the daemon's state (empty when healthy)."""
-        return list(self._call("CheckInvariants", pb.CheckInvariantsRequest()).violations)
+        return list(self._call("CheckInvariants", pb.CheckInvariantsRequest(session=self.session)).violations)
 
     def verify_pages(self) -> dict:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
         from engine_client.admin import verify_dict
-        return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest()))
+        return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=fetch_ticket(self._socket))))
 
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

@@ -38,7 +38,10 @@ class DaemonProcess:
         return daemon
 
     def wait_ready(self, timeout: float) -> None:
+        import grpc
+
         from engine_client.client import KVDClient
+        from engine_client.types import KVDError
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -47,6 +50,9 @@ class DaemonProcess:
                 try:
                     KVDClient.connect(self.socket, client_name="launcher", timeout=1).close()
                     return
+                except KVDError as e:
+                    if e.code == grpc.StatusCode.PERMISSION_DENIED:
+                        return  # it answers; this uid is just no tenant of it
                 except Exception:  # noqa: BLE001 - not accepting calls yet
                     pass
             time.sleep(0.05)

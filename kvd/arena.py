@@ -118,7 +118,10 @@ class _MemoryLocker:
 class Arena:
     """All extents of one daemon, their names and the host byte budget they share."""
 
-    def __init__(self, budget_bytes: int, extent_bytes: int, name_prefix: str, lock_memory: bool = True) -> None:
+    def __init__(self, budget_bytes: int, extent_bytes: int, name_prefix: str, lock_memory: bool = True,
+                 group: int | None = None, meta_mode: int = 0o660) -> None:
+        """``group``: gid owning the extents (a tenant's group; None: the daemon's); ``meta_mode``:
+        permissions of the metadata and manifest segments, which only the daemon reads."""
         if budget_bytes <= 0:
             raise ValueError(f"host budget must be positive, got {budget_bytes}")
         if extent_bytes <= 0:
@@ -126,6 +129,8 @@ class Arena:
         self.budget_bytes = budget_bytes
         self.extent_bytes = extent_bytes
         self.name_prefix = name_prefix
+        self.group = group
+        self.meta_mode = meta_mode
         self._locker = _MemoryLocker() if lock_memory else None
         self._reserved_bytes = 0  # planned + adopted extents
         self._next_page = 0
@@ -168,6 +173,8 @@ class Arena:
         shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
         try:
             os.fchmod(shm.fd, 0o660)  # whatever the umask: engines in the daemon's group map it read-write
+            if self.group is not None:
+                os.fchown(shm.fd, -1, self.group)  # only the tenant's group maps it
             memory = mmap.mmap(shm.fd, plan.size)
         finally:
             shm.close_fd()
@@ -180,7 +187,7 @@ class Arena:
         try:
             meta = ExtentMeta.create(plan.name, ExtentHeader(
                 plan.namespace, plan.root, plan.first_page, plan.num_pages, plan.page_size, plan.page_bytes,
-            ))
+            ), self.meta_mode)
         except BaseException:
             memory.close()
             posix_ipc.unlink_shared_memory(plan.name)
@@ -193,6 +200,8 @@ class Arena:
         try:
             if shm.size < plan.size:
                 raise ValueError(f"extent {plan.name} holds {shm.size} bytes, its metadata says {plan.size}")
+            if self.group is not None:  # the tenant's group may have changed since
+                os.fchown(shm.fd, -1, self.group)
             memory = mmap.mmap(shm.fd, plan.size)
         finally:
             shm.close_fd()
@@ -212,7 +221,7 @@ class Arena:
 
     def write_manifest(self, doc: dict) -> None:
         """Rewrites the manifest segment (kvd/meta.py) with the namespaces and settings."""
-        self._manifest = write_manifest(self.name_prefix, doc, self._manifest)
+        self._manifest = write_manifest(self.name_prefix, doc, self._manifest, self.meta_mode)
 
     def adopt(self, extent: Extent) -> None:
         """Makes a built extent's pages addressable."""

@@ -111,15 +111,20 @@ def _clean(args) -> int:
     except OSError as e:  # e.g. EACCES: a daemon may be running; never pull its memory away
         print(f"kvd clean: cannot tell whether a daemon runs on {cfg.socket} ({e.strerror})", file=sys.stderr)
         return 1
-    names = leftover_segments(cfg.shm_prefix)
+    from kvd.tenants import tenant_prefix
+    prefixes = [cfg.shm_prefix, *(tenant_prefix(cfg.shm_prefix, t.name) for t in cfg.tenants)]
+    names = [n for prefix in prefixes for n in leftover_segments(prefix)]
     try:
-        unlink_segments(daemon_segments(cfg.shm_prefix))  # extents, their metadata, the manifest
+        for prefix in prefixes:
+            unlink_segments(daemon_segments(prefix))  # extents, their metadata, the manifest
     except PermissionError:
         print(f"kvd clean: not allowed to remove the extents of {cfg.socket}; run it as the daemon's user",
               file=sys.stderr)
         return 1
-    if os.path.exists(cfg.socket) and stat.S_ISSOCK(os.lstat(cfg.socket).st_mode):
-        os.unlink(cfg.socket)  # a dead daemon's socket file
+    from kvd.wire.paths import auth_socket
+    for path in (cfg.socket, auth_socket(cfg.socket)):
+        if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)  # a dead daemon's socket files
     print(f"removed {len(names)} shared-memory extents of {cfg.socket}")
     return 0
 

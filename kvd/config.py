@@ -8,17 +8,28 @@ exists) uses the same names as the flags, with underscores::
     enable_prefix_reuse = true
 
 Each setting can also come from ``KVD_<NAME>`` (``KVD_HOST_BYTES=8GiB``).
+
+Tenants come only from the file (kvd/tenants.py says how clients are mapped to them)::
+
+    [tenants.alpha]
+    uids = [1001]          # processes of these users, and/or
+    gids = [2001]          # of these primary groups, belong to the tenant
+    host_bytes = "2GiB"    # the tenant's own budget; the budgets add up to at most host_bytes
+    group = "alpha"        # optional: group (name or gid) owning the tenant's extents
+
+Without a ``[tenants]`` table the daemon has one implicit tenant that everyone reaches.
 """
 from __future__ import annotations
 
 import dataclasses
+import grp
 import hashlib
 import os
 import re
 import sys
 from dataclasses import dataclass
 
-from kvd.wire.paths import default_socket
+from kvd.wire.paths import auth_socket, default_socket
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,6 +61,17 @@ def parse_bytes(value: str | int, name: str = "size") -> int:
 
 
 @dataclass(frozen=True)
+class TenantConfig:
+    """One ``[tenants.NAME]`` table: who belongs to the tenant and what it may hold."""
+
+    name: str
+    host_bytes: int
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+    group: int | None = None  # gid owning the tenant's extents; None: the daemon's group
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     socket: str = dataclasses.field(default_factory=default_socket)
     host_bytes: int = 1 << 30
@@ -61,6 +83,7 @@ class ServeConfig:
     lock_memory: bool = True
     socket_mode: int = 0o660
     shutdown_grace_seconds: float = 5.0
+    tenants: tuple[TenantConfig, ...] = ()  # only from the config file
 
     @property
     def shm_prefix(self) -> str:
@@ -69,7 +92,77 @@ class ServeConfig:
         return f"/kvd-{digest}"
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name != "tenants"}
+_TENANT_KEYS = ("uids", "gids", "host_bytes", "group")
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def _ids(tenant: str, key: str, value, source: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ConfigError(f"tenants.{tenant}.{key}: expected a list of non-negative integer ids, got {value!r} (from {source})")
+    return tuple(value)
+
+
+def _group(tenant: str, value, source: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value:
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise ConfigError(f"tenants.{tenant}.group: no group named {value!r} on this host (from {source})") from None
+    raise ConfigError(f"tenants.{tenant}.group: expected a group name or gid, got {value!r} (from {source})")
+
+
+def _tenant(name: str, table, source: str) -> TenantConfig:
+    if not _TENANT_NAME.fullmatch(name):
+        raise ConfigError(f"tenants.{name}: a tenant name is 1-32 letters, digits or underscores (from {source})")
+    if not isinstance(table, dict):
+        raise ConfigError(f"tenants.{name}: expected a table with {', '.join(_TENANT_KEYS)} (from {source})")
+    unknown = sorted(set(table) - set(_TENANT_KEYS))
+    if unknown:
+        raise ConfigError(f"tenants.{name}: unknown setting {unknown[0]!r}; known: {list(_TENANT_KEYS)} (from {source})")
+    if "host_bytes" not in table:
+        raise ConfigError(f"tenants.{name}: host_bytes (the tenant's budget, e.g. \"2GiB\") is required (from {source})")
+    uids = _ids(name, "uids", table.get("uids", []), source)
+    gids = _ids(name, "gids", table.get("gids", []), source)
+    if not uids and not gids:
+        raise ConfigError(f"tenants.{name}: give uids or gids, or nobody can reach the tenant (from {source})")
+    try:
+        host_bytes = parse_bytes(table["host_bytes"], f"tenants.{name}.host_bytes")
+    except ConfigError as e:
+        raise ConfigError(f"{e} (from {source})") from None
+    group = _group(name, table["group"], source) if "group" in table else None
+    return TenantConfig(name, host_bytes, uids, gids, group)
+
+
+def _tenants(doc, source: str) -> tuple[TenantConfig, ...]:
+    if not isinstance(doc, dict) or not doc:
+        raise ConfigError(f"tenants: expected one [tenants.NAME] table per tenant (from {source})")
+    tenants = tuple(_tenant(name, table, source) for name, table in doc.items())
+    for key in ("uids", "gids"):
+        owner: dict[int, str] = {}
+        for t in tenants:
+            for i in getattr(t, key):
+                if i in owner:
+                    raise ConfigError(f"tenants: {key[:-1]} {i} belongs to both {owner[i]!r} and {t.name!r} (from {source})")
+                owner[i] = t.name
+    return tenants
+
+
+def _check_tenants(cfg: "ServeConfig") -> None:
+    """Checks that need the merged settings: the budget and the auth socket's path."""
+    if not cfg.tenants:
+        return
+    total = sum(t.host_bytes for t in cfg.tenants)
+    if total > cfg.host_bytes:
+        raise ConfigError(
+            f"tenants: their host_bytes add up to {total} bytes, over the daemon's host_bytes of {cfg.host_bytes}; "
+            "raise host_bytes or lower a tenant's budget"
+        )
+    if len(os.fsencode(auth_socket(cfg.socket))) > 107:
+        raise ConfigError(f"socket: with tenants the daemon also listens on {auth_socket(cfg.socket)!r}, "
+                          "and a unix socket path holds at most 107 bytes")
 
 
 def _coerce(name: str, value, source: str):
@@ -139,6 +232,9 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         for key, value in doc.items():
+            if key == "tenants":
+                values[key] = _tenants(value, path)
+                continue
             if key not in _FIELDS:
                 raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {sorted(_FIELDS)}")
             values[key] = _check(key, _coerce(key, value, path), path)
@@ -151,4 +247,6 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
         if value is not None:
             source = f"--{name.replace('_', '-')}"
             values[name] = _check(name, _coerce(name, value, source), source)
-    return ServeConfig(**values)
+    cfg = ServeConfig(**values)
+    _check_tenants(cfg)
+    return cfg

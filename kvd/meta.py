@@ -75,10 +75,10 @@ def page_checksum(covered: bytes | memoryview, page: np.ndarray) -> int:
     return h.intdigest()
 
 
-def _create(name: str, size: int) -> mmap.mmap:
-    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREAT, mode=0o660, size=size)
+def _create(name: str, size: int, mode: int = 0o660) -> mmap.mmap:
+    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREAT, mode=mode, size=size)
     try:
-        os.fchmod(shm.fd, 0o660)
+        os.fchmod(shm.fd, mode)
         return mmap.mmap(shm.fd, size)
     finally:
         shm.close_fd()
@@ -103,13 +103,13 @@ def manifest_name(prefix: str) -> str:
     return prefix + MANIFEST_SUFFIX
 
 
-def write_manifest(prefix: str, doc: dict, memory: mmap.mmap | None) -> mmap.mmap:
+def write_manifest(prefix: str, doc: dict, memory: mmap.mmap | None, mode: int = 0o660) -> mmap.mmap:
     """Writes the manifest (creating its segment on first use) and returns its map."""
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     if _MANIFEST_HEAD.size + len(body) > MANIFEST_BYTES:
         raise MetaError(f"manifest of {len(body)} bytes does not fit its {MANIFEST_BYTES}-byte segment")
     if memory is None:
-        memory = _create(manifest_name(prefix), MANIFEST_BYTES)
+        memory = _create(manifest_name(prefix), MANIFEST_BYTES, mode)
     memory[_MANIFEST_HEAD.size:_MANIFEST_HEAD.size + len(body)] = body
     memory[:_MANIFEST_HEAD.size] = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body))
     return memory
@@ -179,9 +179,9 @@ class ExtentMeta:
         self._size = header.record_bytes
 
     @classmethod
-    def create(cls, extent_name: str, header: ExtentHeader) -> "ExtentMeta":
+    def create(cls, extent_name: str, header: ExtentHeader, mode: int = 0o660) -> "ExtentMeta":
         name = extent_name + META_SUFFIX
-        memory = _create(name, HEADER_BYTES + header.num_pages * header.record_bytes)
+        memory = _create(name, HEADER_BYTES + header.num_pages * header.record_bytes, mode)
         memory[:_HEADER.size] = _HEADER.pack(
             EXTENT_MAGIC, FORMAT_VERSION, header.namespace, header.root, header.first_page,
             header.num_pages, header.page_size, header.page_bytes, header.record_bytes,

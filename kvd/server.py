@@ -10,6 +10,7 @@ re-attaches them and serves the published pages again (warm restart, kvd/recover
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -21,12 +22,14 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import recovery
+from kvd import handshake, recovery
 from kvd.arena import Arena, daemon_segments, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
 from kvd.service import KvdServicer
+from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire import kvd_pb2, kvd_pb2_grpc
+from kvd.wire.paths import auth_socket
 
 log = logging.getLogger(__name__)
 
@@ -88,32 +91,53 @@ def _prepare_socket(path: str) -> None:
         raise StartupError(f"cannot prepare socket {path}: {e.strerror}") from None
 
 
-def _new_manager(config: ServeConfig) -> KVCacheManager:
-    arena = Arena(config.host_bytes, min(config.extent_bytes, config.host_bytes), config.shm_prefix, config.lock_memory)
+def _new_manager(config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int) -> KVCacheManager:
+    arena = Arena(budget, min(config.extent_bytes, budget), prefix, config.lock_memory, group, meta_mode)
     return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
 
 
-def _recovered_manager(config: ServeConfig) -> KVCacheManager:
+def _recovered_manager(config: ServeConfig, budget: int, prefix: str, group: int | None = None,
+                       meta_mode: int = 0o660) -> KVCacheManager:
     """A manager holding what a killed daemon on this socket left (kvd/recovery.py), or an empty one."""
-    manager = _new_manager(config)
+    manager = _new_manager(config, budget, prefix, group, meta_mode)
     try:
         recovery.recover(manager)
     except Exception:  # noqa: BLE001 - never refuse to start over leftovers: start empty
         log.exception("warm restart failed; discarding the previous daemon's shared memory and starting empty")
         manager.close(unlink=True)
-        unlink_segments(daemon_segments(config.shm_prefix))
-        manager = _new_manager(config)
+        unlink_segments(daemon_segments(prefix))
+        manager = _new_manager(config, budget, prefix, group, meta_mode)
     return manager
+
+
+def _tenants(config: ServeConfig) -> Tenants:
+    """One manager per tenant (kvd/tenants.py), or the implicit one over the whole budget."""
+    if not config.tenants:
+        return Tenants({IMPLICIT: _recovered_manager(config, config.host_bytes, config.shm_prefix)})
+    managers = {}
+    for t in config.tenants:  # metadata holds token ids: only the daemon reads it
+        managers[t.name] = _recovered_manager(config, t.host_bytes, tenant_prefix(config.shm_prefix, t.name), t.group, 0o600)
+    return Tenants(managers, config.tenants)
+
+
+def _close_all(tenants: Tenants) -> None:
+    for manager in tenants.managers():
+        manager.close(unlink=True)
 
 
 async def run(config: ServeConfig, metrics=None) -> None:
     _prepare_socket(config.socket)
+    if config.tenants or os.path.exists(auth_socket(config.socket)):
+        _prepare_socket(auth_socket(config.socket))  # a stale one would lead clients into a dead handshake
+    if config.tenants and metrics is not None:
+        raise StartupError("the metrics endpoint does not support [tenants] yet; set metrics_port = 0")
     started = time.perf_counter()
-    manager = _recovered_manager(config)
+    tenants = _tenants(config)
     loop = asyncio.get_running_loop()
-    manager.sealer.notify = lambda: loop.call_soon_threadsafe(manager.apply_seals)
+    for manager in tenants.managers():
+        manager.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.apply_seals)
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = KvdServicer(manager, observe_latency=metrics.observe_latency if metrics else None)
+    servicer = KvdServicer(tenants, observe_latency=metrics.observe_latency if metrics else None)
     kvd_pb2_grpc.add_KVDServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -122,9 +146,9 @@ async def run(config: ServeConfig, metrics=None) -> None:
     )
     if metrics is not None:  # before the socket: a busy port must not leave a half-started daemon
         try:
-            metrics.start(manager, config.metrics_host, config.metrics_port)
+            metrics.start(tenants.managers()[0], config.metrics_host, config.metrics_port)
         except OSError as e:
-            manager.close(unlink=True)
+            _close_all(tenants)
             raise StartupError(
                 f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e.strerror}"
             ) from None
@@ -135,11 +159,19 @@ async def run(config: ServeConfig, metrics=None) -> None:
     except RuntimeError as e:
         if metrics is not None:
             metrics.stop()
-        manager.close(unlink=True)
+        _close_all(tenants)
         raise StartupError(f"cannot listen on {config.socket}: {e}") from None
     finally:
         os.umask(old_umask)
     os.chmod(config.socket, config.socket_mode)
+    auth = None
+    if config.tenants:
+        try:
+            auth = await handshake.listen(auth_socket(config.socket), config.socket_mode, tenants)
+        except OSError as e:
+            await server.stop(None)
+            _close_all(tenants)
+            raise StartupError(f"cannot listen on {auth_socket(config.socket)}: {e.strerror}") from None
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -150,12 +182,14 @@ async def run(config: ServeConfig, metrics=None) -> None:
     async def sweep_pins() -> None:
         while True:
             await asyncio.sleep(PIN_SWEEP_SECONDS)
-            manager.expire_pins(time.monotonic())
+            for manager in tenants.managers():
+                manager.expire_pins(time.monotonic())
 
     sweeper = asyncio.create_task(sweep_pins())
     log.info(
-        "kvd serving on %s (host budget %d bytes, prefix reuse %s) after %.0f ms",
+        "kvd serving on %s (host budget %d bytes, prefix reuse %s%s) after %.0f ms",
         config.socket, config.host_bytes, "on" if config.enable_prefix_reuse else "off",
+        f", tenants {', '.join(t.name for t in config.tenants)}" if config.tenants else "",
         (time.perf_counter() - started) * 1e3,
     )
     notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
@@ -167,17 +201,21 @@ async def run(config: ServeConfig, metrics=None) -> None:
     log.info("stopping: finishing calls in flight")
     notify_systemd("STOPPING=1")
     await health_servicer.enter_graceful_shutdown()
+    if auth is not None:
+        auth.close()
     servicer.end_sessions()
     sweeper.cancel()
     await server.stop(grace=config.shutdown_grace_seconds)
-    manager.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
-    manager.close(unlink=True)
+    for manager in tenants.managers():
+        manager.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
+    _close_all(tenants)
     if metrics is not None:
         metrics.stop()
-    try:
-        os.unlink(config.socket)
-    except FileNotFoundError:
-        pass
+    for path in (config.socket, auth_socket(config.socket)) if config.tenants else (config.socket,):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     log.info("stopped")
 
 

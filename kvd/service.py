@@ -1,6 +1,7 @@
 """The gRPC servicer: proto → core call → proto, and core errors → status codes.
 
-Nothing here decides anything. Conversions are the small functions at the top; the
+Nothing here decides anything: which tenant's manager serves a session is kvd/tenants.py's
+answer (``self.tenants.manager_for``). Conversions are the small functions at the top; the
 one table ``STATUS_FOR`` maps each core error class to its gRPC status.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
 from kvd.stats import PageStats, Stats
+from kvd.tenants import Tenants
 from kvd.types import SeqState
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
@@ -110,16 +112,35 @@ def _page_stats(s: PageStats) -> pb.PageStats:
     return pb.PageStats(**s.as_dict())
 
 
+def _namespace_stats(s: Stats, tenant: str = "") -> list[pb.NamespaceStats]:
+    return [
+        pb.NamespaceStats(namespace_id=n.namespace_id, model=n.model, page_bytes=n.page_bytes,
+                          pages=_page_stats(n.pages), tenant=tenant)
+        for n in s.namespaces
+    ]
+
+
 def stats_reply(s: Stats) -> pb.StatsReply:
     return pb.StatsReply(
         totals=_page_stats(s.totals),
         host_bytes=s.host_bytes,
         arena_bytes=s.arena_bytes,
         prefix_reuse=s.prefix_reuse,
-        namespaces=[
-            pb.NamespaceStats(namespace_id=n.namespace_id, model=n.model, page_bytes=n.page_bytes, pages=_page_stats(n.pages))
-            for n in s.namespaces
-        ],
+        namespaces=_namespace_stats(s),
+    )
+
+
+def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
+    """Every tenant at once (admin): totals and budgets summed, namespaces named by tenant."""
+    totals = PageStats()
+    for s in by_tenant.values():
+        totals.add(s.totals)
+    return pb.StatsReply(
+        totals=_page_stats(totals),
+        host_bytes=sum(s.host_bytes for s in by_tenant.values()),
+        arena_bytes=sum(s.arena_bytes for s in by_tenant.values()),
+        prefix_reuse=any(s.prefix_reuse for s in by_tenant.values()),
+        namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
     )
 
 
@@ -152,8 +173,8 @@ def _unary(method):
 
 
 class KvdServicer(kvd_pb2_grpc.KVDServicer):
-    def __init__(self, manager: KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
-        self.m = manager
+    def __init__(self, tenants: Tenants | KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
+        self.tenants = tenants if isinstance(tenants, Tenants) else Tenants({"": tenants})
         self.observe_latency = observe_latency
         self._session_events: set[asyncio.Queue] = set()
         self.stopping = False
@@ -165,8 +186,14 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         for events in self._session_events:
             events.put_nowait(None)
 
+    def _m(self, session: str) -> KVCacheManager:
+        return self.tenants.manager_for(session)
+
     async def OpenSession(self, request, context):
-        session = self.m.open_session(request.client_name, request.pid)
+        try:
+            m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid)
+        except KvdError as e:
+            await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
         events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the daemon is stopping
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
@@ -174,36 +201,38 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self._session_events.add(events)
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(
-                session=session.id, prefix_reuse=self.m.prefix_reuse, host_bytes=self.m.arena.budget_bytes,
+                session=session.id, prefix_reuse=m.prefix_reuse, host_bytes=m.arena.budget_bytes,
             ))
             while (event := await events.get()) is not None:
                 yield event
         finally:
             self._session_events.discard(events)
-            self.m.close_session(session.id)
+            self.tenants.close_session(m, session.id)
 
     @_unary
     def RegisterNamespace(self, r):
-        self.m.sessions.get(r.session)
-        ns = self.m.register_namespace(_identity(r.identity))
+        m = self._m(r.session)
+        m.sessions.get(r.session)
+        ns = m.register_namespace(_identity(r.identity))
         return pb.RegisterNamespaceReply(namespace_id=ns.id, page_bytes=ns.page_bytes, root=ns.root)
 
     @_unary
     def DescribeExtents(self, r):
-        self.m.sessions.get(r.session)
+        m = self._m(r.session)
+        m.sessions.get(r.session)
         return pb.DescribeExtentsReply(extents=[
             pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
-            for e in self.m.extents(r.namespace_id)
+            for e in m.extents(r.namespace_id)
         ])
 
     @_unary
     def AllocateWithPrefix(self, r):
-        plans = self.m.allocate(r.session, r.namespace_id, _requests(r.sequences))
+        plans = self._m(r.session).allocate(r.session, r.namespace_id, _requests(r.sequences))
         return pb.AllocateReply(sequences=[_plan(p) for p in plans])
 
     @_unary
     def Lookup(self, r):
-        results = self.m.lookup(r.session, r.namespace_id, _requests(r.sequences))
+        results = self._m(r.session).lookup(r.session, r.namespace_id, _requests(r.sequences))
         return pb.LookupReply(results=[
             pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
             for x in results
@@ -211,7 +240,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Publish(self, r):
-        results = self.m.publish(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
+        results = self._m(r.session).publish(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
         return pb.PublishReply(results=[
             pb.PublishResult(
                 seq_id=x.seq_id, published_pages=x.published_pages,
@@ -222,56 +251,75 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Extend(self, r):
-        results = self.m.extend(r.session, r.namespace_id, [(i.seq_id, i.num_tokens, i.tokens) for i in r.items])
+        results = self._m(r.session).extend(r.session, r.namespace_id, [(i.seq_id, i.num_tokens, i.tokens) for i in r.items])
         return pb.ExtendReply(results=[
             pb.ExtendResult(seq_id=x.seq_id, new_pages=pack_pages(x.new_pages), num_tokens=x.num_tokens) for x in results
         ])
 
     @_unary
     def Fork(self, r):
-        return pb.ForkReply(sequence=_plan(self.m.fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)))
+        return pb.ForkReply(sequence=_plan(self._m(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)))
 
     @_unary
     def Release(self, r):
-        return pb.ReleaseReply(released_pages=self.m.release(r.session, r.namespace_id, list(r.seq_ids)))
+        return pb.ReleaseReply(released_pages=self._m(r.session).release(r.session, r.namespace_id, list(r.seq_ids)))
 
     @_unary
     def SetState(self, r):
-        previous = self.m.set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
+        previous = self._m(r.session).set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
         return pb.SetStateReply(previous=previous.value)
 
     @_unary
     def SetAuxState(self, r):
-        self.m.set_aux(r.session, r.namespace_id, r.seq_id, r.data)
+        self._m(r.session).set_aux(r.session, r.namespace_id, r.seq_id, r.data)
         return pb.SetAuxStateReply()
 
     @_unary
     def GetAuxState(self, r):
-        return pb.GetAuxStateReply(data=self.m.get_aux(r.session, r.namespace_id, r.seq_id))
+        return pb.GetAuxStateReply(data=self._m(r.session).get_aux(r.session, r.namespace_id, r.seq_id))
 
     @_unary
     def Pin(self, r):
-        pin = self.m.pin(r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds)
+        pin = self._m(r.session).pin(r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds)
         return pb.PinReply(pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens)
 
     @_unary
     def Unpin(self, r):
-        self.m.unpin(r.session, r.pin_id)
+        self._m(r.session).unpin(r.session, r.pin_id)
         return pb.UnpinReply()
 
     @_unary
     def GetStats(self, r):
-        return stats_reply(stats_mod.collect(self.m))
+        if self.tenants.isolated and r.session:
+            m = self._m(r.session)
+            m.sessions.get(r.session)
+            return stats_reply(stats_mod.collect(m))
+        self.tenants.check_admin(r.ticket)
+        if not self.tenants.isolated:
+            return stats_reply(stats_mod.collect(self.tenants.managers()[0]))
+        return tenants_stats_reply({name: stats_mod.collect(m) for name, m in self.tenants.items()})
 
     @_unary
     def CheckInvariants(self, r):
-        return pb.CheckInvariantsReply(violations=invariants.violations(self.m))
+        if self.tenants.isolated and r.session:
+            m = self._m(r.session)
+            m.sessions.get(r.session)
+            return pb.CheckInvariantsReply(violations=invariants.violations(m))
+        self.tenants.check_admin(r.ticket)
+        if not self.tenants.isolated:
+            return pb.CheckInvariantsReply(violations=invariants.violations(self.tenants.managers()[0]))
+        return pb.CheckInvariantsReply(violations=[
+            f"tenant {name}: {v}" for name, m in self.tenants.items() for v in invariants.violations(m)
+        ])
 
     @_unary
     def VerifyPages(self, r):
-        v = self.m.verify()
-        return pb.VerifyPagesReply(checked_pages=v.checked_pages, checked_bytes=v.checked_bytes,
-                                   corrupted_pages=v.corrupted_pages, seconds=v.seconds)
+        self.tenants.check_admin(r.ticket)
+        results = [m.verify() for m in self.tenants.managers()]
+        return pb.VerifyPagesReply(
+            checked_pages=sum(v.checked_pages for v in results), checked_bytes=sum(v.checked_bytes for v in results),
+            corrupted_pages=sum(v.corrupted_pages for v in results), seconds=sum(v.seconds for v in results),
+        )
 
     @_unary
     def Ping(self, r):

@@ -25,6 +25,11 @@ class Pin:
     expires_at: float | None  # time.monotonic() deadline, None: until unpinned
 
 
+UNKNOWN_SESSION = (
+    "unknown session; open one with OpenSession and keep its stream open "
+    "(a daemon restart or a closed stream ends sessions)"
+)
+
 # Called with (namespace, evicted seq ids) when the daemon evicts a session's sequences.
 EvictionListener = Callable[[NamespaceId, list[SeqId]], None]
 
@@ -59,10 +64,7 @@ class SessionRegistry:
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(SessionId(session_id))
         if session is None:
-            raise NotFound(
-                "unknown session; open one with OpenSession and keep its stream open "
-                "(a daemon restart or a closed stream ends sessions)"
-            )
+            raise NotFound(UNKNOWN_SESSION)
         return session
 
     def remove(self, session: Session) -> None:

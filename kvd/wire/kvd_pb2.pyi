@@ -23,12 +23,14 @@ EVICTED: SequenceState
 COMPLETED: SequenceState
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "pid")
+    __slots__ = ("client_name", "pid", "ticket")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
-    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    ticket: str
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("opened", "evicted")
@@ -432,8 +434,12 @@ class UnpinReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("session", "ticket")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ticket: str
+    def __init__(self, session: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class PageStats(_message.Message):
     __slots__ = ("logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages", "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved", "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens", "evicted_pages", "sequences", "sessions", "corrupted_pages")
@@ -474,16 +480,18 @@ class PageStats(_message.Message):
     def __init__(self, logical_pages: _Optional[int] = ..., physical_pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., host_pages_saved: _Optional[int] = ..., host_bytes_saved: _Optional[int] = ..., refcount_increments: _Optional[int] = ..., refcount_decrements: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., sequences: _Optional[int] = ..., sessions: _Optional[int] = ..., corrupted_pages: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "model", "page_bytes", "pages")
+    __slots__ = ("namespace_id", "model", "page_bytes", "pages", "tenant")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     model: str
     page_bytes: int
     pages: PageStats
-    def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[_Union[PageStats, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[_Union[PageStats, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces")
@@ -500,8 +508,12 @@ class StatsReply(_message.Message):
     def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("session", "ticket")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ticket: str
+    def __init__(self, session: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class CheckInvariantsReply(_message.Message):
     __slots__ = ("violations",)
@@ -510,8 +522,10 @@ class CheckInvariantsReply(_message.Message):
     def __init__(self, violations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyPagesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: str
+    def __init__(self, ticket: _Optional[str] = ...) -> None: ...
 
 class VerifyPagesReply(_message.Message):
     __slots__ = ("checked_pages", "checked_bytes", "corrupted_pages", "seconds")

@@ -10,3 +10,8 @@ def default_socket() -> str:
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "kvd.sock")
     return f"/tmp/kvd-{os.getuid()}.sock"
+
+
+def auth_socket(socket: str) -> str:
+    """The raw unix socket of the tenant handshake beside a daemon's gRPC socket (kvd/tenants.py)."""
+    return socket + ".auth"

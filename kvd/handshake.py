@@ -1,0 +1,69 @@
+"""The tenant handshake: a raw unix socket beside the gRPC one that answers with a ticket.
+
+Why a second socket: the daemon must know which OS user a client runs as to route it to
+its tenant, and only the kernel can say that truthfully (SO_PEERCRED on a unix socket:
+pid, uid and gid at connect time, unforgeable by the client). grpc-python does not expose
+the peer credentials of a unix-socket call (``context.peer()`` is just "unix:"), so the
+daemon also listens on ``<socket>.auth`` (same mode as the gRPC socket). For each
+connection it reads SO_PEERCRED, maps the uid/gid to a tenant (kvd/tenants.py) and writes
+one line, then closes::
+
+    OK <ticket>\\n          a single-use ticket, valid for a few seconds
+    DENIED <message>\\n     the peer belongs to no tenant (and is not an admin)
+
+The client sends nothing. ``OpenSession`` carries the ticket, and the session belongs to
+the ticket's tenant; the ticket is bound to the peer's pid, so a ticket handed to another
+process (which reports its own pid) is refused. engine_client does this transparently
+whenever ``<socket>.auth`` exists; a daemon without tenants does not create it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket as socket_mod
+import struct
+
+from kvd.errors import PermissionDenied
+from kvd.tenants import Peer, Tenants
+
+log = logging.getLogger(__name__)
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_of(sock: socket_mod.socket) -> Peer:
+    pid, uid, gid = _CREDS.unpack(sock.getsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_PEERCRED, _CREDS.size))
+    return Peer(pid, uid, gid)
+
+
+def answer(tenants: Tenants, peer: Peer) -> bytes:
+    """The one line the daemon writes to a peer."""
+    try:
+        ticket = tenants.handshake(peer)
+    except PermissionDenied as e:
+        log.warning("handshake refused pid %d uid %d gid %d: %s", peer.pid, peer.uid, peer.gid, e)
+        return f"DENIED {e}\n".encode()
+    log.info("handshake: pid %d uid %d → tenant %s%s", peer.pid, peer.uid, ticket.tenant, " (admin)" if ticket.admin else "")
+    return f"OK {ticket.token}\n".encode()
+
+
+async def listen(path: str, mode: int, tenants: Tenants) -> asyncio.AbstractServer:
+    """Starts answering handshakes on ``path`` (created with ``mode``)."""
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(answer(tenants, peer_of(writer.get_extra_info("socket"))))
+            await writer.drain()
+        except OSError:
+            pass  # the peer left before its answer
+        finally:
+            writer.close()
+
+    old_umask = os.umask(0o177)  # nobody connects before the chmod below
+    try:
+        server = await asyncio.start_unix_server(on_connect, path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    return server

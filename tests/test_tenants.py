@@ -1,0 +1,363 @@
+"""Tenant isolation: config parsing, the ticket handshake, routing, and isolation between
+two real OS users (root only; skipped elsewhere with the reason)."""
+from __future__ import annotations
+
+import functools
+import grp
+import json
+import os
+import pathlib
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import grpc
+import pytest
+
+from conftest import start_daemon
+from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
+from engine_client.admin import fetch_stats
+from engine_client.auth import fetch_ticket
+from kvd import config as config_mod
+from kvd.config import ConfigError
+from kvd.errors import PermissionDenied
+from kvd.tenants import IMPLICIT, Peer, Tenants, TicketBook, tenant_prefix
+from kvd.wire import kvd_pb2 as pb
+from kvd.wire import kvd_pb2_grpc
+from kvd.wire.paths import auth_socket
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")  # 512-byte pages
+PREFIX = list(range(1000, 1016))  # 4 full pages
+OTHER_UID = 4_000_000 + os.getuid() % 1000  # a uid no process of this test runs as
+
+
+def load_toml(tmp_path, text: str, **flags) -> config_mod.ServeConfig:
+    path = tmp_path / "kvd.toml"
+    path.write_text(textwrap.dedent(text))
+    return config_mod.load(flags, environ={}, config_file=str(path))
+
+
+# ---- configuration -------------------------------------------------------------------
+
+def test_tenants_parse(tmp_path):
+    root_group = grp.getgrgid(0).gr_name
+    cfg = load_toml(tmp_path, f"""
+        host_bytes = "4GiB"
+        [tenants.alpha]
+        uids = [1001, 1002]
+        host_bytes = "2GiB"
+        group = "{root_group}"
+        [tenants.beta]
+        gids = [2001]
+        host_bytes = 1000000
+    """)
+    alpha, beta = cfg.tenants
+    assert (alpha.name, alpha.uids, alpha.gids, alpha.host_bytes, alpha.group) == ("alpha", (1001, 1002), (), 2 << 30, 0)
+    assert (beta.name, beta.uids, beta.gids, beta.host_bytes, beta.group) == ("beta", (), (2001,), 1000000, None)
+    assert load_toml(tmp_path, "host_bytes = '1GiB'").tenants == ()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[tenants.a]\nuids = [1]\n", "tenants.a: host_bytes (the tenant's budget"),
+    ("[tenants.a]\nhost_bytes = '1MiB'\n", "tenants.a: give uids or gids"),
+    ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\nquota = 3\n", "tenants.a: unknown setting 'quota'"),
+    ("[tenants.'a-b']\nuids = [1]\nhost_bytes = '1MiB'\n", "tenants.a-b: a tenant name is 1-32 letters"),
+    ("[tenants.a]\nuids = 1\nhost_bytes = '1MiB'\n", "tenants.a.uids: expected a list of non-negative integer ids"),
+    ("[tenants.a]\nuids = [-1]\nhost_bytes = '1MiB'\n", "tenants.a.uids: expected a list"),
+    ("[tenants.a]\nuids = [1]\nhost_bytes = 'lots'\n", "tenants.a.host_bytes: cannot read 'lots'"),
+    ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\ngroup = 'no-such-group-kvd'\n", "no group named 'no-such-group-kvd'"),
+    ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\n[tenants.b]\nuids = [1]\nhost_bytes = '1MiB'\n",
+     "tenants: uid 1 belongs to both 'a' and 'b'"),
+    ("host_bytes = '1MiB'\n[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\n[tenants.b]\nuids = [2]\nhost_bytes = '1MiB'\n",
+     "add up to 2097152 bytes, over the daemon's host_bytes of 1048576"),
+    ("tenants = 3\n", "tenants: expected one [tenants.NAME] table"),
+])
+def test_bad_tenant_configs_say_what_is_wrong(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_toml(tmp_path, text)
+    assert message in str(e.value)
+    assert str(tmp_path / "kvd.toml") in str(e.value) or "add up" in message
+
+
+# ---- tickets and routing, without a process boundary ---------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_tickets_are_single_use_and_expire():
+    clock = Clock()
+    book = TicketBook(ttl=5.0, clock=clock)
+    peer = Peer(pid=10, uid=1001, gid=1001)
+    t = book.issue(peer, "alpha", admin=False)
+    assert book.redeem(t.token) == t
+    with pytest.raises(PermissionDenied, match="single-use"):
+        book.redeem(t.token)
+    late = book.issue(peer, "alpha", admin=False)
+    clock.now += 5.0
+    with pytest.raises(PermissionDenied, match="expired"):
+        book.redeem(late.token)
+    with pytest.raises(PermissionDenied, match="handshake"):
+        book.redeem("")
+    book.issue(peer, "alpha", admin=False)
+    clock.now += 6.0
+    book.issue(peer, "alpha", admin=False)
+    assert len(book) == 1  # unused expired tickets are forgotten
+
+
+def test_routing_by_uid_then_gid(make_manager, tmp_path):
+    cfg = load_toml(tmp_path, """
+        host_bytes = "64MiB"
+        [tenants.alpha]
+        uids = [1001]
+        host_bytes = "1MiB"
+        [tenants.beta]
+        gids = [2002]
+        host_bytes = "1MiB"
+    """)
+    alpha, beta = make_manager(), make_manager()
+    tenants = Tenants({"alpha": alpha, "beta": beta}, cfg.tenants, admin_uids=frozenset({0}))
+    assert tenants.tenant_of(Peer(1, 1001, 2002)) == "alpha"  # a uid wins over a gid
+    assert tenants.tenant_of(Peer(1, 5, 2002)) == "beta"
+    with pytest.raises(PermissionDenied, match="uid 5 \\(gid 7\\) belongs to no tenant"):
+        tenants.handshake(Peer(1, 5, 7))
+    m, session = tenants.open_session(tenants.handshake(Peer(42, 5, 2002)).token, "x", 42)
+    assert m is beta and tenants.manager_for(session.id) is beta and session.pid == 42
+    with pytest.raises(PermissionDenied, match="issued to pid 43, not pid 44"):
+        tenants.open_session(tenants.handshake(Peer(43, 1001, 1)).token, "x", 44)
+    admin_only = tenants.handshake(Peer(9, 0, 0))
+    assert admin_only.admin and admin_only.tenant is None
+    with pytest.raises(PermissionDenied, match="may only make admin calls"):
+        tenants.open_session(admin_only.token, "x", 9)
+    with pytest.raises(PermissionDenied, match="own uid or root"):
+        tenants.check_admin(tenants.handshake(Peer(1, 1001, 1)).token)
+    tenants.check_admin(tenants.handshake(Peer(9, 0, 0)).token)
+    tenants.close_session(beta, session.id)
+    assert len(beta.sessions) == 0
+
+
+def test_implicit_tenant_needs_no_ticket(make_manager):
+    m = make_manager()
+    tenants = Tenants({IMPLICIT: m})
+    got, session = tenants.open_session("", "x", 1)
+    assert got is m and tenants.manager_for("anything") is m
+    tenants.check_admin("")
+
+
+# ---- a real daemon, one OS user: routing by the current uid --------------------------
+
+def tenant_daemon(start, tmp_path, toml: str, name: str = "kvd"):
+    """``start``: the daemon_factory fixture, or conftest.start_daemon bound to a directory."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(textwrap.dedent(toml))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") and k != "NOTIFY_SOCKET"}
+    env["KVD_CONFIG"] = str(path)
+    return start("--enable-prefix-reuse", "--extent-bytes", "16KiB", env=env, name=name)
+
+
+def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
+    d = tenant_daemon(daemon_factory, tmp_path, f"""
+        host_bytes = "1MiB"
+        [tenants.mine]
+        uids = [{os.getuid()}]
+        host_bytes = "64KiB"
+        [tenants.other]
+        uids = [{OTHER_UID}]
+        host_bytes = "128KiB"
+    """)
+    assert stat.S_IMODE(os.stat(auth_socket(d.socket)).st_mode) == 0o660
+    with KVDClient.connect(d.socket) as kvd:
+        assert kvd.host_bytes == 64 << 10  # the tenant's budget, not the daemon's
+        ns = kvd.register_namespace("tiny", LAYOUT)
+        [a] = kvd.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX)])
+        kvd.publish(ns, ["a"])
+        [hit] = kvd.lookup(ns, [SequenceRequest("q", PREFIX)])
+        assert hit.hit_tokens == 16
+        kvd.page_array(ns, a.private_pages[0])
+        names = [e.name for e in kvd.mapped_extents(ns)]
+        shm = config_mod.ServeConfig(socket=d.socket).shm_prefix
+        assert names and all(n.startswith(tenant_prefix(shm, "mine") + "-") for n in names)
+        mine = kvd.stats()
+        assert mine["host_bytes"] == 64 << 10 and [n["model"] for n in mine["namespaces"]] == ["tiny"]
+        assert "tenant" not in mine["namespaces"][0]
+        assert kvd.check_invariants() == []
+        every = fetch_stats(d.socket)  # the daemon's own uid: admin, every tenant
+        assert every["host_bytes"] == (64 + 128) << 10
+        assert [(n["tenant"], n["model"]) for n in every["namespaces"]] == [("mine", "tiny")]
+        meta = os.stat("/dev/shm" + names[0] + ".meta")
+        assert stat.S_IMODE(meta.st_mode) == 0o600  # token ids: the daemon alone reads them
+
+
+def test_tickets_through_the_daemon(daemon_factory, tmp_path):
+    d = tenant_daemon(daemon_factory, tmp_path, f"""
+        [tenants.mine]
+        uids = [{os.getuid()}]
+        host_bytes = "64KiB"
+    """)
+    with grpc.insecure_channel(f"unix:{d.socket}") as channel:
+        stub = kvd_pb2_grpc.KVDStub(channel)
+
+        def open_with(ticket: str) -> pb.SessionEvent:
+            return next(stub.OpenSession(pb.OpenSessionRequest(client_name="t", pid=os.getpid(), ticket=ticket)))
+
+        with pytest.raises(grpc.RpcError) as e:
+            open_with("")
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "isolates tenants" in e.value.details()
+        ticket = fetch_ticket(d.socket)
+        assert open_with(ticket).opened.host_bytes == 64 << 10
+        with pytest.raises(grpc.RpcError) as e:
+            open_with(ticket)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "single-use" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetStats(pb.StatsRequest())
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_uid_of_no_tenant_is_refused(daemon_factory, tmp_path):
+    d = tenant_daemon(daemon_factory, tmp_path, f"""
+        [tenants.other]
+        uids = [{OTHER_UID}]
+        host_bytes = "64KiB"
+    """)
+    with pytest.raises(KVDError) as e:
+        KVDClient.connect(d.socket, timeout=5)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert f"uid {os.getuid()}" in e.value.message and "belongs to no tenant" in e.value.message
+    assert fetch_stats(d.socket)["namespaces"] == []  # still an admin
+
+
+# ---- two real OS users ---------------------------------------------------------------
+
+CLIENT = '''
+import json, sys, posix_ipc
+from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
+op, socket, foreign = sys.argv[1], sys.argv[2], sys.argv[3:]
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+PREFIX = list(range(1000, 1016))
+out = {}
+with KVDClient.connect(socket) as kvd:
+    ns = kvd.register_namespace("tiny", LAYOUT)
+    if op == "publish":
+        [a] = kvd.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX)])
+        kvd.publish(ns, ["a"])
+        kvd.page_array(ns, a.private_pages[0])
+        out["extents"] = [e.name for e in kvd.mapped_extents(ns)]
+    if op == "fill":  # twice this tenant's whole budget: its own cache must be evicted
+        pages = kvd.host_bytes // 512
+        for round in range(2):
+            tokens = [50000 + round * 10000 + i for i in range(pages * 4)]
+            kvd.allocate_with_prefix(ns, [SequenceRequest("f", tokens)])
+            kvd.publish(ns, ["f"])
+            kvd.release(ns, ["f"])  # cached: the next round must evict them
+    [hit] = kvd.lookup(ns, [SequenceRequest("q", PREFIX)])
+    out["hit_tokens"] = hit.hit_tokens
+    out["pinned"] = kvd.pin(ns, PREFIX).pinned_pages
+    out["stats"] = kvd.stats()
+    out["mapped"] = []
+    for name in foreign:
+        try:
+            posix_ipc.SharedMemory(name).close_fd()
+            out["mapped"].append(name)
+        except posix_ipc.PermissionsError:
+            pass
+    try:
+        from engine_client.admin import fetch_stats
+        fetch_stats(socket)
+        out["admin"] = True
+    except KVDError as e:
+        out["admin"] = e.code.name
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture
+def two_users():
+    """Two OS users, each in its own group; removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create OS users (useradd/groupadd)")
+    if not (shutil.which("useradd") and shutil.which("groupadd")):
+        pytest.skip("useradd/groupadd are not installed")
+    made = []
+    opened: list[tuple[pathlib.Path, int]] = []  # directories made traversable, with their old modes
+    try:
+        # The interpreter may live under a private home (/root/.pyenv): let others traverse, not list.
+        for parent in pathlib.Path(os.path.realpath(sys.executable)).parents:
+            mode = stat.S_IMODE(parent.stat().st_mode)
+            if not mode & stat.S_IXOTH:
+                opened.append((parent, mode))
+                parent.chmod(mode | stat.S_IXOTH)
+        for name in ("kvdta", "kvdtb"):
+            subprocess.run(["userdel", name], capture_output=True)  # left by a run that was killed
+            subprocess.run(["groupdel", name], capture_output=True)
+            subprocess.run(["groupadd", name], check=True, capture_output=True)
+            subprocess.run(["useradd", "-M", "-N", "-g", name, "-s", "/usr/sbin/nologin", name], check=True,
+                           capture_output=True)
+            made.append(name)
+        yield [(pwd.getpwnam(n).pw_uid, grp.getgrnam(n).gr_gid) for n in made]
+    finally:
+        for name in made:
+            subprocess.run(["userdel", name], capture_output=True)
+        for name in ("kvdta", "kvdtb"):
+            subprocess.run(["groupdel", name], capture_output=True)
+        for parent, mode in opened:
+            parent.chmod(mode)
+
+
+def test_two_os_users_are_isolated(two_users):
+    (ua, ga), (ub, gb) = two_users
+    work = pathlib.Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
+    d = None
+    try:
+        work.chmod(0o755)  # the tenants' processes reach the sockets and the client script
+        script = work / "client.py"
+        script.write_text(CLIENT)
+        script.chmod(0o644)
+        d = tenant_daemon(functools.partial(start_daemon, work), work, f"""
+            host_bytes = "1MiB"
+            socket_mode = "0666"
+            [tenants.alpha]
+            uids = [{ua}]
+            host_bytes = "64KiB"
+            group = "kvdta"
+            [tenants.beta]
+            uids = [{ub}]
+            host_bytes = "64KiB"
+            group = "kvdtb"
+        """)
+
+        def run(uid: int, gid: int, *args: str) -> dict:
+            r = subprocess.run([sys.executable, str(script), *args], user=uid, group=gid, extra_groups=[],
+                               cwd=str(ROOT), capture_output=True, text=True, timeout=60,
+                               env={"PATH": os.environ.get("PATH", ""), "HOME": str(work)})
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)
+
+        a = run(ua, ga, "publish", d.socket)
+        assert a["hit_tokens"] == 16 and a["pinned"] == 4
+        for name in a["extents"]:
+            st = os.stat("/dev/shm" + name)
+            assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (ga, 0o660)
+        b = run(ub, gb, "fill", d.socket, *a["extents"])
+        assert b["hit_tokens"] == 0 and b["pinned"] == 0  # A's published prefix is invisible to B
+        assert b["mapped"] == []                           # and the OS refuses to map A's extents
+        assert b["admin"] == "PERMISSION_DENIED"           # only the daemon's uid or root sees every tenant
+        assert b["stats"]["host_bytes"] == 64 << 10 and b["stats"]["evicted_pages"] > 0
+        assert b["stats"]["lookup_tokens"] == 2 * (64 << 10) // 512 * 4  # B's counters only: A's lookups absent
+        again = run(ua, ga, "lookup", d.socket)
+        assert again["hit_tokens"] == 16                   # B's pressure evicted nothing of A's
+        assert again["stats"]["evicted_pages"] == 0 and again["stats"]["lookup_tokens"] == 16
+        every = fetch_stats(d.socket)
+        assert sorted(n["tenant"] for n in every["namespaces"]) == ["alpha", "beta"]
+    finally:
+        if d is not None:
+            assert d.stop() == 0, d.log()
+        shutil.rmtree(work, ignore_errors=True)
