@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -179,7 +180,7 @@ class KVCacheManager:
                 p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
         need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
         # Raise before pinning anything: a failed batch leaves counters and LRU order alone.
-        self._check_room(ns, need, held=frozenset(page for p in prepared for page in p.hits))
+        self._check_room(ns, need, held=(page for p in prepared for page in p.hits))
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
             self.pool.acquire_all(p.hits)
         self._ensure_free(ns, need)
@@ -188,7 +189,7 @@ class KVCacheManager:
         for p in prepared:
             if p.reentry is not None:
                 self._forget(p.reentry)
-            private = [self.pool.allocate(ns.id) for _ in range(-(-p.num_tokens // ns.page_size) - len(p.hits))]
+            private = self.pool.allocate(ns.id, -(-p.num_tokens // ns.page_size) - len(p.hits))
             hit_tokens = len(p.hits) * ns.page_size
             seq = Sequence(
                 seq_id=SeqId(p.request.seq_id), namespace=ns.id, session=session.id, chain=p.chain,
@@ -287,7 +288,7 @@ class KVCacheManager:
         self._ensure_free(ns, sum(p[3] for p in plans))
         results = []
         for seq, num_tokens, tokens, new_pages in plans:
-            pages = [self.pool.allocate(ns.id) for _ in range(new_pages)]
+            pages = self.pool.allocate(ns.id, new_pages)
             seq.pages.extend(pages)
             seq.num_tokens += num_tokens
             if tokens:
@@ -309,11 +310,9 @@ class KVCacheManager:
         copies = src.private_pages
         self._ensure_free(ns, len(copies), protect=src)
         self.pool.acquire_all(shared)
-        private = []
-        for page in copies:
-            dst_page = self.pool.allocate(ns.id)
+        private = self.pool.allocate(ns.id, len(copies))
+        for page, dst_page in zip(copies, private):
             self.arena.copy_page(page, dst_page)
-            private.append(dst_page)
         dst = Sequence(
             seq_id=SeqId(dst_id), namespace=ns.id, session=session.id, chain=src.chain,
             pages=shared + private, num_tokens=src.num_tokens, tokens=bytearray(src.tokens),
@@ -461,11 +460,13 @@ class KVCacheManager:
             )
 
     def _check_room(self, ns: Namespace, need: int, protect: Sequence | None = None,
-                    held: frozenset[PageId] = frozenset()) -> None:
-        """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired."""
+                    held: Iterable[PageId] = ()) -> None:
+        """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired
+        (read only when the free pages do not suffice)."""
         self._adopt_built()
         if self.pool.free_count(ns.id) >= need:
             return
+        held = frozenset(held)
         building = self._building.get(ns.id)
         held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
         available = (

@@ -142,16 +142,19 @@ class PagePool:
 
     # ---- transitions --------------------------------------------------------------
 
-    def allocate(self, namespace: NamespaceId) -> PageId:
-        """FREE → PRIVATE with refcount 1. The caller made sure a free page exists."""
-        page = self._ns(namespace).free.pop()
-        p = self._pages[page]
-        assert p.state is PageState.FREE and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
-        p.state = PageState.PRIVATE
-        p.refcount = 1
-        self.counters(namespace).refcount_increments += 1
-        self._extent_in_use[p.extent] += 1
-        return page
+    def allocate(self, namespace: NamespaceId, count: int) -> list[PageId]:
+        """``count`` pages FREE → PRIVATE with refcount 1. The caller made sure they exist."""
+        free, pages_of, in_use = self._ns(namespace).free, self._pages, self._extent_in_use
+        taken = free[len(free) - count:][::-1] if count else []
+        del free[len(free) - count:]
+        for page in taken:
+            p = pages_of[page]
+            assert p.state is PageState.FREE and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
+            p.state = PageState.PRIVATE
+            p.refcount = 1
+            in_use[p.extent] += 1
+        self.counters(namespace).refcount_increments += count
+        return taken
 
     def acquire(self, page: PageId, pin: bool = False) -> None:
         """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
