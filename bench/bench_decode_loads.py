@@ -78,7 +78,7 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
         naive = [PageLoad(page, GpuPageId(i * row_pages + j))
                  for i, row in enumerate(rows.values()) for j, page in enumerate(row.pages)]
         naive_loader = PageLoader(naive_pool, host)
-        naive_s = elapsed(device, lambda: naive_loader.load(naive))
+        naive_s = elapsed(device, lambda loader=naive_loader: loader.load(naive))
         del naive_pool, naive_loader
 
         planner = DecodeBatchPlanner(GpuPagePool.allocate(SMALL, prefix_pages + num_seqs * (PRIVATE_PAGES + 1), device))
