@@ -360,3 +360,22 @@ def test_bad_requests_are_refused() -> None:
     r = runner("llama")
     with pytest.raises(ValueError, match="cannot hold"):
         r.prefill([PrefillRequest([0], 0, prompt(5, seed=1))], nan_pool(r))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_the_same_code_on_cuda_matches_hf(family: str) -> None:
+    """Suffix-only prefill and a decode step on device="cuda" against transformers on the CPU."""
+    spec, weights = load_model(hf_model(family))
+    r = ModelRunner(spec, weights, device="cuda", dtype=torch.float32)
+    ids = prompt(14, seed=21)
+    prefix = 8
+    pool = torch.zeros((8, *spec.page_layout(PAGE, torch.float32).page_shape), device="cuda")
+    table = Pages(8, seed=4).take(pages_for(len(ids) + 1))
+    r.prefill([PrefillRequest(table, 0, ids[:prefix])], pool)
+    out = r.prefill([PrefillRequest(table, prefix, ids[prefix:])], pool, all_logits=True)
+    assert_close(out.token_logits[0].cpu(), hf_logits(family, ids)[prefix:])
+    next_id = int(out.last_logits[0].argmax())
+    logits = r.decode([DecodeRequest(table, len(ids), next_id)], pool)
+    assert_close(logits[0].cpu(), hf_logits(family, ids + [next_id])[-1])
