@@ -5,7 +5,8 @@ changing anything; only then does it act. All methods run on the daemon's event 
 one at a time, so a lookup and the pin of its hits happen in one atomic step.
 
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
-shared memory in ``Arena``, page tables in ``SequenceTable``, leases in ``SessionRegistry``.
+shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
+``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py.
 """
 from __future__ import annotations
 
@@ -13,26 +14,26 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-
 
 from kvd.arena import Arena, Extent, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
-from kvd.requests import (
-    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
-    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_tokens, prepare,
-)
 from kvd.integrity import Sealer, SealJob, VerifyResult
 from kvd.meta import page_checksum
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
+from kvd.requests import (
+    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
+    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_tokens, prepare,
+)
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
+from kvd.supply import ExtentSupply
 from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SeqState, SessionId
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class NamespaceCounters:
@@ -51,18 +52,14 @@ class KVCacheManager:
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
         self.counters: dict[NamespaceId, NamespaceCounters] = {}
-        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-extent")
-        self._building: dict[NamespaceId, tuple[ExtentPlan, Future]] = {}
+        self.supply = ExtentSupply(arena, self.pool)
         self._aux_bytes = 0  # non-KV state of all sequences
         self.sealer = Sealer()
         self.checksums: dict[PageId, int] = {}  # sealed published/cached pages
         self._to_seal: list[SealJob] = []
 
     def close(self, unlink: bool = True) -> None:
-        for plan, future in self._building.values():
-            self._take_built(plan, future)
-        self._building.clear()
-        self._builder.shutdown()
+        self.supply.close()
         self.apply_seals(wait=True)
         self.sealer.close()
         self.arena.close(unlink=unlink)
@@ -92,7 +89,7 @@ class KVCacheManager:
         self.counters.setdefault(ns.id, NamespaceCounters())
         if len(self.namespaces.all()) != known:
             self.write_manifest()
-        self._provision(ns)
+        self.supply.provision(ns)
         return ns
 
     def write_manifest(self) -> None:
@@ -155,7 +152,7 @@ class KVCacheManager:
 
     def extents(self, namespace_id: int) -> list[ExtentPlan]:
         ns = self.namespaces.get(namespace_id)
-        self._adopt_built()
+        self.supply.adopt_built()
         return [e.plan for e in self.arena.extents() if e.plan.namespace == ns.id]
 
     # ---- allocation ---------------------------------------------------------------
@@ -200,7 +197,7 @@ class KVCacheManager:
             counters.lookup_tokens += p.num_tokens
             counters.hit_tokens += hit_tokens
             plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
-        self._provision(ns)
+        self.supply.provision(ns)
         return plans
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
@@ -294,7 +291,7 @@ class KVCacheManager:
             if tokens:
                 seq.tokens += tokens
             results.append(ExtendResult(seq.seq_id, pages, seq.num_tokens))
-        self._provision(ns)
+        self.supply.provision(ns)
         return results
 
     def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> SequencePlan:
@@ -320,7 +317,7 @@ class KVCacheManager:
         )
         self._add(session, dst)
         self._aux_bytes += len(dst.aux)
-        self._provision(ns)
+        self.supply.provision(ns)
         return SequencePlan(dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens)
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
@@ -463,15 +460,14 @@ class KVCacheManager:
                     held: Iterable[PageId] = ()) -> None:
         """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired
         (read only when the free pages do not suffice)."""
-        self._adopt_built()
+        self.supply.adopt_built()
         if self.pool.free_count(ns.id) >= need:
             return
         held = frozenset(held)
-        building = self._building.get(ns.id)
         held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
         available = (
             self.pool.free_count(ns.id)
-            + (building[0].num_pages if building else 0)
+            + self.supply.building_pages(ns.id)
             + self.arena.creatable_pages(ns.page_bytes)
             + self.pool.cached_count(ns.id) - held_cached
             + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
@@ -500,13 +496,7 @@ class KVCacheManager:
         """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction.
 
         Returns the number of on-hold sequences it evicted (0 or 1)."""
-        building = self._building.pop(ns.id, None)
-        if building is not None:
-            self._take_built(*building)
-            return 0
-        plan = self.arena.plan(ns.id, ns.page_bytes, ns.page_size, ns.root)
-        if plan is not None:
-            self._adopt(self._build(plan))
+        if self.supply.add_extent(ns):
             return 0
         if self.pool.cached_count(ns.id):
             self.index.remove(self.pool.evict_oldest(ns.id))
@@ -540,46 +530,6 @@ class KVCacheManager:
         self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
         self.arena.release(extent)
         log.info("reclaimed extent %s (%d pages) for another namespace", extent.name, count)
-
-    def _provision(self, ns: Namespace) -> None:
-        """Builds the namespace's next extent in the background when its free pages run low."""
-        self._adopt_built()
-        if ns.id in self._building:
-            return
-        watermark = max(1, self.arena.extent_bytes // ns.page_bytes // 2)
-        if self.pool.free_count(ns.id) >= watermark:
-            return
-        plan = self.arena.plan(ns.id, ns.page_bytes, ns.page_size, ns.root)
-        if plan is not None:
-            self._building[ns.id] = (plan, self._builder.submit(self.arena.build, plan))
-
-    def _adopt_built(self) -> None:
-        for ns_id, (plan, future) in list(self._building.items()):
-            if future.done():
-                del self._building[ns_id]
-                self._take_built(plan, future)
-
-    def _take_built(self, plan: ExtentPlan, future: Future) -> None:
-        """Adopts a background build, or returns the budget of one that failed."""
-        try:
-            extent = future.result()
-        except Exception:
-            # The next build runs on the request path (_make_room) and reports the error there.
-            self.arena.cancel(plan)
-            log.exception("building extent %s in the background failed; its budget is returned", plan.name)
-            return
-        self._adopt(extent)
-
-    def _build(self, plan: ExtentPlan) -> Extent:
-        try:
-            return self.arena.build(plan)
-        except BaseException:
-            self.arena.cancel(plan)
-            raise
-
-    def _adopt(self, extent: Extent) -> None:
-        self.arena.adopt(extent)
-        self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
 
     # ---- internals: sequence bookkeeping ------------------------------------------
 

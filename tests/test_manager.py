@@ -41,9 +41,7 @@ def req(seq_id: str, ids, extra=()) -> SequenceRequest:
 
 def settle(m) -> None:
     """Waits for background extent builds and adopts them, so a snapshot is stable."""
-    for _plan, future in list(m._building.values()):
-        future.result()
-    m._adopt_built()
+    m.supply.settle()
 
 
 def snapshot(m) -> dict:
@@ -828,7 +826,7 @@ def test_a_failed_background_build_returns_its_budget(make_manager):
     build = m.arena.build
     m.arena.build = no_space
     ns = m.register_namespace(identity()).id          # provisions its first extent in the background
-    futures.wait([future for _plan, future in m._building.values()])
+    futures.wait([future for _plan, future in m.supply._building.values()])
     with pytest.raises(OSError, match="No space left"):  # the build on the request path fails too
         m.allocate(sid, ns, [req("a", [1])])
     assert m.arena.reserved_bytes == 0 and m.arena.extents() == []
@@ -847,7 +845,7 @@ def test_close_survives_a_failed_background_build(make_manager):
     settle(m)
     m.arena.build = no_space
     m.allocate(sid, ns, [req("b", prompt(100, 8))])    # fills extent 1; extent 2's build fails behind
-    futures.wait([future for _plan, future in m._building.values()])
+    futures.wait([future for _plan, future in m.supply._building.values()])
     m.close()                                          # still unmaps and unlinks every extent
     assert m.arena.extents() == [] and leftover_segments(m.arena.name_prefix) == []
 
