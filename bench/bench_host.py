@@ -197,6 +197,7 @@ def main() -> None:
             data_plane(socket, 128)
         finally:
             daemon.stop()
+            daemon.clean()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ class DaemonProcess:
         self.socket = socket
         self.args = list(args)
         self.log_path = log_path
+        self.env = env
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvd.cli", "serve", "--socket", socket, *args],
@@ -61,6 +62,11 @@ class DaemonProcess:
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+    def clean(self) -> None:
+        """Removes the shared memory the stopped daemon kept for a warm restart (`kvd clean`)."""
+        subprocess.run([sys.executable, "-m", "kvd.cli", "clean", "--socket", self.socket],
+                       capture_output=True, check=True, env=self.env, timeout=60)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Signals the daemon (SIGTERM: graceful) and waits; kills it if it outlives the timeout."""

@@ -217,6 +217,7 @@ class Daemon:
 
     def stop(self) -> int:
         code = self.daemon.stop()
+        self.daemon.clean()  # the demo's cache is not worth keeping for a warm restart
         self.dir.cleanup()
         return code
 

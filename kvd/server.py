@@ -120,9 +120,10 @@ def _tenants(config: ServeConfig) -> Tenants:
     return Tenants(managers, config.tenants)
 
 
-def _close_all(tenants: Tenants) -> None:
+def _close_all(tenants: Tenants, keep_cache: bool = False) -> None:
+    """Unmaps every tenant's extents; keeps them (sealed, consistent) for a warm restart."""
     for manager in tenants.managers():
-        manager.close(unlink=True)
+        manager.close(unlink=not keep_cache)
 
 
 async def run(config: ServeConfig, metrics=None) -> None:
@@ -208,7 +209,9 @@ async def run(config: ServeConfig, metrics=None) -> None:
     await server.stop(grace=config.shutdown_grace_seconds)
     for manager in tenants.managers():
         manager.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
-    _close_all(tenants)
+    # Published pages stay in shared memory, sealed, so `kvd serve` finds them again
+    # (systemctl restart keeps the cache); `kvd clean` removes them for good.
+    _close_all(tenants, keep_cache=True)
     if metrics is not None:
         metrics.stop()
     for path in (config.socket, auth_socket(config.socket)) if config.tenants else (config.socket,):

@@ -8,9 +8,11 @@ import time
 import pytest
 
 from engine_client.launch import DaemonProcess
-from kvd.arena import Arena, leftover_segments
+from kvd.arena import SHM_DIR, Arena, leftover_segments, unlink_segments
+from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
 from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.server import socket_answers
 
 _counter = itertools.count()
 
@@ -74,9 +76,34 @@ def identity(model: str = "tiny", num_layers: int = 2, num_kv_heads: int = 2, he
     return NamespaceIdentity(model, make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype), **kw)
 
 
+# Sockets of every daemon the tests started: a graceful stop keeps their shared memory
+# for a warm restart, so the tests remove it (remove_shared_memory) once they are stopped.
+_SOCKETS: set[str] = set()
+
+
+def remember_socket(socket: str) -> str:
+    _SOCKETS.add(socket)
+    return socket
+
+
+def remove_shared_memory(socket: str) -> None:
+    """Unlinks every segment of the stopped daemon on ``socket`` (tenants' too), like `kvd clean`."""
+    base = ServeConfig(socket=socket).shm_prefix.lstrip("/") + "-"
+    unlink_segments(["/" + n for n in os.listdir(SHM_DIR) if n.startswith(base)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_test_daemons_shared_memory():
+    yield
+    for socket in _SOCKETS:
+        if not socket_answers(socket):
+            remove_shared_memory(socket)
+
+
 def start_daemon(tmp_path, *args: str, env: dict | None = None, name: str = "kvd") -> DaemonProcess:
     """Starts `kvd serve` on a fresh socket under tmp_path and waits until it answers."""
-    return DaemonProcess.start(str(tmp_path / f"{name}.sock"), *args, log_path=str(tmp_path / f"{name}.log"), env=env)
+    socket = remember_socket(str(tmp_path / f"{name}.sock"))
+    return DaemonProcess.start(socket, *args, log_path=str(tmp_path / f"{name}.log"), env=env)
 
 
 @pytest.fixture
@@ -92,6 +119,8 @@ def daemon_factory(tmp_path):
     yield start
     for d in started:
         d.stop()
+    for d in started:
+        remove_shared_memory(d.socket)  # what a graceful stop keeps for a warm restart
 
 
 @pytest.fixture

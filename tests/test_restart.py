@@ -80,6 +80,20 @@ def test_warm_restart_serves_the_published_prefix_and_frees_private_pages(daemon
     print(f"\nwarm restart of 40 pages: {line.group(1)} ms ({line.group(2)} ms per GiB)")
 
 
+def test_a_graceful_stop_keeps_the_published_cache_for_the_next_start(daemon_factory):
+    d = daemon_factory(*ARGS)
+    with KVDClient.connect(d.socket) as client:
+        ns, tokens, alloc = publish_prefix(client, 12)
+    assert d.stop() == 0  # SIGTERM, as `systemctl restart` sends
+    d2 = daemon_factory(*ARGS)
+    with KVDClient.connect(d2.socket) as c:
+        assert c.register_namespace(agents.MODEL, agents.LAYOUT) == ns
+        [hit] = c.allocate_with_prefix(ns, [SequenceRequest("again", tokens)])
+        assert hit.shared_prefix_tokens == 12 * PAGE and hit.shared_pages == alloc.pages[:12]
+        assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
+        assert c.check_invariants() == []
+
+
 def test_recovery_cost_per_gib(tmp_path):
     """Bench-style: recover 256 MiB of published 256 KiB pages in-process and print the cost."""
     prefix = f"/kvdtest-restart-{time.time_ns()}"

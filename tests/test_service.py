@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import clean_env, start_daemon
+from conftest import clean_env, remember_socket, start_daemon
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
 from kvd import config as config_mod
 from kvd.arena import leftover_segments
@@ -74,7 +74,7 @@ def share_prefix(client: KVDClient) -> tuple[int, list[int]]:
 
 def spawn(tmp_path, *args: str, env: dict, prefix: list[str] = (), name: str = "kvd"):
     """Starts `kvd serve` without waiting; returns (process, socket, log path)."""
-    socket = str(tmp_path / f"{name}.sock")
+    socket = remember_socket(str(tmp_path / f"{name}.sock"))
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -251,6 +251,9 @@ def test_daemon_works_under_the_units_syscall_filter_and_memory_deny_write_execu
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, log_path.read_text()
+    assert leftover_segments(shm_prefix(socket)), "a graceful stop keeps the extents for a warm restart"
+    subprocess.run([sys.executable, "-m", "kvd.cli", "clean", "--socket", socket], env=clean_env(tmp_path),
+                   check=True, capture_output=True, timeout=60)
     assert leftover_segments(shm_prefix(socket)) == []
     log = log_path.read_text()
     assert "Traceback" not in log and "ERROR" not in log, log
@@ -353,8 +356,10 @@ def test_sigterm_lets_calls_finish_refuses_new_ones_and_cleans_up(tmp_path):
     for k, ending in enumerate(endings):
         assert isinstance(ending, KVDError) and ending.code in refused, (k, repr(ending))
         assert ok_calls[k] >= 9
-    assert leftover_segments(prefix) == [], "extents must be unlinked on SIGTERM"
+    assert leftover_segments(prefix), "a graceful stop keeps the extents for a warm restart"
     assert not os.path.exists(daemon.socket), "the socket file must be removed"
+    daemon.clean()
+    assert leftover_segments(prefix) == [], "kvd clean removes what the stop kept"
     log = daemon.log()
     assert "stopping: finishing calls in flight" in log and "INFO kvd.server: stopped" in log, log
     assert "Traceback" not in log, log
