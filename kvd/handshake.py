@@ -12,9 +12,11 @@ one line, then closes::
     DENIED <message>\\n     the peer belongs to no tenant (and is not an admin)
 
 The client sends nothing. ``OpenSession`` carries the ticket, and the session belongs to
-the ticket's tenant; the ticket is bound to the peer's pid, so a ticket handed to another
-process (which reports its own pid) is refused. engine_client does this transparently
-whenever ``<socket>.auth`` exists; a daemon without tenants does not create it.
+the ticket's tenant. The ticket is single-use, short-lived and checked against the pid the
+client reports, which catches a ticket reused by mistake; like a session token, it is
+worth as much as the process holding it, so a process should not hand it on.
+engine_client does this transparently whenever ``<socket>.auth`` exists; a daemon
+without tenants does not create it.
 """
 from __future__ import annotations
 
