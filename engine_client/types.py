@@ -1,13 +1,13 @@
 """Requests and results of the client API, and the one error type it raises."""
 from __future__ import annotations
 
-import enum
 import struct
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
+from kvd.wire.enums import ExtraKind, SequenceState  # noqa: F401 - part of the client API
 from kvd.wire.layout import PageLayout
 
 
@@ -22,20 +22,6 @@ class KVDError(Exception):
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> "KVDError":
         return cls(e.code(), e.details() or "")
-
-
-class SequenceState(enum.Enum):
-    PREFILLED = 1
-    IN_DECODE = 2
-    ON_HOLD = 3
-    EVICTED = 4
-    COMPLETED = 5
-
-
-class ExtraKind(enum.IntEnum):
-    MULTIMODAL = 1
-    LORA = 2
-    CACHE_SALT = 3
 
 
 @dataclass(frozen=True)

@@ -15,20 +15,14 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 
 import xxhash
 
 from kvd.types import PageId, PageKey
+from kvd.wire.enums import ExtraKind
 
 _hash = xxhash.xxh3_128_digest
 _U32 = struct.Struct("<I")
-
-
-class ExtraKind(IntEnum):
-    MULTIMODAL = 1
-    LORA = 2
-    CACHE_SALT = 3
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from typing import NewType
 
+from kvd.wire.enums import SequenceState as SeqState  # noqa: F401 - the daemon's short name
+
 PageId = NewType("PageId", int)
 PageKey = NewType("PageKey", bytes)
 NamespaceId = NewType("NamespaceId", int)
@@ -20,10 +22,3 @@ class PageState(enum.Enum):
     PUBLISHED = "published"  # immutable, indexed, refcount ≥ 1
     CACHED = "cached"        # published, refcount 0, evictable in LRU order
 
-
-class SeqState(enum.Enum):
-    PREFILLED = 1
-    IN_DECODE = 2
-    ON_HOLD = 3
-    EVICTED = 4
-    COMPLETED = 5
