@@ -278,30 +278,33 @@ class Arena:
             unlink_quietly(manifest_name(self.name_prefix))
 
 
-def leftover_segments(name_prefix: str) -> list[str]:
-    """Names of the page extents with this daemon's prefix that still exist."""
+def _suffixes(name_prefix: str) -> list[str]:
+    """What follows ``{name_prefix}-`` in the names of the segments that exist."""
     base = name_prefix.lstrip("/") + "-"
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted(("/" + n for n in names if n.startswith(base) and n[len(base):].isdigit()),
-                  key=lambda n: int(n.rsplit("-", 1)[1]))
+    return [n[len(base):] for n in names if n.startswith(base)]
+
+
+def leftover_segments(name_prefix: str) -> list[str]:
+    """Names of the page extents with this daemon's prefix that still exist."""
+    root = "/" + name_prefix.lstrip("/")
+    numbers = sorted(int(rest) for rest in _suffixes(name_prefix) if rest.isdigit())
+    return [f"{root}-{n}" for n in numbers]
 
 
 def daemon_segments(name_prefix: str) -> list[str]:
     """Every segment of this daemon's prefix: extents, their metadata and the manifest."""
-    base = name_prefix.lstrip("/") + "-"
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    ours = [n for n in names if n.startswith(base) and (
-        n[len(base):].isdigit()
-        or (n.endswith(META_SUFFIX) and n[len(base):-len(META_SUFFIX)].isdigit())
-        or "/" + n == manifest_name(name_prefix)
-    )]
-    return sorted("/" + n for n in ours)
+    root = "/" + name_prefix.lstrip("/")
+    ours = [
+        f"{root}-{rest}" for rest in _suffixes(name_prefix)
+        if rest.isdigit()
+        or (rest.endswith(META_SUFFIX) and rest[:-len(META_SUFFIX)].isdigit())
+        or f"{root}-{rest}" == manifest_name(root)
+    ]
+    return sorted(ours)
 
 
 def unlink_segments(names: list[str]) -> None:
