@@ -12,10 +12,12 @@ costs a miss, never wrong KV.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 from kvd.types import PageId, PageKey
@@ -105,11 +107,49 @@ class PageContent:
         return self.parent == parent and self.tokens == tokens and self.local == local
 
 
+@dataclass
+class _Run:
+    """Published pages that follow one another in one chain, with their token ids back to back.
+
+    A page joins the run of its parent when the parent is that run's last page, so
+    ``pages[q + 1]``'s parent is ``pages[q]`` and its chain page index is ``start + q + 1``.
+    One hit on a run's page confirms the pages after it with one comparison of token
+    bytes instead of one hash and one lookup per page.
+    """
+
+    start: int                            # chain page index of pages[0]
+    pages: list[PageId] = field(default_factory=list)
+    keys: list[PageKey] = field(default_factory=list)
+    tokens: bytearray = field(default_factory=bytearray)  # the pages' token ids, in order
+    local_positions: list[int] = field(default_factory=list)  # positions of pages with local bytes
+
+    def append(self, content: PageContent) -> None:
+        if content.local:
+            self.local_positions.append(len(self.pages))
+        self.pages.append(content.page)
+        self.keys.append(content.key)
+        self.tokens += content.tokens
+
+    def truncate(self, length: int, page_bytes: int) -> list[PageId]:
+        """Keeps the first ``length`` pages; returns the ones cut off."""
+        cut = self.pages[length:]
+        del self.pages[length:], self.keys[length:], self.tokens[length * page_bytes:]
+        del self.local_positions[bisect.bisect_left(self.local_positions, length):]
+        return cut
+
+
 class PrefixIndex:
-    """Maps page keys to the published page holding that content, with the content itself."""
+    """Maps page keys to the published page holding that content, with the content itself.
+
+    Pages are also threaded into runs (``_Run``): matching a long prompt hashes and looks
+    up one page per run it crosses and compares the rest of each run's tokens at once.
+    Every page of a run is indexed; an indexed page whose parent left the index may
+    belong to no run (nothing reaches it through its parent).
+    """
 
     def __init__(self) -> None:
         self._entries: dict[PageKey, PageContent] = {}
+        self._runs: dict[PageId, tuple[_Run, int]] = {}  # page -> its run and position in it
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -121,36 +161,106 @@ class PrefixIndex:
     def lookup(self, key: PageKey) -> PageContent | None:
         return self._entries.get(key)
 
-    def insert(self, content: PageContent) -> None:
+    def insert(self, content: PageContent, page_index: int) -> None:
+        """Indexes a published page, ``page_index`` pages from the start of its chain."""
         held = self._entries.get(content.key)
         assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
         self._entries[content.key] = content
+        parent = self._runs.get(content.parent) if content.parent is not None else None
+        if parent is not None and parent[1] == len(parent[0].pages) - 1:
+            run = parent[0]
+        else:
+            run = _Run(start=page_index)
+        assert run.start + len(run.pages) == page_index, (
+            f"page {content.page} at chain index {page_index} joins a run ending at index {run.start + len(run.pages) - 1}"
+        )
+        self._runs[content.page] = (run, len(run.pages))
+        run.append(content)
 
     def remove(self, content: PageContent) -> None:
         held = self._entries.pop(content.key)
         assert held.page == content.page, f"index held page {held.page} under the key of page {content.page}"
+        place = self._runs.pop(content.page, None)
+        if place is not None:
+            run, position = place
+            for page in run.truncate(position, len(content.tokens))[1:]:
+                del self._runs[page]
 
     def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> tuple[list[PageId], list[PageKey]]:
         """The longest run of leading full pages whose stored content equals the request's.
 
-        ``page_bytes`` is the size of one page's token ids. This runs for every page of
-        every prompt (3,125 pages for 50K tokens), so its loop makes as few calls as it can.
+        ``page_bytes`` is the size of one page's token ids. Each step hashes and looks up
+        one page (a hit needs equal tokens, parent and local bytes), then takes as many
+        of the following pages of that page's run as carry the request's next tokens.
         """
         pages: list[PageId] = []
         keys: list[PageKey] = []
         parent_key, parent = chain.root, None
-        entry_of, page_local = self._entries.get, chain.page_local
-        for i in range(full_pages):
+        local_pages = sorted(chain.page_local)
+        i = 0
+        while i < full_pages:
             page_tokens = tokens[i * page_bytes:(i + 1) * page_bytes]
-            local = chain.local_bytes(i) if i == 0 or page_local else b""
-            key = page_key(parent_key, i, page_tokens, local)
-            content = entry_of(key)
+            local = chain.local_bytes(i)
+            content = self._entries.get(page_key(parent_key, i, page_tokens, local))
             if content is None or not content.matches(page_tokens, parent, chain.local_digest(i) if local else b""):
                 break  # a miss; on a hash collision too, never wrong KV
-            parent_key, parent = key, content.page
-            pages.append(parent)
-            keys.append(key)
+            pages.append(content.page)
+            keys.append(content.key)
+            i += 1
+            # The run's next pages are hits as far as their tokens equal the request's, up to
+            # the first page with local bytes on either side (those need the per-page check).
+            local_at = bisect.bisect_left(local_pages, i)
+            stop = min(full_pages, local_pages[local_at] if local_at < len(local_pages) else full_pages)
+            followed, followed_keys = self._follow_run(content.page, tokens, i, stop, page_bytes)
+            pages += followed
+            keys += followed_keys
+            i += len(followed)
+            parent_key, parent = keys[-1], pages[-1]
         return pages, keys
+
+    def _follow_run(self, page: PageId, tokens: bytes, i: int, stop: int,
+                    page_bytes: int) -> tuple[list[PageId], list[PageKey]]:
+        """Pages after ``page`` in its run that hold the request's pages [i, stop)."""
+        place = self._runs.get(page)
+        if place is None or stop <= i:
+            return [], []
+        run, position = place
+        first = position + 1
+        last = min(len(run.pages), first + stop - i)
+        run_local = bisect.bisect_left(run.local_positions, first)
+        if run_local < len(run.local_positions):
+            last = min(last, run.local_positions[run_local])
+        if last <= first:
+            return [], []
+        theirs = np.frombuffer(run.tokens, dtype=np.int32)[first * page_bytes // 4:last * page_bytes // 4]
+        ours = np.frombuffer(tokens, dtype=np.int32)[i * page_bytes // 4:(i + last - first) * page_bytes // 4]
+        differ = np.flatnonzero(theirs != ours)
+        equal_pages = (last - first) if not differ.size else int(differ[0]) * 4 // page_bytes
+        return run.pages[first:first + equal_pages], run.keys[first:first + equal_pages]
+
+    def run_problems(self) -> list[str]:
+        """Broken run invariants, for kvd/invariants.py: every run page is indexed at its
+        position, follows its run's previous page and carries its tokens in the run."""
+        found = []
+        runs = {id(run): run for run, _ in self._runs.values()}
+        for page, (run, position) in self._runs.items():
+            if position >= len(run.pages) or run.pages[position] != page:
+                found.append(f"page {page} is mapped to position {position} of a run that holds other pages there")
+                continue
+            content = self._entries.get(run.keys[position])
+            if content is None or content.page != page:
+                found.append(f"run page {page} is not indexed under its key")
+            elif position and content.parent != run.pages[position - 1]:
+                found.append(f"run page {page}'s parent is {content.parent}, not the run's previous page")
+            elif run.tokens[position * len(content.tokens):(position + 1) * len(content.tokens)] != content.tokens:
+                found.append(f"run page {page}'s token ids differ from the run's copy")
+            elif bool(content.local) != (position in run.local_positions):
+                found.append(f"run page {page}'s local bytes are not recorded in its run")
+        for run in runs.values():
+            missing = [p for q, p in enumerate(run.pages) if self._runs.get(p, (None, -1))[1] != q]
+            if missing:
+                found.append(f"run starting at chain index {run.start} holds pages {missing} not mapped to it")
+        return found
 
     def items(self):
         """(key, page) of every entry."""

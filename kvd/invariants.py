@@ -75,6 +75,7 @@ def violations(manager) -> list[str]:
             found.append(f"index maps a key to page {page}, which is not published")
         elif pool.content(page).key != key or not pool.is_indexed(page):
             found.append(f"index key of page {page} does not match its content")
+    found += index.run_problems()
     for ns in manager.namespaces.all():
         for what, listed, pages in (
             ("free list", pool.free_list(ns.id), free_by_ns.get(ns.id, set())),

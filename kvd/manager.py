@@ -434,7 +434,7 @@ class KVCacheManager:
         indexed = existing is None
         self.pool.publish(page, content, indexed)
         if indexed:
-            self.index.insert(content)
+            self.index.insert(content, i)
         extent = self.arena.extent_of(page)
         slot = page - extent.first_page
         covered = extent.meta.describe(slot, key, parent, i, local, page_tokens)

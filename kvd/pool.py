@@ -12,15 +12,15 @@ a sequence's pages tail first, so a chain's tail is evicted before its parents.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvd.index import PageContent
 from kvd.types import NamespaceId, PageId, PageState
 
 
-@dataclass
+@dataclass(slots=True)
 class _Page:
     namespace: NamespaceId
     extent: str
@@ -146,15 +146,18 @@ class PagePool:
         """``count`` pages FREE → PRIVATE with refcount 1. The caller made sure they exist."""
         if not count:  # most decode steps fit in the tail page
             return []
-        free, pages_of, in_use = self._ns(namespace).free, self._pages, self._extent_in_use
+        free, pages_of, free_state, private = self._ns(namespace).free, self._pages, PageState.FREE, PageState.PRIVATE
         taken = free[len(free) - count:][::-1]
         del free[len(free) - count:]
+        extents = []
         for page in taken:
             p = pages_of[page]
-            assert p.state is PageState.FREE and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
-            p.state = PageState.PRIVATE
+            assert p.state is free_state and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
+            p.state = private
             p.refcount = 1
-            in_use[p.extent] += 1
+            extents.append(p.extent)
+        for extent, n in Counter(extents).items():
+            self._extent_in_use[extent] += n
         self.counters(namespace).refcount_increments += count
         return taken
 
@@ -162,50 +165,68 @@ class PagePool:
         """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
         self.acquire_all((page,), pin)
 
-    def acquire_all(self, pages, pin: bool = False) -> None:
-        """acquire() for each page, in one pass (a 50K-token hit pins ~3K pages)."""
-        pages_of, lru_of, in_use = self._pages, self._by_namespace, self._extent_in_use
-        counted: dict[NamespaceId, int] = {}
+    def acquire_all(self, pages: Sequence[PageId], pin: bool = False) -> None:
+        """acquire() for each page of one namespace, in one pass (a 50K-token hit pins ~3K pages).
+
+        The loop only counts; a page that is not PUBLISHED in that namespace takes
+        ``_revive``, which moves a CACHED page out of the LRU or names a broken invariant."""
+        if not pages:
+            return
+        pages_of, published = self._pages, PageState.PUBLISHED
+        namespace = pages_of[pages[0]].namespace
         for page in pages:
             p = pages_of[page]
-            if p.state is PageState.CACHED:
-                del lru_of[p.namespace].lru[page]
-                p.state = PageState.PUBLISHED
-                in_use[p.extent] += 1
-            assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
+            if p.state is not published or p.namespace != namespace:
+                self._revive(page, p, namespace)
             p.refcount += 1
-            if pin:
-                p.pins += 1
-            counted[p.namespace] = counted.get(p.namespace, 0) + 1
-        for namespace, n in counted.items():
-            self.counters(namespace).refcount_increments += n
+        if pin:
+            for page in pages:
+                pages_of[page].pins += 1
+        self.counters(namespace).refcount_increments += len(pages)
+
+    def _revive(self, page: PageId, p: _Page, namespace: NamespaceId) -> None:
+        assert p.namespace == namespace, f"page {page} of namespace {p.namespace} acquired with pages of namespace {namespace}"
+        if p.state is PageState.CACHED:
+            del self._by_namespace[p.namespace].lru[page]
+            p.state = PageState.PUBLISHED
+            self._extent_in_use[p.extent] += 1
+        assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
 
     def release(self, page: PageId, pin: bool = False) -> None:
         """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
         self.release_all((page,), pin)
 
-    def release_all(self, pages, pin: bool = False) -> None:
-        """release() for each page in the given order (callers pass a chain tail first)."""
-        pages_of = self._pages
-        counted: dict[NamespaceId, int] = {}
+    def release_all(self, pages: Iterable[PageId], pin: bool = False) -> None:
+        """release() for each page of one namespace, in the given order (callers pass a chain tail first)."""
+        pages = list(pages)
+        if not pages:
+            return
+        pages_of, in_use, published = self._pages, self._extent_in_use, PageState.PUBLISHED
+        namespace = pages_of[pages[0]].namespace
+        lru = self._by_namespace[namespace].lru
         for page in pages:
             p = pages_of[page]
-            assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
-            assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
+            if p.refcount < 1 or p.namespace != namespace or (pin and p.pins < 1):
+                self._refuse_release(page, p, namespace, pin)
             p.refcount -= 1
             if pin:
                 p.pins -= 1
-            counted[p.namespace] = counted.get(p.namespace, 0) + 1
             if p.refcount:
                 continue
-            self._extent_in_use[p.extent] -= 1
-            if p.state is PageState.PUBLISHED and p.indexed:
+            in_use[p.extent] -= 1
+            if p.state is published and p.indexed:
                 p.state = PageState.CACHED
-                self._by_namespace[p.namespace].lru[page] = None
+                lru[page] = None
             else:
                 self._to_free(page, p)
-        for namespace, n in counted.items():
-            self.counters(namespace).refcount_decrements += n
+        self.counters(namespace).refcount_decrements += len(pages)
+
+    @staticmethod
+    def _refuse_release(page: PageId, p: _Page, namespace: NamespaceId, pin: bool) -> None:
+        """Names the broken invariant of a release that must not happen."""
+        assert p.namespace == namespace, f"page {page} of namespace {p.namespace} released with pages of namespace {namespace}"
+        assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
+        assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
 
     def publish(self, page: PageId, content: PageContent, indexed: bool) -> None:
         """PRIVATE → PUBLISHED: the page is immutable from now on."""

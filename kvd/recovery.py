@@ -170,7 +170,7 @@ def _adopt(manager, registry: NamespaceRegistry, metas: list[ExtentMeta], start:
             meta.clear(slot)
             orphaned += 1
             continue
-        index.insert(content)
+        index.insert(content, page_index)
         accepted[page] = (page_index, ns_id)
         by_ns.setdefault(ns_id, []).append((page_index, content))
         manager.checksums[page] = record.checksum

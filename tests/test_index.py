@@ -4,14 +4,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 from conftest import identity
+from hypothesis import HealthCheck, given, settings
 
 import kvd.index
 import kvd.manager
 from kvd import invariants
-from kvd.errors import InvalidArgument
+from kvd.errors import InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
 from kvd.manager import SequenceRequest
 from kvd.types import PageId, PageKey, PageState
@@ -218,8 +220,8 @@ def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
     allocate_and_publish(m, sid, ns, "a", [1, 2, 3, 4])   # page 0
     wanted = [9, 9, 9, 9]
     key = chain_keys(chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, []), wanted)[0]
-    planted = dataclasses.replace(m.pool.content(PageId(0)), key=key)
-    m.index.insert(planted)                               # a collision planted in the index
+    planted = dataclasses.replace(m.pool.content(PageId(0)), page=PageId(99), key=key)
+    m.index.insert(planted, 0)                              # a collision planted in the index
     try:
         assert hits(m, sid, ns, wanted) == []
         plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))])[0]
@@ -242,9 +244,9 @@ def test_prefix_index_rejects_a_second_page_under_one_key():
     index = PrefixIndex()
     first = PageContent(PageId(1), PageKey(b"k"), toks([1, 2, 3, 4]), None, b"")
     second = dataclasses.replace(first, page=PageId(2))
-    index.insert(first)
+    index.insert(first, 0)
     with pytest.raises(AssertionError, match="already indexed to page 1"):
-        index.insert(second)
+        index.insert(second, 0)
     with pytest.raises(AssertionError, match="index held page 1 under the key of page 2"):
         index.remove(second)
 
@@ -264,3 +266,120 @@ def test_keys_and_stored_content_are_token_ids_only(core):
     assert m.pool.content(0).tokens == toks(ids[:4])
     assert m.pool.content(1).tokens == toks(ids[4:8])
     assert m.pool.content(1).parent == 0 and m.pool.content(0).parent is None
+
+
+# ---- runs: following published chains in bulk ---------------------------------------
+
+def walked(m, ns, ids, extra=()) -> list[PageId]:
+    """The hits of a prompt found one page at a time (hash, look up, confirm), as the
+    index's docstring defines a hit; runs must find exactly these."""
+    spec = chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, list(extra))
+    pages, parent_key, parent = [], spec.root, None
+    for i in range(len(ids) // PAGE_SIZE):
+        page_tokens, local = toks(ids[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]), spec.local_bytes(i)
+        key = page_key(parent_key, i, page_tokens, local)
+        content = m.index.lookup(key)
+        if content is None or not content.matches(page_tokens, parent, spec.local_digest(i) if local else b""):
+            break
+        pages.append(content.page)
+        parent_key, parent = key, content.page
+    return pages
+
+
+def test_a_branch_starts_a_new_run_and_a_prompt_crossing_both_hits_every_page(core):
+    m, sid, ns = core
+    trunk = list(range(100, 140))                           # 10 pages
+    branch = trunk[:24] + list(range(500, 516))             # leaves the trunk at page 6
+    a = allocate_and_publish(m, sid, ns, "trunk", trunk).pages
+    b = allocate_and_publish(m, sid, ns, "branch", branch).pages
+    assert b[:6] == a[:6] and set(b[6:]).isdisjoint(a)
+    assert hits(m, sid, ns, trunk) == a
+    assert hits(m, sid, ns, branch + [7] * 4) == b          # and its own next page misses
+    assert hits(m, sid, ns, trunk[:22]) == a[:5]            # a partial page never hits
+    assert hits(m, sid, ns, trunk[:20] + [0] * 20) == a[:5]
+    assert invariants.violations(m) == []
+
+
+def test_a_sequence_that_continues_a_run_extends_it(core):
+    """Publishing page by page (decode) grows one run; another sequence continuing its tail joins it."""
+    m, sid, ns = core
+    ids = list(range(200, 232))
+    m.allocate(sid, ns, [SequenceRequest("a", toks(ids[:8]))])
+    m.publish(sid, ns, [("a", 0)])
+    for step in range(8, 24, 4):
+        m.extend(sid, ns, [("a", 4, toks(ids[step:step + 4]))])
+        m.publish(sid, ns, [("a", 0)])
+    pages = allocate_and_publish(m, sid, ns, "b", ids).pages   # hits 6 pages, publishes 2 more
+    assert hits(m, sid, ns, ids) == walked(m, ns, ids) == pages
+    assert invariants.violations(m) == []
+
+
+def test_evicting_a_run_tail_cuts_the_run_and_republishing_grows_it_again(make_manager):
+    m = make_manager(budget_bytes=8 * 512, extent_bytes=8 * 512)   # 8 pages of 512 bytes
+    sid = m.open_session("test", 1).id
+    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ids = list(range(300, 324))                             # 6 pages
+    allocate_and_publish(m, sid, ns, "a", ids)
+    m.release(sid, ns, ["a"])                               # all 6 cached; the tail goes first
+    m.allocate(sid, ns, [SequenceRequest("other", toks(range(900, 912)))])   # needs 3 pages: evicts 1
+    assert len(hits(m, sid, ns, ids)) == 5 and invariants.violations(m) == []
+    m.release(sid, ns, ["other"])
+    again = allocate_and_publish(m, sid, ns, "a2", ids).pages
+    assert hits(m, sid, ns, ids) == walked(m, ns, ids) == again
+    assert invariants.violations(m) == []
+
+
+def test_a_page_dropped_from_the_middle_of_a_run_ends_every_hit_there(core):
+    m, sid, ns = core
+    ids = list(range(400, 432))                             # 8 pages
+    pages = allocate_and_publish(m, sid, ns, "a", ids).pages
+    m.drop_corrupted(pages[3])
+    assert hits(m, sid, ns, ids) == walked(m, ns, ids) == pages[:3]
+    assert invariants.violations(m) == []
+
+
+def test_a_run_stops_at_a_page_with_other_local_bytes(core):
+    m, sid, ns = core
+    ids = list(range(600, 640))                             # 10 pages, an image in page 5
+    with_image = allocate_and_publish(m, sid, ns, "img", ids, [image(b"h1", 21, 2)]).pages
+    assert hits(m, sid, ns, ids, [image(b"h1", 21, 2)]) == with_image
+    assert hits(m, sid, ns, ids) == with_image[:5]          # no image: page 5 differs
+    plain = allocate_and_publish(m, sid, ns, "plain", ids).pages
+    assert plain[:5] == with_image[:5] and set(plain[5:]).isdisjoint(with_image)
+    assert hits(m, sid, ns, ids) == plain
+    assert hits(m, sid, ns, ids, [image(b"h2", 21, 2)]) == plain[:5]
+    assert invariants.violations(m) == []
+
+
+_family = st.tuples(st.integers(0, 2), st.integers(0, 40), st.lists(st.integers(0, 2), max_size=12))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.sampled_from(["publish", "release", "drop", "probe"]), _family,
+                                st.booleans()), min_size=1, max_size=25))
+def test_runs_find_exactly_the_pages_a_per_page_walk_finds(make_manager, steps):
+    """Random trees of prompts (3 families, branching anywhere, some with an image), releases
+    that let LRU eviction cut runs, pages dropped as corrupted: after every step the index's
+    matching equals the per-page walk and every invariant holds."""
+    m = make_manager(budget_bytes=48 * 512, extent_bytes=8 * 512)
+    sid = m.open_session("test", 1).id
+    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    live: list[str] = []
+    for n, (op, (family, cut, tail), with_image) in enumerate(steps):
+        ids = list(range(family * 1000, family * 1000 + cut)) + tail
+        extra = [image(b"img", 9, 6)] if with_image and len(ids) >= 15 else []
+        if op == "publish":
+            try:
+                allocate_and_publish(m, sid, ns, f"s{n}", ids, extra)
+                live.append(f"s{n}")
+            except ResourceExhausted:
+                pass
+        elif op == "release" and live:
+            m.release(sid, ns, [live.pop(cut % len(live))])
+        elif op == "drop":
+            published = [page for page, state, *_ in m.pool.pages() if state in (PageState.PUBLISHED, PageState.CACHED)
+                         and m.pool.is_indexed(page)]
+            if published:
+                m.drop_corrupted(published[cut % len(published)])
+        assert hits(m, sid, ns, ids, extra) == walked(m, ns, ids, extra)
+        assert invariants.violations(m) == []

@@ -867,7 +867,7 @@ def test_invariant_checker_finds_corruption(make_manager):
     content = pool.content(1)
     index.remove(content)
     assert invariants.violations(c.m) == ["page 1 is marked indexed but the index does not map its key to it"]
-    index.insert(content)
+    index.insert(content, 1)
     pool._pages[0].refcount += 1
     assert invariants.violations(c.m) == ["page 0 has refcount 2 but 1 references (sequences + pins)"]
     pool._pages[0].refcount -= 1
