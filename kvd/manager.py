@@ -25,7 +25,7 @@ from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, iden
 from kvd.pool import PagePool
 from kvd.requests import (
     TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
-    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_tokens, prepare,
+    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_token_lists, prepare,
 )
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
@@ -253,24 +253,29 @@ class KVCacheManager:
         return results
 
     def extend(self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]) -> list[ExtendResult]:
-        """Room for more tokens (decode), always in private pages; all or nothing."""
+        """Room for more tokens (decode), always in private pages; all or nothing.
+
+        One call per decode step for the whole batch, so the per-item work stays small: most
+        items add one token that fits in the tail page and allocate nothing."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        check_batch(self.limits, [seq_id for seq_id, _, _ in items])
+        limits, page_size = self.limits, ns.page_size
+        check_batch(limits, [seq_id for seq_id, _, _ in items])
+        check_token_lists(limits, ns, [(seq_id, tokens) for seq_id, _, tokens in items if tokens])
+        growing = (SeqState.PREFILLED, SeqState.IN_DECODE)
         plans = []
         for seq_id, num_tokens, tokens in items:
             seq = self._live(ns, seq_id, session)
-            if seq.state not in (SeqState.PREFILLED, SeqState.IN_DECODE):
+            if seq.state not in growing:
                 raise FailedPrecondition(f"sequence {seq_id!r} is {seq.state.name}; only PREFILLED or IN_DECODE sequences grow")
             if num_tokens <= 0:
                 raise InvalidArgument(f"sequence {seq_id!r}: extend needs a positive number of tokens, got {num_tokens}")
-            if seq.num_tokens + num_tokens > self.limits.max_tokens_per_sequence:
+            total = seq.num_tokens + num_tokens
+            if total > limits.max_tokens_per_sequence:
                 raise InvalidArgument(
-                    f"sequence {seq_id!r} would hold {seq.num_tokens + num_tokens} tokens, "
-                    f"over the limit of {self.limits.max_tokens_per_sequence}"
+                    f"sequence {seq_id!r} would hold {total} tokens, over the limit of {limits.max_tokens_per_sequence}"
                 )
             if tokens:
-                tokens = check_tokens(self.limits, ns, tokens, f"sequence {seq_id!r}")
                 if len(tokens) != num_tokens * TOKEN_BYTES:
                     raise InvalidArgument(
                         f"sequence {seq_id!r}: {len(tokens) // TOKEN_BYTES} token ids given for {num_tokens} new tokens"
@@ -280,17 +285,16 @@ class KVCacheManager:
                         f"sequence {seq_id!r}: token ids of positions {seq.known_tokens}..{seq.num_tokens - 1} "
                         "were never given, so later ids cannot be recorded"
                     )
-            new_pages = -(-(seq.num_tokens + num_tokens) // ns.page_size) - len(seq.pages)
-            plans.append((seq, num_tokens, tokens, new_pages))
-        self._ensure_free(ns, sum(p[3] for p in plans))
+            plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
+        self._ensure_free(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
-        for seq, num_tokens, tokens, new_pages in plans:
-            pages = self.pool.allocate(ns.id, new_pages)
+        for seq, total, tokens, new_pages in plans:
+            pages = self.pool.allocate(ns.id, new_pages) if new_pages else []
             seq.pages.extend(pages)
-            seq.num_tokens += num_tokens
+            seq.num_tokens = total
             if tokens:
                 seq.tokens += tokens
-            results.append(ExtendResult(seq.seq_id, pages, seq.num_tokens))
+            results.append(ExtendResult(seq.seq_id, pages, total))
         self.supply.provision(ns)
         return results
 

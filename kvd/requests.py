@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class PublishResult:
     rebinds: list[Rebind]
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: a decode step makes one per sequence, and a frozen one takes 3x as long to build
 class ExtendResult:
     seq_id: SeqId
     new_pages: list[PageId]
@@ -132,18 +133,32 @@ def check_tokens(limits: Limits, ns: Namespace, tokens: bytes, what: str) -> byt
         raise InvalidArgument(
             f"{what}: {len(tokens) // TOKEN_BYTES} tokens is over the limit of {limits.max_tokens_per_sequence}"
         )
-    vocab = ns.identity.vocab_size
-    if 0 < len(tokens) <= _SMALL_TOKEN_BYTES:  # a decode step's few ids: cheaper without numpy
-        ids = struct.unpack(f"<{len(tokens) // TOKEN_BYTES}i", tokens)
-        if min(ids) >= 0 and (not vocab or max(ids) < vocab):
-            return bytes(tokens)
-    if tokens:
+    if not _in_vocabulary(ns, tokens):
+        vocab = ns.identity.vocab_size
         ids = np.frombuffer(tokens, dtype="<i4")
         bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if vocab else np.flatnonzero(ids < 0)
-        if bad.size:
-            limit = f"[0, {vocab})" if vocab else "[0, 2^31)"
-            raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
+        limit = f"[0, {vocab})" if vocab else "[0, 2^31)"
+        raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
     return bytes(tokens)
+
+def check_token_lists(limits: Limits, ns: Namespace, given: list[tuple[str, bytes]]) -> None:
+    """``check_tokens`` for the (seq_id, token ids) of several sequences, in one pass over all
+    ids when they are fine (a decode step gives one id per sequence); errors name the sequence."""
+    max_bytes = limits.max_tokens_per_sequence * TOKEN_BYTES
+    if all(not len(t) % TOKEN_BYTES and len(t) <= max_bytes for _, t in given) and \
+            _in_vocabulary(ns, b"".join(t for _, t in given)):
+        return
+    for seq_id, tokens in given:
+        check_tokens(limits, ns, tokens, f"sequence {seq_id!r}")
+
+def _in_vocabulary(ns: Namespace, tokens: bytes) -> bool:
+    """Whether every packed id lies in [0, vocab_size) (in [0, 2^31) without a vocabulary)."""
+    vocab = ns.identity.vocab_size
+    if len(tokens) <= _SMALL_TOKEN_BYTES:  # a decode step's few ids: cheaper without numpy
+        ids = struct.unpack(f"<{len(tokens) // TOKEN_BYTES}i", tokens)
+        return not ids or (min(ids) >= 0 and (not vocab or max(ids) < vocab))
+    ids = np.frombuffer(tokens, dtype="<i4")
+    return bool(ids.min() >= 0 and (not vocab or ids.max() < vocab))
 
 def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedRequest:
     """Validates one sequence request and builds its chain spec; raises InvalidArgument."""
@@ -173,3 +188,32 @@ def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedReques
                 "each placeholder token belongs to one item"
             )
     return PreparedRequest(r, tokens, num_tokens, chain_spec(ns.root, ns.page_size, list(r.extra_keys)))
+
+def extend_items(seq_ids: list[str], num_tokens: list[int], token_id_counts: list[int],
+                 token_ids: bytes) -> list[tuple[str, int, bytes | None]]:
+    """The items of an extend request that arrives as columns, one entry per sequence:
+    (seq_id, num_tokens, its token ids or None). ``token_ids`` holds the given ids one
+    sequence after another, ``token_id_counts[i]`` of them for sequence i. Raises
+    InvalidArgument when the columns disagree; each item is checked by the manager."""
+    if not len(seq_ids) == len(num_tokens) == len(token_id_counts):
+        raise InvalidArgument(
+            f"extend request has {len(seq_ids)} seq_ids, {len(num_tokens)} num_tokens and "
+            f"{len(token_id_counts)} token_id_counts; each column needs one entry per sequence"
+        )
+    if len(token_ids) % TOKEN_BYTES:
+        raise InvalidArgument(
+            f"extend request: token_ids has {len(token_ids)} bytes, not a multiple of {TOKEN_BYTES} "
+            "(token ids are packed little-endian int32)"
+        )
+    ends = list(accumulate(token_id_counts))
+    given = ends[-1] if ends else 0
+    if given != len(token_ids) // TOKEN_BYTES:
+        raise InvalidArgument(
+            f"extend request: token_id_counts add up to {given} token ids "
+            f"but token_ids holds {len(token_ids) // TOKEN_BYTES}"
+        )
+    tokens = [
+        token_ids[(end - count) * TOKEN_BYTES:end * TOKEN_BYTES] if count else None
+        for count, end in zip(token_id_counts, ends)
+    ]
+    return list(zip(seq_ids, num_tokens, tokens))

@@ -22,6 +22,7 @@ from kvd.errors import (
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.requests import extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import Tenants
 from kvd.types import SeqState
@@ -251,12 +252,14 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Extend(self, r):
-        results = self._m(r.session).extend(r.session, r.namespace_id, [(i.seq_id, i.num_tokens, i.tokens) for i in r.items])
-        reply = pb.ExtendReply()
-        add = reply.results.add  # a decode batch: adding in place halves the cost of building it
-        for x in results:
-            add(seq_id=x.seq_id, new_pages=pack_pages(x.new_pages), num_tokens=x.num_tokens)
-        return reply
+        m = self._m(r.session)
+        items = extend_items(r.seq_ids, r.num_tokens, r.token_id_counts, r.token_ids)
+        results = m.extend(r.session, r.namespace_id, items)
+        return pb.ExtendReply(
+            num_tokens=[x.num_tokens for x in results],
+            new_page_counts=[len(x.new_pages) for x in results],
+            new_pages=pack_pages([page for x in results for page in x.new_pages]),
+        )
 
     @_unary
     def Fork(self, r):

@@ -181,6 +181,14 @@ def _seq(seq_id="x", tokens=tok([1, 2, 3]), extra=()):
     return pb.SequenceRequest(seq_id=seq_id, tokens=tokens, extra_keys=list(extra))
 
 
+def _extend(session, ns, seq_ids, num_tokens, counts=None, token_ids=b""):
+    """An ExtendRequest from its columns; ``counts`` defaults to no ids for any sequence."""
+    return "Extend", pb.ExtendRequest(
+        session=session, namespace_id=ns, seq_ids=seq_ids, num_tokens=num_tokens,
+        token_id_counts=[0] * len(seq_ids) if counts is None else counts, token_ids=token_ids,
+    )
+
+
 BAD_CASES = {
     # name: (build(env, a, b) -> (method, request), code)
     "tokens not a multiple of 4": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=b"\x01\x00\x00")), Code.INVALID_ARGUMENT),
@@ -218,8 +226,7 @@ BAD_CASES = {
     "another session's sequence: allocate": (lambda e, a, b: _alloc(b, e.ns["A"], _seq("mine")), Code.PERMISSION_DENIED),
     "another session's sequence: release": (lambda e, a, b: ("Release", pb.ReleaseRequest(
         session=b, namespace_id=e.ns["A"], seq_ids=["mine"])), Code.PERMISSION_DENIED),
-    "another session's sequence: extend": (lambda e, a, b: ("Extend", pb.ExtendRequest(
-        session=b, namespace_id=e.ns["A"], items=[pb.ExtendItem(seq_id="mine", num_tokens=1)])), Code.PERMISSION_DENIED),
+    "another session's sequence: extend": (lambda e, a, b: _extend(b, e.ns["A"], ["mine"], [1]), Code.PERMISSION_DENIED),
     "another session's sequence: publish": (lambda e, a, b: ("Publish", pb.PublishRequest(
         session=b, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine")])), Code.PERMISSION_DENIED),
     "another session's sequence: fork": (lambda e, a, b: ("Fork", pb.ForkRequest(
@@ -240,16 +247,12 @@ BAD_CASES = {
         session=a, namespace_id=e.ns["A"], seq_id="mine", state=99)), Code.INVALID_ARGUMENT),
     "PREFILLED -> EVICTED": (lambda e, a, b: ("SetState", pb.SetStateRequest(
         session=a, namespace_id=e.ns["A"], seq_id="mine", state=pb.EVICTED)), Code.FAILED_PRECONDITION),
-    "extend by 0": (lambda e, a, b: ("Extend", pb.ExtendRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.ExtendItem(seq_id="mine", num_tokens=0)])), Code.INVALID_ARGUMENT),
-    "extend by 2^32-1": (lambda e, a, b: ("Extend", pb.ExtendRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.ExtendItem(seq_id="mine", num_tokens=(1 << 32) - 1)])), Code.INVALID_ARGUMENT),
-    "extend ids of the wrong count": (lambda e, a, b: ("Extend", pb.ExtendRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.ExtendItem(seq_id="mine", num_tokens=3, tokens=tok([1]))])), Code.INVALID_ARGUMENT),
-    "extend with odd token bytes": (lambda e, a, b: ("Extend", pb.ExtendRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.ExtendItem(seq_id="mine", num_tokens=1, tokens=b"\x01")])), Code.INVALID_ARGUMENT),
-    "extend past the budget": (lambda e, a, b: ("Extend", pb.ExtendRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.ExtendItem(seq_id="mine", num_tokens=100_000)])), Code.RESOURCE_EXHAUSTED),
+    "extend by 0": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [0]), Code.INVALID_ARGUMENT),
+    "extend by 2^32-1": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [(1 << 32) - 1]), Code.INVALID_ARGUMENT),
+    "extend ids of the wrong count": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [3], [1], tok([1])), Code.INVALID_ARGUMENT),
+    "extend with odd token bytes": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [1], [0], b"\x01"), Code.INVALID_ARGUMENT),
+    "extend with ids over vocab": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [1], [1], tok([VOCAB_A])), Code.INVALID_ARGUMENT),
+    "extend past the budget": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [100_000]), Code.RESOURCE_EXHAUSTED),
     "publish a partial page": (lambda e, a, b: ("Publish", pb.PublishRequest(
         session=a, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine", num_tokens=3)])), Code.INVALID_ARGUMENT),
     "publish 2^32-4 tokens": (lambda e, a, b: ("Publish", pb.PublishRequest(
@@ -292,6 +295,34 @@ def test_bad_input_gets_its_status_and_changes_nothing(env, two_sessions, case):
     build, code = BAD_CASES[case]
     method, request = build(env, *two_sessions)
     refused(env, method, request, {code})
+
+
+BAD_EXTEND_BATCHES = {
+    # name: (seq_ids, num_tokens, token_id_counts, token_ids, words the message must hold)
+    "a num_tokens missing": (["mine"], [], [0], b"", "1 seq_ids, 0 num_tokens and 1 token_id_counts"),
+    "a count missing": (["mine", "other"], [1, 1], [0], b"", "2 seq_ids, 2 num_tokens and 1 token_id_counts"),
+    "a num_tokens too many": (["mine"], [1, 1], [0], b"", "1 seq_ids, 2 num_tokens and 1 token_id_counts"),
+    "ids not whole int32": (["mine"], [1], [1], tok([6]) + b"\x01", "token_ids has 5 bytes, not a multiple of 4"),
+    "fewer ids than counted": (["mine", "other"], [1, 1], [1, 1], tok([6]), "add up to 2 token ids but token_ids holds 1"),
+    "more ids than counted": (["mine"], [1], [0], tok([6]), "add up to 0 token ids but token_ids holds 1"),
+    "count neither 0 nor num_tokens": (["mine", "other"], [1, 3], [1, 1], tok([6, 13]),
+                                       "sequence 'other': 1 token ids given for 3 new tokens"),
+    "an id over the vocabulary": (["mine", "other"], [1, 1], [1, 1], tok([6, VOCAB_A]),
+                                  f"sequence 'other': token id {VOCAB_A} at position 0 is out of range [0, {VOCAB_A})"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EXTEND_BATCHES))
+def test_bad_extend_batches_say_what_is_wrong_and_change_nothing(env, two_sessions, case):
+    a, _ = two_sessions
+    ns = env.ns["A"]
+    env.wire.ok(*_alloc(a, ns, _seq("other", tok(range(10, 13)))))
+    seq_ids, num_tokens, counts, token_ids, words = BAD_EXTEND_BATCHES[case]
+    out = refused(env, *_extend(a, ns, seq_ids, num_tokens, counts, token_ids), {Code.INVALID_ARGUMENT})
+    assert words in out.details, out.details
+    # Neither sequence grew nor recorded an id: ids for their next positions are still accepted.
+    reply = env.wire.ok(*_extend(a, ns, ["mine", "other"], [1, 1], [1, 1], tok([6, 13])))
+    assert list(reply.num_tokens) == [7, 4] and list(reply.new_page_counts) == [0, 0]
 
 
 def test_pin_of_another_session_is_permission_denied(env, two_sessions):
@@ -590,8 +621,7 @@ class HostileMachine(RuleBasedStateMachine):
         if publish:
             self.send("Publish", pb.PublishRequest(session=token, namespace_id=ns_id, items=[pb.PublishItem(seq_id=seq_id)]), set())
         else:
-            self.send("Extend", pb.ExtendRequest(session=token, namespace_id=ns_id, items=[
-                pb.ExtendItem(seq_id=seq_id, num_tokens=n, tokens=tok(range(n)))]), set())
+            self.send(*_extend(token, ns_id, [seq_id], [n], [n], tok(range(n))), set())
 
     # Rules are drawn with equal weight: two more names for the same rule keep sequences around.
     allocate_valid_2 = allocate_valid
@@ -664,11 +694,12 @@ class HostileMachine(RuleBasedStateMachine):
             assert [r.seq_id for r in out.reply.results] == ids
 
     @rule(data=st.data(), items=st.lists(st.tuples(
-        st.sampled_from([1, 3, 4, 9, 1, 3, 4, 9, 0, M32]), st.booleans(), token_payloads), min_size=2, max_size=2))
-    def extend(self, data, items):
+        st.sampled_from([1, 3, 4, 9, 1, 3, 4, 9, 0, M32]), st.booleans(), token_payloads), min_size=2, max_size=2),
+          columns=st.sampled_from(["ok"] * 9 + ["short num_tokens", "short counts", "ids past the counts"]))
+    def extend(self, data, items, columns):
         token, s, ns_id, ns_key, first, issues = self.target(data)
         ids = [first] + self.more_ids(data, ns_key)
-        request_items = []
+        num_tokens, counts, payloads = [], [], []
         for seq_id, (n, with_ids, (kind, ids_)) in zip(ids, items):
             issues |= self.existing(s, ns_key, seq_id)
             if n == 0 or n == M32:
@@ -679,12 +710,22 @@ class HostileMachine(RuleBasedStateMachine):
                 payload, bad = token_bytes(kind, fill, ns_key)
                 if payload and (bad or len(payload) != 4 * n):
                     issues.add(Code.INVALID_ARGUMENT)
-            request_items.append(pb.ExtendItem(seq_id=seq_id, num_tokens=n, tokens=payload))
+            num_tokens.append(n)
+            counts.append(len(payload) // 4)
+            payloads.append(payload)
         if len(set(ids)) < len(ids):
             issues.add(Code.INVALID_ARGUMENT)
-        out = self.send("Extend", pb.ExtendRequest(session=token, namespace_id=ns_id, items=request_items), issues)
+        token_ids = b"".join(payloads)
+        if columns != "ok":  # the columns disagree
+            issues.add(Code.INVALID_ARGUMENT)
+            num_tokens = num_tokens[:-1] if columns == "short num_tokens" else num_tokens
+            counts = counts[:-1] if columns == "short counts" else counts
+            token_ids += tok([1]) if columns == "ids past the counts" else b""
+        out = self.send(*_extend(token, ns_id, ids, num_tokens, counts, token_ids), issues)
         if out.code is None:
-            assert [r.seq_id for r in out.reply.results] == ids
+            reply = out.reply
+            assert len(reply.num_tokens) == len(reply.new_page_counts) == len(ids)
+            assert len(reply.new_pages) == 4 * sum(reply.new_page_counts)
 
     @rule(data=st.data(), dst=st.one_of(seq_ids, st.sampled_from(["f", "g"])))
     def fork(self, data, dst):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import agents
-from engine_client import KVDClient, KVDError, SequenceRequest
+from engine_client import ExtendItem, KVDClient, KVDError, SequenceRequest
 
 SPAWN = multiprocessing.get_context("spawn")
 PREFIX = 5000
@@ -170,6 +170,48 @@ def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(da
             a.release(ns, ["mine"])
         assert e.value.code == grpc.StatusCode.NOT_FOUND and "already released" in e.value.message
         assert a.check_invariants() == []
+
+
+def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
+    """One decode batch gives ids for some sequences (a list, a numpy array, bytes) and not for
+    others: each grows, and only the pages whose ids are all known can be published and hit."""
+    import grpc
+    page = agents.LAYOUT.page_size
+    with KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace(agents.MODEL, agents.LAYOUT)
+        prompts = {s: agents.prompt(0, i, page - 1).tolist() for i, s in enumerate("abcd")}  # a token short of a page
+        client.allocate_with_prefix(ns, [SequenceRequest(s, p) for s, p in prompts.items()])
+        new_ids = {"a": [40001], "c": np.array([40002, 40003]), "d": np.arange(41000, 41000 + page + 1, dtype="<i4").tobytes()}
+        results = client.extend_batch(ns, [
+            ExtendItem("a", 1, new_ids["a"]), ExtendItem("b", 1), ExtendItem("c", 2, new_ids["c"]),
+            ExtendItem("d", page + 1, new_ids["d"]),
+        ])
+        assert [(r.seq_id, r.num_tokens, len(r.new_pages)) for r in results] == \
+               [("a", page, 0), ("b", page, 0), ("c", page + 1, 1), ("d", 2 * page, 1)]
+        assert len({p for r in results for p in r.new_pages}) == 2
+        # b's new id was never given: its first page cannot be published, and ids cannot follow the gap.
+        published = client.publish(ns, list("abcd"))
+        assert [p.published_pages for p in published] == [1, 0, 1, 2]
+        with pytest.raises(KVDError) as e:
+            client.extend(ns, "b", 1, [7])
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "never given" in e.value.message
+        # The recorded ids are the given ones, in order: the published pages hit.
+        full = {
+            "a": prompts["a"] + new_ids["a"], "b": prompts["b"] + [7],
+            "c": prompts["c"] + new_ids["c"].tolist(), "d": prompts["d"] + np.frombuffer(new_ids["d"], "<i4").tolist(),
+        }
+        hits = client.lookup(ns, [SequenceRequest(f"{s}2", ids) for s, ids in full.items()])
+        assert [h.hit_tokens for h in hits] == [page, 0, page, 2 * page]
+        # A batch of lists only (a decode step's usual shape), then one with an id count that
+        # does not match: refused whole, nothing grows.
+        results = client.extend_batch(ns, [ExtendItem("a", 1, [40004]), ExtendItem("c", 1, [40005])])
+        assert [(r.num_tokens, len(r.new_pages)) for r in results] == [(page + 1, 1), (page + 2, 0)]
+        with pytest.raises(KVDError) as e:
+            client.extend_batch(ns, [ExtendItem("a", 1, [40006]), ExtendItem("c", 2, [40007])])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sequence 'c': 1 token ids given for 2 new tokens" in e.value.message
+        assert [r.num_tokens for r in client.extend_batch(ns, [ExtendItem("a", 1), ExtendItem("c", 1)])] == [page + 2, page + 3]
+        assert client.check_invariants() == []
 
 
 def test_budget_exhaustion_is_resource_exhausted_and_rolls_back(daemon_factory):

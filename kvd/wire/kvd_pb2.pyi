@@ -277,41 +277,31 @@ class PublishReply(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[PublishResult]
     def __init__(self, results: _Optional[_Iterable[_Union[PublishResult, _Mapping]]] = ...) -> None: ...
 
-class ExtendItem(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "tokens")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    num_tokens: int
-    tokens: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tokens: _Optional[bytes] = ...) -> None: ...
-
 class ExtendRequest(_message.Message):
-    __slots__ = ("session", "namespace_id", "items")
+    __slots__ = ("session", "namespace_id", "seq_ids", "num_tokens", "token_id_counts", "token_ids")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session: str
     namespace_id: int
-    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
-    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
-
-class ExtendResult(_message.Message):
-    __slots__ = ("seq_id", "new_pages", "num_tokens")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    new_pages: bytes
-    num_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., new_pages: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_id_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: bytes
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_id_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ExtendReply(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[ExtendResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ExtendResult, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("num_tokens", "new_page_counts", "new_pages")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_page_counts: _containers.RepeatedScalarFieldContainer[int]
+    new_pages: bytes
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., new_page_counts: _Optional[_Iterable[int]] = ..., new_pages: _Optional[bytes] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "src_seq_id", "dst_seq_id")
