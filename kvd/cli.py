@@ -29,7 +29,7 @@ def _serve(args) -> int:
     metrics = None
     if cfg.metrics_port:
         from kvd.metrics import MetricsExporter
-        metrics = MetricsExporter()
+        metrics = MetricsExporter(isolated=bool(cfg.tenants))
     try:
         serve(cfg, metrics)
     except StartupError as e:

@@ -13,7 +13,7 @@ Tenants come only from the file (kvd/tenants.py says how clients are mapped to t
 
     [tenants.alpha]
     uids = [1001]          # processes of these users, and/or
-    gids = [2001]          # of these primary groups, belong to the tenant
+    gids = [2001]          # of these groups (primary or supplementary), belong to the tenant
     host_bytes = "2GiB"    # the tenant's own budget; the budgets add up to at most host_bytes
     group = "alpha"        # optional: group (name or gid) owning the tenant's extents
 

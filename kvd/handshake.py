@@ -2,7 +2,8 @@
 
 Why a second socket: the daemon must know which OS user a client runs as to route it to
 its tenant, and only the kernel can say that truthfully (SO_PEERCRED on a unix socket:
-pid, uid and gid at connect time, unforgeable by the client). grpc-python does not expose
+pid, uid and gid at connect time, and SO_PEERGROUPS: its supplementary groups; all
+unforgeable by the client). grpc-python does not expose
 the peer credentials of a unix-socket call (``context.peer()`` is just "unix:"), so the
 daemon also listens on ``<socket>.auth`` (same mode as the gRPC socket). For each
 connection it reads SO_PEERCRED, maps the uid/gid to a tenant (kvd/tenants.py) and writes
@@ -21,6 +22,7 @@ without tenants does not create it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket as socket_mod
@@ -32,11 +34,27 @@ from kvd.tenants import Peer, Tenants
 log = logging.getLogger(__name__)
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERGROUPS = getattr(socket_mod, "SO_PEERGROUPS", 59)  # Linux ≥ 4.13; Python 3.11 does not name it
+_MAX_GROUPS = 65536  # NGROUPS_MAX
 
 
 def peer_of(sock: socket_mod.socket) -> Peer:
     pid, uid, gid = _CREDS.unpack(sock.getsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_PEERCRED, _CREDS.size))
-    return Peer(pid, uid, gid)
+    return Peer(pid, uid, gid, _peer_groups(sock))
+
+
+def _peer_groups(sock: socket_mod.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups as the kernel recorded them at connect time."""
+    count = 64
+    while True:
+        try:
+            raw = sock.getsockopt(socket_mod.SOL_SOCKET, SO_PEERGROUPS, count * 4)
+        except OSError as e:
+            if e.errno != errno.ERANGE or count >= _MAX_GROUPS:
+                raise
+            count *= 16  # more groups than the buffer holds
+            continue
+        return struct.unpack(f"{len(raw) // 4}I", raw)
 
 
 def answer(tenants: Tenants, peer: Peer) -> bytes:

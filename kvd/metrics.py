@@ -1,4 +1,5 @@
-"""Prometheus metrics (``--metrics-port``): page stats, sessions and call latency.
+"""Prometheus metrics (``--metrics-port``): page stats, sessions and call latency, per tenant
+on a daemon with [tenants].
 
 The HTTP endpoint runs on prometheus-client's own thread while the core lives on the
 event loop, so the loop publishes a stats snapshot every ``SNAPSHOT_SECONDS`` and
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import stats as stats_mod
 from kvd.stats import Stats
+from kvd.tenants import Tenants
 
 SNAPSHOT_SECONDS = 1.0
 
@@ -40,34 +42,46 @@ _COUNTERS = {
 
 
 class _StatsCollector:
-    def __init__(self) -> None:
-        self.snapshot: Stats | None = None
+    """Families from the latest snapshot: one per page statistic, labelled by namespace
+    (``all`` for the daemon's totals) and, on a daemon with [tenants], by tenant too
+    (``all`` again for the sum)."""
+
+    def __init__(self, isolated: bool) -> None:
+        self.isolated = isolated
+        self.snapshot: dict[str, Stats] | None = None  # by tenant
+
+    def _rows(self, by_tenant: dict[str, Stats], every: Stats):
+        """(label values, page stats) of every row a page statistic has."""
+        if not self.isolated:
+            yield ["all"], every.totals
+            yield from (([str(n.namespace_id)], n.pages) for n in every.namespaces)
+            return
+        yield ["all", "all"], every.totals
+        for tenant, s in by_tenant.items():
+            yield [tenant, "all"], s.totals
+            yield from (([tenant, str(n.namespace_id)], n.pages) for n in s.namespaces)
 
     def collect(self):
-        snap = self.snapshot
-        if snap is None:
+        by_tenant = self.snapshot
+        if by_tenant is None:
             return
-        for name, doc in _GAUGES.items():
-            g = GaugeMetricFamily(f"kvd_{name}", doc, labels=["namespace"])
-            g.add_metric(["all"], getattr(snap.totals, name))
-            for n in snap.namespaces:
-                g.add_metric([str(n.namespace_id)], getattr(n.pages, name))
-            yield g
-        for name, doc in _COUNTERS.items():
-            c = CounterMetricFamily(f"kvd_{name}", doc, labels=["namespace"])
-            c.add_metric(["all"], getattr(snap.totals, name))
-            for n in snap.namespaces:
-                c.add_metric([str(n.namespace_id)], getattr(n.pages, name))
-            yield c
-        yield GaugeMetricFamily("kvd_sessions", "Open client sessions", value=snap.totals.sessions)
-        yield GaugeMetricFamily("kvd_host_budget_bytes", "Host byte budget for pages", value=snap.host_bytes)
-        yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=snap.arena_bytes)
+        every = stats_mod.combined(list(by_tenant.values()))
+        labels = ["tenant", "namespace"] if self.isolated else ["namespace"]
+        for family, docs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, doc in docs.items():
+                metric = family(f"kvd_{name}", doc, labels=labels)
+                for values, pages in self._rows(by_tenant, every):
+                    metric.add_metric(values, getattr(pages, name))
+                yield metric
+        yield GaugeMetricFamily("kvd_sessions", "Open client sessions", value=every.totals.sessions)
+        yield GaugeMetricFamily("kvd_host_budget_bytes", "Host byte budget for pages", value=every.host_bytes)
+        yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=every.arena_bytes)
 
 
 class MetricsExporter:
-    def __init__(self) -> None:
+    def __init__(self, isolated: bool = False) -> None:
         self.registry = CollectorRegistry()
-        self._collector = _StatsCollector()
+        self._collector = _StatsCollector(isolated)
         self.registry.register(self._collector)
         self._latency = Histogram(
             "kvd_request_seconds", "Latency of gRPC calls inside the daemon", ["method"], registry=self.registry,
@@ -79,16 +93,20 @@ class MetricsExporter:
     def observe_latency(self, method: str, seconds: float) -> None:
         self._latency.labels(method).observe(seconds)
 
-    def start(self, manager, host: str, port: int) -> None:
+    def start(self, tenants: Tenants, host: str, port: int) -> None:
         """Starts the HTTP endpoint and the snapshot task (call on the event loop)."""
-        self._collector.snapshot = stats_mod.collect(manager)
+
+        def snapshot() -> dict[str, Stats]:
+            return {name: stats_mod.collect(manager) for name, manager in tenants.items()}
+
+        self._collector.snapshot = snapshot()
         self._server, thread = start_http_server(port, addr=host, registry=self.registry)
         self._thread: threading.Thread = thread
 
         async def refresh() -> None:
             while True:
                 await asyncio.sleep(SNAPSHOT_SECONDS)
-                self._collector.snapshot = stats_mod.collect(manager)
+                self._collector.snapshot = snapshot()
 
         self._task = asyncio.get_running_loop().create_task(refresh())
 

@@ -130,8 +130,6 @@ async def run(config: ServeConfig, metrics=None) -> None:
     _prepare_socket(config.socket)
     if config.tenants or os.path.exists(auth_socket(config.socket)):
         _prepare_socket(auth_socket(config.socket))  # a stale one would lead clients into a dead handshake
-    if config.tenants and metrics is not None:
-        raise StartupError("the metrics endpoint does not support [tenants] yet; set metrics_port = 0")
     started = time.perf_counter()
     tenants = _tenants(config)
     loop = asyncio.get_running_loop()
@@ -147,7 +145,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     )
     if metrics is not None:  # before the socket: a busy port must not leave a half-started daemon
         try:
-            metrics.start(tenants.managers()[0], config.metrics_host, config.metrics_port)
+            metrics.start(tenants, config.metrics_host, config.metrics_port)
         except OSError as e:
             _close_all(tenants)
             raise StartupError(

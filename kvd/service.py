@@ -133,14 +133,12 @@ def stats_reply(s: Stats) -> pb.StatsReply:
 
 def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
     """Every tenant at once (admin): totals and budgets summed, namespaces named by tenant."""
-    totals = PageStats()
-    for s in by_tenant.values():
-        totals.add(s.totals)
+    every = stats_mod.combined(list(by_tenant.values()))
     return pb.StatsReply(
-        totals=_page_stats(totals),
-        host_bytes=sum(s.host_bytes for s in by_tenant.values()),
-        arena_bytes=sum(s.arena_bytes for s in by_tenant.values()),
-        prefix_reuse=any(s.prefix_reuse for s in by_tenant.values()),
+        totals=_page_stats(every.totals),
+        host_bytes=every.host_bytes,
+        arena_bytes=every.arena_bytes,
+        prefix_reuse=every.prefix_reuse,
         namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
     )
 

@@ -124,3 +124,17 @@ def collect(manager) -> Stats:
         namespaces.append(NamespaceStats(ns.id, ns.identity.model, ns.page_bytes, s))
     totals.sessions = len(manager.sessions)
     return Stats(totals, namespaces, manager.arena.budget_bytes, manager.arena.reserved_bytes, manager.prefix_reuse)
+
+
+def combined(parts: list[Stats]) -> Stats:
+    """Several tenants' stats as one daemon's: totals and budgets summed, namespaces listed together."""
+    totals = PageStats()
+    for part in parts:
+        totals.add(part.totals)
+    return Stats(
+        totals=totals,
+        namespaces=[n for part in parts for n in part.namespaces],
+        host_bytes=sum(part.host_bytes for part in parts),
+        arena_bytes=sum(part.arena_bytes for part in parts),
+        prefix_reuse=any(part.prefix_reuse for part in parts),
+    )

@@ -11,7 +11,8 @@ A process proves its tenant through the handshake on ``<socket>.auth`` (kvd/hand
 the daemon reads the peer's uid, gid and pid from the kernel and answers with a ticket.
 ``OpenSession`` redeems the ticket; every later call names the session, and this module
 routes it to the tenant's manager. The tenant of a peer is the one listing its uid, else
-the one listing its primary gid; a peer matching neither is refused.
+the one listing its primary gid, else the one listing one of its supplementary groups (a
+peer in groups of two tenants must be listed by uid); a peer matching none is refused.
 
 Admin calls without a session (daemon-wide ``GetStats``, ``CheckInvariants``,
 ``VerifyPages``: ``kvd stats``, ``kvd verify``) cover every tenant, so they need an admin
@@ -50,6 +51,7 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()  # supplementary groups (SO_PEERGROUPS)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,17 @@ class Tenants:
         return list(self._managers.values())
 
     def tenant_of(self, peer: Peer) -> str | None:
-        return self._by_uid.get(peer.uid, self._by_gid.get(peer.gid))
+        """By uid, else primary gid, else supplementary groups; raises when those name two tenants."""
+        tenant = self._by_uid.get(peer.uid, self._by_gid.get(peer.gid))
+        if tenant is not None:
+            return tenant
+        by_groups = sorted({self._by_gid[g] for g in peer.groups if g in self._by_gid})
+        if len(by_groups) > 1:
+            raise PermissionDenied(
+                f"uid {peer.uid} is in groups of tenants {', '.join(by_groups)}; list the uid in one "
+                "[tenants.NAME] table to choose"
+            )
+        return by_groups[0] if by_groups else None
 
     # ---- handshake and sessions ---------------------------------------------------
 

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import grpc
 import pytest
 
 from conftest import start_daemon
+from test_service import free_port, metric_samples
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
 from engine_client.admin import fetch_stats
 from engine_client.auth import fetch_ticket
@@ -128,6 +130,8 @@ def test_routing_by_uid_then_gid(make_manager, tmp_path):
     tenants = Tenants({"alpha": alpha, "beta": beta}, cfg.tenants, admin_uids=frozenset({0}))
     assert tenants.tenant_of(Peer(1, 1001, 2002)) == "alpha"  # a uid wins over a gid
     assert tenants.tenant_of(Peer(1, 5, 2002)) == "beta"
+    assert tenants.tenant_of(Peer(1, 5, 7, groups=(9, 2002))) == "beta"   # a supplementary group
+    assert tenants.tenant_of(Peer(1, 1001, 7, groups=(2002,))) == "alpha"  # the uid still wins
     with pytest.raises(PermissionDenied, match="uid 5 \\(gid 7\\) belongs to no tenant"):
         tenants.handshake(Peer(1, 5, 7))
     m, session = tenants.open_session(tenants.handshake(Peer(42, 5, 2002)).token, "x", 42)
@@ -143,6 +147,22 @@ def test_routing_by_uid_then_gid(make_manager, tmp_path):
     tenants.check_admin(tenants.handshake(Peer(9, 0, 0)).token)
     tenants.close_session(beta, session.id)
     assert len(beta.sessions) == 0
+
+
+def test_a_peer_in_groups_of_two_tenants_must_be_listed_by_uid(make_manager, tmp_path):
+    cfg = load_toml(tmp_path, """
+        host_bytes = "64MiB"
+        [tenants.alpha]
+        gids = [2001]
+        host_bytes = "1MiB"
+        [tenants.beta]
+        gids = [2002]
+        host_bytes = "1MiB"
+    """)
+    tenants = Tenants({"alpha": make_manager(), "beta": make_manager()}, cfg.tenants, admin_uids=frozenset({0}))
+    assert tenants.tenant_of(Peer(1, 5, 2001, groups=(2002,))) == "alpha"  # the primary gid decides
+    with pytest.raises(PermissionDenied, match="uid 5 is in groups of tenants alpha, beta; list the uid"):
+        tenants.handshake(Peer(1, 5, 7, groups=(2002, 2001)))
 
 
 def test_implicit_tenant_needs_no_ticket(make_manager):
@@ -195,6 +215,60 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
         assert [(n["tenant"], n["model"]) for n in every["namespaces"]] == [("mine", "tiny")]
         meta = os.stat("/dev/shm" + names[0] + ".meta")
         assert stat.S_IMODE(meta.st_mode) == 0o600  # token ids: the daemon alone reads them
+
+
+def test_metrics_of_a_daemon_with_tenants_are_labelled_by_tenant(daemon_factory, tmp_path):
+    port = free_port()
+    d = tenant_daemon(daemon_factory, tmp_path, f"""
+        host_bytes = "1MiB"
+        metrics_port = {port}
+        [tenants.mine]
+        uids = [{os.getuid()}]
+        host_bytes = "64KiB"
+        [tenants.other]
+        uids = [{OTHER_UID}]
+        host_bytes = "128KiB"
+    """)
+    with KVDClient.connect(d.socket) as kvd:
+        ns = kvd.register_namespace("tiny", LAYOUT)
+        kvd.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX + [1])])
+        kvd.publish(ns, ["a"])
+        kvd.allocate_with_prefix(ns, [SequenceRequest("b", PREFIX + [2])])
+        mine, every = kvd.stats(), fetch_stats(d.socket)
+        assert mine["host_pages_saved"] == 4
+
+        def logical(samples, tenant: str, namespace: str):
+            return samples.get(("kvd_logical_pages", (("namespace", namespace), ("tenant", tenant))))
+
+        deadline = time.monotonic() + 10  # the exporter snapshots every second
+        while (samples := metric_samples(port)) and logical(samples, "mine", "all") != mine["logical_pages"]:
+            assert time.monotonic() < deadline, "metrics never showed the tenant's pages"
+            time.sleep(0.2)
+    for field in ("logical_pages", "physical_pages", "host_pages_saved", "hit_tokens"):
+        for tenant, namespace, value in (("mine", "all", mine[field]), ("mine", str(ns), mine["namespaces"][0][field]),
+                                         ("other", "all", 0), ("all", "all", every[field])):
+            labels = (("namespace", namespace), ("tenant", tenant))
+            assert samples.get((f"kvd_{field}", labels), samples.get((f"kvd_{field}_total", labels))) == value, \
+                (field, tenant, namespace)
+    assert samples[("kvd_host_budget_bytes", ())] == (64 + 128) << 10
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setting a client's supplementary groups needs root")
+def test_a_supplementary_group_routes_to_its_tenant(daemon_factory, tmp_path):
+    d = tenant_daemon(daemon_factory, tmp_path, f"""
+        host_bytes = "1MiB"
+        [tenants.by_group]
+        gids = [{OTHER_UID}]
+        host_bytes = "96KiB"
+    """)
+    probe = "import sys; from engine_client import KVDClient; print(KVDClient.connect(sys.argv[1]).host_bytes)"
+    for groups, expected in (([OTHER_UID], 96 << 10), ([], None)):
+        r = subprocess.run([sys.executable, "-c", probe, d.socket], extra_groups=groups,
+                           capture_output=True, text=True, timeout=60)
+        if expected is None:  # root without the group: an admin of no tenant
+            assert r.returncode != 0 and "belongs to no tenant" in r.stderr
+        else:
+            assert r.returncode == 0 and int(r.stdout) == expected, r.stderr
 
 
 def test_tickets_through_the_daemon(daemon_factory, tmp_path):
