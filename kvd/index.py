@@ -24,6 +24,7 @@ from kvd.types import PageId, PageKey
 from kvd.wire.enums import ExtraKind
 
 _hash = xxhash.xxh3_128_digest
+_SMALL_SPAN_BYTES = 16 << 10  # token bytes of a run span compared as slices rather than with numpy
 _U32 = struct.Struct("<I")
 
 
@@ -232,10 +233,15 @@ class PrefixIndex:
             last = min(last, run.local_positions[run_local])
         if last <= first:
             return [], []
-        theirs = np.frombuffer(run.tokens, dtype=np.int32)[first * page_bytes // 4:last * page_bytes // 4]
-        ours = np.frombuffer(tokens, dtype=np.int32)[i * page_bytes // 4:(i + last - first) * page_bytes // 4]
-        differ = np.flatnonzero(theirs != ours)
-        equal_pages = (last - first) if not differ.size else int(differ[0]) * 4 // page_bytes
+        span = last - first
+        if span * page_bytes <= _SMALL_SPAN_BYTES and \
+                tokens[i * page_bytes:(i + span) * page_bytes] == run.tokens[first * page_bytes:last * page_bytes]:
+            equal_pages = span  # a short span: comparing slices beats numpy's call overhead
+        else:
+            theirs = np.frombuffer(run.tokens, dtype=np.int32)[first * page_bytes // 4:last * page_bytes // 4]
+            ours = np.frombuffer(tokens, dtype=np.int32)[i * page_bytes // 4:(i + span) * page_bytes // 4]
+            differ = np.flatnonzero(theirs != ours)
+            equal_pages = span if not differ.size else int(differ[0]) * 4 // page_bytes
         return run.pages[first:first + equal_pages], run.keys[first:first + equal_pages]
 
     def run_problems(self) -> list[str]:

@@ -300,6 +300,20 @@ def test_a_branch_starts_a_new_run_and_a_prompt_crossing_both_hits_every_page(co
     assert invariants.violations(m) == []
 
 
+@pytest.mark.parametrize("pages", [6, 3000])  # short spans compare slices, long ones numpy
+@pytest.mark.parametrize("diverge", ["first token", "last token"])
+def test_a_prompt_leaving_a_run_inside_a_page_hits_the_pages_before_it(make_manager, pages, diverge):
+    m = make_manager(budget_bytes=16 << 20, extent_bytes=1 << 20)
+    sid = m.open_session("test", 1).id
+    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ids = list(range(1, pages * PAGE_SIZE + 1))
+    published = allocate_and_publish(m, sid, ns, "a", ids).pages
+    at = (pages * 2 // 3) * PAGE_SIZE + (0 if diverge == "first token" else PAGE_SIZE - 1)
+    other = ids[:at] + [0] + ids[at + 1:]
+    assert hits(m, sid, ns, other) == walked(m, ns, other) == published[:at // PAGE_SIZE]
+    assert hits(m, sid, ns, ids) == published
+
+
 def test_a_sequence_that_continues_a_run_extends_it(core):
     """Publishing page by page (decode) grows one run; another sequence continuing its tail joins it."""
     m, sid, ns = core
