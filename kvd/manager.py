@@ -6,17 +6,16 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
-``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py.
+``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py;
+what to give up when a namespace needs pages in ``Room``.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvd.arena import Arena, Extent, ExtentPlan
+from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Sealer, SealJob, VerifyResult
@@ -27,10 +26,11 @@ from kvd.requests import (
     TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
     SequencePlan, SequenceRequest, check_batch, check_seq_id, check_token_lists, prepare,
 )
+from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
 from kvd.supply import ExtentSupply
-from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, SeqId, SeqState, SessionId
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class KVCacheManager:
         self.sessions = SessionRegistry()
         self.counters: dict[NamespaceId, NamespaceCounters] = {}
         self.supply = ExtentSupply(arena, self.pool)
+        self.room = Room(arena, self.pool, self.index, self.supply, self.sequences,
+                         settle_seals=lambda: self.apply_seals(wait=True), evict_held=self._evict_held)
         self._aux_bytes = 0  # non-KV state of all sequences
         self.sealer = Sealer()
         self.checksums: dict[PageId, int] = {}  # sealed published/cached pages
@@ -177,10 +179,10 @@ class KVCacheManager:
                 p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
         need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
         # Raise before pinning anything: a failed batch leaves counters and LRU order alone.
-        self._check_room(ns, need, held=(page for p in prepared for page in p.hits))
+        self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
             self.pool.acquire_all(p.hits)
-        self._ensure_free(ns, need)
+        self.room.ensure_free(ns, need)
         plans = []
         counters = self.counters[ns.id]
         for p in prepared:
@@ -286,7 +288,7 @@ class KVCacheManager:
                         "were never given, so later ids cannot be recorded"
                     )
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
-        self._ensure_free(ns, sum(new_pages for _, _, _, new_pages in plans))
+        self.room.ensure_free(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
         for seq, total, tokens, new_pages in plans:
             pages = self.pool.allocate(ns.id, new_pages) if new_pages else []
@@ -309,7 +311,7 @@ class KVCacheManager:
         self._check_aux_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
-        self._ensure_free(ns, len(copies), protect=src)
+        self.room.ensure_free(ns, len(copies), protect=src)
         self.pool.acquire_all(shared)
         private = self.pool.allocate(ns.id, len(copies))
         for page, dst_page in zip(copies, private):
@@ -445,101 +447,19 @@ class KVCacheManager:
         self._to_seal.append(SealJob(page, content, extent.meta, slot, covered, extent.page_bytes_view(page)))
         return None
 
-    # ---- internals: room ----------------------------------------------------------
-
-    def _ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
-        """Makes ``need`` pages free in the namespace, or raises before evicting anything."""
-        self._check_room(ns, need, protect)
-        counters = self.pool.counters(ns.id)
-        evicted_before, held_evicted = counters.evicted_pages, 0
-        while self.pool.free_count(ns.id) < need:
-            held_evicted += self._make_room(ns, protect)
-        if counters.evicted_pages > evicted_before or held_evicted:
-            log.info(
-                "namespace %d: evicted %d cached pages and %d on-hold sequences to make room for %d pages",
-                ns.id, counters.evicted_pages - evicted_before, held_evicted, need,
-            )
-
-    def _check_room(self, ns: Namespace, need: int, protect: Sequence | None = None,
-                    held: Iterable[PageId] = ()) -> None:
-        """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired
-        (read only when the free pages do not suffice)."""
-        self.supply.adopt_built()
-        if self.pool.free_count(ns.id) >= need:
-            return
-        held = frozenset(held)
-        held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
-        available = (
-            self.pool.free_count(ns.id)
-            + self.supply.building_pages(ns.id)
-            + self.arena.creatable_pages(ns.page_bytes)
-            + self.pool.cached_count(ns.id) - held_cached
-            + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
-            + self._freeable_on_hold(ns, protect, held)
-        )
-        if need > available:
-            raise ResourceExhausted(
-                f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
-                f"freed within the host budget of {self.arena.budget_bytes} bytes"
-            )
-
-    def _freeable_on_hold(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
-        """Pages that evicting every on-hold sequence (but ``protect``) would free or make evictable:
-        their private pages, and published pages no one else references."""
-        on_hold_refs: Counter[PageId] = Counter()
-        private = 0
-        for seq in self.sequences.on_hold(ns.id):
-            if seq is not protect:
-                private += len(seq.private_pages)
-                on_hold_refs.update(seq.shared_pages)
-        return private + sum(
-            1 for page, refs in on_hold_refs.items() if refs == self.pool.refcount(page) and page not in held
-        )
-
-    def _make_room(self, ns: Namespace, protect: Sequence | None) -> int:
-        """One step towards a free page: new extent, LRU eviction, reclaim, then on-hold eviction.
-
-        Returns the number of on-hold sequences it evicted (0 or 1)."""
-        if self.supply.add_extent(ns):
-            return 0
-        if self.pool.cached_count(ns.id):
-            self.index.remove(self.pool.evict_oldest(ns.id))
-            return 0
-        reclaimable = self._reclaimable(ns)
-        if reclaimable:
-            self._reclaim(reclaimable[0])
-            return 0
-        victim = next((s for s in self.sequences.on_hold(ns.id) if s is not protect), None)
-        assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
-        self.sequences.set_state(victim, SeqState.EVICTED)
-        self._release_pages(victim)
-        session = self.sessions.get(victim.session)
-        if session.listener is not None:
-            session.listener(ns.id, [victim.seq_id])
-        return 1
-
-    def _reclaimable(self, ns: Namespace) -> list[Extent]:
-        """Other namespaces' extents holding no referenced page: their budget can move."""
-        return [
-            e for e in self.arena.extents()
-            if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0
-        ]
-
-    def _reclaim(self, extent: Extent) -> None:
-        self.apply_seals(wait=True)  # the sealer may still read this extent's pages
-        first, count = extent.first_page, extent.num_pages
-        for page in map(PageId, range(first, first + count)):
-            if self.pool.content(page) is not None:
-                self.index.remove(self.pool.evict(page))
-        self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
-        self.arena.release(extent)
-        log.info("reclaimed extent %s (%d pages) for another namespace", extent.name, count)
-
     # ---- internals: sequence bookkeeping ------------------------------------------
 
     def _add(self, session: Session, seq: Sequence) -> None:
         self.sequences.add(seq)
         session.sequences.add((seq.namespace, seq.seq_id))
+
+    def _evict_held(self, seq: Sequence) -> None:
+        """ON_HOLD → EVICTED under memory pressure: its pages go, its owner hears of it."""
+        self.sequences.set_state(seq, SeqState.EVICTED)
+        self._release_pages(seq)
+        session = self.sessions.get(seq.session)
+        if session.listener is not None:
+            session.listener(seq.namespace, [seq.seq_id])
 
     def _release_pages(self, seq: Sequence) -> None:
         """Releases tail first, so the chain's tail is evicted before its parents."""

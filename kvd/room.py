@@ -1,0 +1,128 @@
+"""Room: free pages for a namespace within the host budget, or a refusal before anything moves.
+
+When a namespace needs more free pages than it has, room is made in this order:
+
+1. a new extent, while the budget has bytes no extent holds (kvd/supply.py builds them);
+2. the namespace's least recently used CACHED page (a chain's tail before its parents);
+3. an extent of another namespace that holds no referenced page: its budget moves here;
+4. an ON_HOLD sequence of the namespace, the one on hold longest first (its owner is
+   told, see ``KVCacheManager._evict_held``).
+
+``check`` counts what all of that could free and raises ``ResourceExhausted`` when it is
+not enough, so a call that cannot fit fails before evicting anything. The manager decides
+what a request needs; this module decides what to give up for it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from kvd.arena import Arena, Extent
+from kvd.errors import ResourceExhausted
+from kvd.index import PrefixIndex
+from kvd.namespaces import Namespace
+from kvd.pool import PagePool
+from kvd.sequences import Sequence, SequenceTable
+from kvd.supply import ExtentSupply
+from kvd.types import PageId, PageState
+
+log = logging.getLogger(__name__)
+
+
+class Room:
+    def __init__(self, arena: Arena, pool: PagePool, index: PrefixIndex, supply: ExtentSupply,
+                 sequences: SequenceTable, settle_seals: Callable[[], None],
+                 evict_held: Callable[[Sequence], None]) -> None:
+        self.arena = arena
+        self.pool = pool
+        self.index = index
+        self.supply = supply
+        self.sequences = sequences
+        self._settle_seals = settle_seals  # waits for checksums still reading pages
+        self._evict_held = evict_held      # ON_HOLD → EVICTED: drops its pages, tells its owner
+
+    def ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+        """Makes ``need`` pages free in the namespace, or raises before evicting anything.
+
+        ``protect``: an on-hold sequence the caller is working on, never evicted for it."""
+        self.check(ns, need, protect)
+        counters = self.pool.counters(ns.id)
+        evicted_before, held_evicted = counters.evicted_pages, 0
+        while self.pool.free_count(ns.id) < need:
+            held_evicted += self._make_room(ns, protect)
+        if counters.evicted_pages > evicted_before or held_evicted:
+            log.info(
+                "namespace %d: evicted %d cached pages and %d on-hold sequences to make room for %d pages",
+                ns.id, counters.evicted_pages - evicted_before, held_evicted, need,
+            )
+
+    def check(self, ns: Namespace, need: int, protect: Sequence | None = None,
+              held: Iterable[PageId] = ()) -> None:
+        """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired
+        (read only when the free pages do not suffice)."""
+        self.supply.adopt_built()
+        if self.pool.free_count(ns.id) >= need:
+            return
+        held = frozenset(held)
+        held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
+        available = (
+            self.pool.free_count(ns.id)
+            + self.supply.building_pages(ns.id)
+            + self.arena.creatable_pages(ns.page_bytes)
+            + self.pool.cached_count(ns.id) - held_cached
+            + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
+            + self._freeable_on_hold(ns, protect, held)
+        )
+        if need > available:
+            raise ResourceExhausted(
+                f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
+                f"freed within the host budget of {self.arena.budget_bytes} bytes"
+            )
+
+    def _freeable_on_hold(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
+        """Pages that evicting every on-hold sequence (but ``protect``) would free or make evictable:
+        their private pages, and published pages no one else references."""
+        on_hold_refs: Counter[PageId] = Counter()
+        private = 0
+        for seq in self.sequences.on_hold(ns.id):
+            if seq is not protect:
+                private += len(seq.private_pages)
+                on_hold_refs.update(seq.shared_pages)
+        return private + sum(
+            1 for page, refs in on_hold_refs.items() if refs == self.pool.refcount(page) and page not in held
+        )
+
+    def _make_room(self, ns: Namespace, protect: Sequence | None) -> int:
+        """One step towards a free page, in the module's order; returns the number of
+        on-hold sequences it evicted (0 or 1)."""
+        if self.supply.add_extent(ns):
+            return 0
+        if self.pool.cached_count(ns.id):
+            self.index.remove(self.pool.evict_oldest(ns.id))
+            return 0
+        reclaimable = self._reclaimable(ns)
+        if reclaimable:
+            self._reclaim(reclaimable[0])
+            return 0
+        victim = next((s for s in self.sequences.on_hold(ns.id) if s is not protect), None)
+        assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
+        self._evict_held(victim)
+        return 1
+
+    def _reclaimable(self, ns: Namespace) -> list[Extent]:
+        """Other namespaces' extents holding no referenced page: their budget can move."""
+        return [
+            e for e in self.arena.extents()
+            if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0
+        ]
+
+    def _reclaim(self, extent: Extent) -> None:
+        self._settle_seals()  # the sealer may still read this extent's pages
+        first, count = extent.first_page, extent.num_pages
+        for page in map(PageId, range(first, first + count)):
+            if self.pool.content(page) is not None:
+                self.index.remove(self.pool.evict(page))
+        self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
+        self.arena.release(extent)
+        log.info("reclaimed extent %s (%d pages) for another namespace", extent.name, count)
