@@ -2,7 +2,7 @@
 
     python -m gpu_worker.demo [--engines 3] [--agents-per-engine 2] [--prefix-tokens 3000]
                               [--suffix-tokens 64] [--decode-tokens 8] [--family llama|gpt_oss]
-                              [--socket PATH]
+                              [--device cpu|cuda] [--socket PATH]
 
 The parent starts `kvd serve --enable-prefix-reuse` on a temporary socket (or uses the
 daemon on `--socket`) and spawns the engine processes. Each builds the same tiny random
@@ -46,6 +46,7 @@ class DemoConfig:
     decode_tokens: int = 8
     family: str = "llama"
     page_size: int = 16
+    device: str = "cpu"
     vocab_size: int = 512
     seed: int = 0
 
@@ -118,7 +119,8 @@ def agent_prompt(cfg: DemoConfig, agent: int) -> list[int]:
 def recompute_logits(runner: ModelRunner, page_size: int, tokens: list[int]) -> torch.Tensor:
     """Next-token logits [vocab] of `tokens` computed from scratch in a private pool, no cache."""
     pages = -(-len(tokens) // page_size)
-    pool = torch.empty((pages, *runner.spec.page_layout(page_size, runner.dtype).page_shape), dtype=runner.dtype)
+    pool = torch.empty((pages, *runner.spec.page_layout(page_size, runner.dtype).page_shape), dtype=runner.dtype,
+                       device=runner.device)
     return runner.prefill([PrefillRequest(list(range(pages)), 0, tokens)], pool).last_logits[0]
 
 
@@ -150,7 +152,7 @@ def run_engine(socket: str, cfg: DemoConfig, engine: int, go, finish, messages) 
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.engines))  # engines share the cores
         spec, weights = tiny_model(cfg.family, cfg.seed, cfg.vocab_size)
-        runner = ModelRunner(spec, weights)
+        runner = ModelRunner(spec, weights, device=cfg.device)
         first = engine * cfg.agents_per_engine
         agents = {f"agent-{a + 1}": agent_prompt(cfg, a) for a in range(first, first + cfg.agents_per_engine)}
         pages_per_agent = -(-(cfg.prefix_tokens + cfg.suffix_tokens + cfg.decode_tokens) // cfg.page_size) + 1
@@ -336,7 +338,7 @@ def format_result(cfg: DemoConfig, result: DemoResult) -> str:
         f"kvd demo: {cfg.engines} engine processes x {cfg.agents_per_engine} agents; one shared prompt of "
         f"{cfg.prefix_tokens:,} tokens + {cfg.suffix_tokens} own tokens per agent; {cfg.decode_tokens} greedy tokens each",
         f"model: tiny random {cfg.family} (2 layers, hidden 64, 4/2 heads, vocab {cfg.vocab_size}, seed {cfg.seed}), "
-        f"float32 on cpu, {cfg.page_size}-token pages",
+        f"float32 on {cfg.device}, {cfg.page_size}-token pages",
         "",
         f"{'engine':>6}  {'pid':>7}  {'prefill computed':>16}  {'prefill reused':>14}  {'GPU pages loaded':>16}  "
         f"{'dup loads skipped':>17}  {'GPU logical/physical':>20}  {'max |dlogit|':>12}  {'secs':>5}  first tokens of each agent",
@@ -376,6 +378,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
     p.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="greedy tokens per agent (default %(default)s)")
     p.add_argument("--family", choices=("llama", "gpt_oss"), default=d.family, help="model style (default %(default)s)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page (default %(default)s)")
+    p.add_argument("--device", default=d.device, help="where the engines run the model: cpu or cuda (default %(default)s)")
     p.add_argument("--socket", help="use the kvd daemon on this socket (started with --enable-prefix-reuse) "
                                     "instead of starting one")
     a = p.parse_args(argv)
@@ -383,8 +386,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
         p.error("--engines, --agents-per-engine and --decode-tokens must be ≥ 1; token counts ≥ 0")
     if a.prefix_tokens + a.suffix_tokens < 1:
         p.error("a prompt needs at least one token")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: torch sees no CUDA GPU here")
     cfg = DemoConfig(a.engines, a.agents_per_engine, a.prefix_tokens, a.suffix_tokens, a.decode_tokens,
-                     a.family, a.page_size)
+                     a.family, a.page_size, a.device)
     return cfg, a.socket
 
 

@@ -6,6 +6,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from gpu_worker.demo import LOGIT_TOLERANCE, main
 
 SMALL = ["--prefix-tokens", "400", "--suffix-tokens", "12", "--decode-tokens", "4"]
@@ -40,3 +43,21 @@ def test_demo_uses_a_running_daemon(daemon, capsys) -> None:
     logical, physical, delta = table_numbers(out)
     assert physical < logical and delta <= LOGIT_TOLERANCE
     assert daemon.process.poll() is None  # a daemon the demo did not start keeps running
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_demo_on_cuda_without_a_gpu_says_so(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cuda", *SMALL])
+    assert e.value.code == 2 and "torch sees no CUDA GPU here" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_demo_runs_its_engines_on_cuda(daemon, capsys) -> None:
+    """The engines' CUDA path end to end: model, GPU page pool, host→device loads of
+    registered shared memory, side-stream offload, all checked against a recompute."""
+    assert main(["--socket", daemon.socket, "--device", "cuda", *SMALL]) == 0
+    out = capsys.readouterr().out
+    logical, physical, delta = table_numbers(out)
+    assert physical < logical and delta <= LOGIT_TOLERANCE and "float32 on cuda" in out
