@@ -16,10 +16,12 @@ them a restarted daemon re-attaches the extents (``attach``) instead of deleting
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import logging
 import mmap
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ SHM_DIR = "/dev/shm"
 # Touching one byte per OS page faults the whole extent in; first touch of shared
 # memory runs ~25x slower than resident memory, so it must not happen on a request.
 _OS_PAGE = mmap.PAGESIZE
+_first_page = operator.attrgetter("first_page")
 # Each page has a record on the daemon's heap: bound how many one extent adds at once.
 MAX_EXTENT_PAGES = 1 << 16
 
@@ -226,8 +229,7 @@ class Arena:
     def adopt(self, extent: Extent) -> None:
         """Makes a built extent's pages addressable."""
         self._extents[extent.name] = extent
-        self._by_first_page.append(extent)
-        self._by_first_page.sort(key=lambda e: e.first_page)
+        bisect.insort(self._by_first_page, extent, key=_first_page)
 
     def release(self, extent: Extent) -> None:
         """Unmaps and unlinks an extent whose pages are all free; returns its budget."""
@@ -246,15 +248,9 @@ class Arena:
         return list(self._by_first_page)
 
     def extent_of(self, page: PageId) -> Extent:
-        lo, hi = 0, len(self._by_first_page)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._by_first_page[mid].first_page <= page:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo:
-            extent = self._by_first_page[lo - 1]
+        at = bisect.bisect_right(self._by_first_page, page, key=_first_page)
+        if at:
+            extent = self._by_first_page[at - 1]
             if page < extent.first_page + extent.num_pages:
                 return extent
         raise KeyError(page)
