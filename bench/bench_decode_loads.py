@@ -88,7 +88,9 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
         plan_s = time.perf_counter() - start
         assert isinstance(plan, DecodePlan)
         planned_s = elapsed(device, lambda: loader.load(plan.loads))
+        start = time.perf_counter()
         second = planner.plan(rows, runway_pages=1)
+        second_s = time.perf_counter() - start
         assert isinstance(second, DecodePlan)
 
         n_naive, n_planned = len(naive), len(plan.loads)
@@ -104,7 +106,7 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
         stats = planner.pool.stats()
         print(f"   logical/physical GPU pages {stats.logical_pages}/{stats.physical_pages}"
               f" = {stats.sharing_ratio:.2f}; planning took {plan_s * 1e3:.1f} ms;"
-              f" second decode step loads {len(second.loads)} pages")
+              f" the next decode step's plan {second_s * 1e3:.2f} ms, loading {len(second.loads)} pages")
     finally:
         segment.unlink()
 

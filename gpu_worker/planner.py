@@ -10,7 +10,9 @@ and the N page-table rows point at the same physical pages.
 A sequence keeps its GPU references between steps, so the next decode step of the same
 batch loads nothing. Life cycle, as the daemon's sequence states map onto it:
 
-- IN_DECODE: `plan` (again each step; only what changed is acquired);
+- IN_DECODE: `plan` (again each step; only what changed is acquired, and a row that did
+  not change reuses its page-table row: a steady decode step costs O(batch), not
+  O(context));
 - IN_DECODE → ON_HOLD: `suspend` drops the GPU references; the copies stay cached;
 - ON_HOLD → IN_DECODE: `plan` again; only pages evicted meanwhile are reloaded;
 - COMPLETED: `complete` drops the references and forgets the private host pages, whose
@@ -23,7 +25,8 @@ and the runway). Offload them (`PageLoader.store`) and, for full runway pages, c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import chain
 from typing import NewType
 
@@ -67,7 +70,11 @@ class DecodePlan:
     loads: tuple[PageLoad, ...]  # unique missing host pages, one copy each; do them before use
     evicted: tuple[HostPageId, ...]  # cached copies dropped to make room
     logical_pages: int  # sum of row_pages
-    physical_pages: int  # distinct GPU pages in page_tables
+
+    @cached_property
+    def physical_pages(self) -> int:
+        """Distinct GPU pages in page_tables (counted on first use: it walks every row)."""
+        return len(set(chain.from_iterable(self.rows)))
 
 
 @dataclass(frozen=True)
@@ -78,13 +85,24 @@ class PlanExhausted:
     available: int
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class _HeldPages:
-    """The GPU references one sequence holds."""
+    """The GPU references one sequence holds; replaced, never changed, so its page-table
+    row is built once and reused by every decode step that does not change it."""
 
     row: HostRow
-    gpu: list[GpuPageId]  # copy of row.pages[i] is gpu[i]
-    runway: list[GpuPageId]  # private pages after the row
+    gpu: tuple[GpuPageId, ...]  # copy of row.pages[i] is gpu[i]
+    runway: tuple[GpuPageId, ...]  # private pages after the row
+
+    @cached_property
+    def entries(self) -> tuple[GpuPageId, ...]:
+        """The page-table row: copies of the host row, then the runway."""
+        return self.gpu + self.runway
+
+    @cached_property
+    def table(self) -> torch.Tensor:
+        """``entries`` as int32 [pages], on the CPU."""
+        return torch.tensor(self.entries, dtype=torch.int32)
 
 
 class DecodeBatchPlanner:
@@ -110,13 +128,17 @@ class DecodeBatchPlanner:
             raise ValueError(f"runway_pages must be ≥ 0, got {runway_pages}")
         request: list[HostPageId] = []
         runway_needed: dict[SeqId, int] = {}
+        same_row: set[SeqId] = set()  # the steady state of decode: nothing to acquire or release
         for seq, row in rows.items():
+            held = self._held.get(seq)
+            runway_needed[seq] = max(0, wanted.get(seq, 0) - (len(held.runway) if held else 0))
+            if held is not None and held.row == row:
+                same_row.add(seq)
+                continue
             if len(set(row.pages)) != len(row.pages):
                 raise ValueError(f"sequence {seq!r}: host row lists a page twice: {row.pages}")
-            held = self._held.get(seq)
             held_pages = set(held.row.pages) if held else set()
             request.extend(h for h in row.pages if h not in held_pages)
-            runway_needed[seq] = max(0, wanted.get(seq, 0) - (len(held.runway) if held else 0))
 
         got = self.pool.acquire(request, private=sum(runway_needed.values()))
         if isinstance(got, PoolExhausted):
@@ -125,14 +147,16 @@ class DecodeBatchPlanner:
         acquired = dict(zip(request, got.gpu_pages))
         fresh_runway = iter(got.private_pages)
         for seq, row in rows.items():
-            held = self._held.get(seq) or _HeldPages(HostRow(()), [], [])
+            held = self._held.get(seq) or _HeldPages(HostRow(()), (), ())
+            runway = held.runway + tuple(next(fresh_runway) for _ in range(runway_needed[seq]))
+            if seq in same_row:
+                if runway_needed[seq]:
+                    self._held[seq] = replace(held, runway=runway)
+                continue
             old = dict(zip(held.row.pages, held.gpu))
             keep = set(row.pages)
             self.pool.release((g for h, g in old.items() if h not in keep), owner=f"sequence {seq!r}")
-            runway = held.runway + [next(fresh_runway) for _ in range(runway_needed[seq])]
-            self._held[seq] = _HeldPages(
-                row, [old[h] if h in old else acquired[h] for h in row.pages], runway
-            )
+            self._held[seq] = _HeldPages(row, tuple(old[h] if h in old else acquired[h] for h in row.pages), runway)
         return self._tables(tuple(rows), got.loads, got.evicted)
 
     def suspend(self, seq: SeqId) -> None:
@@ -159,9 +183,9 @@ class DecodeBatchPlanner:
             )
         for g, h in zip(held.runway, host_pages):
             self.pool.bind(g, h)
-        held.row = HostRow(held.row.shared, held.row.private + tuple(host_pages))
-        held.gpu.extend(held.runway[:n])
-        del held.runway[:n]
+        self._held[seq] = _HeldPages(
+            HostRow(held.row.shared, held.row.private + tuple(host_pages)), held.gpu + held.runway[:n], held.runway[n:]
+        )
 
     def trim_runway(self, seq: SeqId, keep: int) -> None:
         """Release the sequence's runway pages after the first `keep` (undoes the runway a
@@ -169,9 +193,8 @@ class DecodeBatchPlanner:
         held = self._held.get(seq)
         if held is None:
             raise KeyError(f"sequence {seq!r} holds no GPU pages")
-        extra = held.runway[keep:]
-        del held.runway[keep:]
-        self.pool.release(extra, owner=f"sequence {seq!r}")
+        self._held[seq] = replace(held, runway=held.runway[:keep])
+        self.pool.release(held.runway[keep:], owner=f"sequence {seq!r}")
 
     def rebind(self, seq: SeqId, position: int, host_page: HostPageId) -> PageLoad | None:
         """The daemon replaced the sequence's host page at `position` of its row by the
@@ -192,16 +215,19 @@ class DecodeBatchPlanner:
             raise ValueError(f"sequence {seq!r}: host page {host_page} would appear twice in its row")
         pages[position] = host_page
         n_shared = len(held.row.shared)
-        held.row = HostRow(tuple(pages[:n_shared]), tuple(pages[n_shared:]))
+        row = HostRow(tuple(pages[:n_shared]), tuple(pages[n_shared:]))
         resident = self.pool.copy_of(host_page)
         if resident is None:
             self.pool.rename(old, host_page)
+            self._held[seq] = replace(held, row=row)
             return PageLoad(host_page, held.gpu[position])
         got = self.pool.acquire([host_page])
         assert isinstance(got, Acquired) and not got.loads, f"resident host page {host_page} needed a load"
         self.pool.release([held.gpu[position]], owner=f"sequence {seq!r}")
         self.pool.forget([old])
-        held.gpu[position] = got.gpu_pages[0]
+        gpu = list(held.gpu)
+        gpu[position] = got.gpu_pages[0]
+        self._held[seq] = _HeldPages(row, tuple(gpu), held.runway)
         return None
 
     def table(self, seq: SeqId) -> tuple[GpuPageId, ...]:
@@ -209,7 +235,7 @@ class DecodeBatchPlanner:
         held = self._held.get(seq)
         if held is None:
             raise KeyError(f"sequence {seq!r} holds no GPU pages")
-        return tuple(held.gpu + held.runway)
+        return held.entries
 
     def holding(self) -> tuple[SeqId, ...]:
         """Sequences that hold GPU references."""
@@ -224,23 +250,22 @@ class DecodeBatchPlanner:
     def _tables(
         self, seqs: tuple[SeqId, ...], loads: tuple[PageLoad, ...], evicted: tuple[HostPageId, ...]
     ) -> DecodePlan:
-        entries = [self._held[s].gpu + self._held[s].runway for s in seqs]
-        width = max((len(e) for e in entries), default=0)
+        held = [self._held[s] for s in seqs]
         device = self.pool.device
         # page_tables: [batch, width] int32, padded with page 0 past row_pages
-        page_tables = torch.tensor(
-            [e + [0] * (width - len(e)) for e in entries], dtype=torch.int32
-        ).reshape(len(seqs), width)
-        row_pages = torch.tensor([len(e) for e in entries], dtype=torch.int32)  # [batch]
-        host_pages = torch.tensor([len(self._held[s].gpu) for s in seqs], dtype=torch.int32)
+        page_tables = (
+            torch.nn.utils.rnn.pad_sequence([h.table for h in held], batch_first=True)
+            if held else torch.zeros((0, 0), dtype=torch.int32)
+        )
+        row_pages = torch.tensor([len(h.entries) for h in held], dtype=torch.int32)  # [batch]
+        host_pages = torch.tensor([len(h.gpu) for h in held], dtype=torch.int32)  # [batch]
         return DecodePlan(
             seq_ids=seqs,
-            rows=tuple(tuple(e) for e in entries),
+            rows=tuple(h.entries for h in held),
             page_tables=page_tables.to(device),
             row_pages=row_pages.to(device),
             host_pages=host_pages.to(device),
             loads=loads,
             evicted=evicted,
-            logical_pages=sum(len(e) for e in entries),
-            physical_pages=len(set(chain.from_iterable(entries))),
+            logical_pages=sum(len(h.entries) for h in held),
         )

@@ -132,6 +132,39 @@ def test_failed_extension_changes_nothing() -> None:
     assert again.loads == () and torch.equal(again.page_tables, first.page_tables)
 
 
+def test_the_next_step_sees_every_change_made_between_steps() -> None:
+    """A step whose rows did not change reuses their page-table rows; trimming, adopting
+    and rebinding between steps must still show in the next step's tables."""
+    pool = GpuPagePool.allocate(LAYOUT, 128)
+    planner = DecodeBatchPlanner(pool)
+    batch = rows(count=2)
+
+    def consistent(plan: DecodePlan) -> DecodePlan:
+        for i, s in enumerate(plan.seq_ids):
+            assert plan.rows[i] == planner.table(s) == tuple(plan.page_tables[i, :plan.row_pages[i]].tolist())
+        assert plan.physical_pages == len(set(sum(plan.rows, ()))) == pool.stats().physical_pages
+        return plan
+
+    first = consistent(planned(planner.plan(batch, runway_pages=2)))
+    planner.trim_runway(seq(0), 1)
+    second = consistent(planned(planner.plan(batch, runway_pages=1)))
+    assert second.rows == (first.rows[0][:-1], first.rows[1])
+
+    adopted = HostPageId(250)  # seq 0's runway page, offloaded into a new private host page
+    planner.adopt_runway(seq(0), [adopted])
+    batch[seq(0)] = HostRow(batch[seq(0)].shared, batch[seq(0)].private + (adopted,))
+    third = consistent(planned(planner.plan(batch, runway_pages=1)))
+    assert third.loads == () and third.rows[0][:-1] == second.rows[0] and third.rows[0][-1] not in second.rows[0]
+
+    # publish dedup: seq 1's first private page equals seq 0's, which is resident
+    theirs, mine = batch[seq(0)].private[0], batch[seq(1)].private[0]
+    assert planner.rebind(seq(1), PREFIX, theirs) is None
+    batch[seq(1)] = HostRow(batch[seq(1)].shared, (theirs,) + batch[seq(1)].private[1:])
+    fourth = consistent(planned(planner.plan(batch, runway_pages=1)))
+    assert fourth.loads == () and fourth.rows[1][PREFIX] == fourth.rows[0][PREFIX] != third.rows[1][PREFIX]
+    assert pool.copy_of(mine) is None
+
+
 def test_bad_row_is_rejected_before_any_change() -> None:
     planner = DecodeBatchPlanner(GpuPagePool.allocate(LAYOUT, 8))
     with pytest.raises(ValueError, match="sequence 's0': host row lists a page twice"):
