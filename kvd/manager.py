@@ -291,7 +291,7 @@ class KVCacheManager:
         self.room.ensure_free(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
         for seq, total, tokens, new_pages in plans:
-            pages = self.pool.allocate(ns.id, new_pages) if new_pages else []
+            pages = self.pool.allocate(ns.id, new_pages)
             seq.pages.extend(pages)
             seq.num_tokens = total
             if tokens:
