@@ -90,6 +90,7 @@ class KVDClient:
         self.session = opened.session
         self.prefix_reuse = opened.prefix_reuse
         self.host_bytes = opened.host_bytes
+        self.daemon_instance = opened.daemon_instance  # differs after a daemon restart
         self.session_lost = threading.Event()  # one per session: set when this session ends
         self._watcher = threading.Thread(target=self._watch_session, args=(stream, self.session_lost),
                                          name="kvd-session", daemon=True)
@@ -253,6 +254,19 @@ class KVDClient:
         """
         extent, index = self._locate(ns, page_id)
         return extent_tensor(extent, self._namespace(ns).layout)[index]
+
+    def pages_by_extent(self, ns: int, page_ids) -> list[tuple[object, list[int], list[int]]]:
+        """The pages grouped by the extent holding them, for batched copies: per extent its
+        torch view ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, the
+        pages' indices in it and their positions in ``page_ids``. Same rules as ``page()``."""
+        groups: dict[str, tuple[object, list[int], list[int]]] = {}
+        layout = self._namespace(ns).layout
+        for position, page_id in enumerate(page_ids):
+            extent, index = self._locate(ns, page_id)
+            _, indices, positions = groups.setdefault(extent.name, (extent_tensor(extent, layout), [], []))
+            indices.append(index)
+            positions.append(position)
+        return list(groups.values())
 
     def mapped_extents(self, ns: int):
         """The extents of a namespace this process has mapped (for cudaHostRegister)."""

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import struct
 import logging
+import secrets
 import time
 from typing import Callable
 
@@ -177,6 +178,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self.observe_latency = observe_latency
         self._session_events: set[asyncio.Queue] = set()
         self.stopping = False
+        self.instance = secrets.token_hex(8)  # SessionOpened.daemon_instance
 
     def end_sessions(self) -> None:
         """Ends every session stream and refuses further calls (at shutdown), so a stop
@@ -201,6 +203,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(
                 session=session.id, prefix_reuse=m.prefix_reuse, host_bytes=m.arena.budget_bytes,
+                daemon_instance=self.instance,
             ))
             while (event := await events.get()) is not None:
                 yield event

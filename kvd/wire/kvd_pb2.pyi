@@ -41,14 +41,16 @@ class SessionEvent(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., evicted: _Optional[_Union[SequencesEvicted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session", "prefix_reuse", "host_bytes")
+    __slots__ = ("session", "prefix_reuse", "host_bytes", "daemon_instance")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     session: str
     prefix_reuse: bool
     host_bytes: int
-    def __init__(self, session: _Optional[str] = ..., prefix_reuse: _Optional[bool] = ..., host_bytes: _Optional[int] = ...) -> None: ...
+    daemon_instance: str
+    def __init__(self, session: _Optional[str] = ..., prefix_reuse: _Optional[bool] = ..., host_bytes: _Optional[int] = ..., daemon_instance: _Optional[str] = ...) -> None: ...
 
 class SequencesEvicted(_message.Message):
     __slots__ = ("namespace_id", "seq_ids")

@@ -1,0 +1,122 @@
+"""`KVDLink`: an engine adapter's connection to kvd that fails open.
+
+An engine that uses kvd as a cache must keep serving when kvd cannot: the daemon is not
+started yet, stopped, restarting or refusing a call. The link opens a session and
+registers the adapter's namespace on first use; when a call finds the daemon gone it
+closes the session, logs one warning for the outage and answers "no result" (`None`)
+until a reconnect succeeds. Reconnects are tried at most every `retry_seconds`, doubling
+up to `max_retry_seconds`, so a dead daemon costs the engine one failed connect now and
+then, not one per request. A call the daemon refuses for another reason (budget
+exhausted, a sequence it no longer knows) is logged and also answers `None`.
+
+`instance` names the daemon instance of the current session (`SessionOpened.daemon_instance`):
+page ids are meaningful only within one instance, so processes that hand page ids to each
+other (vLLM's scheduler and workers) compare it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from engine_client import KVDClient, KVDError, PageLayout
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NamespaceSpec:
+    """What `register_namespace` is called with: everything that makes KV bytes equal."""
+
+    model: str
+    layout: PageLayout
+    revision: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra: tuple[tuple[str, str], ...] = ()   # engine-specific identity, e.g. a page byte order
+
+
+class KVDLink:
+    """A lazily opened, self-healing session with one namespace registered."""
+
+    def __init__(self, socket: str | None, client_name: str, namespace: NamespaceSpec,
+                 retry_seconds: float = 0.5, max_retry_seconds: float = 5.0, connect_timeout: float = 2.0) -> None:
+        self.socket = socket
+        self.client_name = client_name
+        self.namespace = namespace
+        self.retry_seconds = retry_seconds
+        self.max_retry_seconds = max_retry_seconds
+        self.connect_timeout = connect_timeout
+        self._client: KVDClient | None = None
+        self._ns = 0
+        self._next_try = 0.0
+        self._backoff = retry_seconds
+        self._warned = False
+        self.instance = ""
+
+    def attempt(self, what: str, action: Callable[[KVDClient, int], T]) -> T | None:
+        """`action(client, namespace_id)`, or None when kvd cannot serve it now."""
+        if not self._ensure_connected():
+            return None
+        try:
+            return action(self._client, self._ns)
+        except KVDError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                self._lost(f"{what}: {e.message}")
+            else:
+                log.warning("kvd refused %s: %s", what, e)
+            return None
+
+    def _ensure_connected(self) -> bool:
+        if self._client is not None and not self._client.session_lost.is_set():
+            return True
+        if self._client is not None:
+            self._lost("the session ended")
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        try:
+            client = KVDClient.connect(self.socket, client_name=self.client_name, timeout=self.connect_timeout)
+        except KVDError as e:
+            self._schedule_retry(now, f"cannot connect: {e.message}")
+            return False
+        try:
+            spec = self.namespace
+            self._ns = client.register_namespace(spec.model, spec.layout, revision=spec.revision,
+                                                 tp_rank=spec.tp_rank, tp_size=spec.tp_size, extra=dict(spec.extra))
+        except KVDError as e:
+            client.close()
+            self._schedule_retry(now, f"cannot register the namespace: {e.message}")
+            return False
+        self._client, self.instance = client, client.daemon_instance
+        self._backoff = self.retry_seconds
+        if self._warned:
+            log.warning("kvd on %s is back (daemon instance %s); prefix hits resume", self.socket or "the default socket",
+                        self.instance)
+        self._warned = False
+        return True
+
+    def _lost(self, why: str) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client, self.instance = None, ""
+        self._schedule_retry(time.monotonic(), why)
+
+    def _schedule_retry(self, now: float, why: str) -> None:
+        if not self._warned:
+            log.warning("kvd on %s cannot serve (%s); the engine computes without it and retries",
+                        self.socket or "the default socket", why)
+            self._warned = True
+        self._next_try = now + self._backoff
+        self._backoff = min(self._backoff * 2, self.max_retry_seconds)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

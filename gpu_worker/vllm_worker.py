@@ -1,0 +1,203 @@
+"""KVDConnector's worker half: copies pages between kvd's shared memory and vLLM's KV blocks.
+
+It holds no policy: the scheduler half's plans (gpu_worker/vllm_plans.py) say which kvd
+page goes to which vLLM block and back. Loads run before the forward pass, saves after
+each layer's attention wrote its KV. Anything that cannot be copied (kvd gone, the daemon
+restarted since the plan was made, a page that no longer maps) is reported, never guessed:
+a failed load's blocks go to vLLM as load errors (it recomputes them), a failed save's
+positions are left out of the written set (the scheduler never publishes them).
+
+vLLM hands each layer's KV cache as a standardised per-layer view `[num_blocks,
+num_kv_heads, block_size, 2 * head_dim]` (K then V in the last dimension); a kvd page is
+`[num_layers, 2, page_size, num_kv_heads, head_dim]`. `block_view` makes the first look
+like one layer of the second, without copying.
+
+On CPU the copies are plain batched tensor copies (one gather and one scatter per layer
+and extent). On CUDA (marked, checked by scripts/gpu_check.sh) the extents are
+registered with cudaHostRegister once, and copies run on a side stream: loads are queued
+for every layer at once with an event per layer that `wait_layer` makes the compute
+stream wait on; saves of a layer are queued after that layer's attention and waited for
+in `wait_for_save`, before the scheduler may publish them.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import torch
+
+from engine_client import KVDError
+from gpu_worker.kvd_link import KVDLink
+from gpu_worker.loader import register_host_extents
+from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
+
+log = logging.getLogger(__name__)
+
+
+def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_v_rows: bool) -> torch.Tensor:
+    """vLLM's `[blocks, heads, block_size, 2 * head_dim]` layer as `[blocks, 2, block_size,
+    heads, head_dim]`, kvd's page order for one layer (a view: writes land in vLLM's cache).
+
+    Backends read that memory differently. CUDA's FlashAttention splits the last dimension
+    (K and V of a token side by side), which is kvd's order. vLLM's CPU backend
+    (`k_then_v_rows`) stores each head's block as `[2 * block_size, head_dim]`, all K rows
+    then all V rows, each in an arrangement of its own kernel's: its pages are kept apart
+    in a namespace of their own (vllm_connector.cpu_kv_layout), and the view only has to
+    map the block's bytes one to one."""
+    blocks, heads, block_size, width = kv_layer.shape
+    if heads != num_kv_heads or width != 2 * head_dim:
+        raise ValueError(
+            f"vLLM's KV cache layer is {tuple(kv_layer.shape)}; KVDConnector expects "
+            f"[num_blocks, {num_kv_heads} kv heads, block_size, 2 x {head_dim}]"
+        )
+    if k_then_v_rows:  # [B, H, 2 * N, D] as [B, H, 2, N, D] -> [B, 2, N, H, D]
+        return kv_layer.view(blocks, heads, 2, block_size, head_dim).permute(0, 2, 3, 1, 4)
+    return kv_layer.unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
+
+
+class KVDWorkerSide:
+    def __init__(self, link: KVDLink, layer_names: list[str]) -> None:
+        self.link = link
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.layout = link.namespace.layout
+        self._layers: list[torch.Tensor] = []   # per layer: [blocks, 2, block_size, heads, head_dim] views
+        self._cuda = False
+        self._stream: torch.cuda.Stream | None = None
+        self._load_events: dict[int, torch.cuda.Event] = {}
+        self._saves: list[tuple[SavePlan, list]] = []
+        self._saved_layers: set[int] = set()
+        self._load_errors: set[int] = set()
+        self._written: dict[str, set[int]] = {}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = set(self.layer_index) - set(kv_caches)
+        if missing:
+            raise ValueError(f"vLLM registered no KV cache for layers {sorted(missing)}")
+        layers = [kv_caches[name] for name in sorted(self.layer_index, key=self.layer_index.get)]
+        cpu_backend = layers[0].device.type == "cpu"  # vLLM's CPU attention backend
+        self._layers = [block_view(kv, self.layout.num_kv_heads, self.layout.head_dim, cpu_backend) for kv in layers]
+        self._cuda = layers[0].device.type == "cuda"
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=layers[0].device)
+
+    # ---- loads ------------------------------------------------------------------------
+
+    def start_step(self, meta: KVDConnectorMetadata) -> None:
+        """Before the forward pass: map the pages of the step's saves, and copy every planned
+        load into its vLLM block (all layers; on CUDA queued)."""
+        self._saves = []
+        self._saved_layers = set()
+        for plan in meta.saves:
+            self._written.setdefault(plan.req_id, set())
+            groups = self._resolve(plan.daemon_instance, plan.page_ids, f"save for request {plan.req_id}")
+            if groups is not None:
+                self._saves.append((plan, groups))
+        self._load_errors = set()
+        self._load_events = {}
+        resolved = []
+        for plan in meta.loads:
+            self._load_errors.update(plan.missing_block_ids)
+            groups = self._resolve(plan.daemon_instance, plan.page_ids, f"load for request {plan.req_id}")
+            if groups is None:
+                self._load_errors.update(plan.block_ids)
+            elif plan.page_ids:
+                resolved.append((plan, groups))
+        if not resolved:
+            return
+        with self._side_stream():
+            for layer, view in enumerate(self._layers):
+                for plan, groups in resolved:
+                    for extent, indices, positions in groups:
+                        blocks = [plan.block_ids[p] for p in positions]
+                        if self._cuda:  # page by page: DMA from the registered extent
+                            for index, block in zip(indices, blocks):
+                                view[block].copy_(extent[index, layer], non_blocking=True)
+                        else:  # extent[indices, layer]: [pages, 2, block_size, heads, head_dim]
+                            view[torch.tensor(blocks)] = extent[indices, layer]
+                if self._cuda:
+                    self._load_events[layer] = self._record()
+
+    def wait_layer(self, layer_name: str) -> None:
+        event = self._load_events.get(self.layer_index.get(layer_name, -1))
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str) -> None:
+        """Copy this layer of the step's saved blocks into their kvd pages (its attention
+        has written the step's KV)."""
+        layer = self.layer_index.get(layer_name)
+        if layer is not None and self._saves and layer not in self._saved_layers:
+            self._save(layer)
+
+    def _save(self, layer: int) -> None:
+        self._saved_layers.add(layer)
+        view = self._layers[layer]
+        with self._side_stream():
+            for plan, groups in self._saves:
+                for extent, indices, positions in groups:
+                    blocks = [plan.block_ids[p] for p in positions]
+                    if self._cuda:  # page by page: DMA into the registered extent
+                        for index, block in zip(indices, blocks):
+                            extent[index, layer].copy_(view[block], non_blocking=True)
+                    else:  # view[blocks]: [pages, 2, block_size, heads, head_dim]
+                        extent[indices, layer] = view[torch.tensor(blocks)]
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: save the layers no attention call saved, wait for the
+        copies, and report the saved positions as written."""
+        if not self._saves:
+            return
+        for layer in range(len(self._layers)):
+            if layer not in self._saved_layers:
+                self._save(layer)
+        if self._cuda:
+            self._record().synchronize()
+        for plan, _ in self._saves:
+            self._written[plan.req_id].update(plan.positions)
+        self._saves = []
+
+    def worker_metadata(self) -> KVDWorkerMetadata | None:
+        if not self._written:
+            return None
+        written, self._written = self._written, {}
+        return KVDWorkerMetadata(written)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _resolve(self, daemon_instance: str, page_ids: list[int], what: str):
+        """The pages grouped by extent, or None when they cannot be trusted or mapped."""
+        def locate(kvd, ns):
+            if kvd.daemon_instance != daemon_instance:
+                raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
+            groups = kvd.pages_by_extent(ns, page_ids)
+            if self._cuda:
+                register_host_extents([memoryview(e.memory) for e in kvd.mapped_extents(ns)], self.layout.page_bytes)
+            return groups
+
+        try:
+            return self.link.attempt(what, locate)
+        except Exception as e:  # noqa: BLE001 - a page that cannot be mapped is a failed copy, not a crash
+            log.warning("kvd %s failed: %s", what, e)
+            return None
+
+    @contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event

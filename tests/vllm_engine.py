@@ -1,0 +1,61 @@
+"""A real vLLM engine process (CPU backend) that tests drive over their own channel.
+
+    python tests/vllm_engine.py MODEL_DIR CONTROL_SOCKET [KVD_SOCKET]
+
+With a kvd socket the engine uses KVDConnector; without, it is the baseline. vLLM logs to
+stdout, so commands travel over a `multiprocessing.connection` unix socket the test
+listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
+prompt (a prompt is a dict with `tokens` and optionally `cache_salt`) and how many
+prompt tokens came from the connector; ("reset_prefix_cache",) empties vLLM's own prefix
+cache, so the next request can only hit kvd; ("stop",) ends the process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from multiprocessing.connection import Client
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 4096
+
+
+def external_hits(llm) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"))
+
+
+def main(model: str, control: str, kvd_socket: str | None) -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if kvd_socket:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVDConnector", kv_connector_module_path="gpu_worker.vllm_connector", kv_role="kv_both",
+            kv_connector_extra_config={"socket": kvd_socket},
+        )
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+              block_size=BLOCK_SIZE, dtype="float32", disable_log_stats=False, seed=0, **kw)
+    channel = Client(control, authkey=b"kvd-test")
+    channel.send(("ready", os.getpid()))
+    while True:
+        command, *args = channel.recv()
+        if command == "generate":
+            prompts, max_tokens = args
+            before = external_hits(llm)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p["tokens"], **({"cache_salt": p["cache_salt"]}
+                                                 if "cache_salt" in p else {})) for p in prompts], params,
+                                   use_tqdm=False)
+            channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
+        elif command == "reset_prefix_cache":
+            channel.send(llm.reset_prefix_cache())
+        elif command == "stop":
+            channel.send("stopping")
+            return
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
