@@ -183,3 +183,23 @@ def test_lora_and_cache_salt_requests_do_not_share_pages(daemon):
     assert b.scheduler.matched_tokens(request("other", prompt, lora="adapter-2"), 0) == 0
     assert b.scheduler.matched_tokens(request("salted", prompt, lora="adapter-1", salt="s"), 0) == 0
     assert b.scheduler.matched_tokens(request("same", prompt, lora="adapter-1"), 0) == 4 * BLOCK
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
+    """The CUDA path: vLLM's blocks on the GPU, kvd's extents cudaHostRegister'd, copies
+    queued on a side stream (loads waited for per layer, saves before they are reported)."""
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    for p in (a, b):
+        p.kv = {name: t.cuda() for name, t in p.kv.items()}
+        p.worker = KVDWorkerSide(KVDLink(daemon.socket, "test-worker", SPEC), LAYERS)
+        p.worker.register(p.kv)
+    prompt = tokens(10 * BLOCK + 5)
+    ra, rb = request("a", prompt), request("b", prompt)
+    a.run(ra, list(range(11)))
+    a.finish(ra)
+    assert b.scheduler.matched_tokens(rb, 0) == 10 * BLOCK
+    assert b.run(rb, list(range(20, 31)), num_external=10 * BLOCK) == set()
+    torch.cuda.synchronize()
+    assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(10))))

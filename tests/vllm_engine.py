@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 BLOCK_SIZE = 32
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = int(os.environ.get("VLLM_ENGINE_MAX_MODEL_LEN", "4096"))
 
 
 def external_hits(llm) -> int:

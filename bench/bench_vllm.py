@@ -1,0 +1,118 @@
+"""vLLM with KVDConnector against vLLM alone, side by side in one run (CPU backend).
+
+    python bench/bench_vllm.py [--prefix 16384] [--suffix 256] [--repeats 3]
+
+A random Llama large enough that prefill dominates on this CPU is written to a temporary
+directory; one kvd daemon and three vLLM processes run at once: `first` (kvd) computes a
+shared prefix and saves it; `second` (kvd) and `alone` (no connector) then each answer the
+same new prompts (the shared prefix + a suffix of their own, one token generated):
+
+- time to first token of `second` against `alone`, and the FLOPs-ideal ratio (what only
+  the suffix costs against the whole prompt); target: achieved ≥ 0.7 × ideal speed-up;
+- the connector's overhead when nothing hits: all-distinct prompts on `second` against
+  `alone`; target ≤ 3 % slower.
+
+Not measured yet: vLLM's own host offloading (`OffloadingConnector`) against kvd within one
+process. Its host tier (vllm/v1/kv_offload/cpu) is written around CUDA streams and host
+registration; whether the CPU backend can run it is still to be tried (bench/RESULTS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from engine_client.launch import DaemonProcess  # noqa: E402
+
+
+def write_model(path: str, layers: int, hidden: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=32768, torch_dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix", type=int, default=16384)
+    parser.add_argument("--suffix", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    args = parser.parse_args()
+
+    from test_vllm_connector import Engine
+    os.environ["VLLM_ENGINE_MAX_MODEL_LEN"] = str(args.prefix + args.suffix + 64)  # read by tests/vllm_engine.py
+
+    rng = np.random.default_rng(0)
+
+    def ids(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(1, 999, n)]
+
+    with tempfile.TemporaryDirectory() as workdir:
+        model = os.path.join(workdir, "model")
+        write_model(model, args.layers, args.hidden)
+        socket = os.path.join(workdir, "kvd.sock")
+        daemon = DaemonProcess.start(socket, "--enable-prefix-reuse", "--host-bytes", "4GiB",
+                                     log_path=os.path.join(workdir, "kvd.log"))
+        engines = {name: Engine(name, model, workdir, None if name == "alone" else socket)
+                   for name in ("first", "second", "alone")}
+        try:
+            for engine in engines.values():
+                engine.wait_ready(timeout=600)
+            first, second, alone = engines["first"], engines["second"], engines["alone"]
+            prefix = ids(args.prefix)
+            first.generate([{"tokens": prefix + ids(args.suffix)}], max_tokens=1)
+
+            def ttft(engine, prompt_tokens) -> tuple[float, int]:
+                import time
+                engine.forget_local_cache()
+                start = time.perf_counter()
+                _, hits = engine.generate([{"tokens": prompt_tokens}], max_tokens=1)
+                return time.perf_counter() - start, hits
+
+            hit_times, alone_times, miss_times, miss_alone_times = [], [], [], []
+            for _ in range(args.repeats):
+                p = prefix + ids(args.suffix)
+                t, hits = ttft(second, p)
+                hit_times.append(t)
+                alone_times.append(ttft(alone, p)[0])
+                q = ids(args.prefix + args.suffix)
+                t, miss_hits = ttft(second, q)
+                assert miss_hits == 0
+                miss_times.append(t)
+                miss_alone_times.append(ttft(alone, q)[0])
+            total = args.prefix + args.suffix
+            computed = total - hits
+            # Prefill FLOPs grow with tokens (linear layers) plus token pairs (attention).
+            ideal = (total + total ** 2 / 2 / args.hidden) / (computed + (total ** 2 - hits ** 2) / 2 / args.hidden)
+            achieved = statistics.median(alone_times) / statistics.median(hit_times)
+            overhead = statistics.median(miss_times) / statistics.median(miss_alone_times) - 1
+            print(f"prompt {total:,} tokens ({args.prefix:,} shared + {args.suffix} own), {args.layers} layers x "
+                  f"hidden {args.hidden}, float32, vLLM CPU backend, {args.repeats} repeats (medians)")
+            print(f"  second engine TTFT with kvd  {statistics.median(hit_times) * 1000:9.1f} ms  "
+                  f"({hits:,} prompt tokens loaded from kvd)")
+            print(f"  same prompt, vLLM alone      {statistics.median(alone_times) * 1000:9.1f} ms")
+            print(f"  speed-up achieved {achieved:.2f}x, FLOPs-ideal {ideal:.2f}x -> {achieved / ideal:.2f} of ideal "
+                  f"(target >= 0.7)")
+            print(f"  no hit: TTFT with kvd {statistics.median(miss_times) * 1000:.1f} ms, alone "
+                  f"{statistics.median(miss_alone_times) * 1000:.1f} ms -> overhead {overhead * 100:+.1f} % "
+                  f"(target <= 3 %)")
+        finally:
+            for engine in engines.values():
+                engine.stop()
+            daemon.stop()
+            daemon.clean()
+
+
+if __name__ == "__main__":
+    main()
