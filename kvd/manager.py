@@ -19,7 +19,7 @@ from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Sealer, SealJob, VerifyResult
-from kvd.meta import page_checksum
+from kvd.meta import MetaError, page_checksum
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.requests import (
@@ -86,20 +86,27 @@ class KVCacheManager:
     # ---- namespaces ---------------------------------------------------------------
 
     def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
-        known = len(self.namespaces.all())
-        ns = self.namespaces.register(identity)
-        self.counters.setdefault(ns.id, NamespaceCounters())
-        if len(self.namespaces.all()) != known:
-            self.write_manifest()
+        """The namespace of ``identity``; a new one is registered all or nothing: it is
+        written to the manifest first, and a manifest that cannot be written registers nothing."""
+        ns = self.namespaces.find(identity)
+        if ns is None:
+            ns = self.namespaces.new(identity)
+            try:
+                self.write_manifest([*self.namespaces.all(), ns])
+            except (MetaError, OSError) as e:
+                raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
+            self.namespaces.add(ns)
+            self.counters[ns.id] = NamespaceCounters()
         self.supply.provision(ns)
         return ns
 
-    def write_manifest(self) -> None:
-        """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py)."""
+    def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
+        """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py):
+        the settings and ``namespaces`` (default: the registered ones)."""
         self.arena.write_manifest({
             "host_bytes": self.arena.budget_bytes,
             "extent_bytes": self.arena.extent_bytes,
-            "namespaces": [identity_doc(ns.identity) for ns in self.namespaces.all()],
+            "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
         })
 
     # ---- integrity ----------------------------------------------------------------

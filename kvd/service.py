@@ -11,9 +11,12 @@ import functools
 import struct
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
+
+from google.protobuf.message import DecodeError
 
 from kvd import invariants, stats as stats_mod
 from kvd.errors import (
@@ -143,6 +146,56 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
     )
 
 
+# ---- requests that do not parse ----------------------------------------------------
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KVD"]
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Request bytes that are no valid message of the method's type. grpc.aio parses a
+    request before the handler runs and answers a parse error with UNKNOWN and a logged
+    traceback; the parser below hands this marker to the handler instead, which refuses it
+    with INVALID_ARGUMENT like any other bad input."""
+
+    type_name: str
+    size: int
+    error: str
+
+
+def _parser(message_type):
+    def parse(raw: bytes):
+        try:
+            return message_type.FromString(raw)
+        except DecodeError as e:
+            log.warning("refused %d request bytes that are not a valid %s: %s",
+                        len(raw), message_type.DESCRIPTOR.full_name, e)
+            return Malformed(message_type.DESCRIPTOR.full_name, len(raw), str(e))
+    return parse
+
+
+def _parsed(request):
+    """The request message; raises InvalidArgument for bytes that did not parse."""
+    if isinstance(request, Malformed):
+        raise InvalidArgument(f"request of {request.size} bytes is not a valid {request.type_name}: {request.error}")
+    return request
+
+
+def add_to_server(servicer: "KvdServicer", server: grpc.aio.Server) -> None:
+    """Registers the servicer as the generated ``add_KVDServicer_to_server`` does, with
+    parsers that turn undecodable bytes into ``Malformed`` (methods come from the proto's
+    descriptor, so a method added there is served the same way)."""
+    handlers = {}
+    for m in SERVICE.methods:
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=_parser(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+
+
 # ---- the servicer --------------------------------------------------------------------
 
 def _unary(method):
@@ -156,7 +209,7 @@ def _unary(method):
             code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
         else:
             try:
-                return method(self, request)
+                return method(self, _parsed(request))
             except KvdError as e:
                 code, message = STATUS_FOR[type(e)], status_message(str(e))
             finally:
@@ -190,6 +243,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     async def OpenSession(self, request, context):
         try:
+            request = _parsed(request)
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid)
         except KvdError as e:
             await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
