@@ -24,7 +24,7 @@ from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, iden
 from kvd.pool import PagePool
 from kvd.requests import (
     TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
-    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_token_lists, prepare,
+    SequencePlan, SequenceRequest, check_batch, check_call, check_seq_id, check_token_lists, prepare,
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
@@ -170,6 +170,7 @@ class KVCacheManager:
         """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
+        check_call(self.limits, requests)
         check_batch(self.limits, [r.seq_id for r in requests])
         prepared = [prepare(self.limits, ns, r) for r in requests]
         for p in prepared:
@@ -213,6 +214,7 @@ class KVCacheManager:
         """The same matching as allocate, without pinning or allocating anything."""
         self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
+        check_call(self.limits, requests)
         check_batch(self.limits, [r.seq_id for r in requests], unique=False)
         results = []
         for r in requests:

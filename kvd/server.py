@@ -28,7 +28,7 @@ from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
 from kvd.service import SERVICE, KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
-
+from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import auth_socket
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = SERVICE.full_name
 
 SERVER_OPTIONS = [
-    # Batches of 50K-token prompts and large aux states exceed gRPC's 4 MiB default.
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
+    # Batches of 50K-token prompts and large aux states exceed gRPC's 4 MiB default; a
+    # bound still matters, as a request is received whole before any check (kvd/wire/limits.py).
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # A unix socket serves one host; reusing a port makes no sense and hides a second daemon.
     ("grpc.so_reuseport", 0),
     # Session streams are long-lived and idle; let clients ping them to detect a dead daemon.

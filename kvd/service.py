@@ -18,14 +18,14 @@ import grpc
 
 from google.protobuf.message import DecodeError
 
-from kvd import invariants, stats as stats_mod
+from kvd import invariants, shape, stats as stats_mod
 from kvd.errors import (
     FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied, ResourceExhausted,
 )
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
-from kvd.requests import extend_items
+from kvd.requests import MAX_REQUEST_FIELDS, check_call, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import Tenants
 from kvd.types import SeqState
@@ -152,38 +152,43 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVD"]
 
 
 @dataclass(frozen=True)
-class Malformed:
-    """Request bytes that are no valid message of the method's type. grpc.aio parses a
+class Refused:
+    """A request refused before it was parsed: bytes that are no valid message of the
+    method's type, or more fields than one call may hold (kvd/shape.py). grpc.aio parses a
     request before the handler runs and answers a parse error with UNKNOWN and a logged
     traceback; the parser below hands this marker to the handler instead, which refuses it
     with INVALID_ARGUMENT like any other bad input."""
 
-    type_name: str
-    size: int
-    error: str
+    message: str
 
 
 def _parser(message_type):
+    name = message_type.DESCRIPTOR.full_name
+
     def parse(raw: bytes):
         try:
+            if shape.exceeds(name, raw, MAX_REQUEST_FIELDS):
+                return Refused(
+                    f"a {name} of {len(raw)} bytes holds more than {MAX_REQUEST_FIELDS} fields and repeated "
+                    "elements (sequences, extra keys, ids), the limit of one call; split the batch"
+                )
             return message_type.FromString(raw)
         except DecodeError as e:
-            log.warning("refused %d request bytes that are not a valid %s: %s",
-                        len(raw), message_type.DESCRIPTOR.full_name, e)
-            return Malformed(message_type.DESCRIPTOR.full_name, len(raw), str(e))
+            log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
+            return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
     return parse
 
 
 def _parsed(request):
-    """The request message; raises InvalidArgument for bytes that did not parse."""
-    if isinstance(request, Malformed):
-        raise InvalidArgument(f"request of {request.size} bytes is not a valid {request.type_name}: {request.error}")
+    """The request message; raises InvalidArgument for a request refused before parsing."""
+    if isinstance(request, Refused):
+        raise InvalidArgument(request.message)
     return request
 
 
 def add_to_server(servicer: "KvdServicer", server: grpc.aio.Server) -> None:
     """Registers the servicer as the generated ``add_KVDServicer_to_server`` does, with
-    parsers that turn undecodable bytes into ``Malformed`` (methods come from the proto's
+    parsers that turn bad bytes into ``Refused`` (methods come from the proto's
     descriptor, so a method added there is served the same way)."""
     handlers = {}
     for m in SERVICE.methods:
@@ -280,12 +285,16 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def AllocateWithPrefix(self, r):
-        plans = self._m(r.session).allocate(r.session, r.namespace_id, _requests(r.sequences))
+        m = self._m(r.session)
+        check_call(m.limits, r.sequences)  # before building a core object per sequence and key
+        plans = m.allocate(r.session, r.namespace_id, _requests(r.sequences))
         return pb.AllocateReply(sequences=[_plan(p) for p in plans])
 
     @_unary
     def Lookup(self, r):
-        results = self._m(r.session).lookup(r.session, r.namespace_id, _requests(r.sequences))
+        m = self._m(r.session)
+        check_call(m.limits, r.sequences)  # before building a core object per sequence and key
+        results = m.lookup(r.session, r.namespace_id, _requests(r.sequences))
         return pb.LookupReply(results=[
             pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
             for x in results

@@ -177,3 +177,52 @@ def test_namespaces_up_to_the_cap_fit_the_manifest_then_resource_exhausted(daemo
         stream.cancel()
         raw.channel.close()
     assert "Traceback" not in d.log(), d.log()
+
+
+# ---- 3. a refusal costs what was read, not what was asked for ---------------------------
+
+def repeated(head: pb.LookupRequest, sequence: pb.SequenceRequest, times: int) -> bytes:
+    """``head`` with ``sequence`` appended ``times`` times, encoded without building them all."""
+    return head.SerializeToString() + pb.LookupRequest(sequences=[sequence]).SerializeToString() * times
+
+
+def lora_keys(n: int) -> list[pb.ExtraKey]:
+    return [pb.ExtraKey(kind=pb.ExtraKey.LORA, value=b"a%d" % (i % 10)) for i in range(n)]
+
+
+def refused_cheaply(daemon, method: str, raw: bytes, words: str, max_growth_mib: float = 50) -> None:
+    """Refused with ``words`` in the message, within 0.5 s (sending included), growing the
+    daemon's RSS by less than ``max_growth_mib`` (gRPC's receive buffers are most of it)."""
+    d, raw_channel = daemon
+    pid = d.process.pid
+    before = vm_kib(pid, "VmRSS")
+    started = time.perf_counter()
+    code, details, _ = raw_channel.call(method, raw)
+    took = time.perf_counter() - started
+    grown_mib = (vm_kib(pid, "VmRSS") - before) / 1024
+    print(f"{method} of {len(raw) >> 20} MiB: refused in {took * 1e3:.0f} ms, daemon RSS {grown_mib:+.1f} MiB")
+    assert code == Code.INVALID_ARGUMENT and words in details, (code, details)
+    assert took < 0.5, f"a {len(raw) >> 20} MiB {method} took {took:.2f} s to refuse"
+    assert grown_mib < max_growth_mib, f"refusing a {len(raw) >> 20} MiB {method} grew the daemon by {grown_mib:.0f} MiB"
+
+
+def test_a_huge_lookup_of_lora_keys_is_refused_at_once(daemon, session):
+    d, raw = daemon
+    ns = raw.ok("RegisterNamespace", pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(
+        model="lora-base", layout=layout())), pb.RegisterNamespaceReply).namespace_id
+    head = pb.LookupRequest(session=session, namespace_id=ns)
+    bad_first = pb.SequenceRequest(seq_id="q", tokens=(-1).to_bytes(4, "little", signed=True), extra_keys=lora_keys(4096))
+    request = repeated(head, bad_first, 1024)  # the issue's 29 MB: 1,024 sequences × 4,096 LoRA keys
+    assert len(request) > 25 << 20
+    refused_cheaply(daemon, "Lookup", request, "more than 65536 fields and repeated elements")
+    refused_cheaply(daemon, "AllocateWithPrefix", request, "more than 65536 fields and repeated elements")
+    # Within the wire budget, over a per-call limit: refused before a key becomes an object.
+    refused_cheaply(daemon, "Lookup", repeated(head, pb.SequenceRequest(seq_id="q", extra_keys=lora_keys(512)), 64),
+                    "32768 extra keys, over the limit of 16384")
+    tokens = repeated(head, pb.SequenceRequest(seq_id="q", tokens=bytes(4 << 22)), 3)
+    refused_cheaply(daemon, "Lookup", tokens, "12582912 tokens, over the limit of 8388608",
+                    max_growth_mib=2 * len(tokens) / (1 << 20))  # bytes are parsed: proportional to what was read
+    # Still served: a normal lookup, and the largest per-call number of LoRA keys.
+    reply = raw.ok("Lookup", repeated(head, pb.SequenceRequest(seq_id="q", tokens=bytes(64), extra_keys=lora_keys(4)),
+                                      4096), pb.LookupReply)
+    assert len(reply.results) == 4096
