@@ -14,7 +14,7 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
-from conftest import start_daemon, vm_kib, wait_until
+from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
 from kvd.wire import kvd_pb2 as pb
 
 Code = grpc.StatusCode
@@ -74,12 +74,7 @@ def daemon(tmp_path_factory):
         yield d, raw
     finally:
         raw.channel.close()
-        alive = d.process.poll() is None
-        rc = d.stop()
-        log = d.log()
-        assert alive, f"the daemon died during the module:\n{log}"
-        assert rc == 0, f"kvd serve exited with {rc}:\n{log}"
-        assert "Traceback" not in log, f"the daemon logged an exception:\n{log}"
+        stop_cleanly(d)
 
 
 @pytest.fixture
