@@ -37,11 +37,12 @@ from engine_client.types import (
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.layout import PageLayout
+from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import default_socket
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
 

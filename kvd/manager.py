@@ -19,12 +19,12 @@ from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Sealer, SealJob, VerifyResult
-from kvd.meta import page_checksum
+from kvd.meta import MetaError, page_checksum
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.requests import (
     TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
-    SequencePlan, SequenceRequest, check_batch, check_seq_id, check_token_lists, prepare,
+    SequencePlan, SequenceRequest, check_batch, check_call, check_seq_id, check_token_lists, prepare,
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
@@ -86,20 +86,27 @@ class KVCacheManager:
     # ---- namespaces ---------------------------------------------------------------
 
     def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
-        known = len(self.namespaces.all())
-        ns = self.namespaces.register(identity)
-        self.counters.setdefault(ns.id, NamespaceCounters())
-        if len(self.namespaces.all()) != known:
-            self.write_manifest()
+        """The namespace of ``identity``; a new one is registered all or nothing: it is
+        written to the manifest first, and a manifest that cannot be written registers nothing."""
+        ns = self.namespaces.find(identity)
+        if ns is None:
+            ns = self.namespaces.new(identity)
+            try:
+                self.write_manifest([*self.namespaces.all(), ns])
+            except (MetaError, OSError) as e:
+                raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
+            self.namespaces.add(ns)
+            self.counters[ns.id] = NamespaceCounters()
         self.supply.provision(ns)
         return ns
 
-    def write_manifest(self) -> None:
-        """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py)."""
+    def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
+        """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py):
+        the settings and ``namespaces`` (default: the registered ones)."""
         self.arena.write_manifest({
             "host_bytes": self.arena.budget_bytes,
             "extent_bytes": self.arena.extent_bytes,
-            "namespaces": [identity_doc(ns.identity) for ns in self.namespaces.all()],
+            "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
         })
 
     # ---- integrity ----------------------------------------------------------------
@@ -163,6 +170,7 @@ class KVCacheManager:
         """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
+        check_call(self.limits, requests)
         check_batch(self.limits, [r.seq_id for r in requests])
         prepared = [prepare(self.limits, ns, r) for r in requests]
         for p in prepared:
@@ -206,6 +214,7 @@ class KVCacheManager:
         """The same matching as allocate, without pinning or allocating anything."""
         self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
+        check_call(self.limits, requests)
         check_batch(self.limits, [r.seq_id for r in requests], unique=False)
         results = []
         for r in requests:

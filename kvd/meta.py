@@ -50,7 +50,8 @@ import xxhash
 FORMAT_VERSION = 1
 MANIFEST_MAGIC = b"KVDMANIF"
 EXTENT_MAGIC = b"KVDPAGES"
-MANIFEST_BYTES = 1 << 16
+MANIFEST_BYTES = 1 << 20  # kvd/namespaces.py bounds namespaces so that their identities fit
+MANIFEST_ENVELOPE_BYTES = 256  # the head and the body's keys and numbers besides the namespaces
 META_SUFFIX = ".meta"
 MANIFEST_SUFFIX = "-manifest"
 

@@ -20,16 +20,28 @@ from kvd.types import PageId, PageKey, PinId, SeqId
 TOKEN_BYTES = 4  # token ids travel and are stored as little-endian int32
 _SMALL_TOKEN_BYTES = 1024
 
+# Fields and repeated elements one request may hold on the wire, counted before it is
+# parsed (kvd/shape.py): parsing costs per element, so this bounds what a refused request
+# costs. The largest batches the limits below allow hold under 32K (4,096 sequences with
+# their extra keys; a 4,096-sequence extend).
+MAX_REQUEST_FIELDS = 1 << 16
+
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on one request, so one client cannot monopolise the daemon."""
+    """Bounds on one request, so one client cannot monopolise the daemon. Each is far
+    beyond what a real engine sends (a batch of 64 prompts of 128K tokens is 8M tokens), and
+    together they bound the work of any one call. Counts and sizes are checked before any
+    object is built from the request (``check_call``)."""
 
     max_batch_sequences: int = 4096
     max_tokens_per_sequence: int = 1 << 22
+    max_call_tokens: int = 1 << 23
     max_seq_id_chars: int = 256
     max_extra_keys: int = 4096
+    max_call_extra_keys: int = 1 << 14
     max_extra_key_bytes: int = 1024
+    max_call_extra_key_bytes: int = 4 << 20
     max_aux_bytes: int = 64 << 20
 
 
@@ -104,6 +116,26 @@ class PreparedRequest:
     reentry: Sequence | None = None
     hits: list[PageId] = field(default_factory=list)
     hit_keys: list[PageKey] = field(default_factory=list)
+
+
+def check_call(limits: Limits, sequences) -> None:
+    """Sizes of a whole Allocate or Lookup call, read from the proto messages or
+    SequenceRequests (anything with ``tokens`` and ``extra_keys``) before anything is built
+    from them: token ids, extra keys and their bytes, in that order, so a refusal
+    costs at most one pass over the keys the limit allows."""
+    tokens = sum(len(s.tokens) for s in sequences) // TOKEN_BYTES
+    if tokens > limits.max_call_tokens:
+        raise InvalidArgument(f"one call holds {tokens} tokens, over the limit of {limits.max_call_tokens}; split the batch")
+    keys = sum(len(s.extra_keys) for s in sequences)
+    if keys > limits.max_call_extra_keys:
+        raise InvalidArgument(
+            f"one call holds {keys} extra keys, over the limit of {limits.max_call_extra_keys}; split the batch"
+        )
+    key_bytes = sum(len(k.value) for s in sequences for k in s.extra_keys)
+    if key_bytes > limits.max_call_extra_key_bytes:
+        raise InvalidArgument(
+            f"the extra keys of one call hold {key_bytes} bytes, over the limit of {limits.max_call_extra_key_bytes}"
+        )
 
 
 def check_batch(limits: Limits, seq_ids: list[str], unique: bool = True) -> None:

@@ -26,19 +26,20 @@ from kvd import handshake, recovery
 from kvd.arena import Arena, daemon_segments, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
-from kvd.service import KvdServicer
+from kvd.service import SERVICE, KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
-from kvd.wire import kvd_pb2, kvd_pb2_grpc
+from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import auth_socket
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = kvd_pb2.DESCRIPTOR.services_by_name["KVD"].full_name
+SERVICE_NAME = SERVICE.full_name
 
 SERVER_OPTIONS = [
-    # Batches of 50K-token prompts and large aux states exceed gRPC's 4 MiB default.
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
+    # Batches of 50K-token prompts and large aux states exceed gRPC's 4 MiB default; a
+    # bound still matters, as a request is received whole before any check (kvd/wire/limits.py).
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # A unix socket serves one host; reusing a port makes no sense and hides a second daemon.
     ("grpc.so_reuseport", 0),
     # Session streams are long-lived and idle; let clients ping them to detect a dead daemon.
@@ -137,7 +138,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
         manager.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.apply_seals)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = KvdServicer(tenants, observe_latency=metrics.observe_latency if metrics else None)
-    kvd_pb2_grpc.add_KVDServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

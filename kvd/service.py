@@ -12,18 +12,21 @@ import struct
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
-from kvd import invariants, stats as stats_mod
+from google.protobuf.message import DecodeError
+
+from kvd import invariants, shape, stats as stats_mod
 from kvd.errors import (
     FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied, ResourceExhausted,
 )
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
-from kvd.requests import extend_items
+from kvd.requests import MAX_REQUEST_FIELDS, check_call, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import Tenants
 from kvd.types import SeqState
@@ -144,6 +147,61 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
     )
 
 
+# ---- requests that do not parse ----------------------------------------------------
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KVD"]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request refused before it was parsed: bytes that are no valid message of the
+    method's type, or more fields than one call may hold (kvd/shape.py). grpc.aio parses a
+    request before the handler runs and answers a parse error with UNKNOWN and a logged
+    traceback; the parser below hands this marker to the handler instead, which refuses it
+    with INVALID_ARGUMENT like any other bad input."""
+
+    message: str
+
+
+def _parser(message_type):
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(raw: bytes):
+        try:
+            if shape.exceeds(name, raw, MAX_REQUEST_FIELDS):
+                return Refused(
+                    f"a {name} of {len(raw)} bytes holds more than {MAX_REQUEST_FIELDS} fields and repeated "
+                    "elements (sequences, extra keys, ids), the limit of one call; split the batch"
+                )
+            return message_type.FromString(raw)
+        except DecodeError as e:
+            log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
+            return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
+    return parse
+
+
+def _parsed(request):
+    """The request message; raises InvalidArgument for a request refused before parsing."""
+    if isinstance(request, Refused):
+        raise InvalidArgument(request.message)
+    return request
+
+
+def add_to_server(servicer: "KvdServicer", server: grpc.aio.Server) -> None:
+    """Registers the servicer as the generated ``add_KVDServicer_to_server`` does, with
+    parsers that turn bad bytes into ``Refused`` (methods come from the proto's
+    descriptor, so a method added there is served the same way)."""
+    handlers = {}
+    for m in SERVICE.methods:
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=_parser(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+
+
 # ---- the servicer --------------------------------------------------------------------
 
 def _unary(method):
@@ -157,7 +215,7 @@ def _unary(method):
             code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
         else:
             try:
-                return method(self, request)
+                return method(self, _parsed(request))
             except KvdError as e:
                 code, message = STATUS_FOR[type(e)], status_message(str(e))
             finally:
@@ -192,6 +250,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     async def OpenSession(self, request, context):
         try:
+            request = _parsed(request)
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid)
         except KvdError as e:
             await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
@@ -229,12 +288,16 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def AllocateWithPrefix(self, r):
-        plans = self._m(r.session).allocate(r.session, r.namespace_id, _requests(r.sequences))
+        m = self._m(r.session)
+        check_call(m.limits, r.sequences)  # before building a core object per sequence and key
+        plans = m.allocate(r.session, r.namespace_id, _requests(r.sequences))
         return pb.AllocateReply(sequences=[_plan(p) for p in plans])
 
     @_unary
     def Lookup(self, r):
-        results = self._m(r.session).lookup(r.session, r.namespace_id, _requests(r.sequences))
+        m = self._m(r.session)
+        check_call(m.limits, r.sequences)  # before building a core object per sequence and key
+        results = m.lookup(r.session, r.namespace_id, _requests(r.sequences))
         return pb.LookupReply(results=[
             pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
             for x in results

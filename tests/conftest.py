@@ -106,6 +106,16 @@ def start_daemon(tmp_path, *args: str, env: dict | None = None, name: str = "kvd
     return DaemonProcess.start(socket, *args, log_path=str(tmp_path / f"{name}.log"), env=env)
 
 
+def stop_cleanly(d: DaemonProcess) -> None:
+    """Stops a daemon a module shared; it must have lived, exited 0 and logged no exception."""
+    alive = d.process.poll() is None
+    rc = d.stop()
+    log = d.log()
+    assert alive, f"the daemon died during the module:\n{log}"
+    assert rc == 0, f"kvd serve exited with {rc}:\n{log}"
+    assert "Traceback" not in log, f"the daemon logged an exception:\n{log}"
+
+
 @pytest.fixture
 def daemon_factory(tmp_path):
     """Starts daemons with the given flags; stops each (SIGTERM) after the test."""

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test,
 )
 
-from conftest import start_daemon, vm_kib, wait_until
+from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 
@@ -126,12 +126,7 @@ def env(tmp_path_factory):
         yield Env(d, wire, ns)
     finally:
         wire.close()
-        alive = d.process.poll() is None
-        rc = d.stop()
-        log = d.log()
-    assert alive, f"the daemon died during the module:\n{log}"
-    assert rc == 0, f"kvd serve exited with {rc}:\n{log}"
-    assert "Traceback" not in log, f"the daemon logged an exception:\n{log}"
+        stop_cleanly(d)
 
 
 

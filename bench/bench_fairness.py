@@ -1,0 +1,88 @@
+"""Fairness between sessions: one client's largest allowed calls against another's decode steps.
+
+One client process sends the largest requests the limits allow, back to back: a Lookup of
+8M token ids (two 4M-token sequences, 32 MiB) and a Lookup of 4,096 sequences with 4 LoRA
+keys each. Meanwhile another client measures its 64-sequence decode-step ``extend_batch``
+and an empty round trip (``ping``), interleaved; printed: p50/p99 of both and the ratio
+of the p99s, without and with the heavy client (issue 17 asks for p99 ≤ 5× the empty round trip).
+
+    python bench/bench_fairness.py [--seconds 10]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import tempfile
+import time
+
+import numpy as np
+
+from engine_client import ExtendItem, ExtraKey, KVDClient, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
+
+SPAWN = multiprocessing.get_context("spawn")
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")
+
+
+def heavy(socket: str, stop) -> None:
+    big = [SequenceRequest(f"big{i}", np.arange(4 << 20, dtype=np.int32) % 30000 + i) for i in range(2)]
+    wide = [SequenceRequest(f"w{i}", np.arange(64, dtype=np.int32), [ExtraKey.lora(f"a{j}") for j in range(4)])
+            for i in range(4096)]
+    with KVDClient.connect(socket, client_name="heavy") as c:
+        ns = c.register_namespace("fair", LAYOUT)
+        while not stop.is_set():
+            c.lookup(ns, big)
+            c.lookup(ns, wide)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return float(np.percentile(samples, q)) * 1e3
+
+
+def measure(c: KVDClient, ns: int, seconds: float) -> tuple[list[float], list[float]]:
+    items = [ExtendItem(f"s{i}", 1) for i in range(64)]
+    ping, extend = [], []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t = time.perf_counter()
+        c.ping()
+        ping.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        c.extend_batch(ns, items)
+        extend.append(time.perf_counter() - t)
+    return ping, extend
+
+
+def report(label: str, ping: list[float], extend: list[float]) -> None:
+    print(f"{label}: {len(extend)} steps; empty round trip p50 {percentile(ping, 50):.3f} ms p99 {percentile(ping, 99):.3f} ms; "
+          f"64-sequence extend p50 {percentile(extend, 50):.3f} ms p99 {percentile(extend, 99):.3f} ms; "
+          f"p99 ratio {percentile(extend, 99) / percentile(ping, 99):.2f}x, extend p99 / ping p50 "
+          f"{percentile(extend, 99) / percentile(ping, 50):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon = DaemonProcess.start(f"{tmp}/kvd.sock", "--enable-prefix-reuse", "--host-bytes", "4GiB",
+                                     log_path=f"{tmp}/kvd.log")
+        try:
+            with KVDClient.connect(daemon.socket, client_name="decoder") as c:
+                ns = c.register_namespace("fair", LAYOUT)
+                c.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", np.arange(100, dtype=np.int32)) for i in range(64)])
+                report("alone", *measure(c, ns, args.seconds / 2))
+                stop = SPAWN.Event()
+                p = SPAWN.Process(target=heavy, args=(daemon.socket, stop))
+                p.start()
+                time.sleep(3)  # the heavy client connects and starts its loop
+                report("beside the heavy client", *measure(c, ns, args.seconds))
+                stop.set()
+                p.join(60)
+        finally:
+            daemon.stop()
+            daemon.clean()
+
+
+if __name__ == "__main__":
+    main()
