@@ -16,6 +16,8 @@ other (vLLM's scheduler and workers) compare it.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +61,12 @@ class KVDLink:
         self._backoff = retry_seconds
         self._warned = False
         self.instance = ""
+        # kvd names sequences per namespace, not per session: ours carry this process's mark
+        self.seq_prefix = f"{client_name}-{os.getpid()}-{secrets.token_hex(4)}/"
+
+    def seq_id(self, request_id: str) -> str:
+        """The kvd sequence id of an engine request, unique to this link."""
+        return self.seq_prefix + request_id
 
     def attempt(self, what: str, action: Callable[[KVDClient, int], T]) -> T | None:
         """`action(client, namespace_id)`, or None when kvd cannot serve it now."""

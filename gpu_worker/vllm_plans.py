@@ -2,8 +2,10 @@
 
 vLLM sends the step's `KVDConnectorMetadata` from the scheduler process to every worker
 before the forward pass, and returns each worker's `KVDWorkerMetadata` to the scheduler
-after it. Page ids are those of the daemon instance named in each plan: a worker whose
-own session is with another instance (the daemon restarted in between) must not use them.
+after it. Page ids in a `LoadPlan` are those of the daemon instance it names: a worker
+whose own session is with another instance (the daemon restarted in between) must not
+use them. Saves carry no page ids: each worker writes and publishes pages of its own
+kvd sequence, so no process ever writes a page another session owns.
 """
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from engine_client import ExtraKey
+
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Copy kvd pages into the request's vLLM blocks before the forward pass.
+    """Copy kvd pages (pinned by the scheduler's sequence) into the request's vLLM blocks
+    before the forward pass.
 
     `missing_block_ids` are blocks vLLM was promised but kvd no longer holds (evicted or
     dropped between lookup and allocation): the worker reports them as load errors, so
@@ -28,35 +33,45 @@ class LoadPlan:
 
 
 @dataclass(frozen=True)
+class PromptKey:
+    """What a worker allocates its kvd sequence for: the prompt's cacheable full blocks."""
+
+    token_ids: list[int]
+    extra_keys: tuple[ExtraKey, ...]
+
+
+@dataclass(frozen=True)
 class SavePlan:
-    """Copy the request's newly computed full vLLM blocks into its private kvd pages.
+    """Blocks of the request that this step completes: save them to kvd and publish them.
 
     `positions` are the blocks' indices in the request (block i holds tokens
-    [i * block_size, (i + 1) * block_size)); the scheduler publishes a page only after a
-    worker reported its position written."""
+    [i * block_size, (i + 1) * block_size)); `prompt` comes with a request's first plan."""
 
     req_id: str
-    daemon_instance: str
     positions: list[int]
-    page_ids: list[int]
     block_ids: list[int]
+    prompt: PromptKey | None = None
 
 
 @dataclass
 class KVDConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)  # requests whose kvd sequences the workers release
 
 
 @dataclass
 class KVDWorkerMetadata(KVConnectorWorkerMetadata):
-    """Block positions each request's save plans wrote into kvd pages this step."""
+    """Per request, the blocks [start, end) a worker published in kvd this step."""
 
-    written: dict[str, set[int]] = field(default_factory=dict)
+    published: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVDWorkerMetadata") -> "KVDWorkerMetadata":
-        """A position counts as written only when every worker wrote it."""
-        return KVDWorkerMetadata({
-            req_id: positions & other.written[req_id]
-            for req_id, positions in self.written.items() if req_id in other.written
-        })
+        """Blocks count as published only where every worker published them."""
+        both = {}
+        for req_id, (start, end) in self.published.items():
+            if req_id in other.published:
+                o_start, o_end = other.published[req_id]
+                if max(start, o_start) < min(end, o_end):
+                    both[req_id] = (max(start, o_start), min(end, o_end))
+        return KVDWorkerMetadata(both)

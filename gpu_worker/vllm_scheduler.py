@@ -1,22 +1,21 @@
-"""KVDConnector's scheduler half: decides what each vLLM request loads from and saves to kvd.
+"""KVDConnector's scheduler half: decides what each vLLM request loads from kvd and saves to it.
 
-It holds no tensors. Per request it keeps one kvd sequence in its own session:
+It holds no tensors and writes no page:
 
 1. `matched_tokens` (vLLM's `get_num_new_matched_tokens`) looks the prompt up in kvd,
    without pinning anything, and offers the block-aligned hit beyond vLLM's own local hit,
    never the whole prompt (vLLM computes at least the last token).
-2. `allocated` (`update_state_after_alloc`) allocates the kvd sequence for the prompt's
-   full blocks: the hit pages are pinned there (they cannot be evicted before the workers
-   load them) and private pages are allocated for the rest. The load plan maps hit pages
-   to the vLLM blocks just allocated; a block whose page vanished since the lookup goes
-   into the plan as missing, and the worker reports it, so vLLM recomputes it.
+2. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, a kvd sequence
+   of this session pins the hit pages (they cannot be evicted before the workers load
+   them); the load plan maps them to the vLLM blocks just allocated. A block whose page
+   vanished since the lookup goes into the plan as missing, the worker reports it, and
+   vLLM recomputes it.
 3. `build_metadata` hands the workers the loads and, for every scheduled request, the
-   full prompt blocks that this step completes and that kvd does not hold yet.
-4. `update_from_workers` publishes the pages whose positions the workers reported written,
-   in order, so other processes hit them; publish dedups against pages another process
-   published meanwhile.
-5. `finished` releases the kvd sequence (after the last reported saves, when the request
-   finished in the step that saved them). Pages stay cached in kvd.
+   full prompt blocks that this step completes; each worker saves them into its own kvd
+   sequence and publishes them (gpu_worker/vllm_worker.py).
+4. `update_from_workers` turns what the workers published into vLLM KV events.
+5. `finished` releases the pinning sequence and tells the workers to release theirs.
+   Published pages stay cached in kvd.
 
 Prompt blocks only: generated tokens are not saved. Requests with prompt embeddings are
 left alone.
@@ -29,9 +28,9 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from engine_client import ExtraKey, ExtraKind, SequenceAllocation, SequenceRequest
+from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.kvd_link import KVDLink
-from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
+from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +66,14 @@ def cacheable_tokens(request, block_size: int) -> tuple[list[int], tuple[ExtraKe
 
 @dataclass
 class _Tracked:
-    """One request's kvd sequence, as this scheduler half sees it."""
+    """A request this scheduler half plans saves for."""
 
     request: object
-    daemon_instance: str
-    page_ids: list[int]           # one kvd page per full prompt block
-    shared_blocks: int            # blocks [0, shared_blocks) were hits: kvd had them
+    prompt: PromptKey
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
-    planned: int = 0              # blocks [0, planned) are hits or in a save plan already sent
-    written: set[int] = field(default_factory=set)      # positions the workers reported written
-    published: int = 0            # blocks [0, published) are published in kvd
-    unanswered: int = 0           # save plans sent whose step's worker output has not come back
-    finished: bool = False
+    planned: int = 0              # blocks [0, planned) were in a save plan already
+    announced: bool = False       # its prompt went to the workers with a plan
+    pinned_on: str = ""           # the daemon instance of the sequence pinning its loads ("" none)
 
 
 class KVDSchedulerSide:
@@ -88,6 +83,8 @@ class KVDSchedulerSide:
         self._local_hits: dict[str, int] = {}   # req_id -> vLLM's block-aligned local hit at lookup
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadPlan] = []
+        self._finished: set[str] = set()         # for the workers, with the next metadata
+        self._finished_requests: dict[str, object] = {}  # for events still to come
         self._events: list[BlockStored] = []
 
     # ---- lookup and allocation ----------------------------------------------------
@@ -102,46 +99,45 @@ class KVDSchedulerSide:
         if loadable <= num_computed_tokens:
             return 0
         found = self.link.attempt("lookup", lambda kvd, ns: kvd.lookup(
-            ns, [SequenceRequest(request.request_id, tokens[:loadable], keys)]))
+            ns, [SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)]))
         if not found:
             return 0
         self._local_hits[request.request_id] = num_computed_tokens
         return max(0, min(found[0].hit_tokens, loadable) - num_computed_tokens)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for the request: allocate its kvd sequence, plan its loads."""
+        """vLLM allocated blocks for the request: pin what it will load, plan the loads."""
         req_id = request.request_id
         local_hit = self._local_hits.pop(req_id, 0)
-        self._release(req_id)  # a preempted request comes back here: start over
+        self._unpin(req_id)  # a preempted request comes back here: start over
         if request.prompt_token_ids is None:
             return
         tokens, keys = cacheable_tokens(request, self.block_size)
-        allocation: SequenceAllocation | None = None
-        if tokens:
-            found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(
-                ns, [SequenceRequest(req_id, tokens, keys)]))
-            allocation = found[0] if found else None
-        if allocation is not None:
-            shared = len(allocation.shared_pages)
-            self._tracked[req_id] = _Tracked(request, self.link.instance, allocation.pages, shared, planned=shared,
-                                             published=shared)
-        if num_external_tokens:
-            first = local_hit // self.block_size
-            positions = range(first, first + num_external_tokens // self.block_size)
-            hits = [p for p in positions if allocation is not None and p < len(allocation.shared_pages)]
-            self._loads.append(LoadPlan(
-                req_id, self.link.instance,
-                page_ids=[allocation.pages[p] for p in hits],
-                block_ids=[block_ids[p] for p in hits],
-                missing_block_ids=[block_ids[p] for p in positions if p not in set(hits)],
-            ))
+        tracked = _Tracked(request, PromptKey(tokens, keys))
+        self._tracked[req_id] = tracked
+        if not num_external_tokens:
+            return
+        wanted = tokens[:local_hit + num_external_tokens]
+        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(
+            ns, [SequenceRequest(self.link.seq_id(req_id), wanted, keys)]))
+        hit_pages = found[0].shared_pages if found else []
+        if found:
+            tracked.pinned_on = self.link.instance
+        positions = range(local_hit // self.block_size, len(wanted) // self.block_size)
+        self._loads.append(LoadPlan(
+            req_id, self.link.instance,
+            page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
+            block_ids=[block_ids[p] for p in positions if p < len(hit_pages)],
+            missing_block_ids=[block_ids[p] for p in positions if p >= len(hit_pages)],
+        ))
 
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
-        """This step's loads (from `allocated`) and saves (full prompt blocks it completes)."""
-        meta = KVDConnectorMetadata(loads=self._loads)
-        self._loads = []
+        """This step's loads (from `allocated`), saves (full prompt blocks it completes) and
+        the requests finished since the last step."""
+        meta = KVDConnectorMetadata(loads=self._loads, finished=self._finished)
+        self._loads, self._finished = [], set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             if (t := self._tracked.get(new.req_id)) is not None:
@@ -160,56 +156,37 @@ class KVDSchedulerSide:
         for req_id, before in computed_before.items():
             t = self._tracked[req_id]
             done = (before + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
-            end = min(done, len(t.page_ids), len(t.block_ids))
+            end = min(done, len(t.prompt.token_ids) // self.block_size, len(t.block_ids))
             if end > t.planned:
                 positions = list(range(t.planned, end))
-                meta.saves.append(SavePlan(req_id, t.daemon_instance, positions,
-                                           page_ids=[t.page_ids[p] for p in positions],
-                                           block_ids=[t.block_ids[p] for p in positions]))
-                t.planned = end
-                t.unanswered += 1
+                meta.saves.append(SavePlan(req_id, positions, [t.block_ids[p] for p in positions],
+                                           prompt=None if t.announced else t.prompt))
+                t.planned, t.announced = end, True
         return meta
 
     def update_from_workers(self, worker_meta: KVDWorkerMetadata | None) -> None:
-        """Publish what the workers wrote, in order; release finished requests whose saves
-        have all been answered. Workers save synchronously, so a step's output answers
-        every save plan of that step (each of its requests appears, written or not)."""
-        for req_id, positions in (worker_meta.written if worker_meta else {}).items():
-            if (t := self._tracked.get(req_id)) is not None:
-                t.written |= positions
-                t.unanswered -= 1
-                self._publish(t)
-        for req_id in [r for r, t in self._tracked.items() if t.finished and not t.unanswered]:
-            self._release(req_id)
+        """vLLM KV events for the blocks the workers published."""
+        for req_id, (start, end) in (worker_meta.published if worker_meta else {}).items():
+            t = self._tracked.get(req_id)
+            request = t.request if t is not None else self._finished_requests.get(req_id)
+            if request is not None:
+                self._events.append(self._stored_event(request, start, end))
+        self._finished_requests.clear()  # a step's output answers its saves; none come later
 
     def finished(self, request) -> None:
-        """The request is done; its sequence is released once its last saves are answered."""
-        t = self._tracked.get(request.request_id)
-        self._local_hits.pop(request.request_id, None)
-        if t is None:
-            return
-        t.finished = True
-        if not t.unanswered:
-            self._release(request.request_id)
+        """The request is done: release the pin of its loads; the workers release theirs."""
+        req_id = request.request_id
+        self._local_hits.pop(req_id, None)
+        self._unpin(req_id)
+        if self._tracked.pop(req_id, None) is not None:
+            self._finished.add(req_id)
+            self._finished_requests[req_id] = request
 
     def take_events(self) -> list[BlockStored]:
         events, self._events = self._events, []
         return events
 
     # ---- helpers --------------------------------------------------------------------
-
-    def _publish(self, t: _Tracked) -> None:
-        upto = t.published
-        while upto in t.written:
-            upto += 1
-        if upto == t.published or t.daemon_instance != self.link.instance:
-            return
-        req_id = t.request.request_id
-        done = self.link.attempt("publish", lambda kvd, ns: kvd.publish(ns, [req_id], {req_id: upto * self.block_size}))
-        if not done:
-            return
-        self._events.append(self._stored_event(t.request, t.published, upto))
-        t.published = upto
 
     def _stored_event(self, request, first: int, end: int) -> BlockStored:
         """vLLM's KV event for blocks [first, end) of the request, keyed by vLLM's own block
@@ -224,7 +201,10 @@ class KVDSchedulerSide:
             lora_name=lora.lora_name if lora else None,
         )
 
-    def _release(self, req_id: str) -> None:
-        t = self._tracked.pop(req_id, None)
-        if t is not None and t.daemon_instance == self.link.instance:
-            self.link.attempt("release", lambda kvd, ns: kvd.release(ns, [req_id]))
+    def _unpin(self, req_id: str) -> None:
+        t = self._tracked.get(req_id)
+        if t is not None and t.pinned_on:
+            if t.pinned_on == self.link.instance:
+                seq_id = self.link.seq_id(req_id)
+                self.link.attempt("release", lambda kvd, ns: kvd.release(ns, [seq_id]))
+            t.pinned_on = ""

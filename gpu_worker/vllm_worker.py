@@ -1,37 +1,44 @@
 """KVDConnector's worker half: copies pages between kvd's shared memory and vLLM's KV blocks.
 
 It holds no policy: the scheduler half's plans (gpu_worker/vllm_plans.py) say which kvd
-page goes to which vLLM block and back. Loads run before the forward pass, saves after
-each layer's attention wrote its KV. Anything that cannot be copied (kvd gone, the daemon
-restarted since the plan was made, a page that no longer maps) is reported, never guessed:
-a failed load's blocks go to vLLM as load errors (it recomputes them), a failed save's
-positions are left out of the written set (the scheduler never publishes them).
+page goes to which vLLM block, and which of a request's blocks this step completes.
+Loads run before the forward pass, from pages the scheduler's kvd sequence pins. Saves go
+into a kvd sequence of this worker's own session (allocated at a request's first plan,
+released when the scheduler says the request finished): after each layer's attention
+wrote its KV, the layer is copied into the sequence's private pages, and once the step's
+copies are done the worker publishes every block it wrote, in order. So no process writes
+a page another session owns, and a page is published only after its bytes are complete.
+
+Anything that cannot be copied (kvd gone, the daemon restarted since the plan was made, a
+page that no longer maps) is reported, never guessed: a failed load's blocks go to vLLM as
+load errors (it recomputes them), a failed save is simply not published.
 
 vLLM hands each layer's KV cache as a standardised per-layer view `[num_blocks,
-num_kv_heads, block_size, 2 * head_dim]` (K then V in the last dimension); a kvd page is
-`[num_layers, 2, page_size, num_kv_heads, head_dim]`. `block_view` makes the first look
-like one layer of the second, without copying.
+num_kv_heads, block_size, 2 * head_dim]`; a kvd page is `[num_layers, 2, page_size,
+num_kv_heads, head_dim]`. `block_view` makes the first look like one layer of the
+second, without copying.
 
 On CPU the copies are plain batched tensor copies (one gather and one scatter per layer
 and extent). On CUDA (marked, checked by scripts/gpu_check.sh) the extents are
 registered with cudaHostRegister once, and copies run on a side stream: loads are queued
 for every layer at once with an event per layer that `wait_layer` makes the compute
 stream wait on; saves of a layer are queued after that layer's attention and waited for
-in `wait_for_save`, before the scheduler may publish them.
+in `wait_for_save`, before they are published.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from engine_client import KVDError
+from engine_client import KVDError, SequenceRequest
 from gpu_worker.kvd_link import KVDLink
 from gpu_worker.loader import register_host_extents
-from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
+from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,26 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
     return kv_layer.unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
 
 
+@dataclass
+class _Saving:
+    """One request's kvd sequence in this worker's session."""
+
+    daemon_instance: str
+    page_ids: list[int]   # one per full prompt block
+    published: int        # blocks [0, published) are published (hits count from the start)
+    written: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _StepSave:
+    """This step's copies for one request: vLLM blocks into the sequence's pages."""
+
+    req_id: str
+    positions: list[int]
+    block_ids: list[int]
+    groups: list          # client.pages_by_extent of the pages at `positions`
+
+
 class KVDWorkerSide:
     def __init__(self, link: KVDLink, layer_names: list[str]) -> None:
         self.link = link
@@ -66,10 +93,13 @@ class KVDWorkerSide:
         self._cuda = False
         self._stream: torch.cuda.Stream | None = None
         self._load_events: dict[int, torch.cuda.Event] = {}
-        self._saves: list[tuple[SavePlan, list]] = []
-        self._saved_layers: set[int] = set()
         self._load_errors: set[int] = set()
-        self._written: dict[str, set[int]] = {}
+        self._prompts: dict[str, PromptKey] = {}
+        self._sequences: dict[str, _Saving] = {}
+        self._complete: set[str] = set()   # requests whose prompt blocks are all saved (or tried)
+        self._saves: list[_StepSave] = []
+        self._saved_layers: set[int] = set()
+        self._published: dict[str, tuple[int, int]] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = set(self.layer_index) - set(kv_caches)
@@ -82,22 +112,21 @@ class KVDWorkerSide:
         if self._cuda:
             self._stream = torch.cuda.Stream(device=layers[0].device)
 
+    def start_step(self, meta: KVDConnectorMetadata) -> None:
+        """Before the forward pass: release finished requests' sequences, prepare the step's
+        saves, and copy every planned load into its vLLM block (all layers; on CUDA queued)."""
+        self._finished(meta.finished)
+        self._saves = [save for plan in meta.saves if (save := self._prepare_save(plan)) is not None]
+        self._saved_layers = set()
+        self._start_loads(meta.loads)
+
     # ---- loads ------------------------------------------------------------------------
 
-    def start_step(self, meta: KVDConnectorMetadata) -> None:
-        """Before the forward pass: map the pages of the step's saves, and copy every planned
-        load into its vLLM block (all layers; on CUDA queued)."""
-        self._saves = []
-        self._saved_layers = set()
-        for plan in meta.saves:
-            self._written.setdefault(plan.req_id, set())
-            groups = self._resolve(plan.daemon_instance, plan.page_ids, f"save for request {plan.req_id}")
-            if groups is not None:
-                self._saves.append((plan, groups))
+    def _start_loads(self, loads: list[LoadPlan]) -> None:
         self._load_errors = set()
         self._load_events = {}
         resolved = []
-        for plan in meta.loads:
+        for plan in loads:
             self._load_errors.update(plan.missing_block_ids)
             groups = self._resolve(plan.daemon_instance, plan.page_ids, f"load for request {plan.req_id}")
             if groups is None:
@@ -130,6 +159,45 @@ class KVDWorkerSide:
 
     # ---- saves ------------------------------------------------------------------------
 
+    def _prepare_save(self, plan: SavePlan) -> _StepSave | None:
+        """The plan's blocks that this worker's sequence does not already hold, with their pages."""
+        if plan.prompt is not None:
+            self._prompts[plan.req_id] = plan.prompt
+        if plan.req_id in self._complete:
+            return None
+        seq = self._sequence(plan.req_id)
+        if seq is None:
+            return None
+        todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
+        if not todo:
+            return None
+        positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
+        groups = self._resolve(seq.daemon_instance, [seq.page_ids[p] for p in positions],
+                               f"save for request {plan.req_id}")
+        return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
+
+    def _sequence(self, req_id: str) -> _Saving | None:
+        """This worker's kvd sequence for the request, allocated on first use (and again
+        after a daemon restart); None when kvd cannot hold it."""
+        seq = self._sequences.get(req_id)
+        if seq is not None and seq.daemon_instance == self.link.instance:
+            return seq
+        prompt = self._prompts.get(req_id)
+        if prompt is None:
+            return None
+        seq_id = self.link.seq_id(req_id)
+        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(
+            ns, [SequenceRequest(seq_id, prompt.token_ids, prompt.extra_keys)]))
+        if not found:
+            self._sequences.pop(req_id, None)
+            return None
+        seq = _Saving(self.link.instance, found[0].pages, published=len(found[0].shared_pages))
+        self._sequences[req_id] = seq
+        if seq.published == len(seq.page_ids):  # kvd holds the whole prompt already
+            self._finish_saving(req_id)
+            return None
+        return seq
+
     def save_layer(self, layer_name: str) -> None:
         """Copy this layer of the step's saved blocks into their kvd pages (its attention
         has written the step's KV)."""
@@ -141,9 +209,9 @@ class KVDWorkerSide:
         self._saved_layers.add(layer)
         view = self._layers[layer]
         with self._side_stream():
-            for plan, groups in self._saves:
-                for extent, indices, positions in groups:
-                    blocks = [plan.block_ids[p] for p in positions]
+            for save in self._saves:
+                for extent, indices, positions in save.groups:
+                    blocks = [save.block_ids[p] for p in positions]
                     if self._cuda:  # page by page: DMA into the registered extent
                         for index, block in zip(indices, blocks):
                             extent[index, layer].copy_(view[block], non_blocking=True)
@@ -152,7 +220,7 @@ class KVDWorkerSide:
 
     def wait_for_save(self) -> None:
         """After the forward pass: save the layers no attention call saved, wait for the
-        copies, and report the saved positions as written."""
+        copies, and publish each sequence's blocks that are now complete, in order."""
         if not self._saves:
             return
         for layer in range(len(self._layers)):
@@ -160,18 +228,54 @@ class KVDWorkerSide:
                 self._save(layer)
         if self._cuda:
             self._record().synchronize()
-        for plan, _ in self._saves:
-            self._written[plan.req_id].update(plan.positions)
+        for save in self._saves:
+            seq = self._sequences[save.req_id]
+            seq.written.update(save.positions)
+            self._publish(save.req_id, seq)
+            if len(seq.page_ids) - 1 in seq.written:  # the last prompt block was tried: done
+                self._finish_saving(save.req_id)
         self._saves = []
 
+    def _finish_saving(self, req_id: str) -> None:
+        """Nothing more to save for this request: release its sequence now (its published
+        pages stay cached), not when the request finishes, which vLLM may tell only with
+        the next step."""
+        self._release({req_id})
+        self._complete.add(req_id)
+
+    def _publish(self, req_id: str, seq: _Saving) -> None:
+        end = seq.published
+        while end in seq.written:
+            end += 1
+        if end == seq.published or seq.daemon_instance != self.link.instance:
+            return
+        seq_id = self.link.seq_id(req_id)
+        if self.link.attempt("publish", lambda kvd, ns: kvd.publish(
+                ns, [seq_id], {seq_id: end * self.layout.page_size})) is not None:
+            start = self._published.get(req_id, (seq.published, 0))[0]
+            self._published[req_id] = (start, end)
+            seq.published = end
+
     def worker_metadata(self) -> KVDWorkerMetadata | None:
-        if not self._written:
+        """What this worker published since the last step, for the scheduler's KV events."""
+        if not self._published:
             return None
-        written, self._written = self._written, {}
-        return KVDWorkerMetadata(written)
+        published, self._published = self._published, {}
+        return KVDWorkerMetadata(published)
+
+    def _finished(self, req_ids: set[str]) -> None:
+        self._release(req_ids)
+        self._complete -= req_ids
+
+    def _release(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._prompts.pop(req_id, None)
+        live = [self.link.seq_id(r) for r in req_ids
+                if (seq := self._sequences.pop(r, None)) is not None and seq.daemon_instance == self.link.instance]
+        if live:
+            self.link.attempt("release", lambda kvd, ns: kvd.release(ns, live))
 
     # ---- helpers ----------------------------------------------------------------------
-
     def _resolve(self, daemon_instance: str, page_ids: list[int], what: str):
         """The pages grouped by extent, or None when they cannot be trusted or mapped."""
         def locate(kvd, ns):

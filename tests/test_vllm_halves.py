@@ -161,16 +161,22 @@ def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, 
 
 
 def test_no_daemon_means_no_hits_and_one_warning(tmp_path, caplog):
-    link = KVDLink(str(tmp_path / "absent.sock"), "test", SPEC, connect_timeout=0.2)
-    scheduler = KVDSchedulerSide(link, BLOCK)
+    absent = str(tmp_path / "absent.sock")
+    scheduler = KVDSchedulerSide(KVDLink(absent, "test-scheduler", SPEC, connect_timeout=0.2), BLOCK)
+    worker = KVDWorkerSide(KVDLink(absent, "test-worker", SPEC, connect_timeout=0.2), LAYERS)
+    worker.register({name: torch.zeros(8, 2, BLOCK, 64) for name in LAYERS})
     with caplog.at_level(logging.WARNING, logger="gpu_worker.kvd_link"):
         for i in range(5):
             r = request(f"r{i}", tokens(4 * BLOCK))
             assert scheduler.matched_tokens(r, 0) == 0
             scheduler.allocated(r, list(range(4)), 0)
             meta = scheduler.build_metadata(scheduled(r, list(range(4))))
-            assert meta.loads == [] and meta.saves == []
-    assert len([r for r in caplog.records if "cannot serve" in r.message]) == 1
+            assert meta.loads == []
+            worker.start_step(meta)
+            worker.wait_for_save()
+            assert worker.worker_metadata() is None and worker.load_errors() == set()
+    warnings = [r.message for r in caplog.records if "cannot serve" in r.message]
+    assert len(warnings) == 2, f"expected one warning per half for the outage: {warnings}"
 
 
 def test_lora_and_cache_salt_requests_do_not_share_pages(daemon):
