@@ -58,6 +58,7 @@ class KVCacheManager:
         self._aux_bytes = 0  # non-KV state of all sequences
         self.sealer = Sealer()
         self.checksums: dict[PageId, int] = {}  # sealed published/cached pages
+        self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by recover()
         self._to_seal: list[SealJob] = []
 
     def close(self, unlink: bool = True) -> None:
@@ -182,7 +183,12 @@ class KVCacheManager:
         self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
             self.pool.acquire_all(p.hits)
-        self.room.ensure_free(ns, need)
+        try:
+            self.room.ensure_free(ns, need)
+        except ResourceExhausted:  # /dev/shm refused an extent the check counted on
+            for p in prepared:
+                self.pool.release_all(reversed(p.hits))
+            raise
         plans = []
         counters = self.counters[ns.id]
         for p in prepared:
