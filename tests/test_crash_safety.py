@@ -2,6 +2,7 @@
 created, right after a publish returned, and a /dev/shm smaller than the host budget."""
 from __future__ import annotations
 
+import os
 import signal
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 import agents
 from conftest import clean_env
-from engine_client import KVDClient, SequenceRequest
+from engine_client import KVDClient, PageLayout, SequenceRequest
 from test_restart import ARGS, PAGE, holds, publish_prefix
 
 
@@ -36,3 +37,30 @@ def test_a_kill_while_an_extent_is_created_keeps_the_published_cache(daemon_fact
         assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
         assert c.check_invariants() == []
     assert "discarding" not in d2.log(), d2.log()
+
+
+def test_a_publish_that_returned_survives_a_kill_right_after_it(daemon_factory):
+    """The client kills the daemon as soon as ``publish`` returns, before the sealer can
+    record the checksums of 300 pages of 256 KiB: the restart serves every one of them."""
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "128MiB", "--extent-bytes", "128MiB")
+    layout = PageLayout(num_layers=8, num_kv_heads=8, head_dim=64, page_size=16, dtype="float16")  # 256 KiB pages
+    pages = 300
+    tokens = np.arange(pages * PAGE) + 5_000
+    client = KVDClient.connect(d.socket)
+    ns = client.register_namespace("durable", layout)
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest("s", tokens)])
+    for i, page in enumerate(alloc.pages):
+        client.page_array(ns, page)[...] = i % 1000
+    client.publish(ns, ["s"])
+    os.kill(d.process.pid, signal.SIGKILL)  # right after the reply
+    d.process.wait()
+    client.close()
+
+    d2 = daemon_factory("--enable-prefix-reuse", "--host-bytes", "128MiB", "--extent-bytes", "128MiB")
+    with KVDClient.connect(d2.socket) as c:
+        assert c.register_namespace("durable", layout) == ns
+        [hit] = c.lookup(ns, [SequenceRequest("probe", tokens)])
+        assert hit.hit_pages == alloc.pages
+        assert all((c.page_array(ns, page) == i % 1000).all() for i, page in enumerate(hit.hit_pages))
+        assert c.check_invariants() == []
+    print("\n" + next(line for line in d2.log().splitlines() if "warm restart: recovered" in line))
