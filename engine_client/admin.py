@@ -17,6 +17,17 @@ def _fields(msg) -> dict:
     return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
 
 
+# RecoveryStats fields that count pages the last start dropped, by reason.
+DROP_REASONS = {"corrupted": "corrupted_pages", "orphaned": "orphaned_pages", "mismatch": "mismatch_pages",
+                "incomplete_extent": "incomplete_pages"}
+
+
+def recovery_dict(msg: pb.RecoveryStats) -> dict:
+    """What the daemon's start found in shared memory, with the pages it dropped by reason."""
+    found = _fields(msg)
+    return {**found, "dropped_pages": {reason: found[name] for reason, name in DROP_REASONS.items()}}
+
+
 def stats_dict(reply: pb.StatsReply) -> dict:
     """The flat JSON form: totals at top level, one entry per namespace."""
     return {
@@ -24,6 +35,8 @@ def stats_dict(reply: pb.StatsReply) -> dict:
         "host_bytes": reply.host_bytes,
         "arena_bytes": reply.arena_bytes,
         "prefix_reuse": reply.prefix_reuse,
+        "shm_refusals": reply.shm_refusals,
+        "recovery": recovery_dict(reply.recovery),
         "namespaces": [
             {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **_fields(n.pages),
              **({"tenant": n.tenant} if n.tenant else {})}
@@ -42,7 +55,7 @@ def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
 
 
 def verify_dict(reply: pb.VerifyPagesReply) -> dict:
-    return _fields(reply)
+    return {**_fields(reply), "recovery": recovery_dict(reply.recovery)}
 
 
 def verify_pages(socket: str, timeout: float = 600.0) -> dict:

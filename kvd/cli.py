@@ -51,9 +51,18 @@ def stats_table(stats: dict) -> str:
     rows = [f"{f:<{width}}" + "".join(f"  {col[f]:>24,}" for _, col in columns) for f in STAT_FIELDS]
     footer = (
         f"host budget {stats['host_bytes']:,} bytes, arena {stats['arena_bytes']:,} bytes, "
-        f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}"
+        f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}, "
+        f"extents refused by /dev/shm {stats['shm_refusals']:,}"
     )
-    return "\n".join([head, *rows, footer])
+    return "\n".join([head, *rows, footer, recovery_line(stats["recovery"])])
+
+
+def recovery_line(r: dict) -> str:
+    """One line on what the daemon's start found in shared memory, dropped pages by reason."""
+    dropped = ", ".join(f"{reason} {n:,}" for reason, n in r["dropped_pages"].items())
+    line = (f"last start: recovered {r['recovered_pages']:,} published pages ({r['resealed_pages']:,} sealed by "
+            f"recovery); dropped {dropped}; incomplete extents {r['incomplete_extents']:,}")
+    return line + (f"; discarded every segment: {r['discarded']}" if r["discarded"] else "")
 
 
 def _stats(args) -> int:
@@ -95,6 +104,7 @@ def _verify(args) -> int:
     else:
         print(f"verified {result['checked_pages']} published pages ({result['checked_bytes']:,} bytes) in "
               f"{result['seconds'] * 1e3:.1f} ms: {result['corrupted_pages']} corrupted pages dropped")
+        print(recovery_line(result["recovery"]))
     return 1 if result["corrupted_pages"] else 0
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -74,7 +74,13 @@ class RecoveryReport:
                 "mismatch": self.mismatch_pages, "incomplete_extent": self.incomplete_pages}
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "dropped_pages": self.dropped_pages}
+        return {**asdict(self), "discarded": self.discarded or "", "dropped_pages": self.dropped_pages}
+
+    @classmethod
+    def combined(cls, reports: list["RecoveryReport"]) -> "RecoveryReport":
+        """Several tenants' reports as one daemon's: counts summed, reasons for discarding joined."""
+        counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(cls) if f.name != "discarded"}
+        return cls(**counts, discarded="; ".join(r.discarded for r in reports if r.discarded) or None)
 
 
 @dataclass
@@ -104,9 +110,9 @@ def _recover(manager) -> RecoveryReport:
     try:
         found = _check(manager, prefix, segments, opened)
     except (Mismatch, MetaError) as e:
-        lost = sum(_published(meta) for meta in opened)
         for meta in opened:
             meta.close(unlink=False)
+        lost = _published_left(prefix)
         unlink_segments(daemon_segments(prefix))
         log.warning("warm restart: discarding the %d shared-memory segments a previous daemon left "
                     "(%d published pages): %s", len(segments), lost, e)
@@ -125,6 +131,19 @@ def _recover(manager) -> RecoveryReport:
 
 def _published(meta: ExtentMeta) -> int:
     return int(np.count_nonzero(meta.states() >= PUBLISHED))
+
+
+def _published_left(prefix: str) -> int:
+    """Published pages recorded in every readable metadata segment of the prefix."""
+    total = 0
+    for name in leftover_segments(prefix):
+        try:
+            meta = ExtentMeta.open(name)
+        except MetaError:
+            continue
+        total += _published(meta)
+        meta.close(unlink=False)
+    return total
 
 
 def _check(manager, prefix: str, segments: list[str], opened: list[ExtentMeta]) -> _Found:

@@ -36,7 +36,12 @@ def test_a_kill_while_an_extent_is_created_keeps_the_published_cache(daemon_fact
         assert hit.shared_prefix_tokens == 40 * PAGE and hit.shared_pages == alloc.pages[:40]
         assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
         assert c.check_invariants() == []
+        recovery = c.stats()["recovery"]
     assert "discarding" not in d2.log(), d2.log()
+    assert recovery["recovered_pages"] == 40 and recovery["discarded"] == ""
+    # Without its data segment the extent is incomplete; with it, complete and empty.
+    assert recovery["incomplete_extents"] == (step == "extent-meta")
+    assert recovery["dropped_pages"]["incomplete_extent"] == 0, "an incomplete extent never held a published page"
 
 
 def test_a_publish_that_returned_survives_a_kill_right_after_it(daemon_factory):
@@ -63,4 +68,6 @@ def test_a_publish_that_returned_survives_a_kill_right_after_it(daemon_factory):
         assert hit.hit_pages == alloc.pages
         assert all((c.page_array(ns, page) == i % 1000).all() for i, page in enumerate(hit.hit_pages))
         assert c.check_invariants() == []
+        recovery = c.stats()["recovery"]
+    assert recovery["recovered_pages"] == pages and 0 < recovery["resealed_pages"] <= pages
     print("\n" + next(line for line in d2.log().splitlines() if "warm restart: recovered" in line))

@@ -144,6 +144,8 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
         assert hit.hit_pages == alloc.pages[:5]
         stats = c.stats()
         assert (stats["corrupted_pages"], stats["cached_pages"]) == (1, 5)
+        assert stats["recovery"]["recovered_pages"] == 5
+        assert stats["recovery"]["dropped_pages"] == {"corrupted": 1, "orphaned": 2, "mismatch": 0, "incomplete_extent": 0}
         assert c.check_invariants() == []
     assert "failed their checksum" in d2.log() and "1 failed their checksum, 2 dropped" in d2.log()
 
@@ -207,7 +209,10 @@ def test_a_restart_that_does_not_match_starts_empty(daemon_factory, change, args
     with KVDClient.connect(d2.socket) as c:
         ns = c.register_namespace(agents.MODEL, agents.LAYOUT)
         assert c.lookup(ns, [SequenceRequest("probe", tokens)])[0].hit_tokens == 0
-        assert c.stats()["cached_pages"] == 0 and c.check_invariants() == []
+        stats = c.stats()
+        assert stats["cached_pages"] == 0 and c.check_invariants() == []
+        assert stats["recovery"]["dropped_pages"]["mismatch"] == 4 and reason in stats["recovery"]["discarded"]
+        assert c.verify_pages()["recovery"]["mismatch_pages"] == 4
 
 
 def test_clients_fail_fast_and_reconnect_after_a_restart(daemon_factory):
