@@ -2,8 +2,13 @@
 created, right after a publish returned, and a /dev/shm smaller than the host budget."""
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import shutil
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -71,3 +76,26 @@ def test_a_publish_that_returned_survives_a_kill_right_after_it(daemon_factory):
         recovery = c.stats()["recovery"]
     assert recovery["recovered_pages"] == pages and 0 < recovery["resealed_pages"] <= pages
     print("\n" + next(line for line in d2.log().splitlines() if "warm restart: recovered" in line))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a private /dev/shm needs root and unshare (CI runs as root)")
+def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_daemon(tmp_path):
+    """A 64 MiB budget over a 16 MiB /dev/shm: the fourth extent of 4 MiB does not fit."""
+    script = f'mount -t tmpfs -o size=16m kvdtest /dev/shm && exec "$0" "$1" "$2"'
+    result = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable,
+         str(pathlib.Path(__file__).with_name("small_shm.py")), str(tmp_path)],
+        capture_output=True, text=True, timeout=180, env=clean_env(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    log = out["log"]
+    assert out["alive"] and out["exit"] == 0, log
+    assert out["allocated"] >= 8, "what /dev/shm holds is served"
+    code, message = out["refused"]
+    assert code == "RESOURCE_EXHAUSTED" and "/dev/shm has" in message and "bytes free" in message, message
+    assert out["refused_again"] == "RESOURCE_EXHAUSTED" and out["served_after_release"]
+    assert out["shm_refusals"] >= 1
+    assert "/dev/shm has" in log and "but the host budget needs" in log, "warned at start"
+    assert log.count("serving from the extents there are") == 1, log
