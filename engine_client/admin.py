@@ -1,4 +1,4 @@
-"""Session-less admin calls (stats, verify), for the CLI and monitoring.
+"""Session-less admin calls (stats, verify, reset), for the CLI and monitoring.
 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
 an admin ticket through the handshake (engine_client/auth.py), when the daemon has one.
@@ -64,5 +64,24 @@ def verify_pages(socket: str, timeout: float = 600.0) -> dict:
         try:
             request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
             return verify_dict(kvd_pb2_grpc.KVDStub(channel).VerifyPages(request, timeout=timeout))
+        except grpc.RpcError as e:
+            raise KVDError.from_rpc(e) from None
+
+
+def reset_request(namespace: int | None, session: str = "", ticket: str = "") -> pb.ResetPrefixCacheRequest:
+    return pb.ResetPrefixCacheRequest(session=session, ticket=ticket, has_namespace=namespace is not None,
+                                      namespace_id=namespace or 0)
+
+
+def reset_dict(reply: pb.ResetPrefixCacheReply) -> dict:
+    return _fields(reply)
+
+
+def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> dict:
+    """Runs ResetPrefixCache daemon-wide (every tenant): cached pages dropped, pages in use kept."""
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        try:
+            request = reset_request(namespace, ticket=fetch_ticket(socket))
+            return reset_dict(kvd_pb2_grpc.KVDStub(channel).ResetPrefixCache(request, timeout=timeout))
         except grpc.RpcError as e:
             raise KVDError.from_rpc(e) from None

@@ -367,5 +367,13 @@ class KVDClient:
         from engine_client.admin import verify_dict
         return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=fetch_ticket(self._socket))))
 
+    def reset_prefix_cache(self, ns: int | None = None) -> dict:
+        """Drops the cached (unreferenced) published pages of namespace ``ns``, or of every
+        namespace (with tenants: this tenant's), as vLLM's ``reset_prefix_cache`` after a
+        weight update. Pages a sequence or pin references are untouched.
+        Returns {"dropped_pages", "kept_pages"}."""
+        from engine_client.admin import reset_dict, reset_request
+        return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
+
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

@@ -1,9 +1,10 @@
-"""``kvd``: serve, stats, clean.
+"""``kvd``: serve, stats, verify, reset, clean.
 
     kvd serve [--config FILE] [--socket PATH] [--host-bytes 8GiB] [--[no-]enable-prefix-reuse] [--metrics-port N]
     kvd stats [--socket PATH] [--json] [--watch SECONDS]
     kvd clean [--socket PATH]
     kvd verify [--socket PATH] [--json]   (exit status 1 when it found corrupted pages)
+    kvd reset [--socket PATH] [--namespace ID] [--json]
 """
 from __future__ import annotations
 
@@ -108,6 +109,22 @@ def _verify(args) -> int:
     return 1 if result["corrupted_pages"] else 0
 
 
+def _reset(args) -> int:
+    from engine_client.admin import reset_prefix_cache
+    from engine_client.types import KVDError
+    path = _socket(args)
+    try:
+        result = reset_prefix_cache(path, args.namespace)
+    except KVDError as e:
+        print(f"kvd reset: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"dropped {result['dropped_pages']} cached pages; kept {result['kept_pages']} published pages in use")
+    return 0
+
+
 def _clean(args) -> int:
     from kvd.arena import daemon_segments, leftover_segments, unlink_segments
     cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
@@ -169,6 +186,12 @@ def parser() -> argparse.ArgumentParser:
     common(v)
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_verify)
+
+    r = sub.add_parser("reset", help="drop cached (unreferenced) published pages, as after a weight update")
+    common(r)
+    r.add_argument("--namespace", type=int, help="only this namespace id (default: every namespace)")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.set_defaults(func=_reset)
 
     c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
     common(c)

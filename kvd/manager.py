@@ -23,14 +23,14 @@ from kvd.meta import page_checksum
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.requests import (
-    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
+    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ResetResult, ExtendResult,
     SequencePlan, SequenceRequest, check_batch, check_seq_id, check_token_lists, prepare,
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
 from kvd.supply import ExtentSupply
-from kvd.types import NamespaceId, PageId, PageKey, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SeqState, SessionId
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,21 @@ class KVCacheManager:
         log.info("verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
                  checked, checked_bytes, seconds * 1e3, corrupted)
         return VerifyResult(checked, checked_bytes, corrupted, seconds)
+
+    def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
+        """Drops every cached (published, unreferenced) page of a namespace, or of all: what
+        vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
+        references stay as they are, indexed; nothing is refused."""
+        namespaces = self.namespaces.all() if namespace_id is None else [self.namespaces.get(namespace_id)]
+        ids = {ns.id for ns in namespaces}
+        dropped = 0
+        for ns_id in ids:
+            while self.pool.cached_count(ns_id):
+                self.index.remove(self.pool.evict_oldest(ns_id))
+                dropped += 1
+        kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
+        log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
+        return ResetResult(dropped, kept)
 
     def drop_corrupted(self, page: PageId) -> None:
         """A published page whose bytes changed is never served again: out of the index now,

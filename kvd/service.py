@@ -23,7 +23,7 @@ from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
 from kvd.recovery import RecoveryReport
-from kvd.requests import extend_items
+from kvd.requests import ResetResult, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import Tenants
 from kvd.types import SeqState
@@ -334,6 +334,21 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             recovery=recovery_stats(RecoveryReport.combined(
                 [m.last_recovery or RecoveryReport() for m in self.tenants.managers()])),
         )
+
+    @_unary
+    def ResetPrefixCache(self, r):
+        namespace = r.namespace_id if r.has_namespace else None
+        if self.tenants.isolated and r.session:
+            m = self._m(r.session)
+            m.sessions.get(r.session)
+            managers = [m]
+        else:
+            self.tenants.check_admin(r.ticket)
+            managers = self.tenants.managers()
+            if self.tenants.isolated and namespace is not None:
+                raise InvalidArgument("namespace ids are per tenant: reset one namespace through a session of its tenant")
+        result = sum((m.reset_prefix_cache(namespace) for m in managers), ResetResult(0, 0))
+        return pb.ResetPrefixCacheReply(dropped_pages=result.dropped_pages, kept_pages=result.kept_pages)
 
     @_unary
     def Ping(self, r):
