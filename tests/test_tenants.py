@@ -216,7 +216,7 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
         meta = os.stat("/dev/shm" + names[0] + ".meta")
         assert stat.S_IMODE(meta.st_mode) == 0o600  # token ids: the daemon alone reads them
         kvd.release(ns, ["a"])
-        assert kvd.reset_prefix_cache(ns) == {"dropped_pages": 1, "kept_pages": 0}  # its own tenant's namespace
+        assert kvd.reset_prefix_cache(ns) == {"dropped_pages": 4, "kept_pages": 0}  # its own tenant's namespace
         with pytest.raises(KVDError) as e:  # namespace ids are per tenant: daemon-wide, only all of them
             reset_prefix_cache(d.socket, ns)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
