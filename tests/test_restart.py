@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import agents
+from conftest import raw_page
 from engine_client import KVDClient, SequenceRequest
 from engine_client.types import KVDError
 from kvd import recovery
@@ -133,7 +134,7 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
     client = KVDClient.connect(d.socket)
     ns, tokens, alloc = publish_prefix(client, 8)
     d.stop(signal.SIGKILL)
-    client.page_array(ns, alloc.pages[5])[0, 0, 0, 0, 0] += 1  # one value changes in /dev/shm
+    raw_page(client, ns, alloc.pages[5])[0, 0, 0, 0, 0] += 1  # one value changes in /dev/shm
     client.close()
     d2 = daemon_factory(*ARGS)
     with KVDClient.connect(d2.socket) as c:
@@ -158,8 +159,8 @@ def test_verify_drops_pages_whose_bytes_changed(daemon):
         assert held.shared_pages == alloc.pages[:6]
         c.release(ns, ["held"])
         [held] = c.allocate_with_prefix(ns, [SequenceRequest("held", tokens[:2 * PAGE])])  # references pages 0, 1
-        c.page_array(ns, alloc.pages[4])[...] = 0                 # a cached page scribbled on
-        c.page_array(ns, alloc.pages[1])[1, 1, 1, 1, 1] = 3       # a referenced page scribbled on
+        raw_page(c, ns, alloc.pages[4])[...] = 0                  # a cached page scribbled on
+        raw_page(c, ns, alloc.pages[1])[1, 1, 1, 1, 1] = 3        # a referenced page scribbled on
         result = c.verify_pages()
         assert (result["checked_pages"], result["corrupted_pages"]) == (6, 2)
         stats = c.stats()
@@ -181,7 +182,7 @@ def test_kvd_verify_cli(daemon):
         clean = subprocess.run([sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket],
                                capture_output=True, text=True)
         assert clean.returncode == 0 and "verified 3 published pages" in clean.stdout, clean
-        c.page_array(ns, alloc.pages[2])[...] = 1
+        raw_page(c, ns, alloc.pages[2])[...] = 1
         bad = subprocess.run([sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket],
                              capture_output=True, text=True)
         assert bad.returncode == 1 and "1 corrupted pages dropped" in bad.stdout, bad
