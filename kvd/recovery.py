@@ -36,7 +36,7 @@ from kvd.errors import KvdError
 from kvd.index import PageContent
 from kvd.manager import NamespaceCounters
 from kvd.meta import (
-    META_SUFFIX, PUBLISHED, SEALED, ExtentMeta, MetaError, manifest_name, page_checksum, read_manifest, unlink_quietly,
+    META_SUFFIX, PUBLISHED, ExtentMeta, MetaError, manifest_name, page_checksum, read_manifest, unlink_quietly,
 )
 from kvd.namespaces import NamespaceRegistry, identity_from_doc
 from kvd.types import NamespaceId, PageId, PageKey

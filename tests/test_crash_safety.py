@@ -16,7 +16,7 @@ import pytest
 import agents
 from conftest import clean_env
 from engine_client import KVDClient, PageLayout, SequenceRequest
-from test_restart import ARGS, PAGE, holds, publish_prefix
+from test_restart import ARGS, PAGE, assert_prefix_served, publish_prefix
 
 
 @pytest.mark.parametrize("step", ["extent-meta", "extent-data"])
@@ -36,11 +36,7 @@ def test_a_kill_while_an_extent_is_created_keeps_the_published_cache(daemon_fact
 
     d2 = daemon_factory(*ARGS)
     with KVDClient.connect(d2.socket) as c:
-        assert c.register_namespace(agents.MODEL, agents.LAYOUT) == ns
-        [hit] = c.allocate_with_prefix(ns, [SequenceRequest("again", tokens)])
-        assert hit.shared_prefix_tokens == 40 * PAGE and hit.shared_pages == alloc.pages[:40]
-        assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
-        assert c.check_invariants() == []
+        assert_prefix_served(c, ns, tokens, alloc, 40)
         recovery = c.stats()["recovery"]
     assert "discarding" not in d2.log(), d2.log()
     assert recovery["recovered_pages"] == 40 and recovery["discarded"] == ""

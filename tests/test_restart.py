@@ -51,6 +51,16 @@ def publish_prefix(client: KVDClient, pages: int, seed: int = 1):
     return ns, tokens, alloc
 
 
+def assert_prefix_served(c: KVDClient, ns: int, tokens: np.ndarray, alloc, pages: int) -> None:
+    """After a restart: the namespace id is the same and the first ``pages`` pages published
+    before it hit again, at the same page ids, with the same bytes."""
+    assert c.register_namespace(agents.MODEL, agents.LAYOUT) == ns, "namespace ids survive"
+    [hit] = c.allocate_with_prefix(ns, [SequenceRequest("again", tokens)])
+    assert hit.shared_prefix_tokens == pages * PAGE and hit.shared_pages == alloc.pages[:pages]
+    assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
+    assert c.check_invariants() == []
+
+
 def kill_and_restart(daemon_factory, daemon, *args: str):
     daemon.stop(signal.SIGKILL)
     return daemon_factory(*(args or ARGS))
@@ -88,11 +98,7 @@ def test_a_graceful_stop_keeps_the_published_cache_for_the_next_start(daemon_fac
     assert d.stop() == 0  # SIGTERM, as `systemctl restart` sends
     d2 = daemon_factory(*ARGS)
     with KVDClient.connect(d2.socket) as c:
-        assert c.register_namespace(agents.MODEL, agents.LAYOUT) == ns
-        [hit] = c.allocate_with_prefix(ns, [SequenceRequest("again", tokens)])
-        assert hit.shared_prefix_tokens == 12 * PAGE and hit.shared_pages == alloc.pages[:12]
-        assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
-        assert c.check_invariants() == []
+        assert_prefix_served(c, ns, tokens, alloc, 12)
 
 
 def test_recovery_cost_per_gib(tmp_path):
