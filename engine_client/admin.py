@@ -1,4 +1,4 @@
-"""Session-less admin calls (stats, verify), for the CLI and monitoring.
+"""Session-less admin calls (stats, verify, reset), for the CLI and monitoring.
 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
 an admin ticket through the handshake (engine_client/auth.py), when the daemon has one.
@@ -17,6 +17,17 @@ def _fields(msg) -> dict:
     return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
 
 
+# RecoveryStats fields that count pages the last start dropped, by reason.
+DROP_REASONS = {"corrupted": "corrupted_pages", "orphaned": "orphaned_pages", "mismatch": "mismatch_pages",
+                "incomplete_extent": "incomplete_pages"}
+
+
+def recovery_dict(msg: pb.RecoveryStats) -> dict:
+    """What the daemon's start found in shared memory, with the pages it dropped by reason."""
+    found = _fields(msg)
+    return {**found, "dropped_pages": {reason: found[name] for reason, name in DROP_REASONS.items()}}
+
+
 def stats_dict(reply: pb.StatsReply) -> dict:
     """The flat JSON form: totals at top level, one entry per namespace."""
     return {
@@ -24,6 +35,8 @@ def stats_dict(reply: pb.StatsReply) -> dict:
         "host_bytes": reply.host_bytes,
         "arena_bytes": reply.arena_bytes,
         "prefix_reuse": reply.prefix_reuse,
+        "shm_refusals": reply.shm_refusals,
+        "recovery": recovery_dict(reply.recovery),
         "namespaces": [
             {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **_fields(n.pages),
              **({"tenant": n.tenant} if n.tenant else {})}
@@ -42,7 +55,7 @@ def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
 
 
 def verify_dict(reply: pb.VerifyPagesReply) -> dict:
-    return _fields(reply)
+    return {**_fields(reply), "recovery": recovery_dict(reply.recovery)}
 
 
 def verify_pages(socket: str, timeout: float = 600.0) -> dict:
@@ -51,5 +64,24 @@ def verify_pages(socket: str, timeout: float = 600.0) -> dict:
         try:
             request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
             return verify_dict(kvd_pb2_grpc.KVDStub(channel).VerifyPages(request, timeout=timeout))
+        except grpc.RpcError as e:
+            raise KVDError.from_rpc(e) from None
+
+
+def reset_request(namespace: int | None, session: str = "", ticket: str = "") -> pb.ResetPrefixCacheRequest:
+    return pb.ResetPrefixCacheRequest(session=session, ticket=ticket, has_namespace=namespace is not None,
+                                      namespace_id=namespace or 0)
+
+
+def reset_dict(reply: pb.ResetPrefixCacheReply) -> dict:
+    return _fields(reply)
+
+
+def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> dict:
+    """Runs ResetPrefixCache daemon-wide (every tenant): cached pages dropped, pages in use kept."""
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        try:
+            request = reset_request(namespace, ticket=fetch_ticket(socket))
+            return reset_dict(kvd_pb2_grpc.KVDStub(channel).ResetPrefixCache(request, timeout=timeout))
         except grpc.RpcError as e:
             raise KVDError.from_rpc(e) from None

@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from engine_client.auth import fetch_ticket
+from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.types import (
     ExtendItem, ExtendResult, ExtraKey, KVDError, LookupResult, Namespace, PinResult, PublishResult,
@@ -79,6 +80,7 @@ class KVDClient:
         self._registrations: dict[int, pb.NamespaceIdentity] = {}
         self._page_maps: dict[int, PageMap] = {}
         self._evicted: set[tuple[int, str]] = set()
+        self._private = PrivatePages()  # pages this client may write; under _lock (evictions arrive on a thread)
         self._lock = threading.Lock()
         self._reconnected = False
         self._closed = False
@@ -117,6 +119,8 @@ class KVDClient:
         self._closed = False
         registrations, self._registrations = self._registrations, {}
         namespaces, self._namespaces, self._page_maps = self._namespaces, {}, {}
+        with self._lock:
+            self._private.clear()
         renamed = {}
         for old_id, identity in registrations.items():
             reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity))
@@ -167,6 +171,8 @@ class KVDClient:
                 if event.HasField("evicted"):
                     with self._lock:
                         self._evicted.update((event.evicted.namespace_id, s) for s in event.evicted.seq_ids)
+                        for seq_id in event.evicted.seq_ids:
+                            self._private.drop(event.evicted.namespace_id, seq_id)
         except grpc.RpcError:
             pass  # cancelled by close(), or the daemon went away
         finally:
@@ -239,32 +245,52 @@ class KVDClient:
                 raise KVDError(grpc.StatusCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")
         return found
 
-    def page_array(self, ns: int, page_id: int) -> np.ndarray:
+    def page_array(self, ns: int, page_id: int, writable: bool | None = None) -> np.ndarray:
         """numpy view of one page, [num_layers, 2, page_size, num_kv_heads, head_dim].
 
+        Writable only for a private page of this client's live sequences (see ``page``);
         bfloat16 and float8 pages are viewed as uint16/uint8 (numpy has no such dtypes).
         """
         extent, index = self._locate(ns, page_id)
-        return extent.array[index]
+        return (extent.array if self._may_write(ns, page_id, writable) else extent.readonly)[index]
 
-    def page(self, ns: int, page_id: int):
+    def page(self, ns: int, page_id: int, writable: bool | None = None):
         """torch view of one page, [num_layers, 2 (K, V), page_size, num_kv_heads, head_dim].
 
-        Reads and writes go straight to shared memory. Write only the private pages of
-        your own sequences: published pages are immutable.
+        Reads and writes go straight to shared memory. A private page of this client's live
+        sequences (from allocate, extend or fork, not yet published) comes writable; every
+        other page, published ones first of all, through a read-only map: a write to it
+        faults in this process and corrupts nobody's KV. ``writable=True`` insists on a
+        writable view (``FAILED_PRECONDITION`` when the page is not private to this client);
+        ``writable=False`` always reads.
         """
         extent, index = self._locate(ns, page_id)
-        return extent_tensor(extent, self._namespace(ns).layout)[index]
+        return extent_tensor(extent, self._namespace(ns).layout, self._may_write(ns, page_id, writable))[index]
 
-    def pages_by_extent(self, ns: int, page_ids) -> list[tuple[object, list[int], list[int]]]:
+    def _may_write(self, ns: int, page_id: int, writable: bool | None) -> bool:
+        if writable is False:
+            return False
+        mine = self._private.writable(ns, page_id)
+        if writable and not mine:
+            raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"page {page_id} of namespace {ns} is not a private page of a live sequence of this client; "
+                "published pages are immutable"))
+        return mine
+
+    def pages_by_extent(self, ns: int, page_ids, writable: bool = False) -> list[tuple[object, list[int], list[int]]]:
         """The pages grouped by the extent holding them, for batched copies: per extent its
         torch view ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, the
-        pages' indices in it and their positions in ``page_ids``. Same rules as ``page()``."""
+        pages' indices in it and their positions in ``page_ids``.
+
+        Read-only views unless ``writable``, which needs every page to be a private page of
+        this client's live sequences (``FAILED_PRECONDITION`` otherwise, as ``page``)."""
         groups: dict[str, tuple[object, list[int], list[int]]] = {}
         layout = self._namespace(ns).layout
         for position, page_id in enumerate(page_ids):
             extent, index = self._locate(ns, page_id)
-            _, indices, positions = groups.setdefault(extent.name, (extent_tensor(extent, layout), [], []))
+            if writable:
+                self._may_write(ns, page_id, True)
+            _, indices, positions = groups.setdefault(extent.name, (extent_tensor(extent, layout, writable), [], []))
             indices.append(index)
             positions.append(position)
         return list(groups.values())
@@ -281,7 +307,12 @@ class KVDClient:
         reply = self._call("AllocateWithPrefix", pb.AllocateRequest(
             session=self.session, namespace_id=ns, sequences=_requests(requests),
         ))
-        return [_allocation(s) for s in reply.sequences]
+        allocations = [_allocation(s) for s in reply.sequences]
+        with self._lock:
+            for a in allocations:
+                self._private.drop(ns, a.seq_id)  # an evicted sequence re-entering
+                self._private.add(ns, a.seq_id, a.private_pages)
+        return allocations
 
     allocate_pages_for_sequences_with_prefix = allocate_with_prefix
 
@@ -302,6 +333,9 @@ class KVDClient:
             session=self.session, namespace_id=ns,
             items=[pb.PublishItem(seq_id=s, num_tokens=num_tokens.get(s, 0)) for s in seq_ids],
         ))
+        with self._lock:
+            for r in reply.results:
+                self._private.published(ns, r.seq_id, r.published_pages)
         return [
             PublishResult(r.seq_id, r.published_pages, [Rebind(b.position, b.old_page, b.new_page) for b in r.rebinds])
             for r in reply.results
@@ -327,25 +361,41 @@ class KVDClient:
         ))
         page_counts = reply.new_page_counts
         pages = unpack_pages(reply.new_pages)
-        return [
+        results = [
             ExtendResult(i.seq_id, pages[end - count:end], num_tokens)
             for i, num_tokens, count, end in zip(items, reply.num_tokens, page_counts, accumulate(page_counts))
         ]
+        if pages:
+            with self._lock:
+                for r in results:
+                    if r.new_pages:
+                        self._private.add(ns, r.seq_id, r.new_pages)
+        return results
 
     def fork(self, ns: int, src: str, dst: str) -> SequenceAllocation:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
-        return _allocation(self._call("Fork", pb.ForkRequest(
+        allocation = _allocation(self._call("Fork", pb.ForkRequest(
             session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst,
         )).sequence)
+        with self._lock:
+            self._private.add(ns, dst, allocation.private_pages)
+        return allocation
 
     def release(self, ns: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns the number of page references released."""
-        return self._call("Release", pb.ReleaseRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)).released_pages
+        released = self._call("Release", pb.ReleaseRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)).released_pages
+        with self._lock:
+            for seq_id in seq_ids:
+                self._private.drop(ns, seq_id)
+        return released
 
     def set_state(self, ns: int, seq_id: str, state: SequenceState | str) -> SequenceState:
         """Moves a sequence through PREFILLED → IN_DECODE ⇄ ON_HOLD → COMPLETED; returns the previous state."""
         state = SequenceState[state] if isinstance(state, str) else state
         reply = self._call("SetState", pb.SetStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value))
+        if state in (SequenceState.COMPLETED, SequenceState.EVICTED):  # its pages are released
+            with self._lock:
+                self._private.drop(ns, seq_id)
         return SequenceState(reply.previous)
 
     def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
@@ -381,6 +431,14 @@ class KVDClient:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
         from engine_client.admin import verify_dict
         return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=fetch_ticket(self._socket))))
+
+    def reset_prefix_cache(self, ns: int | None = None) -> dict:
+        """Drops the cached (unreferenced) published pages of namespace ``ns``, or of every
+        namespace (with tenants: this tenant's), as vLLM's ``reset_prefix_cache`` after a
+        weight update. Pages a sequence or pin references are untouched.
+        Returns {"dropped_pages", "kept_pages"}."""
+        from engine_client.admin import reset_dict, reset_request
+        return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
 
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

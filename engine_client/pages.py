@@ -2,7 +2,10 @@
 
 The client attaches to extents by name and never creates, resizes or unlinks one: only
 the daemon owns the arena. A page is a view, not a copy: writes through it land in the
-daemon's shared memory, where every other process sees them.
+daemon's shared memory, where every other process sees them. Each extent is mapped twice,
+read-write and read-only (``PROT_READ``): published pages are handed out from the
+read-only map, so a stray write to one fails in the process that made it (numpy raises,
+a torch write faults) instead of corrupting every engine's KV.
 
 Page layout (kvd/wire/layout.py): ``[num_layers, 2, page_size, num_kv_heads, head_dim]``,
 axis 1 holding K (0) and V (1).
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,22 +34,28 @@ class MappedExtent:
     first_page: int
     num_pages: int
     memory: mmap.mmap
-    array: np.ndarray         # [num_pages, *page_shape] in the storage dtype
-    tensor: object = None     # the same memory as a torch tensor, made on first use
+    array: np.ndarray         # [num_pages, *page_shape] in the storage dtype, writable
+    readonly_memory: mmap.mmap
+    readonly: np.ndarray      # the same pages through the read-only map
+    tensor: object = None     # the writable array as a torch tensor, made on first use
+    readonly_tensor: object = None
 
 
 def attach(name: str, first_page: int, num_pages: int, layout: PageLayout) -> MappedExtent:
-    """Maps an existing extent read-write. Raises posix_ipc.ExistentialError if it is gone."""
+    """Maps an existing extent read-write and read-only. Raises posix_ipc.ExistentialError if it is gone."""
     shm = posix_ipc.SharedMemory(name)  # no O_CREAT: attach only
     try:
         size = num_pages * layout.page_bytes
         if shm.size < size:
             raise ValueError(f"extent {name} holds {shm.size} bytes, expected at least {size}")
         memory = mmap.mmap(shm.fd, size)
+        readonly_memory = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ)
     finally:
         shm.close_fd()
-    array = np.frombuffer(memory, dtype=_NUMPY_STORAGE[layout.dtype]).reshape(num_pages, *layout.page_shape)
-    return MappedExtent(name, first_page, num_pages, memory, array)
+    shape = (num_pages, *layout.page_shape)
+    array = np.frombuffer(memory, dtype=_NUMPY_STORAGE[layout.dtype]).reshape(shape)
+    readonly = np.frombuffer(readonly_memory, dtype=_NUMPY_STORAGE[layout.dtype]).reshape(shape)
+    return MappedExtent(name, first_page, num_pages, memory, array, readonly_memory, readonly)
 
 
 class PageMap:
@@ -83,12 +93,23 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def extent_tensor(extent: MappedExtent, layout: PageLayout):
-    """The whole extent as a torch tensor [num_pages, *page_shape], sharing memory."""
-    if extent.tensor is None:
-        import torch
-        t = torch.from_numpy(extent.array)
-        if layout.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-            t = t.view(torch_dtype(layout.dtype))
-        extent.tensor = t
-    return extent.tensor
+def _as_tensor(array: np.ndarray, layout: PageLayout):
+    import torch
+    with warnings.catch_warnings():  # torch has no read-only tensors; the map itself refuses writes
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(array)
+    if layout.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        t = t.view(torch_dtype(layout.dtype))
+    return t
+
+
+def extent_tensor(extent: MappedExtent, layout: PageLayout, writable: bool = True):
+    """The whole extent as a torch tensor [num_pages, *page_shape], sharing memory; through
+    the read-only map unless ``writable``."""
+    if writable:
+        if extent.tensor is None:
+            extent.tensor = _as_tensor(extent.array, layout)
+        return extent.tensor
+    if extent.readonly_tensor is None:
+        extent.readonly_tensor = _as_tensor(extent.readonly, layout)
+    return extent.readonly_tensor

@@ -35,8 +35,9 @@ class ClientHostPages:
             self.client.page(self.ns, page_id)
 
     def extents(self) -> list[memoryview]:
-        """Every extent of the namespace this process has mapped, as writable memoryviews."""
+        """Every extent of the namespace this process has mapped, through both of its maps:
+        writable (private pages) and read-only (published pages; `client.page` views)."""
         extents = self.client.mapped_extents(self.ns)
         for extent in extents:
             self._handed_out.setdefault(extent.name, extent)
-        return [memoryview(extent.memory) for extent in extents]
+        return [memoryview(m) for extent in extents for m in (extent.memory, extent.readonly_memory)]

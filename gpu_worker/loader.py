@@ -14,9 +14,11 @@ The pool tensor must outlive the loader: it is used on the side stream without
 """
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,15 +78,21 @@ def register_chunks(address: int, nbytes: int, align: int,
 
 # Process-wide, because cudaHostRegister is per process: (address, nbytes) of every extent
 # this module registered, so each is registered once however many loaders use it.
+log = logging.getLogger(__name__)
 _registered: set[tuple[int, int]] = set()
 _registered_lock = threading.Lock()
+
+
+# cudaHostRegisterReadOnly: published pages are mapped PROT_READ (engine_client/pages.py).
+_HOST_REGISTER_READ_ONLY = 0x08
 
 
 def register_host_extents(extents: Iterable[memoryview], page_bytes: int) -> int:
     """CUDA only: cudaHostRegister each extent once per process, in chunks aligned to both
     KV pages and OS pages; extents already pinned (by the engine client, or allocated
     pinned) are left alone, since a second registration fails. Returns the bytes newly
-    registered. A failed extent is rolled back (its chunks unregistered) before raising."""
+    registered. A failed extent is rolled back (its chunks unregistered) before raising;
+    a read-only map the device cannot register stays pageable (its copies are slower, not wrong)."""
     cudart = torch.cuda.cudart()
     align = math.lcm(page_bytes, mmap.PAGESIZE)
     added = 0
@@ -93,20 +101,28 @@ def register_host_extents(extents: Iterable[memoryview], page_bytes: int) -> int
             view = memoryview(extent)
             if view.nbytes == 0:
                 continue
-            head = torch.frombuffer(view, dtype=torch.uint8, count=1)  # the extent's first byte
+            with warnings.catch_warnings():  # a read-only map: torch only reads its address here
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                head = torch.frombuffer(view, dtype=torch.uint8, count=1)  # the extent's first byte
             key = (head.data_ptr(), view.nbytes)
             if key in _registered:
                 continue
             if not head.is_pinned():  # torch's probe clears the CUDA error it may cause
+                flags = _HOST_REGISTER_READ_ONLY if view.readonly else 0
                 done: list[int] = []
                 for ptr, size in register_chunks(*key, align=align):
-                    err = int(cudart.cudaHostRegister(ptr, size, 0))
+                    err = int(cudart.cudaHostRegister(ptr, size, flags))
                     if err != 0:
                         for p in done:
                             cudart.cudaHostUnregister(p)
+                        if view.readonly:
+                            log.warning("cannot register a read-only host extent (CUDA error %d); copies of "
+                                        "published pages from it go through pageable memory", err)
+                            break
                         raise RuntimeError(f"cudaHostRegister({ptr:#x}, {size}) failed with CUDA error {err}")
                     done.append(ptr)
-                added += view.nbytes
+                else:
+                    added += view.nbytes
             _registered.add(key)
     return added
 

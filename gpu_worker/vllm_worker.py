@@ -100,6 +100,7 @@ class KVDWorkerSide:
         self._saves: list[_StepSave] = []
         self._saved_layers: set[int] = set()
         self._published: dict[str, tuple[int, int]] = {}
+        self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = set(self.layer_index) - set(kv_caches)
@@ -173,7 +174,7 @@ class KVDWorkerSide:
             return None
         positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
         groups = self._resolve(seq.daemon_instance, [seq.page_ids[p] for p in positions],
-                               f"save for request {plan.req_id}")
+                               f"save for request {plan.req_id}", writable=True)
         return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
 
     def _sequence(self, req_id: str) -> _Saving | None:
@@ -276,14 +277,18 @@ class KVDWorkerSide:
             self.link.attempt("release", lambda kvd, ns: kvd.release(ns, live))
 
     # ---- helpers ----------------------------------------------------------------------
-    def _resolve(self, daemon_instance: str, page_ids: list[int], what: str):
-        """The pages grouped by extent, or None when they cannot be trusted or mapped."""
+    def _resolve(self, daemon_instance: str, page_ids: list[int], what: str, writable: bool = False):
+        """The pages grouped by extent (writable ones: private pages of this worker's
+        sequences), or None when they cannot be trusted or mapped."""
         def locate(kvd, ns):
             if kvd.daemon_instance != daemon_instance:
                 raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
-            groups = kvd.pages_by_extent(ns, page_ids)
-            if self._cuda:
-                register_host_extents([memoryview(e.memory) for e in kvd.mapped_extents(ns)], self.layout.page_bytes)
+            groups = kvd.pages_by_extent(ns, page_ids, writable)
+            if self._cuda:  # both maps; registered memory must stay mapped, so its extents are kept
+                extents = kvd.mapped_extents(ns)
+                self._registered.update((e.name, e) for e in extents)
+                register_host_extents([memoryview(m) for e in extents for m in (e.memory, e.readonly_memory)],
+                                      self.layout.page_bytes)
             return groups
 
         try:

@@ -19,16 +19,20 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import operator
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
+from kvd import crashpoints
+from kvd.errors import ResourceExhausted
 from kvd.meta import META_SUFFIX, ExtentHeader, ExtentMeta, manifest_name, unlink_quietly, write_manifest
 from kvd.types import NamespaceId, PageId
 
@@ -41,6 +45,8 @@ _OS_PAGE = mmap.PAGESIZE
 _first_page = operator.attrgetter("first_page")
 # Each page has a record on the daemon's heap: bound how many one extent adds at once.
 MAX_EXTENT_PAGES = 1 << 16
+# After /dev/shm refused an extent, the next one is tried this much later (or once an extent is freed).
+SHM_RETRY_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,9 +96,33 @@ class Extent:
     def close(self, unlink: bool = False) -> None:
         self.pages = None  # drop the numpy export before closing the map
         self.memory.close()
-        self.meta.close(unlink)
-        if unlink:
+        if unlink:  # the data first: the reverse of Arena.build
             posix_ipc.unlink_shared_memory(self.name)
+        self.meta.close(unlink)
+
+
+class ShmFull(ResourceExhausted):
+    """/dev/shm cannot back a new extent (a container's default is 64 MiB)."""
+
+
+def shm_free_bytes() -> int:
+    """Bytes /dev/shm can still allocate."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _reserve(fd: int, plan: ExtentPlan) -> None:
+    """Allocates the extent's memory in the tmpfs now, so a full /dev/shm is this error and
+    never a SIGBUS later, in the daemon or in a client touching a page."""
+    try:
+        os.posix_fallocate(fd, 0, plan.size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise ShmFull(
+            f"{SHM_DIR} has {shm_free_bytes()} bytes free, too few for extent {plan.name} of {plan.size} bytes; "
+            f"give {SHM_DIR} more room (docker run --shm-size) or lower --host-bytes"
+        ) from None
 
 
 class _MemoryLocker:
@@ -141,6 +171,10 @@ class Arena:
         self._extents: dict[str, Extent] = {}
         self._by_first_page: list[Extent] = []  # sorted by first_page
         self._manifest: mmap.mmap | None = None
+        self.shm_refusals = 0   # extents /dev/shm could not hold
+        self.shm_note = ""      # why the last one was refused, until one fits again
+        self._shm_retry_at = 0.0
+        self._shm_warned = False
 
     # ---- budget -------------------------------------------------------------------
 
@@ -150,6 +184,8 @@ class Arena:
 
     def creatable_pages(self, page_bytes: int) -> int:
         """Pages of this size that new extents could still hold within the budget."""
+        if time.monotonic() < self._shm_retry_at:
+            return 0  # /dev/shm refused the last extent (shm_refused)
         return (self.budget_bytes - self._reserved_bytes) // page_bytes
 
     def plan(self, namespace: NamespaceId, page_bytes: int, page_size: int = 1, root: bytes = b"") -> ExtentPlan | None:
@@ -172,13 +208,32 @@ class Arena:
         return plan
 
     def build(self, plan: ExtentPlan) -> Extent:
-        """Creates, maps, pre-faults and locks the segment. Touches no arena state."""
-        shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
+        """Creates the extent's metadata, then its data segment: reserved in /dev/shm, mapped,
+        pre-faulted and locked. Touches no arena state; raises ``ShmFull`` when /dev/shm
+        cannot hold it.
+
+        Metadata comes first, so a crash at any instant leaves either a complete extent or
+        one whose data segment is missing or short, which recovery drops on its own
+        (kvd/recovery.py) without mistaking it for another configuration."""
+        meta = ExtentMeta.create(plan.name, ExtentHeader(
+            plan.namespace, plan.root, plan.first_page, plan.num_pages, plan.page_size, plan.page_bytes,
+        ), self.meta_mode)
+        crashpoints.reached("extent-meta")
+        try:
+            shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
+        except BaseException:
+            meta.close(unlink=True)
+            raise
         try:
             os.fchmod(shm.fd, 0o660)  # whatever the umask: engines in the daemon's group map it read-write
             if self.group is not None:
                 os.fchown(shm.fd, -1, self.group)  # only the tenant's group maps it
+            _reserve(shm.fd, plan)
             memory = mmap.mmap(shm.fd, plan.size)
+        except BaseException:
+            meta.close(unlink=True)
+            posix_ipc.unlink_shared_memory(plan.name)
+            raise
         finally:
             shm.close_fd()
         view = np.frombuffer(memory, dtype=np.uint8)
@@ -187,14 +242,7 @@ class Arena:
         if self._locker is not None:
             locked = self._locker.lock(view.ctypes.data, plan.size)
         del view
-        try:
-            meta = ExtentMeta.create(plan.name, ExtentHeader(
-                plan.namespace, plan.root, plan.first_page, plan.num_pages, plan.page_size, plan.page_bytes,
-            ), self.meta_mode)
-        except BaseException:
-            memory.close()
-            posix_ipc.unlink_shared_memory(plan.name)
-            raise
+        crashpoints.reached("extent-data")
         return Extent(plan, memory, locked, meta)
 
     def attach(self, plan: ExtentPlan, meta: ExtentMeta) -> Extent:
@@ -205,6 +253,7 @@ class Arena:
                 raise ValueError(f"extent {plan.name} holds {shm.size} bytes, its metadata says {plan.size}")
             if self.group is not None:  # the tenant's group may have changed since
                 os.fchown(shm.fd, -1, self.group)
+            _reserve(shm.fd, plan)  # a killed daemon may have died before reserving it
             memory = mmap.mmap(shm.fd, plan.size)
         finally:
             shm.close_fd()
@@ -237,10 +286,26 @@ class Arena:
         self._by_first_page.remove(extent)
         self._reserved_bytes -= extent.plan.size
         extent.close(unlink=True)
+        self._shm_retry_at = 0.0  # its memory is back in /dev/shm
 
     def cancel(self, plan: ExtentPlan) -> None:
         """Returns the budget of a plan whose build failed."""
         self._reserved_bytes -= plan.size
+
+    def shm_refused(self, error: ShmFull) -> None:
+        """/dev/shm could not hold a new extent: no further one is planned for a while, so
+        requests are served from the extents there are (and refused beyond them)."""
+        self.shm_refusals += 1
+        self.shm_note = str(error)
+        self._shm_retry_at = time.monotonic() + SHM_RETRY_SECONDS
+        if not self._shm_warned:
+            self._shm_warned = True
+            log.warning("%s; serving from the extents there are until space frees up", error)
+
+    def shm_accepted(self) -> None:
+        """A new extent fit in /dev/shm: the next refusal is logged again."""
+        self._shm_warned = False
+        self.shm_note = ""
 
     # ---- lookup -------------------------------------------------------------------
 

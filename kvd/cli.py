@@ -1,9 +1,10 @@
-"""``kvd``: serve, stats, clean.
+"""``kvd``: serve, stats, verify, reset, clean.
 
     kvd serve [--config FILE] [--socket PATH] [--host-bytes 8GiB] [--[no-]enable-prefix-reuse] [--metrics-port N]
     kvd stats [--socket PATH] [--json] [--watch SECONDS]
     kvd clean [--socket PATH]
     kvd verify [--socket PATH] [--json]   (exit status 1 when it found corrupted pages)
+    kvd reset [--socket PATH] [--namespace ID] [--json]
 """
 from __future__ import annotations
 
@@ -51,9 +52,18 @@ def stats_table(stats: dict) -> str:
     rows = [f"{f:<{width}}" + "".join(f"  {col[f]:>24,}" for _, col in columns) for f in STAT_FIELDS]
     footer = (
         f"host budget {stats['host_bytes']:,} bytes, arena {stats['arena_bytes']:,} bytes, "
-        f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}"
+        f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}, "
+        f"extents refused by /dev/shm {stats['shm_refusals']:,}"
     )
-    return "\n".join([head, *rows, footer])
+    return "\n".join([head, *rows, footer, recovery_line(stats["recovery"])])
+
+
+def recovery_line(r: dict) -> str:
+    """One line on what the daemon's start found in shared memory, dropped pages by reason."""
+    dropped = ", ".join(f"{reason} {n:,}" for reason, n in r["dropped_pages"].items())
+    line = (f"last start: recovered {r['recovered_pages']:,} published pages ({r['resealed_pages']:,} sealed by "
+            f"recovery); dropped {dropped}; incomplete extents {r['incomplete_extents']:,}")
+    return line + (f"; discarded every segment: {r['discarded']}" if r["discarded"] else "")
 
 
 def _stats(args) -> int:
@@ -95,7 +105,24 @@ def _verify(args) -> int:
     else:
         print(f"verified {result['checked_pages']} published pages ({result['checked_bytes']:,} bytes) in "
               f"{result['seconds'] * 1e3:.1f} ms: {result['corrupted_pages']} corrupted pages dropped")
+        print(recovery_line(result["recovery"]))
     return 1 if result["corrupted_pages"] else 0
+
+
+def _reset(args) -> int:
+    from engine_client.admin import reset_prefix_cache
+    from engine_client.types import KVDError
+    path = _socket(args)
+    try:
+        result = reset_prefix_cache(path, args.namespace)
+    except KVDError as e:
+        print(f"kvd reset: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"dropped {result['dropped_pages']} cached pages; kept {result['kept_pages']} published pages in use")
+    return 0
 
 
 def _clean(args) -> int:
@@ -159,6 +186,12 @@ def parser() -> argparse.ArgumentParser:
     common(v)
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_verify)
+
+    r = sub.add_parser("reset", help="drop cached (unreferenced) published pages, as after a weight update")
+    common(r)
+    r.add_argument("--namespace", type=int, help="only this namespace id (default: every namespace)")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.set_defaults(func=_reset)
 
     c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
     common(c)

@@ -23,14 +23,14 @@ from kvd.meta import MetaError, page_checksum
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.requests import (
-    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ExtendResult,
+    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ResetResult, ExtendResult,
     SequencePlan, SequenceRequest, check_batch, check_call, check_seq_id, check_token_lists, prepare,
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
 from kvd.supply import ExtentSupply
-from kvd.types import NamespaceId, PageId, PageKey, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SeqState, SessionId
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class KVCacheManager:
         self._aux_bytes = 0  # non-KV state of all sequences
         self.sealer = Sealer()
         self.checksums: dict[PageId, int] = {}  # sealed published/cached pages
+        self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by recover()
         self._to_seal: list[SealJob] = []
 
     def close(self, unlink: bool = True) -> None:
@@ -140,6 +141,21 @@ class KVCacheManager:
                  checked, checked_bytes, seconds * 1e3, corrupted)
         return VerifyResult(checked, checked_bytes, corrupted, seconds)
 
+    def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
+        """Drops every cached (published, unreferenced) page of a namespace, or of all: what
+        vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
+        references stay as they are, indexed; nothing is refused."""
+        namespaces = self.namespaces.all() if namespace_id is None else [self.namespaces.get(namespace_id)]
+        ids = {ns.id for ns in namespaces}
+        dropped = 0
+        for ns_id in ids:
+            while self.pool.cached_count(ns_id):
+                self.index.remove(self.pool.evict_oldest(ns_id))
+                dropped += 1
+        kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
+        log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
+        return ResetResult(dropped, kept)
+
     def drop_corrupted(self, page: PageId) -> None:
         """A published page whose bytes changed is never served again: out of the index now,
         freed at once when cached, else when its holders release it."""
@@ -190,7 +206,12 @@ class KVCacheManager:
         self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
             self.pool.acquire_all(p.hits)
-        self.room.ensure_free(ns, need)
+        try:
+            self.room.ensure_free(ns, need)
+        except ResourceExhausted:  # /dev/shm refused an extent the check counted on
+            for p in prepared:
+                self.pool.release_all(reversed(p.hits))
+            raise
         plans = []
         counters = self.counters[ns.id]
         for p in prepared:

@@ -30,9 +30,11 @@ page of the extent (record i describes page ``first_page + i``)::
       [64]  tokens          page_size little-endian int32 token ids
 
 Write order keeps a crash harmless: a record's fields are written before its state
-becomes PUBLISHED, its checksum before SEALED, and the state drops to FREE before the page
-can be written again. Only SEALED records whose checksum matches are ever recovered, so
-the checksum also covers the record's own fields. Metadata segments are not counted in
+becomes PUBLISHED (before ``publish`` replies), its checksum before SEALED, and the state
+drops to FREE before the page can be written again. A SEALED record is recovered only
+when its checksum matches, so the checksum also covers the record's own fields; a
+PUBLISHED one is complete (its state byte is written last) and recovery seals it itself.
+The metadata segment is created before its extent's data segment and unlinked after it. Metadata segments are not counted in
 the host budget: per page they take 64 + 4 * page_size bytes (0.1% of a 2 MiB page).
 """
 from __future__ import annotations

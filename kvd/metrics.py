@@ -76,6 +76,18 @@ class _StatsCollector:
         yield GaugeMetricFamily("kvd_sessions", "Open client sessions", value=every.totals.sessions)
         yield GaugeMetricFamily("kvd_host_budget_bytes", "Host byte budget for pages", value=every.host_bytes)
         yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=every.arena_bytes)
+        yield CounterMetricFamily("kvd_shm_refusals", "Extents /dev/shm could not hold (calls refused)",
+                                  value=every.shm_refusals)
+        recovery = every.recovery
+        yield GaugeMetricFamily("kvd_recovery_recovered_pages", "Published pages the daemon's start recovered",
+                                value=recovery.recovered_pages)
+        dropped = GaugeMetricFamily("kvd_recovery_dropped_pages", "Published pages the daemon's start dropped",
+                                    labels=["reason"])
+        for reason, pages in recovery.dropped_pages.items():
+            dropped.add_metric([reason], pages)
+        yield dropped
+        yield GaugeMetricFamily("kvd_recovery_incomplete_extents", "Extents a crash left incomplete, dropped at start",
+                                value=recovery.incomplete_extents)
 
 
 class MetricsExporter:

@@ -1,34 +1,43 @@
 """Warm restart: re-attach the extents a killed daemon left, verify and re-index its pages.
 
 ``kvd serve`` on the same socket (hence the same shared-memory prefix) calls ``recover``
-before it accepts calls. It is all or nothing at the level of the arena: when the
-manifest is missing, torn or of another version, when the host budget shrank or the
-extent size changed, or when an extent's metadata does not match its namespace, every
-segment is deleted, the reason logged, and the daemon starts empty. It never crashes on
-what it finds in /dev/shm.
+before it accepts calls. It keeps everything it can verify and drops only what it cannot:
+
+- When the manifest is missing, torn or of another version, when the host budget shrank
+  or the extent size changed, or when an extent belongs to a namespace the manifest lacks
+  or has another layout, the segments were left by another configuration: every segment
+  is deleted (reason ``mismatch``) and the daemon starts empty.
+- An extent whose metadata or data segment is missing, torn or short was being created
+  or deleted when the daemon died (kvd/arena.py creates the metadata first and unlinks it
+  last): that extent alone is deleted (``incomplete_extent``). Its pages were never handed
+  out, so no published page is lost with it.
 
 Otherwise namespaces come back with their old ids, every extent counts against the
-budget again, and each SEALED page record (kvd/meta.py) is checked against its checksum.
-Pages that verify are re-indexed as CACHED with refcount 0, parents first; a page whose
-parent did not come back (it failed its checksum, was never sealed, or was freed) is
-dropped too: it can never be reached by a lookup, which walks chains from page 0.
-Failed checksums count in ``corrupted_pages``; everything else — private pages of dead
-sessions, unsealed pages — is simply free.
+budget again, and each page record (kvd/meta.py) is read. A SEALED page is checked
+against its checksum (``corrupted`` when it fails). A PUBLISHED page was published (its
+bytes written before the call, its record before the reply) but the daemon died before
+the sealer recorded its checksum: recovery seals it now, so a publish that returned
+survives a ``kill -9``. Pages are re-indexed as CACHED with refcount 0, parents first; a
+page whose parent did not come back is dropped too (``orphaned``): a lookup walks chains
+from page 0 and could never reach it. Private pages of dead sessions are simply free.
+The ``RecoveryReport`` is kept for ``kvd stats``, metrics and ``kvd verify``.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from kvd.arena import SHM_DIR, ExtentPlan, daemon_segments, leftover_segments, unlink_segments
+from kvd.arena import SHM_DIR, ExtentPlan, ShmFull, daemon_segments, leftover_segments, unlink_segments
 from kvd.errors import KvdError
 from kvd.index import PageContent
 from kvd.manager import NamespaceCounters
-from kvd.meta import META_SUFFIX, PUBLISHED, SEALED, ExtentMeta, MetaError, manifest_name, page_checksum, read_manifest
+from kvd.meta import (
+    META_SUFFIX, PUBLISHED, ExtentMeta, MetaError, manifest_name, page_checksum, read_manifest, unlink_quietly,
+)
 from kvd.namespaces import NamespaceRegistry, identity_from_doc
 from kvd.types import NamespaceId, PageId, PageKey
 
@@ -41,10 +50,16 @@ class Mismatch(Exception):
 
 @dataclass(frozen=True)
 class RecoveryReport:
+    """What the last start found in shared memory; every dropped page is counted by reason."""
+
     extents: int = 0
     recovered_pages: int = 0
-    corrupted_pages: int = 0
+    resealed_pages: int = 0       # of recovered_pages: published but not sealed when the daemon died
+    corrupted_pages: int = 0      # failed their checksum
     orphaned_pages: int = 0       # verified, but their parent did not come back
+    mismatch_pages: int = 0       # published pages of segments another configuration left
+    incomplete_pages: int = 0     # published pages of incomplete extents
+    incomplete_extents: int = 0   # extents a crash left half created or half deleted
     verified_bytes: int = 0
     seconds: float = 0.0
     discarded: str | None = None  # why the previous daemon's segments were deleted
@@ -53,36 +68,87 @@ class RecoveryReport:
     def ms_per_gib(self) -> float:
         return self.seconds * 1e3 / (self.verified_bytes / (1 << 30)) if self.verified_bytes else 0.0
 
+    @property
+    def dropped_pages(self) -> dict[str, int]:
+        return {"corrupted": self.corrupted_pages, "orphaned": self.orphaned_pages,
+                "mismatch": self.mismatch_pages, "incomplete_extent": self.incomplete_pages}
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "discarded": self.discarded or "", "dropped_pages": self.dropped_pages}
+
+    @classmethod
+    def combined(cls, reports: list["RecoveryReport"]) -> "RecoveryReport":
+        """Several tenants' reports as one daemon's: counts summed, reasons for discarding joined."""
+        counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(cls) if f.name != "discarded"}
+        return cls(**counts, discarded="; ".join(r.discarded for r in reports if r.discarded) or None)
+
+
+@dataclass
+class _Found:
+    """What ``_check`` found usable, and what it dropped on the way."""
+
+    registry: NamespaceRegistry
+    metas: list[ExtentMeta] = field(default_factory=list)
+    incomplete_extents: int = 0
+    incomplete_pages: int = 0
+
 
 def recover(manager) -> RecoveryReport:
     """Re-attaches what a previous daemon on this prefix left; see the module docstring."""
+    report = _recover(manager)
+    manager.last_recovery = report
+    return report
+
+
+def _recover(manager) -> RecoveryReport:
     prefix = manager.arena.name_prefix
     segments = daemon_segments(prefix)
     if not segments:
         return RecoveryReport()
     start = time.perf_counter()
-    metas: list[ExtentMeta] = []
+    opened: list[ExtentMeta] = []
     try:
-        registry, metas = _check(manager, prefix, segments)
+        found = _check(manager, prefix, segments, opened)
     except (Mismatch, MetaError) as e:
-        for meta in metas:
+        for meta in opened:
             meta.close(unlink=False)
+        lost = _published_left(prefix)
         unlink_segments(daemon_segments(prefix))
-        log.warning("warm restart: discarding the %d shared-memory segments a previous daemon left: %s",
-                    len(segments), e)
-        return RecoveryReport(discarded=str(e))
-    report = _adopt(manager, registry, metas, start)
+        log.warning("warm restart: discarding the %d shared-memory segments a previous daemon left "
+                    "(%d published pages): %s", len(segments), lost, e)
+        return RecoveryReport(mismatch_pages=lost, discarded=str(e), seconds=time.perf_counter() - start)
+    report = _adopt(manager, found, start)
     log.info(
         "warm restart: recovered %d published pages from %d extents in %.1f ms (%d bytes verified, "
-        "%.0f ms per GiB); %d failed their checksum, %d dropped with a missing parent",
+        "%.0f ms per GiB, %d sealed now); %d failed their checksum, %d dropped with a missing parent, "
+        "%d incomplete extents dropped",
         report.recovered_pages, report.extents, report.seconds * 1e3, report.verified_bytes,
-        report.ms_per_gib, report.corrupted_pages, report.orphaned_pages,
+        report.ms_per_gib, report.resealed_pages, report.corrupted_pages, report.orphaned_pages,
+        report.incomplete_extents,
     )
     return report
 
 
-def _check(manager, prefix: str, segments: list[str]) -> tuple[NamespaceRegistry, list[ExtentMeta]]:
-    """Reads and checks everything; changes nothing. Metas opened so far are returned through the list."""
+def _published(meta: ExtentMeta) -> int:
+    return int(np.count_nonzero(meta.states() >= PUBLISHED))
+
+
+def _published_left(prefix: str) -> int:
+    """Published pages recorded in every readable metadata segment of the prefix."""
+    total = 0
+    for name in leftover_segments(prefix):
+        try:
+            meta = ExtentMeta.open(name)
+        except MetaError:
+            continue
+        total += _published(meta)
+        meta.close(unlink=False)
+    return total
+
+
+def _check(manager, prefix: str, segments: list[str], opened: list[ExtentMeta]) -> _Found:
+    """Reads and checks everything; deletes only incomplete extents. Metas opened so far are
+    left in ``opened`` (the caller closes them when this raises)."""
     arena = manager.arena
     if manifest_name(prefix) not in segments:
         raise Mismatch("there is no manifest")
@@ -98,70 +164,94 @@ def _check(manager, prefix: str, segments: list[str]) -> tuple[NamespaceRegistry
         raise Mismatch(f"the host budget shrank from {old_budget} to {arena.budget_bytes} bytes")
     if arena.extent_bytes != old_extent:
         raise Mismatch(f"the extent size changed from {old_extent} to {arena.extent_bytes} bytes")
-    extents = leftover_segments(prefix)
-    metas = []
-    try:
-        for name in extents:
+    found = _Found(registry)
+    data = set(leftover_segments(prefix))
+    names = sorted(data | {s[:-len(META_SUFFIX)] for s in segments if s.endswith(META_SUFFIX)},
+                   key=lambda n: int(n.rsplit("-", 1)[1]))
+    for name in names:
+        try:
             meta = ExtentMeta.open(name)
-            metas.append(meta)
-            h = meta.header
-            try:
-                ns = registry.get(h.namespace)
-            except KvdError:
-                raise Mismatch(f"extent {name} belongs to namespace {h.namespace}, which the manifest lacks") from None
-            if h.root != ns.root or h.page_size != ns.page_size or h.page_bytes != ns.page_bytes:
-                raise Mismatch(f"extent {name}'s layout does not match namespace {ns.id} ({ns.identity.model})")
-            if os.stat(SHM_DIR + name).st_size < h.num_pages * h.page_bytes:
-                raise Mismatch(f"extent {name} is shorter than its {h.num_pages} pages")
-        spans = sorted((m.header.first_page, m.header.first_page + m.header.num_pages) for m in metas)
-        if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
-            raise Mismatch("two extents claim the same page ids")
-        total = sum(m.header.num_pages * m.header.page_bytes for m in metas)
-        if total > arena.budget_bytes:
-            raise Mismatch(f"the extents hold {total} bytes, over the host budget of {arena.budget_bytes}")
-    except BaseException:
-        for meta in metas:
-            meta.close(unlink=False)
-        metas.clear()
-        raise
-    stray = set(segments) - set(extents) - {e + META_SUFFIX for e in extents} - {manifest_name(prefix)}
-    unlink_segments(sorted(stray))  # metadata of an extent that is gone
-    return registry, metas
+        except MetaError as e:
+            _drop_incomplete(found, name, None, str(e))
+            continue
+        opened.append(meta)
+        h = meta.header
+        try:
+            ns = registry.get(h.namespace)
+        except KvdError:
+            raise Mismatch(f"extent {name} belongs to namespace {h.namespace}, which the manifest lacks") from None
+        if h.root != ns.root or h.page_size != ns.page_size or h.page_bytes != ns.page_bytes:
+            raise Mismatch(f"extent {name}'s layout does not match namespace {ns.id} ({ns.identity.model})")
+        if name not in data:
+            _drop_incomplete(found, name, opened.pop(), "its data segment is missing")
+        elif os.stat(SHM_DIR + name).st_size < h.num_pages * h.page_bytes:
+            _drop_incomplete(found, name, opened.pop(), f"its data segment is shorter than its {h.num_pages} pages")
+        else:
+            found.metas.append(meta)
+    spans = sorted((m.header.first_page, m.header.first_page + m.header.num_pages) for m in found.metas)
+    if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise Mismatch("two extents claim the same page ids")
+    total = sum(m.header.num_pages * m.header.page_bytes for m in found.metas)
+    if total > arena.budget_bytes:
+        raise Mismatch(f"the extents hold {total} bytes, over the host budget of {arena.budget_bytes}")
+    return found
 
 
-def _adopt(manager, registry: NamespaceRegistry, metas: list[ExtentMeta], start: float) -> RecoveryReport:
-    arena, pool, index = manager.arena, manager.pool, manager.index
-    for ns in registry.all():
+def _drop_incomplete(found: _Found, name: str, meta: ExtentMeta | None, why: str) -> None:
+    """Deletes an extent a crash left half created or half deleted."""
+    lost = 0
+    if meta is not None:
+        lost = _published(meta)
+        meta.close(unlink=True)
+    unlink_quietly(name + META_SUFFIX)
+    unlink_quietly(name)
+    found.incomplete_extents += 1
+    found.incomplete_pages += lost
+    log.warning("warm restart: dropping incomplete extent %s (%s; %d published pages)", name, why, lost)
+
+
+def _adopt(manager, found: _Found, start: float) -> RecoveryReport:
+    arena, pool = manager.arena, manager.pool
+    for ns in found.registry.all():
         got = manager.namespaces.register(ns.identity)
         assert got.id == ns.id, f"recovered namespace {ns.identity.model} got id {got.id}, not {ns.id}"
         manager.counters.setdefault(ns.id, NamespaceCounters())
     candidates = []
-    verified = corrupted = 0
-    for meta in sorted(metas, key=lambda m: m.header.first_page):
+    verified = corrupted = extents = 0
+    resealed: set[PageId] = set()
+    for meta in sorted(found.metas, key=lambda m: m.header.first_page):
         h = meta.header
         plan = ExtentPlan(meta.name[:-len(META_SUFFIX)], NamespaceId(h.namespace), PageId(h.first_page),
                           h.num_pages, h.page_bytes, h.page_size, h.root)
-        extent = arena.attach(plan, meta)
+        try:
+            extent = arena.attach(plan, meta)
+        except ShmFull as e:  # never map memory the tmpfs cannot back
+            _drop_incomplete(found, plan.name, meta, str(e))
+            continue
+        extents += 1
         arena.adopt_recovered(extent)
         pool.add_pages(plan.namespace, plan.name, plan.first_page, plan.num_pages)
         states = meta.states()
-        for slot in np.flatnonzero(states == PUBLISHED):
-            meta.clear(int(slot))  # published but never sealed: not recovered
-        for slot in map(int, np.flatnonzero(states == SEALED)):
+        for slot in map(int, np.flatnonzero(states >= PUBLISHED)):
             record = meta.record(slot)
             page = PageId(h.first_page + slot)
             verified += h.page_bytes
-            if page_checksum(record.covered, extent.page_bytes_view(page)) != record.checksum:
+            checksum = page_checksum(record.covered, extent.page_bytes_view(page))
+            if states[slot] == PUBLISHED:  # its publish returned; the seal had not followed yet
+                meta.seal(slot, checksum)
+                resealed.add(page)
+            elif checksum != record.checksum:
                 meta.clear(slot)
                 pool.counters(plan.namespace).corrupted_pages += 1
                 corrupted += 1
                 log.warning("warm restart: page %d of extent %s failed its checksum; not recovered", page, plan.name)
                 continue
-            candidates.append((record.page_index, page, record, plan.namespace, meta, slot))
+            candidates.append((record.page_index, page, record, plan.namespace, meta, slot, checksum))
     accepted: dict[PageId, tuple[int, NamespaceId]] = {}
     by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
     orphaned = 0
-    for page_index, page, record, ns_id, meta, slot in sorted(candidates, key=lambda c: c[0]):
+    index = manager.index
+    for page_index, page, record, ns_id, meta, slot, checksum in sorted(candidates, key=lambda c: c[0]):
         content = PageContent(page, PageKey(record.key), record.tokens, record.parent, record.local)
         chained = (record.parent is None and page_index == 0) or (
             record.parent is not None and accepted.get(PageId(record.parent)) == (page_index - 1, ns_id)
@@ -173,13 +263,15 @@ def _adopt(manager, registry: NamespaceRegistry, metas: list[ExtentMeta], start:
         index.insert(content, page_index)
         accepted[page] = (page_index, ns_id)
         by_ns.setdefault(ns_id, []).append((page_index, content))
-        manager.checksums[page] = record.checksum
+        manager.checksums[page] = checksum
     for ns_id, contents in by_ns.items():
         contents.sort(key=lambda c: -c[0])  # chain tails are evicted first
         pool.restore(ns_id, [c for _, c in contents])
     manager.write_manifest()
     return RecoveryReport(
-        extents=len(metas), recovered_pages=len(accepted), corrupted_pages=corrupted, orphaned_pages=orphaned,
+        extents=extents, recovered_pages=len(accepted), resealed_pages=len(resealed & accepted.keys()),
+        corrupted_pages=corrupted, orphaned_pages=orphaned,
+        incomplete_pages=found.incomplete_pages, incomplete_extents=found.incomplete_extents,
         verified_bytes=verified, seconds=time.perf_counter() - start,
     )
 

@@ -91,6 +91,15 @@ class PublishResult:
     rebinds: list[Rebind]
 
 
+@dataclass(frozen=True)
+class ResetResult:
+    dropped_pages: int  # cached pages dropped from the index and freed
+    kept_pages: int     # published pages a sequence or pin still references: untouched
+
+    def __add__(self, other: "ResetResult") -> "ResetResult":
+        return ResetResult(self.dropped_pages + other.dropped_pages, self.kept_pages + other.kept_pages)
+
+
 @dataclass  # not frozen: a decode step makes one per sequence, and a frozen one takes 3x as long to build
 class ExtendResult:
     seq_id: SeqId

@@ -50,7 +50,7 @@ class Room:
         counters = self.pool.counters(ns.id)
         evicted_before, held_evicted = counters.evicted_pages, 0
         while self.pool.free_count(ns.id) < need:
-            held_evicted += self._make_room(ns, protect)
+            held_evicted += self._make_room(ns, need, protect)
         if counters.evicted_pages > evicted_before or held_evicted:
             log.info(
                 "namespace %d: evicted %d cached pages and %d on-hold sequences to make room for %d pages",
@@ -78,6 +78,7 @@ class Room:
             raise ResourceExhausted(
                 f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
                 f"freed within the host budget of {self.arena.budget_bytes} bytes"
+                + (f" ({self.arena.shm_note})" if self.arena.shm_note else "")
             )
 
     def _freeable_on_hold(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
@@ -93,11 +94,14 @@ class Room:
             1 for page, refs in on_hold_refs.items() if refs == self.pool.refcount(page) and page not in held
         )
 
-    def _make_room(self, ns: Namespace, protect: Sequence | None) -> int:
+    def _make_room(self, ns: Namespace, need: int, protect: Sequence | None) -> int:
         """One step towards a free page, in the module's order; returns the number of
         on-hold sequences it evicted (0 or 1)."""
+        refusals = self.arena.shm_refusals
         if self.supply.add_extent(ns):
             return 0
+        if self.arena.shm_refusals != refusals:
+            self.check(ns, need, protect)  # without the budget /dev/shm cannot back, it may not fit
         if self.pool.cached_count(ns.id):
             self.index.remove(self.pool.evict_oldest(ns.id))
             return 0

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import handshake, recovery
-from kvd.arena import Arena, daemon_segments, unlink_segments
+from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
 from kvd.service import SERVICE, KvdServicer, add_to_server
@@ -121,6 +121,19 @@ def _tenants(config: ServeConfig) -> Tenants:
     return Tenants(managers, config.tenants)
 
 
+def _check_shm_room(tenants: Tenants) -> None:
+    """Warns when /dev/shm cannot hold the rest of the host budget (a container's default is
+    64 MiB): extents beyond it will be refused with RESOURCE_EXHAUSTED, never a SIGBUS."""
+    needed = sum(m.arena.budget_bytes - m.arena.reserved_bytes for m in tenants.managers())
+    free = shm_free_bytes()
+    if free < needed:
+        log.warning(
+            "%s has %d bytes free but the host budget needs %d more; calls beyond what fits will be refused "
+            "with RESOURCE_EXHAUSTED. Give %s more room (docker run --shm-size) or lower --host-bytes",
+            SHM_DIR, free, needed, SHM_DIR,
+        )
+
+
 def _close_all(tenants: Tenants, keep_cache: bool = False) -> None:
     """Unmaps every tenant's extents; keeps them (sealed, consistent) for a warm restart."""
     for manager in tenants.managers():
@@ -133,6 +146,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
         _prepare_socket(auth_socket(config.socket))  # a stale one would lead clients into a dead handshake
     started = time.perf_counter()
     tenants = _tenants(config)
+    _check_shm_room(tenants)
     loop = asyncio.get_running_loop()
     for manager in tenants.managers():
         manager.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.apply_seals)

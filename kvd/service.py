@@ -26,7 +26,8 @@ from kvd.errors import (
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
-from kvd.requests import MAX_REQUEST_FIELDS, check_call, extend_items
+from kvd.recovery import RecoveryReport
+from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, check_call, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import Tenants
 from kvd.types import SeqState
@@ -125,6 +126,10 @@ def _namespace_stats(s: Stats, tenant: str = "") -> list[pb.NamespaceStats]:
     ]
 
 
+def recovery_stats(r: RecoveryReport) -> pb.RecoveryStats:
+    return pb.RecoveryStats(**{k: v for k, v in r.as_dict().items() if k not in ("dropped_pages", "extents", "verified_bytes")})
+
+
 def stats_reply(s: Stats) -> pb.StatsReply:
     return pb.StatsReply(
         totals=_page_stats(s.totals),
@@ -132,6 +137,8 @@ def stats_reply(s: Stats) -> pb.StatsReply:
         arena_bytes=s.arena_bytes,
         prefix_reuse=s.prefix_reuse,
         namespaces=_namespace_stats(s),
+        shm_refusals=s.shm_refusals,
+        recovery=recovery_stats(s.recovery),
     )
 
 
@@ -144,6 +151,8 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
         arena_bytes=every.arena_bytes,
         prefix_reuse=every.prefix_reuse,
         namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
+        shm_refusals=every.shm_refusals,
+        recovery=recovery_stats(every.recovery),
     )
 
 
@@ -388,7 +397,24 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         return pb.VerifyPagesReply(
             checked_pages=sum(v.checked_pages for v in results), checked_bytes=sum(v.checked_bytes for v in results),
             corrupted_pages=sum(v.corrupted_pages for v in results), seconds=sum(v.seconds for v in results),
+            recovery=recovery_stats(RecoveryReport.combined(
+                [m.last_recovery or RecoveryReport() for m in self.tenants.managers()])),
         )
+
+    @_unary
+    def ResetPrefixCache(self, r):
+        namespace = r.namespace_id if r.has_namespace else None
+        if self.tenants.isolated and r.session:
+            m = self._m(r.session)
+            m.sessions.get(r.session)
+            managers = [m]
+        else:
+            self.tenants.check_admin(r.ticket)
+            managers = self.tenants.managers()
+            if self.tenants.isolated and namespace is not None:
+                raise InvalidArgument("namespace ids are per tenant: reset one namespace through a session of its tenant")
+        result = sum((m.reset_prefix_cache(namespace) for m in managers), ResetResult(0, 0))
+        return pb.ResetPrefixCacheReply(dropped_pages=result.dropped_pages, kept_pages=result.kept_pages)
 
     @_unary
     def Ping(self, r):

@@ -7,8 +7,9 @@ sharing saves against keeping each sequence's KV separately.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
+from kvd.recovery import RecoveryReport
 from kvd.types import PageState
 
 STAT_FIELDS = (
@@ -62,6 +63,8 @@ class Stats:
     host_bytes: int
     arena_bytes: int
     prefix_reuse: bool
+    shm_refusals: int = 0  # extents /dev/shm could not hold
+    recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
 
     def as_dict(self) -> dict:
         return {
@@ -69,6 +72,8 @@ class Stats:
             "host_bytes": self.host_bytes,
             "arena_bytes": self.arena_bytes,
             "prefix_reuse": self.prefix_reuse,
+            "shm_refusals": self.shm_refusals,
+            "recovery": self.recovery.as_dict(),
             "namespaces": [
                 {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **n.pages.as_dict()}
                 for n in self.namespaces
@@ -123,7 +128,8 @@ def collect(manager) -> Stats:
         totals.add(s)
         namespaces.append(NamespaceStats(ns.id, ns.identity.model, ns.page_bytes, s))
     totals.sessions = len(manager.sessions)
-    return Stats(totals, namespaces, manager.arena.budget_bytes, manager.arena.reserved_bytes, manager.prefix_reuse)
+    return Stats(totals, namespaces, manager.arena.budget_bytes, manager.arena.reserved_bytes, manager.prefix_reuse,
+                 manager.arena.shm_refusals, manager.last_recovery or RecoveryReport())
 
 
 def combined(parts: list[Stats]) -> Stats:
@@ -137,4 +143,6 @@ def combined(parts: list[Stats]) -> Stats:
         host_bytes=sum(part.host_bytes for part in parts),
         arena_bytes=sum(part.arena_bytes for part in parts),
         prefix_reuse=any(part.prefix_reuse for part in parts),
+        shm_refusals=sum(part.shm_refusals for part in parts),
+        recovery=RecoveryReport.combined([part.recovery for part in parts]),
     )

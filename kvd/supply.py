@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvd.arena import Arena, Extent, ExtentPlan
+from kvd.arena import Arena, Extent, ExtentPlan, ShmFull
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
 from kvd.types import NamespaceId
@@ -57,7 +57,7 @@ class ExtentSupply:
 
     def add_extent(self, ns: Namespace) -> bool:
         """Adds one extent's pages to the namespace now: the build in flight, else a new one.
-        False when the budget holds no further extent."""
+        False when the budget holds no further extent, or /dev/shm refused it (``Arena.shm_refused``)."""
         building = self._building.pop(ns.id, None)
         if building is not None:
             self._take(*building)
@@ -67,6 +67,10 @@ class ExtentSupply:
             return False
         try:
             extent = self.arena.build(plan)
+        except ShmFull as e:
+            self.arena.cancel(plan)
+            self.arena.shm_refused(e)
+            return False
         except BaseException:
             self.arena.cancel(plan)
             raise
@@ -81,6 +85,10 @@ class ExtentSupply:
         """Adopts a background build, or returns the budget of one that failed."""
         try:
             extent = future.result()
+        except ShmFull as e:
+            self.arena.cancel(plan)
+            self.arena.shm_refused(e)
+            return
         except Exception:
             # The next build runs on the request path (add_extent) and reports the error there.
             self.arena.cancel(plan)
@@ -89,5 +97,6 @@ class ExtentSupply:
         self._adopt(extent)
 
     def _adopt(self, extent: Extent) -> None:
+        self.arena.shm_accepted()
         self.arena.adopt(extent)
         self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)

@@ -137,3 +137,12 @@ def daemon_factory(tmp_path):
 def daemon(daemon_factory) -> DaemonProcess:
     """A daemon with prefix reuse on and a 64 MiB budget."""
     return daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+
+
+def raw_page(client, ns: int, page: int):
+    """A writable numpy view of any page, past the client's read-only views of published
+    pages: what a bit flip in /dev/shm or a process writing the segment directly changes.
+    For integrity tests only."""
+    client.page_array(ns, page)  # maps its extent
+    extent = next(e for e in client.mapped_extents(ns) if e.first_page <= page < e.first_page + e.num_pages)
+    return extent.array[page - extent.first_page]

@@ -68,7 +68,12 @@ def test_stats_json_fields_and_values(tmp_path):
         with KVDClient.connect(daemon.socket) as client:
             ns = share_prefix(client)
             stats = stats_json(daemon.socket, env)
-            assert set(stats) == {*STAT_FIELDS, "host_bytes", "arena_bytes", "prefix_reuse", "namespaces"}
+            assert set(stats) == {*STAT_FIELDS, "host_bytes", "arena_bytes", "prefix_reuse", "namespaces",
+                                  "shm_refusals", "recovery"}
+            assert stats["shm_refusals"] == 0
+            assert stats["recovery"]["recovered_pages"] == 0 and stats["recovery"]["discarded"] == ""
+            assert stats["recovery"]["dropped_pages"] == {
+                "corrupted": 0, "orphaned": 0, "mismatch": 0, "incomplete_extent": 0}
             [entry] = stats["namespaces"]
             assert set(entry) == {*STAT_FIELDS, "namespace_id", "model", "page_bytes"}
             assert (entry["namespace_id"], entry["model"], entry["page_bytes"]) == (ns, "tiny", PAGE_BYTES)
@@ -119,7 +124,8 @@ def test_stats_table_and_watch(tmp_path):
                 assert len(rows[field]) == 2, f"{field}: a total and one namespace column"
             assert rows["logical_pages"] == ["9", "9"] and rows["physical_pages"] == ["5", "5"]
             assert rows["host_bytes_saved"] == [f"{4 * PAGE_BYTES:,}"] * 2
-            assert "prefix reuse on" in lines[-1] and f"host budget {64 << 20:,} bytes" in lines[-1]
+            assert "prefix reuse on" in lines[-2] and f"host budget {64 << 20:,} bytes" in lines[-2]
+            assert lines[-1].startswith("last start: recovered 0 published pages")
 
             # --watch redraws the table: two frames, then a change shows up in a later one.
             watcher = subprocess.Popen(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import agents
+from conftest import raw_page
 from engine_client import KVDClient, SequenceRequest
 from engine_client.types import KVDError
 from kvd import recovery
@@ -50,6 +51,16 @@ def publish_prefix(client: KVDClient, pages: int, seed: int = 1):
     return ns, tokens, alloc
 
 
+def assert_prefix_served(c: KVDClient, ns: int, tokens: np.ndarray, alloc, pages: int) -> None:
+    """After a restart: the namespace id is the same and the first ``pages`` pages published
+    before it hit again, at the same page ids, with the same bytes."""
+    assert c.register_namespace(agents.MODEL, agents.LAYOUT) == ns, "namespace ids survive"
+    [hit] = c.allocate_with_prefix(ns, [SequenceRequest("again", tokens)])
+    assert hit.shared_prefix_tokens == pages * PAGE and hit.shared_pages == alloc.pages[:pages]
+    assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
+    assert c.check_invariants() == []
+
+
 def kill_and_restart(daemon_factory, daemon, *args: str):
     daemon.stop(signal.SIGKILL)
     return daemon_factory(*(args or ARGS))
@@ -87,11 +98,7 @@ def test_a_graceful_stop_keeps_the_published_cache_for_the_next_start(daemon_fac
     assert d.stop() == 0  # SIGTERM, as `systemctl restart` sends
     d2 = daemon_factory(*ARGS)
     with KVDClient.connect(d2.socket) as c:
-        assert c.register_namespace(agents.MODEL, agents.LAYOUT) == ns
-        [hit] = c.allocate_with_prefix(ns, [SequenceRequest("again", tokens)])
-        assert hit.shared_prefix_tokens == 12 * PAGE and hit.shared_pages == alloc.pages[:12]
-        assert all(holds(c, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
-        assert c.check_invariants() == []
+        assert_prefix_served(c, ns, tokens, alloc, 12)
 
 
 def test_recovery_cost_per_gib(tmp_path):
@@ -133,7 +140,7 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
     client = KVDClient.connect(d.socket)
     ns, tokens, alloc = publish_prefix(client, 8)
     d.stop(signal.SIGKILL)
-    client.page_array(ns, alloc.pages[5])[0, 0, 0, 0, 0] += 1  # one value changes in /dev/shm
+    raw_page(client, ns, alloc.pages[5])[0, 0, 0, 0, 0] += 1  # one value changes in /dev/shm
     client.close()
     d2 = daemon_factory(*ARGS)
     with KVDClient.connect(d2.socket) as c:
@@ -144,6 +151,8 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
         assert hit.hit_pages == alloc.pages[:5]
         stats = c.stats()
         assert (stats["corrupted_pages"], stats["cached_pages"]) == (1, 5)
+        assert stats["recovery"]["recovered_pages"] == 5
+        assert stats["recovery"]["dropped_pages"] == {"corrupted": 1, "orphaned": 2, "mismatch": 0, "incomplete_extent": 0}
         assert c.check_invariants() == []
     assert "failed their checksum" in d2.log() and "1 failed their checksum, 2 dropped" in d2.log()
 
@@ -156,8 +165,8 @@ def test_verify_drops_pages_whose_bytes_changed(daemon):
         assert held.shared_pages == alloc.pages[:6]
         c.release(ns, ["held"])
         [held] = c.allocate_with_prefix(ns, [SequenceRequest("held", tokens[:2 * PAGE])])  # references pages 0, 1
-        c.page_array(ns, alloc.pages[4])[...] = 0                 # a cached page scribbled on
-        c.page_array(ns, alloc.pages[1])[1, 1, 1, 1, 1] = 3       # a referenced page scribbled on
+        raw_page(c, ns, alloc.pages[4])[...] = 0                  # a cached page scribbled on
+        raw_page(c, ns, alloc.pages[1])[1, 1, 1, 1, 1] = 3        # a referenced page scribbled on
         result = c.verify_pages()
         assert (result["checked_pages"], result["corrupted_pages"]) == (6, 2)
         stats = c.stats()
@@ -179,7 +188,7 @@ def test_kvd_verify_cli(daemon):
         clean = subprocess.run([sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket],
                                capture_output=True, text=True)
         assert clean.returncode == 0 and "verified 3 published pages" in clean.stdout, clean
-        c.page_array(ns, alloc.pages[2])[...] = 1
+        raw_page(c, ns, alloc.pages[2])[...] = 1
         bad = subprocess.run([sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket],
                              capture_output=True, text=True)
         assert bad.returncode == 1 and "1 corrupted pages dropped" in bad.stdout, bad
@@ -207,7 +216,10 @@ def test_a_restart_that_does_not_match_starts_empty(daemon_factory, change, args
     with KVDClient.connect(d2.socket) as c:
         ns = c.register_namespace(agents.MODEL, agents.LAYOUT)
         assert c.lookup(ns, [SequenceRequest("probe", tokens)])[0].hit_tokens == 0
-        assert c.stats()["cached_pages"] == 0 and c.check_invariants() == []
+        stats = c.stats()
+        assert stats["cached_pages"] == 0 and c.check_invariants() == []
+        assert stats["recovery"]["dropped_pages"]["mismatch"] == 4 and reason in stats["recovery"]["discarded"]
+        assert c.verify_pages()["recovery"]["mismatch_pages"] == 4
 
 
 def test_clients_fail_fast_and_reconnect_after_a_restart(daemon_factory):

@@ -466,6 +466,9 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
             assert stat_sample(samples, f"{state}_pages", "all") is not None
         assert samples[("kvd_sessions", ())] == stats["sessions"] == 1
         assert samples[("kvd_host_budget_bytes", ())] == 64 << 20
+        assert samples[("kvd_shm_refusals_total", ())] == stats["shm_refusals"] == 0
+        assert samples[("kvd_recovery_recovered_pages", ())] == 0
+        assert {samples[("kvd_recovery_dropped_pages", (("reason", r),))] for r in stats["recovery"]["dropped_pages"]} == {0}
         # Call latency, by method: the scenario made exactly two allocations and one publish.
         assert samples[("kvd_request_seconds_count", (("method", "AllocateWithPrefix"),))] == 2
         assert samples[("kvd_request_seconds_count", (("method", "Publish"),))] == 1

@@ -22,7 +22,7 @@ import pytest
 from conftest import start_daemon
 from test_service import free_port, metric_samples
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
-from engine_client.admin import fetch_stats
+from engine_client.admin import fetch_stats, reset_prefix_cache
 from engine_client.auth import fetch_ticket
 from kvd import config as config_mod
 from kvd.config import ConfigError
@@ -215,6 +215,12 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
         assert [(n["tenant"], n["model"]) for n in every["namespaces"]] == [("mine", "tiny")]
         meta = os.stat("/dev/shm" + names[0] + ".meta")
         assert stat.S_IMODE(meta.st_mode) == 0o600  # token ids: the daemon alone reads them
+        kvd.release(ns, ["a"])
+        assert kvd.reset_prefix_cache(ns) == {"dropped_pages": 4, "kept_pages": 0}  # its own tenant's namespace
+        with pytest.raises(KVDError) as e:  # namespace ids are per tenant: daemon-wide, only all of them
+            reset_prefix_cache(d.socket, ns)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert reset_prefix_cache(d.socket) == {"dropped_pages": 0, "kept_pages": 0}
 
 
 def test_metrics_of_a_daemon_with_tenants_are_labelled_by_tenant(daemon_factory, tmp_path):

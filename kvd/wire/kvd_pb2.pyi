@@ -485,19 +485,45 @@ class NamespaceStats(_message.Message):
     tenant: str
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[_Union[PageStats, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
+class RecoveryStats(_message.Message):
+    __slots__ = ("recovered_pages", "resealed_pages", "corrupted_pages", "orphaned_pages", "mismatch_pages", "incomplete_pages", "incomplete_extents", "discarded", "seconds")
+    RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESEALED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ORPHANED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    recovered_pages: int
+    resealed_pages: int
+    corrupted_pages: int
+    orphaned_pages: int
+    mismatch_pages: int
+    incomplete_pages: int
+    incomplete_extents: int
+    discarded: str
+    seconds: float
+    def __init__(self, recovered_pages: _Optional[int] = ..., resealed_pages: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., orphaned_pages: _Optional[int] = ..., mismatch_pages: _Optional[int] = ..., incomplete_pages: _Optional[int] = ..., incomplete_extents: _Optional[int] = ..., discarded: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class StatsReply(_message.Message):
-    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces")
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REUSE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    SHM_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     totals: PageStats
     host_bytes: int
     arena_bytes: int
     prefix_reuse: bool
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    shm_refusals: int
+    recovery: RecoveryStats
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("session", "ticket")
@@ -520,16 +546,38 @@ class VerifyPagesRequest(_message.Message):
     def __init__(self, ticket: _Optional[str] = ...) -> None: ...
 
 class VerifyPagesReply(_message.Message):
-    __slots__ = ("checked_pages", "checked_bytes", "corrupted_pages", "seconds")
+    __slots__ = ("checked_pages", "checked_bytes", "corrupted_pages", "seconds", "recovery")
     CHECKED_PAGES_FIELD_NUMBER: _ClassVar[int]
     CHECKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CORRUPTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     checked_pages: int
     checked_bytes: int
     corrupted_pages: int
     seconds: float
-    def __init__(self, checked_pages: _Optional[int] = ..., checked_bytes: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    recovery: RecoveryStats
+    def __init__(self, checked_pages: _Optional[int] = ..., checked_bytes: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., seconds: _Optional[float] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("session", "ticket", "has_namespace", "namespace_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    HAS_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ticket: str
+    has_namespace: bool
+    namespace_id: int
+    def __init__(self, session: _Optional[str] = ..., ticket: _Optional[str] = ..., has_namespace: _Optional[bool] = ..., namespace_id: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheReply(_message.Message):
+    __slots__ = ("dropped_pages", "kept_pages")
+    DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    dropped_pages: int
+    kept_pages: int
+    def __init__(self, dropped_pages: _Optional[int] = ..., kept_pages: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -119,6 +119,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.VerifyPagesRequest.SerializeToString,
                 response_deserializer=kvd__pb2.VerifyPagesReply.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/kvd.v1.KVD/ResetPrefixCache',
+                request_serializer=kvd__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=kvd__pb2.ResetPrefixCacheReply.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/kvd.v1.KVD/Ping',
                 request_serializer=kvd__pb2.PingRequest.SerializeToString,
@@ -239,6 +244,14 @@ class KVDServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Drops cached (unreferenced) published pages, as vLLM's reset_prefix_cache after a
+        weight update; pages a sequence or pin references are untouched. Scoped like GetStats.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """An empty round trip, for measuring the transport itself.
         """
@@ -333,6 +346,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.VerifyPages,
                     request_deserializer=kvd__pb2.VerifyPagesRequest.FromString,
                     response_serializer=kvd__pb2.VerifyPagesReply.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=kvd__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=kvd__pb2.ResetPrefixCacheReply.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -799,6 +817,33 @@ class KVD:
             '/kvd.v1.KVD/VerifyPages',
             kvd__pb2.VerifyPagesRequest.SerializeToString,
             kvd__pb2.VerifyPagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/ResetPrefixCache',
+            kvd__pb2.ResetPrefixCacheRequest.SerializeToString,
+            kvd__pb2.ResetPrefixCacheReply.FromString,
             options,
             channel_credentials,
             insecure,

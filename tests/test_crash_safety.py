@@ -1,0 +1,97 @@
+"""Crash safety at the dangerous instants (issue 11): a kill -9 while an extent is being
+created, right after a publish returned, and a /dev/shm smaller than the host budget."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import agents
+from conftest import clean_env
+from engine_client import KVDClient, PageLayout, SequenceRequest
+from test_restart import ARGS, PAGE, assert_prefix_served, publish_prefix
+
+
+@pytest.mark.parametrize("step", ["extent-meta", "extent-data"])
+def test_a_kill_while_an_extent_is_created_keeps_the_published_cache(daemon_factory, tmp_path, step):
+    """The namespace's second extent is built when its first runs low; the daemon dies
+    right after ``step`` of that build. The restart drops only the incomplete extent."""
+    d = daemon_factory(*ARGS, env=clean_env(tmp_path, KVD_CRASH_AT=f"{step}:2"))
+    client = KVDClient.connect(d.socket)
+    ns, tokens, alloc = publish_prefix(client, 40)
+    extent_pages = (4 << 20) // agents.LAYOUT.page_bytes
+    try:  # runs the first extent low: its successor is built, and the daemon dies building it
+        client.allocate_with_prefix(ns, [SequenceRequest("filler", np.arange(extent_pages * PAGE // 2 + PAGE) + 900_000)])
+    except Exception:  # noqa: BLE001 - the daemon may die before it replies
+        pass
+    assert d.process.wait(timeout=20) == -signal.SIGKILL, d.log()
+    client.close()
+
+    d2 = daemon_factory(*ARGS)
+    with KVDClient.connect(d2.socket) as c:
+        assert_prefix_served(c, ns, tokens, alloc, 40)
+        recovery = c.stats()["recovery"]
+    assert "discarding" not in d2.log(), d2.log()
+    assert recovery["recovered_pages"] == 40 and recovery["discarded"] == ""
+    # Without its data segment the extent is incomplete; with it, complete and empty.
+    assert recovery["incomplete_extents"] == (step == "extent-meta")
+    assert recovery["dropped_pages"]["incomplete_extent"] == 0, "an incomplete extent never held a published page"
+
+
+def test_a_publish_that_returned_survives_a_kill_right_after_it(daemon_factory):
+    """The client kills the daemon as soon as ``publish`` returns, before the sealer can
+    record the checksums of 300 pages of 256 KiB: the restart serves every one of them."""
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "128MiB", "--extent-bytes", "128MiB")
+    layout = PageLayout(num_layers=8, num_kv_heads=8, head_dim=64, page_size=16, dtype="float16")  # 256 KiB pages
+    pages = 300
+    tokens = np.arange(pages * PAGE) + 5_000
+    client = KVDClient.connect(d.socket)
+    ns = client.register_namespace("durable", layout)
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest("s", tokens)])
+    for i, page in enumerate(alloc.pages):
+        client.page_array(ns, page)[...] = i % 1000
+    client.publish(ns, ["s"])
+    os.kill(d.process.pid, signal.SIGKILL)  # right after the reply
+    d.process.wait()
+    client.close()
+
+    d2 = daemon_factory("--enable-prefix-reuse", "--host-bytes", "128MiB", "--extent-bytes", "128MiB")
+    with KVDClient.connect(d2.socket) as c:
+        assert c.register_namespace("durable", layout) == ns
+        [hit] = c.lookup(ns, [SequenceRequest("probe", tokens)])
+        assert hit.hit_pages == alloc.pages
+        assert all((c.page_array(ns, page) == i % 1000).all() for i, page in enumerate(hit.hit_pages))
+        assert c.check_invariants() == []
+        recovery = c.stats()["recovery"]
+    assert recovery["recovered_pages"] == pages and 0 < recovery["resealed_pages"] <= pages
+    print("\n" + next(line for line in d2.log().splitlines() if "warm restart: recovered" in line))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a private /dev/shm needs root and unshare (CI runs as root)")
+def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_daemon(tmp_path):
+    """A 64 MiB budget over a 16 MiB /dev/shm: the fourth extent of 4 MiB does not fit."""
+    script = f'mount -t tmpfs -o size=16m kvdtest /dev/shm && exec "$0" "$1" "$2"'
+    result = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable,
+         str(pathlib.Path(__file__).with_name("small_shm.py")), str(tmp_path)],
+        capture_output=True, text=True, timeout=180, env=clean_env(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    log = out["log"]
+    assert out["alive"] and out["exit"] == 0, log
+    assert out["allocated"] >= 8, "what /dev/shm holds is served"
+    code, message = out["refused"]
+    assert code == "RESOURCE_EXHAUSTED" and "/dev/shm has" in message and "bytes free" in message, message
+    assert out["refused_again"] == "RESOURCE_EXHAUSTED" and out["served_after_release"]
+    assert out["shm_refusals"] >= 1
+    assert "/dev/shm has" in log and "but the host budget needs" in log, "warned at start"
+    assert log.count("serving from the extents there are") == 1, log
