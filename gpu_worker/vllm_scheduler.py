@@ -123,6 +123,7 @@ class KVDSchedulerSide:
         hit_pages = found[0].shared_pages if found else []
         if found:
             tracked.pinned_on = self.link.instance
+            tracked.planned = len(hit_pages)  # kvd holds these blocks: nothing to save
         positions = range(local_hit // self.block_size, len(wanted) // self.block_size)
         self._loads.append(LoadPlan(
             req_id, self.link.instance,

@@ -189,17 +189,17 @@ def test_one_physical_copy_while_all_engines_run(setup):
         engine.send("generate", [{"tokens": prompt(name)}], 300)
     seen = []
 
-    def all_running():
+    blocks = len(prompt("a")) // BLOCK
+
+    def all_running():  # each engine's scheduler pins the 38 blocks it loads
         stats = kvd_stats(setup["socket"])
         seen.append((stats["sequences"], stats["logical_pages"], stats["physical_pages"]))
-        return stats["sequences"] == 3 and stats
+        return stats["sequences"] == 3 and stats["logical_pages"] == 3 * blocks and stats
     stats = wait_until(all_running, "three engines' requests in kvd at once", timeout=60)
     for engine, name in zip(engines, "abc"):
         tokens, hits = engine.receive()
         assert hits == loadable(name)
         assert tokens[0] == setup["baseline"][name]
-    blocks = len(prompt("a")) // BLOCK
-    assert stats["logical_pages"] == 3 * blocks
     assert stats["physical_pages"] == blocks + 2, f"(sequences, logical, physical) seen: {seen}"
 
 
