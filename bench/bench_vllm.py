@@ -14,9 +14,9 @@ same new prompts (the shared prefix + a suffix of their own, one token generated
 - the connector's overhead when nothing hits: all-distinct prompts on `second` against
   `alone`; target ≤ 3 % slower.
 
-Not measured yet: vLLM's own host offloading (`OffloadingConnector`) against kvd within one
-process. Its host tier (vllm/v1/kv_offload/cpu) is written around CUDA streams and host
-registration; whether the CPU backend can run it is still to be tried (bench/RESULTS.md).
+Not measured here: vLLM's own host offloading (`OffloadingConnector`) against kvd within
+one process. vLLM 0.32's CPU backend refuses it at start ("CPU Offloading is currently only
+supported on CUDA-alike and XPU GPUs", tried 2026-11-30); the comparison is for a GPU run.
 """
 from __future__ import annotations
 
