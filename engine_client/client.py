@@ -84,6 +84,7 @@ class KVDClient:
         self._lock = threading.Lock()
         self._reconnected = False
         self._closed = False
+        self.call_timeout: float | None = None  # seconds per call (DEADLINE_EXCEEDED past it); None waits
         self._attach(channel, stub, stream, opened)
 
     def _attach(self, channel, stub, stream, opened: pb.SessionOpened) -> None:
@@ -191,7 +192,7 @@ class KVDClient:
                 "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
             ))
         try:
-            return getattr(self._stub, method)(request)
+            return getattr(self._stub, method)(request, timeout=self.call_timeout)
         except grpc.RpcError as e:
             error = KVDError.from_rpc(e)
         if error.code == grpc.StatusCode.UNAVAILABLE:

@@ -6,8 +6,12 @@ registers the adapter's namespace on first use; when a call finds the daemon gon
 closes the session, logs one warning for the outage and answers "no result" (`None`)
 until a reconnect succeeds. Reconnects are tried at most every `retry_seconds`, doubling
 up to `max_retry_seconds`, so a dead daemon costs the engine one failed connect now and
-then, not one per request. A call the daemon refuses for another reason (budget
-exhausted, a sequence it no longer knows) is logged and also answers `None`.
+then, not one per request. A call that takes longer than `call_timeout` (a daemon that
+hangs) is treated the same way, and its session is closed, so whatever the call did is
+dropped with it. A call the daemon refuses for another reason (budget exhausted, a
+sequence it no longer knows) is logged and also answers `None`.
+
+`session` names the current session: sequences and pins belong to it and end with it.
 
 `instance` names the daemon instance of the current session (`SessionOpened.daemon_instance`):
 page ids are meaningful only within one instance, so processes that hand page ids to each
@@ -48,19 +52,22 @@ class KVDLink:
     """A lazily opened, self-healing session with one namespace registered."""
 
     def __init__(self, socket: str | None, client_name: str, namespace: NamespaceSpec,
-                 retry_seconds: float = 0.5, max_retry_seconds: float = 5.0, connect_timeout: float = 2.0) -> None:
+                 retry_seconds: float = 0.5, max_retry_seconds: float = 5.0, connect_timeout: float = 2.0,
+                 call_timeout: float = 5.0) -> None:
         self.socket = socket
         self.client_name = client_name
         self.namespace = namespace
         self.retry_seconds = retry_seconds
         self.max_retry_seconds = max_retry_seconds
         self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
         self._client: KVDClient | None = None
         self._ns = 0
         self._next_try = 0.0
         self._backoff = retry_seconds
         self._warned = False
         self.instance = ""
+        self.session = ""
         # kvd names sequences per namespace, not per session: ours carry this process's mark
         self.seq_prefix = f"{client_name}-{os.getpid()}-{secrets.token_hex(4)}/"
 
@@ -75,7 +82,7 @@ class KVDLink:
         try:
             return action(self._client, self._ns)
         except KVDError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
+            if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._lost(f"{what}: {e.message}")
             else:
                 log.warning("kvd refused %s: %s", what, e)
@@ -94,6 +101,7 @@ class KVDLink:
         except KVDError as e:
             self._schedule_retry(now, f"cannot connect: {e.message}")
             return False
+        client.call_timeout = self.call_timeout
         try:
             spec = self.namespace
             self._ns = client.register_namespace(spec.model, spec.layout, revision=spec.revision,
@@ -102,7 +110,7 @@ class KVDLink:
             client.close()
             self._schedule_retry(now, f"cannot register the namespace: {e.message}")
             return False
-        self._client, self.instance = client, client.daemon_instance
+        self._client, self.instance, self.session = client, client.daemon_instance, client.session
         self._backoff = self.retry_seconds
         if self._warned:
             log.warning("kvd on %s is back (daemon instance %s); prefix hits resume", self.socket or "the default socket",
@@ -113,7 +121,7 @@ class KVDLink:
     def _lost(self, why: str) -> None:
         if self._client is not None:
             self._client.close()
-        self._client, self.instance = None, ""
+        self._client, self.instance, self.session = None, "", ""
         self._schedule_retry(time.monotonic(), why)
 
     def _schedule_retry(self, now: float, why: str) -> None:

@@ -73,7 +73,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
     planned: int = 0              # blocks [0, planned) were in a save plan already
     announced: bool = False       # its prompt went to the workers with a plan
-    pinned_on: str = ""           # the daemon instance of the sequence pinning its loads ("" none)
+    pinned_on: str = ""           # the session whose sequence pins its loads ("" none)
 
 
 class KVDSchedulerSide:
@@ -82,7 +82,7 @@ class KVDSchedulerSide:
         self.block_size = block_size
         self._local_hits: dict[str, int] = {}   # req_id -> vLLM's block-aligned local hit at lookup
         self._tracked: dict[str, _Tracked] = {}
-        self._loads: list[LoadPlan] = []
+        self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
         self._finished: set[str] = set()         # for the workers, with the next metadata
         self._finished_requests: dict[str, object] = {}  # for events still to come
         self._events: list[BlockStored] = []
@@ -122,22 +122,23 @@ class KVDSchedulerSide:
             ns, [SequenceRequest(self.link.seq_id(req_id), wanted, keys)]))
         hit_pages = found[0].shared_pages if found else []
         if found:
-            tracked.pinned_on = self.link.instance
+            tracked.pinned_on = self.link.session
             tracked.planned = len(hit_pages)  # kvd holds these blocks: nothing to save
         positions = range(local_hit // self.block_size, len(wanted) // self.block_size)
-        self._loads.append(LoadPlan(
+        self._loads.append((self.link.session, LoadPlan(
             req_id, self.link.instance,
             page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
             block_ids=[block_ids[p] for p in positions if p < len(hit_pages)],
             missing_block_ids=[block_ids[p] for p in positions if p >= len(hit_pages)],
-        ))
+        )))
 
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
         """This step's loads (from `allocated`), saves (full prompt blocks it completes) and
         the requests finished since the last step."""
-        meta = KVDConnectorMetadata(loads=self._loads, finished=self._finished)
+        meta = KVDConnectorMetadata(loads=[self._still_pinned(session, plan) for session, plan in self._loads],
+                                    finished=self._finished)
         self._loads, self._finished = [], set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -202,10 +203,17 @@ class KVDSchedulerSide:
             lora_name=lora.lora_name if lora else None,
         )
 
+    def _still_pinned(self, session: str, plan: LoadPlan) -> LoadPlan:
+        """The plan, or all of it missing when the session that pinned its pages has ended
+        since (a later call of this step timed out): unpinned pages may be reused."""
+        if session == self.link.session:
+            return plan
+        return LoadPlan(plan.req_id, plan.daemon_instance, [], [], plan.block_ids + plan.missing_block_ids)
+
     def _unpin(self, req_id: str) -> None:
         t = self._tracked.get(req_id)
         if t is not None and t.pinned_on:
-            if t.pinned_on == self.link.instance:
+            if t.pinned_on == self.link.session:
                 seq_id = self.link.seq_id(req_id)
                 self.link.attempt("release", lambda kvd, ns: kvd.release(ns, [seq_id]))
             t.pinned_on = ""

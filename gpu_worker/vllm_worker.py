@@ -68,7 +68,7 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
 class _Saving:
     """One request's kvd sequence in this worker's session."""
 
-    daemon_instance: str
+    session: str          # this worker's session that owns the sequence
     page_ids: list[int]   # one per full prompt block
     published: int        # blocks [0, published) are published (hits count from the start)
     written: set[int] = field(default_factory=set)
@@ -173,7 +173,7 @@ class KVDWorkerSide:
         if not todo:
             return None
         positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
-        groups = self._resolve(seq.daemon_instance, [seq.page_ids[p] for p in positions],
+        groups = self._resolve(None, [seq.page_ids[p] for p in positions],
                                f"save for request {plan.req_id}", writable=True)
         return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
 
@@ -181,7 +181,7 @@ class KVDWorkerSide:
         """This worker's kvd sequence for the request, allocated on first use (and again
         after a daemon restart); None when kvd cannot hold it."""
         seq = self._sequences.get(req_id)
-        if seq is not None and seq.daemon_instance == self.link.instance:
+        if seq is not None and seq.session == self.link.session:
             return seq
         prompt = self._prompts.get(req_id)
         if prompt is None:
@@ -192,7 +192,7 @@ class KVDWorkerSide:
         if not found:
             self._sequences.pop(req_id, None)
             return None
-        seq = _Saving(self.link.instance, found[0].pages, published=len(found[0].shared_pages))
+        seq = _Saving(self.link.session, found[0].pages, published=len(found[0].shared_pages))
         self._sequences[req_id] = seq
         if seq.published == len(seq.page_ids):  # kvd holds the whole prompt already
             self._finish_saving(req_id)
@@ -248,7 +248,7 @@ class KVDWorkerSide:
         end = seq.published
         while end in seq.written:
             end += 1
-        if end == seq.published or seq.daemon_instance != self.link.instance:
+        if end == seq.published or seq.session != self.link.session:
             return
         seq_id = self.link.seq_id(req_id)
         if self.link.attempt("publish", lambda kvd, ns: kvd.publish(
@@ -272,16 +272,18 @@ class KVDWorkerSide:
         for req_id in req_ids:
             self._prompts.pop(req_id, None)
         live = [self.link.seq_id(r) for r in req_ids
-                if (seq := self._sequences.pop(r, None)) is not None and seq.daemon_instance == self.link.instance]
+                if (seq := self._sequences.pop(r, None)) is not None and seq.session == self.link.session]
         if live:
             self.link.attempt("release", lambda kvd, ns: kvd.release(ns, live))
 
     # ---- helpers ----------------------------------------------------------------------
-    def _resolve(self, daemon_instance: str, page_ids: list[int], what: str, writable: bool = False):
-        """The pages grouped by extent (writable ones: private pages of this worker's
-        sequences), or None when they cannot be trusted or mapped."""
+    def _resolve(self, daemon_instance: str | None, page_ids: list[int], what: str, writable: bool = False):
+        """The pages grouped by extent, or None when they cannot be trusted or mapped.
+
+        Pages another session named (loads) are trusted only from the daemon instance
+        that named them; writable ones must be private pages of this worker's sequences."""
         def locate(kvd, ns):
-            if kvd.daemon_instance != daemon_instance:
+            if daemon_instance is not None and kvd.daemon_instance != daemon_instance:
                 raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
             groups = kvd.pages_by_extent(ns, page_ids, writable)
             if self._cuda:  # both maps; registered memory must stay mapped, so its extents are kept

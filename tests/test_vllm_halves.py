@@ -209,3 +209,21 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     assert b.run(rb, list(range(20, 31)), num_external=10 * BLOCK) == set()
     torch.cuda.synchronize()
     assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(10))))
+
+
+def test_a_hung_daemon_costs_one_timeout_then_kvd_is_skipped_until_it_answers(daemon):
+    import os
+    import signal
+    import time
+    scheduler = KVDSchedulerSide(KVDLink(daemon.socket, "test-scheduler", SPEC, call_timeout=0.5), BLOCK)
+    prompt = tokens(4 * BLOCK + 1)
+    assert scheduler.matched_tokens(request("r0", prompt), 0) == 0  # connected, nothing cached
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        for i in range(5):
+            assert scheduler.matched_tokens(request(f"r{i + 1}", prompt), 0) == 0
+        assert time.monotonic() - start < 2.0, "each call waited for the hung daemon"
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    assert wait_until(lambda: scheduler.link.attempt("probe", lambda kvd, ns: kvd.session), "a new session", timeout=10)
