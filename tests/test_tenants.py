@@ -117,7 +117,8 @@ def test_tickets_are_single_use_and_expire():
     assert len(book) == 1  # unused expired tickets are forgotten
 
 
-def test_routing_by_uid_then_gid(make_manager, tmp_path):
+def alpha_beta(make_manager, tmp_path) -> Tenants:
+    """Tenants alpha (uid 1001) and beta (gid 2002) over two real managers; admin: root."""
     cfg = load_toml(tmp_path, """
         host_bytes = "64MiB"
         [tenants.alpha]
@@ -127,8 +128,12 @@ def test_routing_by_uid_then_gid(make_manager, tmp_path):
         gids = [2002]
         host_bytes = "1MiB"
     """)
-    alpha, beta = make_manager(), make_manager()
-    tenants = Tenants({"alpha": alpha, "beta": beta}, cfg.tenants, admin_uids=frozenset({0}))
+    return Tenants({"alpha": make_manager(), "beta": make_manager()}, cfg.tenants, admin_uids=frozenset({0}))
+
+
+def test_routing_by_uid_then_gid(make_manager, tmp_path):
+    tenants = alpha_beta(make_manager, tmp_path)
+    alpha, beta = tenants.managers()
     assert tenants.tenant_of(Peer(1, 1001, 2002)) == "alpha"  # a uid wins over a gid
     assert tenants.tenant_of(Peer(1, 5, 2002)) == "beta"
     assert tenants.tenant_of(Peer(1, 5, 7, groups=(9, 2002))) == "beta"   # a supplementary group
@@ -155,17 +160,8 @@ def test_routing_by_uid_then_gid(make_manager, tmp_path):
 
 def test_a_session_is_valid_only_on_its_tenants_socket(make_manager, tmp_path):
     """A session id that reached another socket is refused exactly like one never issued."""
-    cfg = load_toml(tmp_path, """
-        host_bytes = "64MiB"
-        [tenants.alpha]
-        uids = [1001]
-        host_bytes = "1MiB"
-        [tenants.beta]
-        uids = [1002]
-        host_bytes = "1MiB"
-    """)
-    alpha, beta = make_manager(), make_manager()
-    tenants = Tenants({"alpha": alpha, "beta": beta}, cfg.tenants, admin_uids=frozenset({0}))
+    tenants = alpha_beta(make_manager, tmp_path)
+    alpha, _ = tenants.managers()
     _, session = tenants.open_session(tenants.handshake(Peer(7, 1001, 1)).token, "a", 7, "alpha")
     assert tenants.manager_for(session.id, "alpha") is alpha
     with pytest.raises(NotFound) as never_issued:
@@ -175,7 +171,7 @@ def test_a_session_is_valid_only_on_its_tenants_socket(make_manager, tmp_path):
             tenants.manager_for(session.id, wrong_socket)
         assert str(e.value) == str(never_issued.value)
     tenants.close_session(alpha, session.id)
-    assert len(beta.sessions) == 0
+    assert len(alpha.sessions) == 0
 
 
 def test_a_peer_in_groups_of_two_tenants_must_be_listed_by_uid(make_manager, tmp_path):
