@@ -3,8 +3,17 @@
 One client process sends the largest requests the limits allow, back to back: a Lookup of
 8M token ids (two 4M-token sequences, 32 MiB) and a Lookup of 4,096 sequences with 4 LoRA
 keys each. Meanwhile another client measures its 64-sequence decode-step ``extend_batch``
-and an empty round trip (``ping``), interleaved; printed: p50/p99 of both and the ratio
-of the p99s, without and with the heavy client (issue 17 asks for p99 ≤ 5× the empty round trip).
+and an empty round trip (``ping``), interleaved, in three settings: alone; beside the heavy
+client on the same daemon; and beside the heavy client that loads a second daemon (the
+same CPU load on the box, no event loop shared: the floor this box sets).
+
+Issue 17 asks that the extend p99 stay ≤ 5× "an empty round trip". The ratio printed is
+extend p99 / the empty round trip's p50 *measured alone*: the p50 because an empty round
+trip's cost is its typical time (bench/bench_host.py compares extend with the round trip
+the same way, p50 against p50), and measured alone because a ping beside the heavy client
+waits behind the same heavy calls as the extend, so dividing by it would hide the very
+starvation measured here. The p99 of the empty round trip alone is printed too: on a
+shared 2-core box it is itself several times its p50.
 
     python bench/bench_fairness.py [--seconds 10]
 """
@@ -53,11 +62,18 @@ def measure(c: KVDClient, ns: int, seconds: float) -> tuple[list[float], list[fl
     return ping, extend
 
 
-def report(label: str, ping: list[float], extend: list[float]) -> None:
+def report(label: str, ping: list[float], extend: list[float], unit: float) -> None:
+    """``unit``: the empty round trip's p50 alone, in ms."""
     print(f"{label}: {len(extend)} steps; empty round trip p50 {percentile(ping, 50):.3f} ms p99 {percentile(ping, 99):.3f} ms; "
           f"64-sequence extend p50 {percentile(extend, 50):.3f} ms p99 {percentile(extend, 99):.3f} ms; "
-          f"p99 ratio {percentile(extend, 99) / percentile(ping, 99):.2f}x, extend p99 / ping p50 "
-          f"{percentile(extend, 99) / percentile(ping, 50):.2f}x")
+          f"extend p99 / round trip p50 alone {percentile(extend, 99) / unit:.2f}x")
+
+
+def decoder(socket: str) -> tuple[KVDClient, int]:
+    c = KVDClient.connect(socket, client_name="decoder")
+    ns = c.register_namespace("fair", LAYOUT)
+    c.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", np.arange(100, dtype=np.int32)) for i in range(64)])
+    return c, ns
 
 
 def main() -> None:
@@ -65,23 +81,27 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = DaemonProcess.start(f"{tmp}/kvd.sock", "--enable-prefix-reuse", "--host-bytes", "4GiB",
-                                     log_path=f"{tmp}/kvd.log")
+        daemons = [DaemonProcess.start(f"{tmp}/kvd{i}.sock", "--enable-prefix-reuse", "--host-bytes", "4GiB",
+                                       log_path=f"{tmp}/kvd{i}.log") for i in range(2)]
         try:
-            with KVDClient.connect(daemon.socket, client_name="decoder") as c:
-                ns = c.register_namespace("fair", LAYOUT)
-                c.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", np.arange(100, dtype=np.int32)) for i in range(64)])
-                report("alone", *measure(c, ns, args.seconds / 2))
-                stop = SPAWN.Event()
-                p = SPAWN.Process(target=heavy, args=(daemon.socket, stop))
-                p.start()
-                time.sleep(3)  # the heavy client connects and starts its loop
-                report("beside the heavy client", *measure(c, ns, args.seconds))
-                stop.set()
-                p.join(60)
+            (c, ns), (other, other_ns) = decoder(daemons[0].socket), decoder(daemons[1].socket)
+            ping, extend = measure(c, ns, args.seconds / 2)
+            unit = percentile(ping, 50)
+            report("alone", ping, extend, unit)
+            stop = SPAWN.Event()
+            p = SPAWN.Process(target=heavy, args=(daemons[0].socket, stop))
+            p.start()
+            time.sleep(3)  # the heavy client connects and starts its loop
+            report("beside the heavy client, same daemon", *measure(c, ns, args.seconds), unit)
+            report("beside the heavy client, other daemon (floor)", *measure(other, other_ns, args.seconds), unit)
+            stop.set()
+            p.join(60)
+            c.close()
+            other.close()
         finally:
-            daemon.stop()
-            daemon.clean()
+            for daemon in daemons:
+                daemon.stop()
+                daemon.clean()
 
 
 if __name__ == "__main__":

@@ -4,26 +4,42 @@ A daemon that isolates tenants listens on ``<socket>.auth`` beside its gRPC sock
 client connects, sends nothing, and reads one line: ``OK <ticket>`` or ``DENIED <why>``.
 The kernel tells the daemon who connected (SO_PEERCRED), which grpc-python cannot; the
 ticket, redeemed once by ``OpenSession`` (or an admin call), carries that identity over.
+The answer also names the tenant, whose own socket is where the session must live: only
+there are its session ids valid (kvd/tenants.py).
 """
 from __future__ import annotations
 
 import errno
 import os
 import socket as socket_mod
+from dataclasses import dataclass
 
 import grpc
 
 from engine_client.types import KVDError
-from kvd.wire.paths import auth_socket
+from kvd.wire.paths import auth_socket, tenant_socket
 
 MAX_ANSWER = 4096
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What the handshake gave this process."""
+
+    ticket: str          # single-use; "" from a daemon without tenants
+    session_socket: str  # where to open a session: the tenant's socket, else the daemon's own
+
+
 def fetch_ticket(socket: str, timeout: float = 5.0) -> str:
     """A single-use ticket from the daemon on ``socket``; "" when it has no tenants (no auth socket)."""
+    return admit(socket, timeout).ticket
+
+
+def admit(socket: str, timeout: float = 5.0) -> Admission:
+    """The handshake with the daemon on ``socket`` (nothing to do when it has no tenants)."""
     path = auth_socket(socket)
     if not os.path.exists(path):
-        return ""
+        return Admission("", socket)
     answer = b""
     with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
@@ -39,7 +55,8 @@ def fetch_ticket(socket: str, timeout: float = 5.0) -> str:
             raise KVDError(code, f"the tenant handshake on {path} failed: {e.strerror or e}") from None
     line = answer.decode(errors="replace").rstrip("\n")
     if line.startswith("OK "):
-        return line[3:]
+        ticket, _, tenant = line[3:].partition(" ")
+        return Admission(ticket, tenant_socket(socket, tenant) if tenant else socket)
     if line.startswith("DENIED "):
         raise KVDError(grpc.StatusCode.PERMISSION_DENIED, line[7:])
     raise KVDError(grpc.StatusCode.UNAVAILABLE, f"the tenant handshake on {path} gave no ticket (answer {line[:80]!r})")

@@ -28,7 +28,7 @@ from itertools import accumulate, chain
 import grpc
 import numpy as np
 
-from engine_client.auth import fetch_ticket
+from engine_client.auth import admit, fetch_ticket
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.types import (
@@ -132,21 +132,30 @@ class KVDClient:
         return renamed
 
     @staticmethod
-    def _open(path: str, client_name: str | None, timeout: float):
+    def _ready_channel(path: str, timeout: float) -> grpc.Channel:
         channel = grpc.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             channel.close()
             raise KVDError(grpc.StatusCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
+        return channel
+
+    @classmethod
+    def _open(cls, path: str, client_name: str | None, timeout: float):
+        channel = cls._ready_channel(path, timeout)  # the daemon is up: no auth socket means no tenants
         try:
-            ticket = fetch_ticket(path, timeout)
+            admission = admit(path, timeout)
         except KVDError:
             channel.close()
             raise
+        if admission.session_socket != path:  # a tenant's session lives on the tenant's socket
+            channel.close()
+            channel = cls._ready_channel(admission.session_socket, timeout)
         stub = kvd_pb2_grpc.KVDStub(channel)
         stream = stub.OpenSession(pb.OpenSessionRequest(
-            client_name=client_name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid(), ticket=ticket,
+            client_name=client_name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid(),
+            ticket=admission.ticket,
         ))
         try:
             first = next(stream)

@@ -149,7 +149,7 @@ def _clean(args) -> int:
               file=sys.stderr)
         return 1
     from kvd.wire.paths import auth_socket
-    for path in (cfg.socket, auth_socket(cfg.socket)):
+    for path in dict.fromkeys((*cfg.socket_paths, auth_socket(cfg.socket))):
         if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)  # a dead daemon's socket files
     print(f"removed {len(names)} shared-memory extents of {cfg.socket}")

@@ -29,7 +29,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from kvd.wire.paths import auth_socket, default_socket
+from kvd.wire.paths import auth_socket, default_socket, tenant_socket
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -90,6 +90,14 @@ class ServeConfig:
         """Names of this daemon's extents: one prefix per socket path, so daemons never collide."""
         digest = hashlib.blake2b(os.path.abspath(self.socket).encode(), digest_size=4).hexdigest()
         return f"/kvd-{digest}"
+
+    @property
+    def socket_paths(self) -> tuple[str, ...]:
+        """Every socket file the daemon listens on: gRPC, and with tenants the handshake's
+        and one gRPC socket per tenant (kvd/tenants.py)."""
+        if not self.tenants:
+            return (self.socket,)
+        return (self.socket, auth_socket(self.socket), *(tenant_socket(self.socket, t.name) for t in self.tenants))
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name != "tenants"}
@@ -160,9 +168,10 @@ def _check_tenants(cfg: "ServeConfig") -> None:
             f"tenants: their host_bytes add up to {total} bytes, over the daemon's host_bytes of {cfg.host_bytes}; "
             "raise host_bytes or lower a tenant's budget"
         )
-    if len(os.fsencode(auth_socket(cfg.socket))) > 107:
-        raise ConfigError(f"socket: with tenants the daemon also listens on {auth_socket(cfg.socket)!r}, "
-                          "and a unix socket path holds at most 107 bytes")
+    for path in cfg.socket_paths:
+        if len(os.fsencode(path)) > 107:
+            raise ConfigError(f"socket: with tenants the daemon also listens on {path!r}, "
+                              "and a unix socket path holds at most 107 bytes")
 
 
 def _coerce(name: str, value, source: str):

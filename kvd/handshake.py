@@ -9,13 +9,16 @@ daemon also listens on ``<socket>.auth`` (same mode as the gRPC socket). For eac
 connection it reads SO_PEERCRED, maps the uid/gid to a tenant (kvd/tenants.py) and writes
 one line, then closes::
 
-    OK <ticket>\\n          a single-use ticket, valid for a few seconds
+    OK <ticket> <tenant>\\n a single-use ticket, valid for a few seconds, and the peer's tenant
+    OK <ticket>\\n          an admin ticket of a uid that belongs to no tenant
     DENIED <message>\\n     the peer belongs to no tenant (and is not an admin)
 
-The client sends nothing. ``OpenSession`` carries the ticket, and the session belongs to
-the ticket's tenant. The ticket is single-use, short-lived and checked against the pid the
-client reports, which catches a ticket reused by mistake; like a session token, it is
-worth as much as the process holding it, so a process should not hand it on.
+The client sends nothing. It opens its session on the tenant's socket
+(``tenant_socket(socket, tenant)``, kvd/wire/paths.py); ``OpenSession`` carries the
+ticket, and the session belongs to the ticket's tenant. The ticket is single-use,
+short-lived and checked against the pid the client reports, which catches a ticket reused
+by mistake; like a session token, it is worth as much as the process holding it, so a
+process should not hand it on.
 engine_client does this transparently whenever ``<socket>.auth`` exists; a daemon
 without tenants does not create it.
 """
@@ -65,7 +68,7 @@ def answer(tenants: Tenants, peer: Peer) -> bytes:
         log.warning("handshake refused pid %d uid %d gid %d: %s", peer.pid, peer.uid, peer.gid, e)
         return f"DENIED {e}\n".encode()
     log.info("handshake: pid %d uid %d → tenant %s%s", peer.pid, peer.uid, ticket.tenant, " (admin)" if ticket.admin else "")
-    return f"OK {ticket.token}\n".encode()
+    return f"OK {ticket.token}{'' if ticket.tenant is None else ' ' + ticket.tenant}\n".encode()
 
 
 async def listen(path: str, mode: int, tenants: Tenants) -> asyncio.AbstractServer:

@@ -1,6 +1,8 @@
 """The launcher: owns server options, health, reflection, signals, readiness and shutdown.
 
-``kvd serve`` runs ``serve(config)``: asyncio on uvloop, grpc.aio on a unix socket.
+``kvd serve`` runs ``serve(config)``: asyncio on uvloop, grpc.aio on a unix socket. With
+tenants, one more grpc.aio server per tenant on the same loop, each on the tenant's own
+socket and serving only its sessions (kvd/tenants.py says why); all share one core.
 The daemon tells systemd it is ready (``READY=1`` on ``$NOTIFY_SOCKET``) only once the
 socket accepts calls. SIGTERM/SIGINT stop it gracefully: no new calls, calls in flight
 finish, then the arena is unmapped and unlinked. A daemon that dies instead (``kill -9``,
@@ -29,7 +31,7 @@ from kvd.manager import KVCacheManager
 from kvd.service import SERVICE, KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire.limits import MAX_MESSAGE_BYTES
-from kvd.wire.paths import auth_socket
+from kvd.wire.paths import auth_socket, tenant_socket
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,23 @@ def _prepare_socket(path: str) -> None:
         raise StartupError(f"cannot prepare socket {path}: {e.strerror}") from None
 
 
+async def _listen(server: grpc.aio.Server, path: str, mode: int, group: int | None = None) -> None:
+    """Starts ``server`` on the unix socket ``path``, created with mode 0600 so that nobody
+    connects before it has its group and ``mode``; raises StartupError when it cannot."""
+    old_umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        if group is not None:
+            os.chown(path, -1, group)
+        os.chmod(path, mode)
+    except (RuntimeError, OSError) as e:
+        await server.stop(None)
+        raise StartupError(f"cannot listen on {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        os.umask(old_umask)
+
+
 def _new_manager(config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int) -> KVCacheManager:
     arena = Arena(budget, min(config.extent_bytes, budget), prefix, config.lock_memory, group, meta_mode)
     return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
@@ -144,6 +163,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
     _prepare_socket(config.socket)
     if config.tenants or os.path.exists(auth_socket(config.socket)):
         _prepare_socket(auth_socket(config.socket))  # a stale one would lead clients into a dead handshake
+    for t in config.tenants:
+        _prepare_socket(tenant_socket(config.socket, t.name))
     started = time.perf_counter()
     tenants = _tenants(config)
     _check_shm_room(tenants)
@@ -166,26 +187,33 @@ async def run(config: ServeConfig, metrics=None) -> None:
             raise StartupError(
                 f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e.strerror}"
             ) from None
-    old_umask = os.umask(0o117)  # the socket file is created with mode 0660
+    # The main socket opens last: once it answers, a client's handshake and tenant socket do too.
+    servers: list[grpc.aio.Server] = []
+    auth = None
     try:
-        server.add_insecure_port(f"unix:{config.socket}")
-        await server.start()
-    except RuntimeError as e:
+        for t in config.tenants:
+            tenant_server = grpc.aio.server(options=SERVER_OPTIONS)
+            add_to_server(servicer.on_socket(t.name), tenant_server)
+            # Only the tenant's group connects; without a group the socket is as open as
+            # the main one, the same limit the tenant's extents have.
+            mode = config.socket_mode if t.group is None else 0o660
+            await _listen(tenant_server, tenant_socket(config.socket, t.name), mode, t.group)
+            servers.append(tenant_server)
+        if config.tenants:
+            try:
+                auth = await handshake.listen(auth_socket(config.socket), config.socket_mode, tenants)
+            except OSError as e:
+                raise StartupError(f"cannot listen on {auth_socket(config.socket)}: {e.strerror}") from None
+        await _listen(server, config.socket, config.socket_mode)
+        servers.append(server)
+    except StartupError:
+        if auth is not None:
+            auth.close()
+        await asyncio.gather(*(each.stop(None) for each in servers))
         if metrics is not None:
             metrics.stop()
         _close_all(tenants)
-        raise StartupError(f"cannot listen on {config.socket}: {e}") from None
-    finally:
-        os.umask(old_umask)
-    os.chmod(config.socket, config.socket_mode)
-    auth = None
-    if config.tenants:
-        try:
-            auth = await handshake.listen(auth_socket(config.socket), config.socket_mode, tenants)
-        except OSError as e:
-            await server.stop(None)
-            _close_all(tenants)
-            raise StartupError(f"cannot listen on {auth_socket(config.socket)}: {e.strerror}") from None
+        raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -219,7 +247,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
         auth.close()
     servicer.end_sessions()
     sweeper.cancel()
-    await server.stop(grace=config.shutdown_grace_seconds)
+    await asyncio.gather(*(each.stop(grace=config.shutdown_grace_seconds) for each in servers))
     for manager in tenants.managers():
         manager.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
     # Published pages stay in shared memory, sealed, so `kvd serve` finds them again
@@ -227,7 +255,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     _close_all(tenants, keep_cache=True)
     if metrics is not None:
         metrics.stop()
-    for path in (config.socket, auth_socket(config.socket)) if config.tenants else (config.socket,):
+    for path in config.socket_paths:
         try:
             os.unlink(path)
         except FileNotFoundError:

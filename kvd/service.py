@@ -1,7 +1,9 @@
 """The gRPC servicer: proto → core call → proto, and core errors → status codes.
 
 Nothing here decides anything: which tenant's manager serves a session is kvd/tenants.py's
-answer (``self.tenants.manager_for``). Conversions are the small functions at the top; the
+answer (``self.tenants.manager_for``), given the tenant whose socket the call came in on
+(``socket_tenant``: a daemon with tenants serves each on a socket of its own, one servicer
+per socket, see ``on_socket``). Conversions are the small functions at the top; the
 one table ``STATUS_FOR`` maps each core error class to its gRPC status.
 """
 from __future__ import annotations
@@ -11,8 +13,9 @@ import functools
 import struct
 import logging
 import secrets
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -29,7 +32,7 @@ from kvd.namespaces import NamespaceIdentity, make_layout
 from kvd.recovery import RecoveryReport
 from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, check_call, extend_items
 from kvd.stats import PageStats, Stats
-from kvd.tenants import Tenants
+from kvd.tenants import IMPLICIT, Tenants
 from kvd.types import SeqState
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
@@ -220,7 +223,7 @@ def _unary(method):
     @functools.wraps(method)
     async def wrapper(self: "KvdServicer", request, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
-        if self.stopping:
+        if self.streams.stopping:
             code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
         else:
             try:
@@ -239,35 +242,53 @@ def _unary(method):
     return wrapper
 
 
+@dataclass
+class SessionStreams:
+    """What the servicers of every socket of one daemon share: the open session streams
+    (each a queue of events; None ends it) and whether the daemon is stopping."""
+
+    events: set[asyncio.Queue] = field(default_factory=set)
+    stopping: bool = False
+
+
 class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def __init__(self, tenants: Tenants | KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
-        self.tenants = tenants if isinstance(tenants, Tenants) else Tenants({"": tenants})
+        self.tenants = tenants if isinstance(tenants, Tenants) else Tenants({IMPLICIT: tenants})
         self.observe_latency = observe_latency
-        self._session_events: set[asyncio.Queue] = set()
-        self.stopping = False
+        self.streams = SessionStreams()
         self.instance = secrets.token_hex(8)  # SessionOpened.daemon_instance
+        # Whose sessions this socket serves: the implicit tenant's without tenants; with
+        # them, the main socket serves none (admin calls and Ping only).
+        self.socket_tenant: str | None = None if self.tenants.isolated else IMPLICIT
+
+    def on_socket(self, tenant: str) -> "KvdServicer":
+        """This daemon's servicer for the socket of ``tenant``: the only one its sessions
+        may be opened and used on."""
+        bound = copy.copy(self)  # shares the tenants, streams and instance id
+        bound.socket_tenant = tenant
+        return bound
 
     def end_sessions(self) -> None:
-        """Ends every session stream and refuses further calls (at shutdown), so a stop
-        need not wait for clients to leave."""
-        self.stopping = True
-        for events in self._session_events:
+        """Ends every session stream on every socket and refuses further calls (at
+        shutdown), so a stop need not wait for clients to leave."""
+        self.streams.stopping = True
+        for events in self.streams.events:
             events.put_nowait(None)
 
     def _m(self, session: str) -> KVCacheManager:
-        return self.tenants.manager_for(session)
+        return self.tenants.manager_for(session, self.socket_tenant)
 
     async def OpenSession(self, request, context):
         try:
             request = _parsed(request)
-            m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid)
+            m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid, self.socket_tenant)
         except KvdError as e:
             await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
         events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the daemon is stopping
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
         )
-        self._session_events.add(events)
+        self.streams.events.add(events)
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(
                 session=session.id, prefix_reuse=m.prefix_reuse, host_bytes=m.arena.budget_bytes,
@@ -276,7 +297,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             while (event := await events.get()) is not None:
                 yield event
         finally:
-            self._session_events.discard(events)
+            self.streams.events.discard(events)
             self.tenants.close_session(m, session.id)
 
     @_unary

@@ -8,9 +8,22 @@ no check inside the core: a lookup, pin, allocation or eviction in tenant A runs
 manager and cannot reach B's pages, and the OS refuses to map B's extents to A's users.
 
 A process proves its tenant through the handshake on ``<socket>.auth`` (kvd/handshake.py):
-the daemon reads the peer's uid, gid and pid from the kernel and answers with a ticket.
-``OpenSession`` redeems the ticket; every later call names the session, and this module
-routes it to the tenant's manager. The tenant of a peer is the one listing its uid, else
+the daemon reads the peer's uid, gid and pid from the kernel and answers with a ticket and
+the tenant's name. The tenant's sessions live on a socket of its own,
+``<socket>.t-<NAME>`` (kvd/wire/paths.py), group-owned by the tenant's group with mode
+0660: ``OpenSession`` redeems the ticket there, every later call names the session, and
+this module routes it to the tenant's manager only when it arrived on that socket.
+
+Why a socket per tenant: a session id is a bearer token, and grpc-python tells a handler
+nothing about the process calling (``context.peer()`` is ``unix:`` for every client, the
+auth context of a unix socket names no user). Which socket a call came in on is the one
+thing the kernel vouches for per call, and the kernel lets only the tenant's group connect
+to the tenant's socket. So a session id that leaks to another tenant's process is useless
+to it: on its own socket, or on the daemon's main one, the id is as unknown as one never
+issued (NOT_FOUND, the same message). Within a tenant the id stays a bearer token: every
+process of the tenant's group may connect to the socket. A tenant without ``group`` gets a
+socket as open as the daemon's main one (the daemon's group), like its extents, so a
+leaked id then reaches its sessions from any process of the daemon's group. The tenant of a peer is the one listing its uid, else
 the one listing its primary gid, else the one listing one of its supplementary groups (a
 peer in groups of two tenants must be listed by uid); a peer matching none is refused.
 
@@ -141,7 +154,10 @@ class Tenants:
             )
         return self.tickets.issue(peer, tenant, admin)
 
-    def open_session(self, ticket: str, client_name: str, pid: int) -> tuple[KVCacheManager, Session]:
+    def open_session(self, ticket: str, client_name: str, pid: int,
+                     socket_tenant: str | None) -> tuple[KVCacheManager, Session]:
+        """A session of the ticket's tenant; ``socket_tenant``: the tenant whose socket the
+        call came in on (None: the main socket of a daemon with tenants, which holds none)."""
         if not self.isolated:
             manager = self._managers[IMPLICIT]
             return manager, manager.open_session(client_name, pid)
@@ -153,6 +169,11 @@ class Tenants:
             )
         if pid and pid != t.peer.pid:
             raise PermissionDenied(f"the ticket was issued to pid {t.peer.pid}, not pid {pid}")
+        if t.tenant != socket_tenant:
+            raise PermissionDenied(
+                f"tenant {t.tenant}'s sessions open on its own socket '<socket>.t-{t.tenant}', which the handshake "
+                "names (engine_client's KVDClient.connect goes there)"
+            )
         manager = self._managers[t.tenant]
         session = manager.open_session(client_name, t.peer.pid)
         self._session_tenant[session.id] = t.tenant
@@ -162,12 +183,14 @@ class Tenants:
         self._session_tenant.pop(session_id, None)
         manager.close_session(session_id)
 
-    def manager_for(self, session_id: str) -> KVCacheManager:
-        """The manager of the session's tenant; the manager itself checks the session."""
+    def manager_for(self, session_id: str, socket_tenant: str | None) -> KVCacheManager:
+        """The manager of the session's tenant when the call came in on that tenant's
+        socket; the manager itself checks the session. A session of another tenant is
+        refused exactly like one that does not exist: the caller learns nothing."""
         if not self.isolated:
             return self._managers[IMPLICIT]
         tenant = self._session_tenant.get(SessionId(session_id))
-        if tenant is None:
+        if tenant is None or tenant != socket_tenant:
             raise NotFound(UNKNOWN_SESSION)
         return self._managers[tenant]
 

@@ -186,7 +186,8 @@ def lora_keys(n: int) -> list[pb.ExtraKey]:
 
 
 def refused_cheaply(daemon, method: str, raw: bytes, words: str, max_growth_mib: float = 50) -> None:
-    """Refused with ``words`` in the message, within 0.5 s (sending included), growing the
+    """Refused with ``words`` in the message, within 2 s (sending included; 6.9 s before the
+    request was counted on the wire, well under 0.5 s on a quiet machine), growing the
     daemon's RSS by less than ``max_growth_mib`` (gRPC's receive buffers are most of it)."""
     d, raw_channel = daemon
     pid = d.process.pid
@@ -197,7 +198,7 @@ def refused_cheaply(daemon, method: str, raw: bytes, words: str, max_growth_mib:
     grown_mib = (vm_kib(pid, "VmRSS") - before) / 1024
     print(f"{method} of {len(raw) >> 20} MiB: refused in {took * 1e3:.0f} ms, daemon RSS {grown_mib:+.1f} MiB")
     assert code == Code.INVALID_ARGUMENT and words in details, (code, details)
-    assert took < 0.5, f"a {len(raw) >> 20} MiB {method} took {took:.2f} s to refuse"
+    assert took < 2.0, f"a {len(raw) >> 20} MiB {method} took {took:.2f} s to refuse"
     assert grown_mib < max_growth_mib, f"refusing a {len(raw) >> 20} MiB {method} grew the daemon by {grown_mib:.0f} MiB"
 
 

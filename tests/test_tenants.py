@@ -2,6 +2,7 @@
 two real OS users (root only; skipped elsewhere with the reason)."""
 from __future__ import annotations
 
+import errno
 import functools
 import grp
 import json
@@ -23,14 +24,14 @@ from conftest import start_daemon
 from test_service import free_port, metric_samples
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
 from engine_client.admin import fetch_stats, reset_prefix_cache
-from engine_client.auth import fetch_ticket
+from engine_client.auth import admit, fetch_ticket
 from kvd import config as config_mod
 from kvd.config import ConfigError
-from kvd.errors import PermissionDenied
+from kvd.errors import NotFound, PermissionDenied
 from kvd.tenants import IMPLICIT, Peer, Tenants, TicketBook, tenant_prefix
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
-from kvd.wire.paths import auth_socket
+from kvd.wire.paths import auth_socket, tenant_socket
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")  # 512-byte pages
@@ -116,7 +117,8 @@ def test_tickets_are_single_use_and_expire():
     assert len(book) == 1  # unused expired tickets are forgotten
 
 
-def test_routing_by_uid_then_gid(make_manager, tmp_path):
+def alpha_beta(make_manager, tmp_path) -> Tenants:
+    """Tenants alpha (uid 1001) and beta (gid 2002) over two real managers; admin: root."""
     cfg = load_toml(tmp_path, """
         host_bytes = "64MiB"
         [tenants.alpha]
@@ -126,27 +128,50 @@ def test_routing_by_uid_then_gid(make_manager, tmp_path):
         gids = [2002]
         host_bytes = "1MiB"
     """)
-    alpha, beta = make_manager(), make_manager()
-    tenants = Tenants({"alpha": alpha, "beta": beta}, cfg.tenants, admin_uids=frozenset({0}))
+    return Tenants({"alpha": make_manager(), "beta": make_manager()}, cfg.tenants, admin_uids=frozenset({0}))
+
+
+def test_routing_by_uid_then_gid(make_manager, tmp_path):
+    tenants = alpha_beta(make_manager, tmp_path)
+    alpha, beta = tenants.managers()
     assert tenants.tenant_of(Peer(1, 1001, 2002)) == "alpha"  # a uid wins over a gid
     assert tenants.tenant_of(Peer(1, 5, 2002)) == "beta"
     assert tenants.tenant_of(Peer(1, 5, 7, groups=(9, 2002))) == "beta"   # a supplementary group
     assert tenants.tenant_of(Peer(1, 1001, 7, groups=(2002,))) == "alpha"  # the uid still wins
     with pytest.raises(PermissionDenied, match="uid 5 \\(gid 7\\) belongs to no tenant"):
         tenants.handshake(Peer(1, 5, 7))
-    m, session = tenants.open_session(tenants.handshake(Peer(42, 5, 2002)).token, "x", 42)
-    assert m is beta and tenants.manager_for(session.id) is beta and session.pid == 42
+    m, session = tenants.open_session(tenants.handshake(Peer(42, 5, 2002)).token, "x", 42, "beta")
+    assert m is beta and tenants.manager_for(session.id, "beta") is beta and session.pid == 42
     with pytest.raises(PermissionDenied, match="issued to pid 43, not pid 44"):
-        tenants.open_session(tenants.handshake(Peer(43, 1001, 1)).token, "x", 44)
+        tenants.open_session(tenants.handshake(Peer(43, 1001, 1)).token, "x", 44, "alpha")
+    for wrong_socket in ("alpha", None):  # another tenant's socket, the main one
+        with pytest.raises(PermissionDenied, match="tenant beta's sessions open on its own socket '<socket>.t-beta'"):
+            tenants.open_session(tenants.handshake(Peer(42, 5, 2002)).token, "x", 42, wrong_socket)
     admin_only = tenants.handshake(Peer(9, 0, 0))
     assert admin_only.admin and admin_only.tenant is None
     with pytest.raises(PermissionDenied, match="may only make admin calls"):
-        tenants.open_session(admin_only.token, "x", 9)
+        tenants.open_session(admin_only.token, "x", 9, None)
     with pytest.raises(PermissionDenied, match="own uid or root"):
         tenants.check_admin(tenants.handshake(Peer(1, 1001, 1)).token)
     tenants.check_admin(tenants.handshake(Peer(9, 0, 0)).token)
     tenants.close_session(beta, session.id)
     assert len(beta.sessions) == 0
+
+
+def test_a_session_is_valid_only_on_its_tenants_socket(make_manager, tmp_path):
+    """A session id that reached another socket is refused exactly like one never issued."""
+    tenants = alpha_beta(make_manager, tmp_path)
+    alpha, _ = tenants.managers()
+    _, session = tenants.open_session(tenants.handshake(Peer(7, 1001, 1)).token, "a", 7, "alpha")
+    assert tenants.manager_for(session.id, "alpha") is alpha
+    with pytest.raises(NotFound) as never_issued:
+        tenants.manager_for("0" * 32, "beta")
+    for wrong_socket in ("beta", None):
+        with pytest.raises(NotFound) as e:
+            tenants.manager_for(session.id, wrong_socket)
+        assert str(e.value) == str(never_issued.value)
+    tenants.close_session(alpha, session.id)
+    assert len(alpha.sessions) == 0
 
 
 def test_a_peer_in_groups_of_two_tenants_must_be_listed_by_uid(make_manager, tmp_path):
@@ -168,8 +193,8 @@ def test_a_peer_in_groups_of_two_tenants_must_be_listed_by_uid(make_manager, tmp
 def test_implicit_tenant_needs_no_ticket(make_manager):
     m = make_manager()
     tenants = Tenants({IMPLICIT: m})
-    got, session = tenants.open_session("", "x", 1)
-    assert got is m and tenants.manager_for("anything") is m
+    got, session = tenants.open_session("", "x", 1, IMPLICIT)
+    assert got is m and tenants.manager_for("anything", IMPLICIT) is m
     tenants.check_admin("")
 
 
@@ -283,23 +308,33 @@ def test_tickets_through_the_daemon(daemon_factory, tmp_path):
         uids = [{os.getuid()}]
         host_bytes = "64KiB"
     """)
-    with grpc.insecure_channel(f"unix:{d.socket}") as channel:
-        stub = kvd_pb2_grpc.KVDStub(channel)
+    admission = admit(d.socket)
+    assert admission.session_socket == tenant_socket(d.socket, "mine")
+    assert stat.S_IMODE(os.stat(admission.session_socket).st_mode) == 0o660  # no group: as the main socket
+    with grpc.insecure_channel(f"unix:{d.socket}") as main, \
+            grpc.insecure_channel(f"unix:{admission.session_socket}") as own:
 
-        def open_with(ticket: str) -> pb.SessionEvent:
+        def open_with(channel, ticket: str) -> pb.SessionEvent:
+            stub = kvd_pb2_grpc.KVDStub(channel)
             return next(stub.OpenSession(pb.OpenSessionRequest(client_name="t", pid=os.getpid(), ticket=ticket)))
 
         with pytest.raises(grpc.RpcError) as e:
-            open_with("")
+            open_with(own, "")
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "isolates tenants" in e.value.details()
-        ticket = fetch_ticket(d.socket)
-        assert open_with(ticket).opened.host_bytes == 64 << 10
+        with pytest.raises(grpc.RpcError) as e:  # the main socket holds no tenant's sessions
+            open_with(main, fetch_ticket(d.socket))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "its own socket" in e.value.details()
+        opened = open_with(own, admission.ticket).opened
+        assert opened.host_bytes == 64 << 10
         with pytest.raises(grpc.RpcError) as e:
-            open_with(ticket)
+            open_with(own, admission.ticket)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "single-use" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            stub.GetStats(pb.StatsRequest())
+            kvd_pb2_grpc.KVDStub(main).GetStats(pb.StatsRequest())
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as e:  # the session exists, but not on the main socket
+            kvd_pb2_grpc.KVDStub(main).GetStats(pb.StatsRequest(session=opened.session))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_uid_of_no_tenant_is_refused(daemon_factory, tmp_path):
@@ -359,6 +394,13 @@ print(json.dumps(out))
 '''
 
 
+def user_env(**extra: str) -> dict:
+    """A bare environment for a process of another OS user; PYTHONPATH stays, so it runs
+    the checkout under test."""
+    keep = {k: os.environ[k] for k in ("PATH", "PYTHONPATH") if k in os.environ}
+    return {**keep, **extra}
+
+
 @pytest.fixture
 def two_users():
     """Two OS users, each in its own group; removed afterwards."""
@@ -389,8 +431,7 @@ def two_users():
         # mount option, a security module), the isolation test cannot run at all.
         uid, gid = users[0]
         probe = subprocess.run([sys.executable, "-c", "import engine_client"], user=uid, group=gid, extra_groups=[],
-                               cwd=str(ROOT), capture_output=True, text=True, timeout=60,
-                               env={"PATH": os.environ.get("PATH", "")})
+                               cwd=str(ROOT), capture_output=True, text=True, timeout=60, env=user_env())
         if probe.returncode != 0:
             pytest.skip(f"a new OS user cannot run this checkout's python here: {probe.stderr.strip()[-300:]}")
         yield users
@@ -403,52 +444,173 @@ def two_users():
             parent.chmod(mode)
 
 
-def test_two_os_users_are_isolated(two_users):
-    (ua, ga), (ub, gb) = two_users
-    work = pathlib.Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
-    d = None
-    try:
-        work.chmod(0o755)  # the tenants' processes reach the sockets and the client script
-        script = work / "client.py"
-        script.write_text(CLIENT)
-        script.chmod(0o644)
-        d = tenant_daemon(functools.partial(start_daemon, work), work, f"""
+class TwoTenants:
+    """A daemon with tenants alpha (user and group kvdta) and beta (kvdtb), its sockets and
+    the tests' scripts in a directory both users reach; the main socket is open to all."""
+
+    def __init__(self, users, work: pathlib.Path) -> None:
+        (self.ua, self.ga), (self.ub, self.gb) = users
+        self.work = work
+        self.daemon = tenant_daemon(functools.partial(start_daemon, work), work, f"""
             host_bytes = "1MiB"
             socket_mode = "0666"
             [tenants.alpha]
-            uids = [{ua}]
+            uids = [{self.ua}]
             host_bytes = "64KiB"
             group = "kvdta"
             [tenants.beta]
-            uids = [{ub}]
+            uids = [{self.ub}]
             host_bytes = "64KiB"
             group = "kvdtb"
         """)
 
-        def run(uid: int, gid: int, *args: str) -> dict:
-            r = subprocess.run([sys.executable, str(script), *args], user=uid, group=gid, extra_groups=[],
-                               cwd=str(ROOT), capture_output=True, text=True, timeout=60,
-                               env={"PATH": os.environ.get("PATH", ""), "HOME": str(work)})
-            assert r.returncode == 0, r.stderr
-            return json.loads(r.stdout)
+    def script(self, name: str, text: str) -> str:
+        path = self.work / name
+        path.write_text(text)
+        path.chmod(0o644)
+        return str(path)
 
-        a = run(ua, ga, "publish", d.socket)
-        assert a["hit_tokens"] == 16 and a["pinned"] == 4
-        for name in a["extents"]:
-            st = os.stat("/dev/shm" + name)
-            assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (ga, 0o660)
-        b = run(ub, gb, "fill", d.socket, *a["extents"])
-        assert b["hit_tokens"] == 0 and b["pinned"] == 0  # A's published prefix is invisible to B
-        assert b["mapped"] == []                           # and the OS refuses to map A's extents
-        assert b["admin"] == "PERMISSION_DENIED"           # only the daemon's uid or root sees every tenant
-        assert b["stats"]["host_bytes"] == 64 << 10 and b["stats"]["evicted_pages"] > 0
-        assert b["stats"]["lookup_tokens"] == 2 * (64 << 10) // 512 * 4  # B's counters only: A's lookups absent
-        again = run(ua, ga, "lookup", d.socket)
-        assert again["hit_tokens"] == 16                   # B's pressure evicted nothing of A's
-        assert again["stats"]["evicted_pages"] == 0 and again["stats"]["lookup_tokens"] == 16
-        every = fetch_stats(d.socket)
-        assert sorted(n["tenant"] for n in every["namespaces"]) == ["alpha", "beta"]
+    def popen(self, uid: int, gid: int, script: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, script, *args], user=uid, group=gid, extra_groups=[],
+                                cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=user_env(HOME=str(self.work)))
+
+    def run(self, uid: int, gid: int, script: str, *args: str) -> dict:
+        out, err = self.popen(uid, gid, script, *args).communicate(timeout=60)
+        assert out, err
+        return json.loads(out)
+
+
+@pytest.fixture
+def two_tenants(two_users):
+    work = pathlib.Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
+    tenants = None
+    try:
+        work.chmod(0o755)  # the tenants' processes reach the sockets and the scripts
+        tenants = TwoTenants(two_users, work)
+        yield tenants
     finally:
-        if d is not None:
-            assert d.stop() == 0, d.log()
+        if tenants is not None:
+            assert tenants.daemon.stop() == 0, tenants.daemon.log()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_two_os_users_are_isolated(two_tenants):
+    t, socket = two_tenants, two_tenants.daemon.socket
+    client = t.script("client.py", CLIENT)
+    a = t.run(t.ua, t.ga, client, "publish", socket)
+    assert a["hit_tokens"] == 16 and a["pinned"] == 4
+    for name in a["extents"]:
+        st = os.stat("/dev/shm" + name)
+        assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (t.ga, 0o660)
+    b = t.run(t.ub, t.gb, client, "fill", socket, *a["extents"])
+    assert b["hit_tokens"] == 0 and b["pinned"] == 0  # A's published prefix is invisible to B
+    assert b["mapped"] == []                           # and the OS refuses to map A's extents
+    assert b["admin"] == "PERMISSION_DENIED"           # only the daemon's uid or root sees every tenant
+    assert b["stats"]["host_bytes"] == 64 << 10 and b["stats"]["evicted_pages"] > 0
+    assert b["stats"]["lookup_tokens"] == 2 * (64 << 10) // 512 * 4  # B's counters only: A's lookups absent
+    again = t.run(t.ua, t.ga, client, "lookup", socket)
+    assert again["hit_tokens"] == 16                   # B's pressure evicted nothing of A's
+    assert again["stats"]["evicted_pages"] == 0 and again["stats"]["lookup_tokens"] == 16
+    every = fetch_stats(socket)
+    assert sorted(n["tenant"] for n in every["namespaces"]) == ["alpha", "beta"]
+
+
+# Tenant A's engine: a sequence with aux state and a pin; prints what a leak would give
+# away (its session id, namespace, pin), waits while B uses them, then checks that nothing
+# changed and that its session still works.
+VICTIM = '''
+import json, sys
+from engine_client import KVDClient, PageLayout, SequenceRequest
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+PREFIX = list(range(1000, 1016))
+with KVDClient.connect(sys.argv[1]) as kvd:
+    ns = kvd.register_namespace("tiny", LAYOUT)
+    kvd.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX + [7, 7])])
+    kvd.publish(ns, ["a"])
+    kvd.set_aux_state(ns, "a", b"A's recurrent state")
+    pin = kvd.pin(ns, PREFIX)
+    before = kvd.stats()
+    print(json.dumps({"session": kvd.session, "ns": ns, "pin": pin.pin_id}), flush=True)
+    sys.stdin.readline()  # B has tried
+    out = {"unchanged": kvd.stats() == before, "aux": kvd.get_aux_state(ns, "a").decode(),
+           "invariants": kvd.check_invariants()}
+    out["extended"] = kvd.extend(ns, "a", 3).num_tokens
+    kvd.unpin(pin.pin_id)
+    out["released"] = kvd.release(ns, ["a"])
+print(json.dumps(out))
+'''
+
+# Tenant B's process holding A's leaked session id: every call that names a session, on
+# the main socket and on B's own; A's socket itself the kernel refuses to B.
+THIEF = '''
+import json, os, socket as socket_mod, sys
+import grpc
+from engine_client.auth import admit
+from kvd.wire import kvd_pb2 as pb, kvd_pb2_grpc
+main, own, theirs, leaked = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+ns, pin = leaked["ns"], leaked["pin"]
+CALLS = {
+    "RegisterNamespace": lambda s: pb.RegisterNamespaceRequest(session=s, identity=pb.NamespaceIdentity(
+        model="tiny", layout=pb.PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16"))),
+    "DescribeExtents": lambda s: pb.DescribeExtentsRequest(session=s, namespace_id=ns),
+    "AllocateWithPrefix": lambda s: pb.AllocateRequest(session=s, namespace_id=ns, sequences=[
+        pb.SequenceRequest(seq_id="b", tokens=bytes(64))]),
+    "Lookup": lambda s: pb.LookupRequest(session=s, namespace_id=ns, sequences=[
+        pb.SequenceRequest(seq_id="b", tokens=bytes(64))]),
+    "Publish": lambda s: pb.PublishRequest(session=s, namespace_id=ns, items=[pb.PublishItem(seq_id="a")]),
+    "Extend": lambda s: pb.ExtendRequest(session=s, namespace_id=ns, seq_ids=["a"], num_tokens=[4]),
+    "Fork": lambda s: pb.ForkRequest(session=s, namespace_id=ns, src_seq_id="a", dst_seq_id="b"),
+    "SetState": lambda s: pb.SetStateRequest(session=s, namespace_id=ns, seq_id="a", state=2),
+    "SetAuxState": lambda s: pb.SetAuxStateRequest(session=s, namespace_id=ns, seq_id="a", data=b"B was here"),
+    "GetAuxState": lambda s: pb.GetAuxStateRequest(session=s, namespace_id=ns, seq_id="a"),
+    "Pin": lambda s: pb.PinRequest(session=s, namespace_id=ns, tokens=bytes(64)),
+    "Unpin": lambda s: pb.UnpinRequest(session=s, pin_id=pin),
+    "GetStats": lambda s: pb.StatsRequest(session=s),
+    "CheckInvariants": lambda s: pb.CheckInvariantsRequest(session=s),
+    "Release": lambda s: pb.ReleaseRequest(session=s, namespace_id=ns, seq_ids=["a"]),
+}
+out = {"own_socket": admit(main).session_socket == own, "calls": {}}
+for where, path in (("main", main), ("own", own)):
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        stub = kvd_pb2_grpc.KVDStub(channel)
+        for name, make in CALLS.items():
+            answers = []
+            for session in (leaked["session"], "0" * 32):  # A's live id, and one never issued
+                try:
+                    getattr(stub, name)(make(session), timeout=20)
+                    answers.append("OK")
+                except grpc.RpcError as e:
+                    answers.append(f"{e.code().name}: {e.details()}")
+            out["calls"][f"{where} {name}"] = answers
+with socket_mod.socket(socket_mod.AF_UNIX) as sock:
+    try:
+        sock.connect(theirs)
+        out["their_socket"] = "connected"
+    except OSError as e:
+        out["their_socket"] = os.strerror(e.errno)
+print(json.dumps(out))
+'''
+
+
+def test_a_session_id_is_useless_to_a_process_of_another_tenant(two_tenants):
+    t, socket = two_tenants, two_tenants.daemon.socket
+    victim = t.popen(t.ua, t.ga, t.script("victim.py", VICTIM), socket)
+    try:
+        leaked = victim.stdout.readline()
+        assert leaked, victim.stderr.read()
+        thief = t.run(t.ub, t.gb, t.script("thief.py", THIEF), socket, tenant_socket(socket, "beta"),
+                      tenant_socket(socket, "alpha"), leaked)
+        victim.stdin.write("done\n")
+        victim.stdin.flush()
+        out, err = victim.communicate(timeout=60)
+    finally:
+        victim.kill()
+    assert thief["own_socket"] and thief["their_socket"] == os.strerror(errno.EACCES)
+    assert len(thief["calls"]) == 2 * 15
+    for call, (with_leaked_id, with_unknown_id) in thief["calls"].items():
+        assert with_leaked_id.startswith("NOT_FOUND: unknown session"), (call, with_leaked_id)
+        assert with_leaked_id == with_unknown_id, call  # nothing tells B that the session exists
+    a = json.loads(out)
+    assert a["unchanged"] and a["aux"] == "A's recurrent state" and a["invariants"] == [], (a, err)
+    assert a["extended"] == 21 and a["released"] == 6  # A's session works: 16 + 2 + 3 tokens, 6 pages

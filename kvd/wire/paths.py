@@ -15,3 +15,9 @@ def default_socket() -> str:
 def auth_socket(socket: str) -> str:
     """The raw unix socket of the tenant handshake beside a daemon's gRPC socket (kvd/tenants.py)."""
     return socket + ".auth"
+
+
+def tenant_socket(socket: str, tenant: str) -> str:
+    """The gRPC socket that serves one tenant's sessions (kvd/tenants.py): the only socket
+    on which that tenant's session ids are valid, reachable by the tenant's group only."""
+    return f"{socket}.t-{tenant}"
