@@ -169,6 +169,62 @@ def test_stats_without_a_daemon_says_so(tmp_path):
     assert result.returncode == 2 and "--watch" in result.stderr
 
 
+def test_stats_piped_into_a_reader_that_stops_ends_quietly(tmp_path):
+    """`kvd stats --watch | head` and `--json --watch`: one JSON object per line, no
+    BrokenPipeError when the reader goes away, exit 0."""
+    env = clean_env(tmp_path)
+    daemon = start_daemon(tmp_path, *SMALL, env=env)
+    try:
+        for args, lines in ((["--json"], 2), ([], 3)):
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "kvd.cli", "stats", *args, "--watch", "0.05", "--socket", daemon.socket],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            )
+            read = [watcher.stdout.readline() for _ in range(lines)]
+            watcher.stdout.close()  # what `head` does once it has its lines
+            assert watcher.wait(timeout=30) == 0
+            stderr = watcher.stderr.read()
+            assert stderr == "", stderr
+            if args:
+                for line in read:
+                    assert json.loads(line)["sessions"] == 0  # one whole object per line
+    finally:
+        assert daemon.stop() == 0
+
+
+# ---- usage, version and exit codes ---------------------------------------------------
+
+def test_version_is_the_packages():
+    import kvd as kvd_package
+    result = kvd("--version", env=dict(os.environ))
+    assert (result.returncode, result.stdout.strip()) == (0, f"kvd {kvd_package.__version__}")
+
+
+@pytest.mark.parametrize("command", ["serve", "stats", "verify", "clean"])
+def test_an_unknown_option_prints_the_subcommands_usage_and_exits_2(tmp_path, command):
+    result = kvd(command, "--bogus", env=clean_env(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"usage: kvd {command} ") and "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_serve_never_creates_the_socket_directory(tmp_path):
+    socket = tmp_path / "a" / "typo" / "kvd.sock"
+    result = kvd("serve", "--socket", str(socket), env=clean_env(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert f"directory {socket.parent} does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "a").exists()
+
+
+def test_no_daemon_is_a_runtime_failure_exit_1(tmp_path):
+    """1 for every subcommand that finds no daemon; the unit's Restart=on-failure reads it so."""
+    env = clean_env(tmp_path)
+    socket = str(tmp_path / "nobody.sock")
+    for command in ("stats", "verify"):
+        result = kvd(command, "--socket", socket, env=env)
+        assert result.returncode == 1, (command, result.stderr)
+        assert f"no answer from the daemon on {socket}" in result.stderr and "Traceback" not in result.stderr
+
+
 # ---- kvd clean ---------------------------------------------------------------------------
 
 def test_clean_refuses_while_running_and_removes_what_a_killed_daemon_left(tmp_path):
