@@ -177,6 +177,13 @@ class KVDClient:
         return channel, stub, stream, first.opened
 
     def close(self) -> None:
+        """Ends the session cleanly: the daemon releases its references and logs a close
+        (a process that dies without this is logged as a client that went away)."""
+        if not self._closed and not self.session_lost.is_set():
+            try:
+                self._stub.CloseSession(pb.CloseSessionRequest(session=self.session), timeout=2.0)
+            except grpc.RpcError:
+                pass  # the daemon is gone or stopping: the session ends with it either way
         self._closed = True
         self._stream.cancel()
         self._channel.close()

@@ -50,7 +50,8 @@ def stats_table(stats: dict) -> str:
     head = " " * width + "".join(f"  {name[:24]:>24}" for name, _ in columns)
     rows = [f"{f:<{width}}" + "".join(f"  {col[f]:>24,}" for _, col in columns) for f in STAT_FIELDS]
     footer = (
-        f"host budget {stats['host_bytes']:,} bytes, arena {stats['arena_bytes']:,} bytes, "
+        f"host budget {stats['host_bytes']:,} bytes: {stats['host_bytes_used']:,} used, "
+        f"{stats['host_bytes_free']:,} free; arena {stats['arena_bytes']:,} bytes, "
         f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}"
     )
     return "\n".join([head, *rows, footer])

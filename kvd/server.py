@@ -224,4 +224,6 @@ async def run(config: ServeConfig, metrics=None) -> None:
 
 def serve(config: ServeConfig, metrics=None) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # DEBUG is for kvd's own lines (one per call, kvd/service.py); grpc's would drown them.
+    logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
     uvloop.run(run(config, metrics))

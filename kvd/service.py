@@ -130,6 +130,8 @@ def stats_reply(s: Stats) -> pb.StatsReply:
         totals=_page_stats(s.totals),
         host_bytes=s.host_bytes,
         arena_bytes=s.arena_bytes,
+        host_bytes_used=s.host_bytes_used,
+        host_bytes_free=s.host_bytes_free,
         prefix_reuse=s.prefix_reuse,
         namespaces=_namespace_stats(s),
     )
@@ -142,6 +144,8 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
         totals=_page_stats(every.totals),
         host_bytes=every.host_bytes,
         arena_bytes=every.arena_bytes,
+        host_bytes_used=every.host_bytes_used,
+        host_bytes_free=every.host_bytes_free,
         prefix_reuse=every.prefix_reuse,
         namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
     )
@@ -214,13 +218,16 @@ def _unary(method):
         if self.stopping:
             code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
         else:
+            code, message = grpc.StatusCode.OK, ""
             try:
                 return method(self, _parsed(request))
             except KvdError as e:
                 code, message = STATUS_FOR[type(e)], status_message(str(e))
             finally:
+                seconds = time.perf_counter() - start
                 if self.observe_latency is not None:
-                    self.observe_latency(name, time.perf_counter() - start)
+                    self.observe_latency(name, seconds)
+                log.debug("%s: %s in %.3f ms %s", name, code.name, seconds * 1e3, message)
         # Set, not raised: an exception's traceback would keep the request (possibly
         # hundreds of MiB) alive in a reference cycle until the next garbage collection.
         context.set_code(code)
@@ -234,7 +241,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def __init__(self, tenants: Tenants | KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
         self.tenants = tenants if isinstance(tenants, Tenants) else Tenants({"": tenants})
         self.observe_latency = observe_latency
-        self._session_events: set[asyncio.Queue] = set()
+        self._session_events: dict[str, asyncio.Queue] = {}  # by session id
         self.stopping = False
         self.instance = secrets.token_hex(8)  # SessionOpened.daemon_instance
 
@@ -242,7 +249,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         """Ends every session stream and refuses further calls (at shutdown), so a stop
         need not wait for clients to leave."""
         self.stopping = True
-        for events in self._session_events:
+        for events in self._session_events.values():
             events.put_nowait(None)
 
     def _m(self, session: str) -> KVCacheManager:
@@ -254,11 +261,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid)
         except KvdError as e:
             await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
-        events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the daemon is stopping
+        events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the stream ends
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
         )
-        self._session_events.add(events)
+        self._session_events[session.id] = events
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(
                 session=session.id, prefix_reuse=m.prefix_reuse, host_bytes=m.arena.budget_bytes,
@@ -267,8 +274,15 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             while (event := await events.get()) is not None:
                 yield event
         finally:
-            self._session_events.discard(events)
-            self.tenants.close_session(m, session.id)
+            del self._session_events[session.id]
+            self.tenants.close_session(m, session.id, daemon_stopping=self.stopping)
+
+    @_unary
+    def CloseSession(self, r):
+        session = self._m(r.session).sessions.get(r.session)
+        session.closed_by_client = True
+        self._session_events[session.id].put_nowait(None)  # the stream's end releases the session
+        return pb.CloseSessionReply()
 
     @_unary
     def RegisterNamespace(self, r):

@@ -65,10 +65,15 @@ def test_stats_json_fields_and_values(tmp_path):
     env = clean_env(tmp_path)
     daemon = start_daemon(tmp_path, "--enable-prefix-reuse", *SMALL, env=env)
     try:
+        fresh = stats_json(daemon.socket, env)  # no extent yet: the whole budget is free
+        assert (fresh["free_pages"], fresh["host_bytes_used"], fresh["host_bytes_free"]) == (0, 0, 64 << 20)
         with KVDClient.connect(daemon.socket) as client:
             ns = share_prefix(client)
             stats = stats_json(daemon.socket, env)
-            assert set(stats) == {*STAT_FIELDS, "host_bytes", "arena_bytes", "prefix_reuse", "namespaces"}
+            assert set(stats) == {*STAT_FIELDS, "host_bytes", "host_bytes_used", "host_bytes_free", "arena_bytes",
+                                  "prefix_reuse", "namespaces"}
+            assert stats["host_bytes_used"] == 5 * PAGE_BYTES  # 4 shared + 1 private page
+            assert stats["host_bytes_free"] == (64 << 20) - stats["arena_bytes"] + stats["free_pages"] * PAGE_BYTES
             [entry] = stats["namespaces"]
             assert set(entry) == {*STAT_FIELDS, "namespace_id", "model", "page_bytes"}
             assert (entry["namespace_id"], entry["model"], entry["page_bytes"]) == (ns, "tiny", PAGE_BYTES)
