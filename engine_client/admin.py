@@ -33,6 +33,8 @@ def stats_dict(reply: pb.StatsReply) -> dict:
     return {
         **_fields(reply.totals),
         "host_bytes": reply.host_bytes,
+        "host_bytes_used": reply.host_bytes_used,
+        "host_bytes_free": reply.host_bytes_free,
         "arena_bytes": reply.arena_bytes,
         "prefix_reuse": reply.prefix_reuse,
         "shm_refusals": reply.shm_refusals,

@@ -21,6 +21,7 @@ user belongs to no tenant gets PERMISSION_DENIED.
 from __future__ import annotations
 
 import os
+import socket as socket_mod
 import sys
 import threading
 from itertools import accumulate, chain
@@ -39,7 +40,7 @@ from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.layout import PageLayout
 from kvd.wire.limits import MAX_MESSAGE_BYTES
-from kvd.wire.paths import default_socket
+from kvd.wire.paths import find_socket
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -69,12 +70,26 @@ def _allocation(msg: pb.SequenceAllocation) -> SequenceAllocation:
     )
 
 
+def _no_listener(path: str) -> str | None:
+    """Why no daemon can answer on ``path`` (no file, nobody listening), or None when one may."""
+    try:
+        with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
+            sock.connect(path)
+    except FileNotFoundError:
+        return "the socket does not exist"
+    except ConnectionRefusedError:
+        return "nothing listens there (a file a dead daemon left, or no socket at all)"
+    except OSError:
+        return None  # e.g. EACCES: gRPC reports it in its own words
+    return None
+
+
 class KVDClient:
     """A session with the daemon; use ``connect`` and close it (or use ``with``)."""
 
     def __init__(self, channel: grpc.Channel, stub: kvd_pb2_grpc.KVDStub, stream, opened: pb.SessionOpened,
-                 socket: str | None = None, client_name: str | None = None) -> None:
-        self._socket = socket or default_socket()
+                 socket: str, client_name: str | None = None) -> None:
+        self._socket = socket
         self._client_name = client_name
         self._namespaces: dict[int, Namespace] = {}
         self._registrations: dict[int, pb.NamespaceIdentity] = {}
@@ -102,9 +117,20 @@ class KVDClient:
 
     @classmethod
     def connect(cls, socket: str | None = None, client_name: str | None = None, timeout: float = 10.0) -> "KVDClient":
-        """Opens a session; the daemon drops its references when this process closes it or dies."""
-        path = socket or default_socket()
-        return cls(*cls._open(path, client_name, timeout), socket=path, client_name=client_name)
+        """Opens a session; the daemon drops its references when this process closes it or dies.
+
+        The socket is ``socket``, else found in the order kvd/wire/paths.py gives (``KVD_SOCKET``,
+        the config file, ``/run/kvd/kvd.sock``, the per-user default). When no daemon listens
+        there, this fails at once (UNAVAILABLE, naming every place looked at); ``timeout``
+        bounds only the wait for a daemon that is there but slow to answer."""
+        choice = find_socket(socket)
+        problem = _no_listener(choice.path)
+        if problem:
+            raise KVDError(grpc.StatusCode.UNAVAILABLE, (
+                f"no kvd daemon on {choice.path}: {problem} (looked at: {'; '.join(choice.tried)}); "
+                "start one with `kvd serve`, or pass the socket of a running one"
+            ))
+        return cls(*cls._open(choice.path, client_name, timeout), socket=choice.path, client_name=client_name)
 
     def reconnect(self, timeout: float = 10.0) -> dict[int, int]:
         """Opens a new session (after the daemon restarted) and registers this client's
@@ -165,6 +191,13 @@ class KVDClient:
         return channel, stub, stream, first.opened
 
     def close(self) -> None:
+        """Ends the session cleanly: the daemon releases its references and logs a close
+        (a process that dies without this is logged as a client that went away)."""
+        if not self._closed and not self.session_lost.is_set():
+            try:
+                self._stub.CloseSession(pb.CloseSessionRequest(session=self.session), timeout=2.0)
+            except grpc.RpcError:
+                pass  # the daemon is gone or stopping: the session ends with it either way
         self._closed = True
         self._stream.cancel()
         self._channel.close()

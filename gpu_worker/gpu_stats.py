@@ -3,7 +3,7 @@
 A snapshot, taken by `GpuPagePool.stats()`. "Logical" pages are what the page tables
 address (the sum of row lengths over every sequence that holds GPU pages); "physical"
 pages are the distinct GPU pages behind them. With no sharing the two are equal
-(DESIGN.md invariant 4, applied to the GPU pool).
+(docs/architecture.md invariant 4, applied to the GPU pool).
 """
 from __future__ import annotations
 

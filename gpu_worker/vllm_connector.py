@@ -19,7 +19,8 @@ computes. A page that cannot be loaded is reported to vLLM as a load error and
 recomputed; for that the connector sets vLLM's `kv_load_failure_policy` to "recompute"
 unless `kv_connector_extra_config` says `"load_failure_policy": "fail"`.
 
-`kv_connector_extra_config` keys: `socket` (default: kvd's default socket), `client_name`.
+`kv_connector_extra_config` keys: `socket` (default: found as kvd/wire/paths.py says: `KVD_SOCKET`,
+the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`.
 """
 from __future__ import annotations
 

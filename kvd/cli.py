@@ -1,10 +1,8 @@
-"""``kvd``: serve, stats, verify, reset, clean.
+"""``kvd``: serve, stats, verify, reset, clean (the README's synopsis lists every option).
 
-    kvd serve [--config FILE] [--socket PATH] [--host-bytes 8GiB] [--[no-]enable-prefix-reuse] [--metrics-port N]
-    kvd stats [--socket PATH] [--json] [--watch SECONDS]
-    kvd clean [--socket PATH]
-    kvd verify [--socket PATH] [--json]   (exit status 1 when it found corrupted pages)
-    kvd reset [--socket PATH] [--namespace ID] [--json]
+Exit status, one meaning each: 0 done; 1 a runtime failure (no daemon answers, the
+daemon cannot start, ``verify`` found corrupted pages, ``clean`` found a daemon
+running); 2 bad usage or configuration (argparse errors, a setting that cannot be used).
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ def _serve(args) -> int:
         "metrics_host": args.metrics_host, "log_level": args.log_level,
     }
     cfg = config_mod.load(flags, config_file=args.config)
+    config_mod.check_socket_directory(cfg)
     from kvd.server import StartupError, serve  # the daemon's modules load only for `serve`
     metrics = None
     if cfg.metrics_port:
@@ -51,7 +50,8 @@ def stats_table(stats: dict) -> str:
     head = " " * width + "".join(f"  {name[:24]:>24}" for name, _ in columns)
     rows = [f"{f:<{width}}" + "".join(f"  {col[f]:>24,}" for _, col in columns) for f in STAT_FIELDS]
     footer = (
-        f"host budget {stats['host_bytes']:,} bytes, arena {stats['arena_bytes']:,} bytes, "
+        f"host budget {stats['host_bytes']:,} bytes: {stats['host_bytes_used']:,} used, "
+        f"{stats['host_bytes_free']:,} free; arena {stats['arena_bytes']:,} bytes, "
         f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}, "
         f"extents refused by /dev/shm {stats['shm_refusals']:,}"
     )
@@ -79,8 +79,8 @@ def _stats(args) -> int:
         except KVDError as e:
             print(f"kvd stats: no answer from the daemon on {path} ({e})", file=sys.stderr)
             return 1
-        if args.json:
-            print(json.dumps(stats, indent=2))
+        if args.json:  # watching: one object per line, for `jq` and line-oriented tools
+            print(json.dumps(stats) if args.watch else json.dumps(stats, indent=2))
         else:
             if args.watch:
                 print("\033[2J\033[H", end="")
@@ -99,7 +99,7 @@ def _verify(args) -> int:
         result = verify_pages(path)
     except KVDError as e:
         print(f"kvd verify: no answer from the daemon on {path} ({e})", file=sys.stderr)
-        return 2
+        return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -157,11 +157,16 @@ def _clean(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from kvd import __version__
     p = argparse.ArgumentParser(prog="kvd", description="host KV-cache daemon for LLM inference")
+    p.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--socket", help="unix socket path (default: $XDG_RUNTIME_DIR/kvd.sock or /tmp/kvd-UID.sock)")
+        sp.set_defaults(parser=sp)  # main() reports unknown options with this subcommand's usage
+        sp.add_argument("--socket", help="unix socket path (default: $KVD_SOCKET, else the config file's socket, "
+                                         "else /run/kvd/kvd.sock if it exists, else $XDG_RUNTIME_DIR/kvd.sock "
+                                         "or /tmp/kvd-UID.sock)")
         sp.add_argument("--config", help=f"TOML config file (default: $KVD_CONFIG, else {config_mod.DEFAULT_CONFIG_FILE} if present)")
 
     s = sub.add_parser("serve", help="run the daemon")
@@ -200,7 +205,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args, unknown = parser().parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2
     try:
         return args.func(args)
     except config_mod.ConfigError as e:
@@ -208,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvd stats | head`: the reader had enough, which is no failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 0
 
 
 if __name__ == "__main__":

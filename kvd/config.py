@@ -1,6 +1,7 @@
 """Daemon configuration: built-in defaults < TOML file < environment < command-line flags.
 
-The TOML file (``--config``, or ``$KVD_CONFIG``, else ``/etc/kvd/kvd.toml`` when it
+The socket is found in the order kvd/wire/paths.py gives for daemon, CLI and clients
+alike. The TOML file (``--config``, or ``$KVD_CONFIG``, else ``/etc/kvd/kvd.toml`` when it
 exists) uses the same names as the flags, with underscores::
 
     socket = "/run/kvd/kvd.sock"
@@ -29,14 +30,12 @@ import re
 import sys
 from dataclasses import dataclass
 
-from kvd.wire.paths import auth_socket, default_socket, tenant_socket
+from kvd.wire.paths import DEFAULT_CONFIG_FILE, auth_socket, config_file as find_config_file, default_socket, tenant_socket
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-DEFAULT_CONFIG_FILE = "/etc/kvd/kvd.toml"
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -229,9 +228,7 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
     """Merges defaults, the TOML file, KVD_* variables and flags (None means 'not given')."""
     environ = os.environ if environ is None else environ
     values: dict = {}
-    path = config_file or environ.get("KVD_CONFIG")
-    if path is None and os.path.exists(DEFAULT_CONFIG_FILE):
-        path = DEFAULT_CONFIG_FILE
+    path = find_config_file(environ, config_file)
     if path:
         try:
             with open(path, "rb") as f:
@@ -259,3 +256,11 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
     cfg = ServeConfig(**values)
     _check_tenants(cfg)
     return cfg
+
+
+def check_socket_directory(cfg: ServeConfig) -> None:
+    """``kvd serve`` creates its socket, never the directory: a typo must not grow a tree."""
+    directory = os.path.dirname(os.path.abspath(cfg.socket))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"socket: directory {directory} does not exist (socket {cfg.socket!r}); "
+                          "create it first (systemd: RuntimeDirectory=) or choose another path")

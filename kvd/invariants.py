@@ -1,4 +1,4 @@
-"""Recomputes the invariants of DESIGN.md from scratch and lists every violation.
+"""Recomputes the invariants of docs/architecture.md from scratch and lists every violation.
 
 Used by tests after every step and by the CheckInvariants admin call. It reads the
 core's state and changes nothing.

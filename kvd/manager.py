@@ -74,15 +74,24 @@ class KVCacheManager:
         log.info("session %s opened by %s (pid %d)", session.id[:8], client_name or "?", pid)
         return session
 
-    def close_session(self, session_id: SessionId) -> None:
-        """Drops every sequence and pin of the session."""
+    def close_session(self, session_id: SessionId, daemon_stopping: bool = False) -> None:
+        """Drops every sequence and pin of the session; the log says why it ended: closed by
+        its client, the daemon stopping, or else the client went away without closing it."""
         session = self.sessions.get(session_id)
+        held = (len(session.sequences), len(session.pins))
         for key in list(session.sequences):
             self._drop(self.sequences.find(*key))
         for pin in list(session.pins.values()):
             self._unpin(session, pin)
         self.sessions.remove(session)
-        log.info("session %s of %s closed", session.id[:8], session.client_name or "?")
+        name = session.client_name or "?"
+        if session.closed_by_client:
+            log.info("session %s of %s closed", session.id[:8], name)
+        elif daemon_stopping:
+            log.info("session %s of %s ended: the daemon is stopping", session.id[:8], name)
+        else:
+            log.warning("session %s of %s (pid %d) ended without a close: the client crashed, was killed or lost "
+                        "its connection; released %d sequences and %d pins", session.id[:8], name, session.pid, *held)
 
     # ---- namespaces ---------------------------------------------------------------
 

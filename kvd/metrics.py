@@ -1,23 +1,27 @@
-"""Prometheus metrics (``--metrics-port``): page stats, sessions and call latency, per tenant
-on a daemon with [tenants].
+"""Prometheus metrics (``--metrics-port``): page stats, budget, sessions, call latency,
+the daemon's build and the standard ``process_*`` metrics; per tenant on a daemon with
+[tenants].
 
-The HTTP endpoint runs on prometheus-client's own thread while the core lives on the
-event loop, so the loop publishes a stats snapshot every ``SNAPSHOT_SECONDS`` and
-scrapes read only that snapshot: a scrape never touches the core's data structures.
+Every scrape shows live values: the HTTP endpoint runs on prometheus-client's own
+thread, so it asks the event loop, which owns the core, to compute the stats (one O(pages)
+walk, as ``kvd stats``) and waits for the answer; a scrape never touches the core's data
+structures from another thread. A loop that does not answer within ``SCRAPE_TIMEOUT``
+fails the scrape rather than serve stale values.
 """
 from __future__ import annotations
 
 import asyncio
+import platform
 import threading
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, Info, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvd import stats as stats_mod
+from kvd import __version__, stats as stats_mod
 from kvd.stats import Stats
 from kvd.tenants import Tenants
 
-SNAPSHOT_SECONDS = 1.0
+SCRAPE_TIMEOUT = 5.0
 
 _GAUGES = {
     "logical_pages": "Page-table entries of all sequences",
@@ -26,7 +30,7 @@ _GAUGES = {
     "private_pages": "Pages owned by one sequence, writable",
     "cached_pages": "Published pages with no reference, evictable in LRU order",
     "pinned_pages": "Pages held by pins",
-    "free_pages": "Free pages in the extents created so far",
+    "free_pages": "Free pages in the extents created so far (kvd_host_bytes_free counts the whole budget)",
     "host_pages_saved": "Logical minus physical pages",
     "host_bytes_saved": "Bytes sharing saves against keeping each sequence's KV separately",
     "sequences": "Live sequences",
@@ -42,31 +46,31 @@ _COUNTERS = {
 
 
 class _StatsCollector:
-    """Families from the latest snapshot: one per page statistic, labelled by namespace
-    (``all`` for the daemon's totals) and, on a daemon with [tenants], by tenant too
-    (``all`` again for the sum)."""
+    """Families from live stats: one per page statistic, labelled by namespace id and
+    model name (``all`` and ``all`` for the daemon's totals) and, on a daemon with
+    [tenants], by tenant too (``all`` again for the sum)."""
 
     def __init__(self, isolated: bool) -> None:
         self.isolated = isolated
-        self.snapshot: dict[str, Stats] | None = None  # by tenant
+        self.fetch = None  # () -> {tenant: Stats}, set by MetricsExporter.start
 
     def _rows(self, by_tenant: dict[str, Stats], every: Stats):
         """(label values, page stats) of every row a page statistic has."""
         if not self.isolated:
-            yield ["all"], every.totals
-            yield from (([str(n.namespace_id)], n.pages) for n in every.namespaces)
+            yield ["all", "all"], every.totals
+            yield from (([str(n.namespace_id), n.model], n.pages) for n in every.namespaces)
             return
-        yield ["all", "all"], every.totals
+        yield ["all", "all", "all"], every.totals
         for tenant, s in by_tenant.items():
-            yield [tenant, "all"], s.totals
-            yield from (([tenant, str(n.namespace_id)], n.pages) for n in s.namespaces)
+            yield [tenant, "all", "all"], s.totals
+            yield from (([tenant, str(n.namespace_id), n.model], n.pages) for n in s.namespaces)
 
     def collect(self):
-        by_tenant = self.snapshot
-        if by_tenant is None:
+        if self.fetch is None:
             return
+        by_tenant = self.fetch()
         every = stats_mod.combined(list(by_tenant.values()))
-        labels = ["tenant", "namespace"] if self.isolated else ["namespace"]
+        labels = ["tenant", "namespace", "model"] if self.isolated else ["namespace", "model"]
         for family, docs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
             for name, doc in docs.items():
                 metric = family(f"kvd_{name}", doc, labels=labels)
@@ -75,6 +79,10 @@ class _StatsCollector:
                 yield metric
         yield GaugeMetricFamily("kvd_sessions", "Open client sessions", value=every.totals.sessions)
         yield GaugeMetricFamily("kvd_host_budget_bytes", "Host byte budget for pages", value=every.host_bytes)
+        yield GaugeMetricFamily("kvd_host_bytes_used", "Budget bytes in pages holding KV (private, shared, cached)",
+                                value=every.host_bytes_used)
+        yield GaugeMetricFamily("kvd_host_bytes_free", "Budget bytes free: free pages of extents and budget not yet "
+                                "made into extents", value=every.host_bytes_free)
         yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=every.arena_bytes)
         yield CounterMetricFamily("kvd_shm_refusals", "Extents /dev/shm could not hold (calls refused)",
                                   value=every.shm_refusals)
@@ -95,35 +103,34 @@ class MetricsExporter:
         self.registry = CollectorRegistry()
         self._collector = _StatsCollector(isolated)
         self.registry.register(self._collector)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        PlatformCollector(registry=self.registry)  # python_info
+        Info("kvd_build", "The running kvd's version", registry=self.registry).info(  # kvd_build_info
+            {"version": __version__, "python": platform.python_version()})
         self._latency = Histogram(
             "kvd_request_seconds", "Latency of gRPC calls inside the daemon", ["method"], registry=self.registry,
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0),
         )
         self._server = None
-        self._task: asyncio.Task | None = None
 
     def observe_latency(self, method: str, seconds: float) -> None:
         self._latency.labels(method).observe(seconds)
 
     def start(self, tenants: Tenants, host: str, port: int) -> None:
-        """Starts the HTTP endpoint and the snapshot task (call on the event loop)."""
+        """Starts the HTTP endpoint (call on the event loop, which then answers every scrape)."""
+        loop = asyncio.get_running_loop()
 
-        def snapshot() -> dict[str, Stats]:
+        async def collect() -> dict[str, Stats]:
             return {name: stats_mod.collect(manager) for name, manager in tenants.items()}
 
-        self._collector.snapshot = snapshot()
+        def fetch() -> dict[str, Stats]:  # on the HTTP thread
+            return asyncio.run_coroutine_threadsafe(collect(), loop).result(SCRAPE_TIMEOUT)
+
+        self._collector.fetch = fetch
         self._server, thread = start_http_server(port, addr=host, registry=self.registry)
         self._thread: threading.Thread = thread
 
-        async def refresh() -> None:
-            while True:
-                await asyncio.sleep(SNAPSHOT_SECONDS)
-                self._collector.snapshot = snapshot()
-
-        self._task = asyncio.get_running_loop().create_task(refresh())
-
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self._collector.fetch = None  # the loop is about to stop answering
         if self._server is not None:
             self._server.shutdown()

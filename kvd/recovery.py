@@ -48,6 +48,11 @@ class Mismatch(Exception):
     """The segments left behind cannot be used by this daemon; the message says why."""
 
 
+# Below this many verified bytes a warm restart's time is mostly fixed costs (opening
+# segments, the manifest), so a per-GiB rate extrapolated from it would mislead.
+RATE_MIN_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class RecoveryReport:
     """What the last start found in shared memory; every dropped page is counted by reason."""
@@ -65,8 +70,11 @@ class RecoveryReport:
     discarded: str | None = None  # why the previous daemon's segments were deleted
 
     @property
-    def ms_per_gib(self) -> float:
-        return self.seconds * 1e3 / (self.verified_bytes / (1 << 30)) if self.verified_bytes else 0.0
+    def ms_per_gib(self) -> float | None:
+        """The verification rate; None below RATE_MIN_BYTES, where fixed costs would dominate it."""
+        if self.verified_bytes < RATE_MIN_BYTES:
+            return None
+        return self.seconds * 1e3 / (self.verified_bytes / (1 << 30))
 
     @property
     def dropped_pages(self) -> dict[str, int]:
@@ -118,12 +126,13 @@ def _recover(manager) -> RecoveryReport:
                     "(%d published pages): %s", len(segments), lost, e)
         return RecoveryReport(mismatch_pages=lost, discarded=str(e), seconds=time.perf_counter() - start)
     report = _adopt(manager, found, start)
+    rate = f", {report.ms_per_gib:.0f} ms per GiB" if report.ms_per_gib is not None else ""
     log.info(
-        "warm restart: recovered %d published pages from %d extents in %.1f ms (%d bytes verified, "
-        "%.0f ms per GiB, %d sealed now); %d failed their checksum, %d dropped with a missing parent, "
+        "warm restart: recovered %d published pages from %d extents in %.1f ms (%d bytes verified%s, "
+        "%d sealed now); %d failed their checksum, %d dropped with a missing parent, "
         "%d incomplete extents dropped",
-        report.recovered_pages, report.extents, report.seconds * 1e3, report.verified_bytes,
-        report.ms_per_gib, report.resealed_pages, report.corrupted_pages, report.orphaned_pages,
+        report.recovered_pages, report.extents, report.seconds * 1e3, report.verified_bytes, rate,
+        report.resealed_pages, report.corrupted_pages, report.orphaned_pages,
         report.incomplete_extents,
     )
     return report

@@ -24,7 +24,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import handshake, recovery
+from kvd import __version__, handshake, recovery
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
@@ -89,7 +89,6 @@ def _prepare_socket(path: str) -> None:
             if socket_answers(path):
                 raise DaemonRunning(f"a daemon already serves {path}; stop it first or choose another socket")
             os.unlink(path)  # left behind by a daemon that died
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as e:
         raise StartupError(f"cannot prepare socket {path}: {e.strerror}") from None
 
@@ -229,9 +228,11 @@ async def run(config: ServeConfig, metrics=None) -> None:
 
     sweeper = asyncio.create_task(sweep_pins())
     log.info(
-        "kvd serving on %s (host budget %d bytes, prefix reuse %s%s) after %.0f ms",
-        config.socket, config.host_bytes, "on" if config.enable_prefix_reuse else "off",
+        "kvd %s serving on %s (host budget %d bytes, prefix reuse %s%s; metrics %s) after %.0f ms",
+        __version__, config.socket, config.host_bytes, "on" if config.enable_prefix_reuse else "off",
         f", tenants {', '.join(t.name for t in config.tenants)}" if config.tenants else "",
+        f"on http://{config.metrics_host}:{config.metrics_port}/metrics" if metrics is not None
+        else "off (--metrics-port)",
         (time.perf_counter() - started) * 1e3,
     )
     notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
@@ -265,4 +266,6 @@ async def run(config: ServeConfig, metrics=None) -> None:
 
 def serve(config: ServeConfig, metrics=None) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # DEBUG is for kvd's own lines (one per call, kvd/service.py); grpc's would drown them.
+    logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
     uvloop.run(run(config, metrics))

@@ -138,6 +138,8 @@ def stats_reply(s: Stats) -> pb.StatsReply:
         totals=_page_stats(s.totals),
         host_bytes=s.host_bytes,
         arena_bytes=s.arena_bytes,
+        host_bytes_used=s.host_bytes_used,
+        host_bytes_free=s.host_bytes_free,
         prefix_reuse=s.prefix_reuse,
         namespaces=_namespace_stats(s),
         shm_refusals=s.shm_refusals,
@@ -152,6 +154,8 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
         totals=_page_stats(every.totals),
         host_bytes=every.host_bytes,
         arena_bytes=every.arena_bytes,
+        host_bytes_used=every.host_bytes_used,
+        host_bytes_free=every.host_bytes_free,
         prefix_reuse=every.prefix_reuse,
         namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
         shm_refusals=every.shm_refusals,
@@ -226,13 +230,16 @@ def _unary(method):
         if self.streams.stopping:
             code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
         else:
+            code, message = grpc.StatusCode.OK, ""
             try:
                 return method(self, _parsed(request))
             except KvdError as e:
                 code, message = STATUS_FOR[type(e)], status_message(str(e))
             finally:
+                seconds = time.perf_counter() - start
                 if self.observe_latency is not None:
-                    self.observe_latency(name, time.perf_counter() - start)
+                    self.observe_latency(name, seconds)
+                log.debug("%s: %s in %.3f ms %s", name, code.name, seconds * 1e3, message)
         # Set, not raised: an exception's traceback would keep the request (possibly
         # hundreds of MiB) alive in a reference cycle until the next garbage collection.
         context.set_code(code)
@@ -247,7 +254,7 @@ class SessionStreams:
     """What the servicers of every socket of one daemon share: the open session streams
     (each a queue of events; None ends it) and whether the daemon is stopping."""
 
-    events: set[asyncio.Queue] = field(default_factory=set)
+    events: dict[str, asyncio.Queue] = field(default_factory=dict)  # by session id
     stopping: bool = False
 
 
@@ -272,7 +279,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         """Ends every session stream on every socket and refuses further calls (at
         shutdown), so a stop need not wait for clients to leave."""
         self.streams.stopping = True
-        for events in self.streams.events:
+        for events in self.streams.events.values():
             events.put_nowait(None)
 
     def _m(self, session: str) -> KVCacheManager:
@@ -284,11 +291,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid, self.socket_tenant)
         except KvdError as e:
             await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
-        events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the daemon is stopping
+        events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the stream ends
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
         )
-        self.streams.events.add(events)
+        self.streams.events[session.id] = events
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(
                 session=session.id, prefix_reuse=m.prefix_reuse, host_bytes=m.arena.budget_bytes,
@@ -297,8 +304,15 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             while (event := await events.get()) is not None:
                 yield event
         finally:
-            self.streams.events.discard(events)
-            self.tenants.close_session(m, session.id)
+            self.streams.events.pop(session.id, None)
+            self.tenants.close_session(m, session.id, daemon_stopping=self.streams.stopping)
+
+    @_unary
+    def CloseSession(self, r):
+        session = self._m(r.session).sessions.get(r.session)
+        session.closed_by_client = True
+        self.streams.events[session.id].put_nowait(None)  # the stream's end releases the session
+        return pb.CloseSessionReply()
 
     @_unary
     def RegisterNamespace(self, r):

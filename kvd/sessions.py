@@ -43,6 +43,7 @@ class Session:
     sequences: set[tuple[NamespaceId, SeqId]] = field(default_factory=set)
     pins: dict[PinId, Pin] = field(default_factory=dict)
     listener: EvictionListener | None = None
+    closed_by_client: bool = False  # CloseSession was called: the stream's end is no crash
 
 
 class SessionRegistry:

@@ -63,6 +63,8 @@ class Stats:
     host_bytes: int
     arena_bytes: int
     prefix_reuse: bool
+    host_bytes_used: int  # in pages that hold KV: private, shared or cached
+    host_bytes_free: int  # free pages of created extents + budget not yet made into extents
     shm_refusals: int = 0  # extents /dev/shm could not hold
     recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
 
@@ -70,6 +72,8 @@ class Stats:
         return {
             **self.totals.as_dict(),
             "host_bytes": self.host_bytes,
+            "host_bytes_used": self.host_bytes_used,
+            "host_bytes_free": self.host_bytes_free,
             "arena_bytes": self.arena_bytes,
             "prefix_reuse": self.prefix_reuse,
             "shm_refusals": self.shm_refusals,
@@ -119,8 +123,12 @@ def collect(manager) -> Stats:
             s.pinned_pages += 1
     totals = PageStats()
     namespaces = []
+    arena = manager.arena
+    used, free = 0, arena.budget_bytes - arena.reserved_bytes
     for ns in manager.namespaces.all():
         s = per_ns[ns.id]
+        used += (s.private_pages + s.shared_pages + s.cached_pages) * ns.page_bytes
+        free += s.free_pages * ns.page_bytes
         s.physical_pages = len(referenced[ns.id])
         s.host_pages_saved = s.logical_pages - s.physical_pages
         s.host_bytes_saved = s.host_pages_saved * ns.page_bytes
@@ -128,8 +136,8 @@ def collect(manager) -> Stats:
         totals.add(s)
         namespaces.append(NamespaceStats(ns.id, ns.identity.model, ns.page_bytes, s))
     totals.sessions = len(manager.sessions)
-    return Stats(totals, namespaces, manager.arena.budget_bytes, manager.arena.reserved_bytes, manager.prefix_reuse,
-                 manager.arena.shm_refusals, manager.last_recovery or RecoveryReport())
+    return Stats(totals, namespaces, arena.budget_bytes, arena.reserved_bytes, manager.prefix_reuse, used, free,
+                 arena.shm_refusals, manager.last_recovery or RecoveryReport())
 
 
 def combined(parts: list[Stats]) -> Stats:
@@ -145,4 +153,6 @@ def combined(parts: list[Stats]) -> Stats:
         prefix_reuse=any(part.prefix_reuse for part in parts),
         shm_refusals=sum(part.shm_refusals for part in parts),
         recovery=RecoveryReport.combined([part.recovery for part in parts]),
+        host_bytes_used=sum(part.host_bytes_used for part in parts),
+        host_bytes_free=sum(part.host_bytes_free for part in parts),
     )

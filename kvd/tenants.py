@@ -179,9 +179,9 @@ class Tenants:
         self._session_tenant[session.id] = t.tenant
         return manager, session
 
-    def close_session(self, manager: KVCacheManager, session_id: SessionId) -> None:
+    def close_session(self, manager: KVCacheManager, session_id: SessionId, daemon_stopping: bool = False) -> None:
         self._session_tenant.pop(session_id, None)
-        manager.close_session(session_id)
+        manager.close_session(session_id, daemon_stopping)
 
     def manager_for(self, session_id: str, socket_tenant: str | None) -> KVCacheManager:
         """The manager of the session's tenant when the call came in on that tenant's

@@ -65,11 +65,15 @@ def test_stats_json_fields_and_values(tmp_path):
     env = clean_env(tmp_path)
     daemon = start_daemon(tmp_path, "--enable-prefix-reuse", *SMALL, env=env)
     try:
+        fresh = stats_json(daemon.socket, env)  # no extent yet: the whole budget is free
+        assert (fresh["free_pages"], fresh["host_bytes_used"], fresh["host_bytes_free"]) == (0, 0, 64 << 20)
         with KVDClient.connect(daemon.socket) as client:
             ns = share_prefix(client)
             stats = stats_json(daemon.socket, env)
-            assert set(stats) == {*STAT_FIELDS, "host_bytes", "arena_bytes", "prefix_reuse", "namespaces",
-                                  "shm_refusals", "recovery"}
+            assert set(stats) == {*STAT_FIELDS, "host_bytes", "host_bytes_used", "host_bytes_free", "arena_bytes",
+                                  "prefix_reuse", "namespaces", "shm_refusals", "recovery"}
+            assert stats["host_bytes_used"] == 5 * PAGE_BYTES  # 4 shared + 1 private page
+            assert stats["host_bytes_free"] == (64 << 20) - stats["arena_bytes"] + stats["free_pages"] * PAGE_BYTES
             assert stats["shm_refusals"] == 0
             assert stats["recovery"]["recovered_pages"] == 0 and stats["recovery"]["discarded"] == ""
             assert stats["recovery"]["dropped_pages"] == {
@@ -173,6 +177,62 @@ def test_stats_without_a_daemon_says_so(tmp_path):
     assert f"no answer from the daemon on {socket}" in result.stderr and "Traceback" not in result.stderr
     result = kvd("stats", "--watch", "0", "--socket", socket, env=env)
     assert result.returncode == 2 and "--watch" in result.stderr
+
+
+def test_stats_piped_into_a_reader_that_stops_ends_quietly(tmp_path):
+    """`kvd stats --watch | head` and `--json --watch`: one JSON object per line, no
+    BrokenPipeError when the reader goes away, exit 0."""
+    env = clean_env(tmp_path)
+    daemon = start_daemon(tmp_path, *SMALL, env=env)
+    try:
+        for args, lines in ((["--json"], 2), ([], 3)):
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "kvd.cli", "stats", *args, "--watch", "0.05", "--socket", daemon.socket],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            )
+            read = [watcher.stdout.readline() for _ in range(lines)]
+            watcher.stdout.close()  # what `head` does once it has its lines
+            assert watcher.wait(timeout=30) == 0
+            stderr = watcher.stderr.read()
+            assert stderr == "", stderr
+            if args:
+                for line in read:
+                    assert json.loads(line)["sessions"] == 0  # one whole object per line
+    finally:
+        assert daemon.stop() == 0
+
+
+# ---- usage, version and exit codes ---------------------------------------------------
+
+def test_version_is_the_packages():
+    import kvd as kvd_package
+    result = kvd("--version", env=dict(os.environ))
+    assert (result.returncode, result.stdout.strip()) == (0, f"kvd {kvd_package.__version__}")
+
+
+@pytest.mark.parametrize("command", ["serve", "stats", "verify", "clean"])
+def test_an_unknown_option_prints_the_subcommands_usage_and_exits_2(tmp_path, command):
+    result = kvd(command, "--bogus", env=clean_env(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"usage: kvd {command} ") and "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_serve_never_creates_the_socket_directory(tmp_path):
+    socket = tmp_path / "a" / "typo" / "kvd.sock"
+    result = kvd("serve", "--socket", str(socket), env=clean_env(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert f"directory {socket.parent} does not exist" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "a").exists()
+
+
+def test_no_daemon_is_a_runtime_failure_exit_1(tmp_path):
+    """1 for every subcommand that finds no daemon; the unit's Restart=on-failure reads it so."""
+    env = clean_env(tmp_path)
+    socket = str(tmp_path / "nobody.sock")
+    for command in ("stats", "verify"):
+        result = kvd(command, "--socket", socket, env=env)
+        assert result.returncode == 1, (command, result.stderr)
+        assert f"no answer from the daemon on {socket}" in result.stderr and "Traceback" not in result.stderr
 
 
 # ---- kvd clean ---------------------------------------------------------------------------

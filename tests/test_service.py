@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import platform
 import resource
 import shutil
 import signal
@@ -29,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import clean_env, remember_socket, start_daemon
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
-from kvd import config as config_mod
+from kvd import __version__, config as config_mod
 from kvd.arena import leftover_segments
 from kvd.stats import STAT_FIELDS
 from kvd.wire import kvd_pb2 as pb
@@ -436,9 +437,9 @@ def metric_samples(port: int) -> dict[tuple, float]:
     }
 
 
-def stat_sample(samples: dict, field: str, namespace: str) -> float | None:
+def stat_sample(samples: dict, field: str, namespace: str, model: str = "all") -> float | None:
     """A page statistic's value: a gauge ``kvd_<field>`` or a counter ``kvd_<field>_total``."""
-    labels = (("namespace", namespace),)
+    labels = (("model", model), ("namespace", namespace))
     return samples.get((f"kvd_{field}_total", labels), samples.get((f"kvd_{field}", labels)))
 
 
@@ -452,16 +453,16 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
         assert stats["physical_pages"] < stats["logical_pages"]
 
         expected = {f: stats[f] for f in STAT_FIELDS if f != "sessions"}  # sessions: one unlabelled gauge
-        deadline = time.monotonic() + 10  # the exporter snapshots every second
-        while True:
-            samples = metric_samples(port)
-            seen = {f: stat_sample(samples, f, "all") for f in expected}
-            if seen == expected or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert seen == expected
-        per_ns = {f: stat_sample(samples, f, str(ns)) for f in expected}
+        samples = metric_samples(port)  # live values: no snapshot to wait for
+        assert {f: stat_sample(samples, f, "all") for f in expected} == expected
+        per_ns = {f: stat_sample(samples, f, str(ns), model="tiny") for f in expected}  # labelled by id and model
         assert per_ns == {f: stats["namespaces"][0][f] for f in expected}
+        assert (samples[("kvd_host_bytes_used", ())], samples[("kvd_host_bytes_free", ())]) == (
+            stats["host_bytes_used"], stats["host_bytes_free"])
+        assert samples[("kvd_build_info", (("python", platform.python_version()), ("version", __version__)))] == 1
+        assert samples[("process_resident_memory_bytes", ())] > 0 and ("process_cpu_seconds_total", ()) in samples
+        client.allocate_with_prefix(ns, [SequenceRequest("more", PREFIX + [5, 6])])
+        assert stat_sample(metric_samples(port), "sequences", "all") == stats["sequences"] + 1, "live, not a snapshot"
         for state in ("shared", "private", "cached", "pinned", "free"):  # pages by state
             assert stat_sample(samples, f"{state}_pages", "all") is not None
         assert samples[("kvd_sessions", ())] == stats["sessions"] == 1
@@ -501,3 +502,51 @@ def test_log_has_one_info_line_per_session_start_and_end_and_none_per_call(daemo
     assert len(ours) == 2 and "opened by log-test" in ours[0] and "of log-test closed" in ours[1], info
     # Start-up, the fixture's readiness probe session and ours: nothing that grows with calls.
     assert len(info) <= 6, "\n".join(info)
+
+
+def test_start_up_line_names_version_and_metrics_endpoint(daemon_factory, tmp_path):
+    port = free_port()
+    plain = daemon_factory(name="plain")
+    served = daemon_factory("--metrics-port", str(port), name="metrics")
+    assert f"kvd {__version__} serving on {plain.socket}" in plain.log()
+    assert "metrics off (--metrics-port)" in plain.log()
+    assert f"metrics on http://127.0.0.1:{port}/metrics" in served.log()
+
+
+CRASHING_CLIENT = """
+import os, sys
+from engine_client import KVDClient, PageLayout, SequenceRequest
+kvd = KVDClient.connect(sys.argv[1], client_name="crasher")
+ns = kvd.register_namespace("tiny", PageLayout(2, 2, 8, 4, "float16"))
+kvd.allocate_with_prefix(ns, [SequenceRequest("a", list(range(9)))])
+print(kvd.session[:8], flush=True)
+os._exit(1)  # no close(): as a crash
+"""
+
+
+def test_a_crashed_clients_session_is_logged_apart_from_a_clean_close(daemon):
+    with KVDClient.connect(daemon.socket, client_name="tidy") as client:
+        tidy = client.session[:8]
+    crashed = subprocess.run([sys.executable, "-c", CRASHING_CLIENT, daemon.socket],
+                             capture_output=True, text=True, timeout=60)
+    crasher = crashed.stdout.strip()
+    assert len(crasher) == 8, crashed.stderr
+    deadline = time.monotonic() + 10
+    while f"session {crasher} of crasher" not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = daemon.log().splitlines()
+    [tidy_end] = [line for line in lines if f"session {tidy} of tidy" in line]
+    [crash_end] = [line for line in lines if f"session {crasher} of crasher" in line]
+    assert " INFO " in tidy_end and tidy_end.endswith("closed")
+    assert " WARNING " in crash_end and "ended without a close" in crash_end, crash_end
+    assert "released 1 sequences and 0 pins" in crash_end
+
+
+def test_debug_log_level_shows_kvds_own_lines(daemon_factory):
+    d = daemon_factory("--log-level", "DEBUG", "--enable-prefix-reuse")
+    with KVDClient.connect(d.socket) as client:
+        ns = client.register_namespace("tiny", LAYOUT)
+        client.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX)])
+    debug = [line for line in d.log().splitlines() if " DEBUG kvd." in line]
+    assert any("AllocateWithPrefix" in line for line in debug), d.log()
+

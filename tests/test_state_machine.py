@@ -3,7 +3,7 @@
 Two sessions, two namespaces with different page sizes (4 tokens in 512 bytes, 8 in 1024)
 and a budget of twelve small pages, so prefix hits, dedup, LRU eviction, extent reclaim,
 on-hold eviction and exhaustion all happen (a ``pressure`` rule makes sure of the last ones). After every step
-the invariants of DESIGN.md hold (``kvd.invariants.violations``) and the core agrees with
+the invariants of docs/architecture.md hold (``kvd.invariants.violations``) and the core agrees with
 the model: which sequences exist, their owner, state, length, known tokens and aux state,
 and which pins each session holds. A call the model says must fail raises exactly that
 error class and changes nothing; ResourceExhausted is the one outcome the model does not

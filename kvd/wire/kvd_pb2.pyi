@@ -22,6 +22,16 @@ ON_HOLD: SequenceState
 EVICTED: SequenceState
 COMPLETED: SequenceState
 
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("client_name", "pid", "ticket")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -508,7 +518,7 @@ class RecoveryStats(_message.Message):
     def __init__(self, recovered_pages: _Optional[int] = ..., resealed_pages: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., orphaned_pages: _Optional[int] = ..., mismatch_pages: _Optional[int] = ..., incomplete_pages: _Optional[int] = ..., incomplete_extents: _Optional[int] = ..., discarded: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery")
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +526,8 @@ class StatsReply(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     SHM_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FREE_FIELD_NUMBER: _ClassVar[int]
     totals: PageStats
     host_bytes: int
     arena_bytes: int
@@ -523,7 +535,9 @@ class StatsReply(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     shm_refusals: int
     recovery: RecoveryStats
-    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ...) -> None: ...
+    host_bytes_used: int
+    host_bytes_free: int
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("session", "ticket")

@@ -39,6 +39,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=kvd__pb2.SessionEvent.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvd.v1.KVD/CloseSession',
+                request_serializer=kvd__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvd__pb2.CloseSessionReply.FromString,
+                _registered_method=True)
         self.RegisterNamespace = channel.unary_unary(
                 '/kvd.v1.KVD/RegisterNamespace',
                 request_serializer=kvd__pb2.RegisterNamespaceRequest.SerializeToString,
@@ -139,6 +144,15 @@ class KVDServicer:
         event carries the session token; later events report things the daemon did to
         the session's sequences (eviction). When the stream ends for any reason,
         including the client's death, the daemon releases all of the session's references.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Ends a session cleanly (KVDClient.close): its stream ends and its references are
+        released as when the stream breaks, but the daemon logs it as a clean close, so a
+        session whose client crashed stands out in the log.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -267,6 +281,11 @@ def add_KVDServicer_to_server(servicer, server):
                     request_deserializer=kvd__pb2.OpenSessionRequest.FromString,
                     response_serializer=kvd__pb2.SessionEvent.SerializeToString,
             ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvd__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvd__pb2.CloseSessionReply.SerializeToString,
+            ),
             'RegisterNamespace': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNamespace,
                     request_deserializer=kvd__pb2.RegisterNamespaceRequest.FromString,
@@ -385,6 +404,33 @@ class KVD:
             '/kvd.v1.KVD/OpenSession',
             kvd__pb2.OpenSessionRequest.SerializeToString,
             kvd__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/CloseSession',
+            kvd__pb2.CloseSessionRequest.SerializeToString,
+            kvd__pb2.CloseSessionReply.FromString,
             options,
             channel_credentials,
             insecure,
