@@ -195,7 +195,7 @@ class KVDClient:
         (a process that dies without this is logged as a client that went away)."""
         if not self._closed and not self.session_lost.is_set():
             try:
-                self._stub.CloseSession(pb.CloseSessionRequest(session=self.session), timeout=2.0)
+                self._stub.CloseSession(pb.CloseSessionRequest(session=self.session), timeout=self.call_timeout or 2.0)
             except grpc.RpcError:
                 pass  # the daemon is gone or stopping: the session ends with it either way
         self._closed = True

@@ -2,7 +2,8 @@
 
 An engine that uses kvd as a cache must keep serving when kvd cannot: the daemon is not
 started yet, stopped, restarting or refusing a call. The link opens a session and
-registers the adapter's namespace on first use; when a call finds the daemon gone it
+registers the adapter's namespace on first use (later reconnects run on a background
+thread, so no engine call ever waits for one); when a call finds the daemon gone it
 closes the session, logs one warning for the outage and answers "no result" (`None`)
 until a reconnect succeeds. Reconnects are tried at most every `retry_seconds`, doubling
 up to `max_retry_seconds`, so a dead daemon costs the engine one failed connect now and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +68,9 @@ class KVDLink:
         self._next_try = 0.0
         self._backoff = retry_seconds
         self._warned = False
+        self._ever_tried = False
+        self._connecting: threading.Thread | None = None
+        self._outcome: tuple[KVDClient, int] | str | None = None  # what the last connect left
         self.instance = ""
         self.session = ""
         # kvd names sequences per namespace, not per session: ours carry this process's mark
@@ -89,34 +94,67 @@ class KVDLink:
             return None
 
     def _ensure_connected(self) -> bool:
+        """Whether a session is ready now. Only the first connect waits (an engine that
+        starts beside a running daemon hits from its first request); later ones run in the
+        background, so that a daemon that hangs never stalls the engine for a connect."""
         if self._client is not None and not self._client.session_lost.is_set():
             return True
         if self._client is not None:
             self._lost("the session ended")
+        if self._connecting is not None and not self._connecting.is_alive():
+            self._connecting.join()
+            self._connecting = None
+            outcome, self._outcome = self._outcome, None
+            if isinstance(outcome, str):
+                self._schedule_retry(time.monotonic(), outcome)
+            elif outcome is not None:
+                self._adopt(*outcome)
+                return True
         now = time.monotonic()
-        if now < self._next_try:
+        if self._connecting is not None or now < self._next_try:
             return False
+        if not self._ever_tried:
+            self._ever_tried = True
+            self._connect()
+            return self._ensure_connected_after_first()
+        self._connecting = threading.Thread(target=self._connect, name="kvd-link-connect", daemon=True)
+        self._connecting.start()
+        return False
+
+    def _ensure_connected_after_first(self) -> bool:
+        outcome, self._outcome = self._outcome, None
+        if isinstance(outcome, str):
+            self._schedule_retry(time.monotonic(), outcome)
+            return False
+        self._adopt(*outcome)
+        return True
+
+    def _connect(self) -> None:
+        """Opens a session and registers the namespace; leaves (client, namespace id) or why not in `_outcome`."""
         try:
             client = KVDClient.connect(self.socket, client_name=self.client_name, timeout=self.connect_timeout)
         except KVDError as e:
-            self._schedule_retry(now, f"cannot connect: {e.message}")
-            return False
+            self._outcome = f"cannot connect: {e.message}"
+            return
         client.call_timeout = self.call_timeout
         try:
             spec = self.namespace
-            self._ns = client.register_namespace(spec.model, spec.layout, revision=spec.revision,
-                                                 tp_rank=spec.tp_rank, tp_size=spec.tp_size, extra=dict(spec.extra))
+            ns = client.register_namespace(spec.model, spec.layout, revision=spec.revision,
+                                           tp_rank=spec.tp_rank, tp_size=spec.tp_size, extra=dict(spec.extra))
         except KVDError as e:
             client.close()
-            self._schedule_retry(now, f"cannot register the namespace: {e.message}")
-            return False
-        self._client, self.instance, self.session = client, client.daemon_instance, client.session
+            self._outcome = f"cannot register the namespace: {e.message}"
+            return
+        self._outcome = (client, ns)
+
+    def _adopt(self, client: KVDClient, ns: int) -> None:
+        self._client, self._ns = client, ns
+        self.instance, self.session = client.daemon_instance, client.session
         self._backoff = self.retry_seconds
         if self._warned:
             log.warning("kvd on %s is back (daemon instance %s); prefix hits resume", self.socket or "the default socket",
                         self.instance)
         self._warned = False
-        return True
 
     def _lost(self, why: str) -> None:
         if self._client is not None:
@@ -133,6 +171,10 @@ class KVDLink:
         self._backoff = min(self._backoff * 2, self.max_retry_seconds)
 
     def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.join()
+            if isinstance(self._outcome, tuple):
+                self._outcome[0].close()
         if self._client is not None:
             self._client.close()
             self._client = None
