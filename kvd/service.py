@@ -348,6 +348,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         return pb.SetStateReply(previous=previous.value)
 
     @_unary
+    def SetStates(self, r):
+        previous = self._m(r.session).set_states(r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state))
+        return pb.SetStatesReply(previous=[p.value for p in previous])
+
+    @_unary
     def SetAuxState(self, r):
         self._m(r.session).set_aux(r.session, r.namespace_id, r.seq_id, r.data)
         return pb.SetAuxStateReply()
