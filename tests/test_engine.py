@@ -16,7 +16,8 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine_client import KVDClient
-from gpu_worker.demo import DemoConfig, recompute_logits, run_demo, tiny_model
+from gpu_worker.demo import DemoConfig, run_demo
+from gpu_worker.tiny_model import recompute_logits, tiny_model
 from gpu_worker.engine import Engine, NoRoom, SequenceEvicted
 from gpu_worker.model import ModelRunner
 from gpu_worker.weights import load_model
