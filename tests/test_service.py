@@ -501,3 +501,17 @@ def test_log_has_one_info_line_per_session_start_and_end_and_none_per_call(daemo
     assert len(ours) == 2 and "opened by log-test" in ours[0] and "of log-test closed" in ours[1], info
     # Start-up, the fixture's readiness probe session and ours: nothing that grows with calls.
     assert len(info) <= 6, "\n".join(info)
+
+
+def test_every_core_error_class_maps_to_a_status_through_its_hierarchy():
+    """A subclass (arena.ShmFull is a ResourceExhausted) maps like its base, not to a KeyError."""
+    import grpc
+
+    from kvd import errors
+    from kvd.arena import ShmFull
+    from kvd.service import status_for
+
+    assert status_for(ShmFull("/dev/shm is full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND
+    for cls in errors.KvdError.__subclasses__():
+        assert isinstance(status_for(cls("x")), grpc.StatusCode), cls
