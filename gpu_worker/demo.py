@@ -190,7 +190,8 @@ def run_demo(cfg: DemoConfig, socket: str | None = None) -> DemoResult:
         tmp = tempfile.TemporaryDirectory(prefix="kvd-demo-")
         socket = os.path.join(tmp.name, "kvd.sock")
         daemon = DaemonProcess(
-            socket, ("--enable-prefix-reuse", "--host-bytes", "256MiB", "--extent-bytes", "8MiB", "--log-level", "WARNING"),
+            socket,
+            ("--enable-prefix-reuse", "--host-bytes", "256MiB", "--extent-bytes", "8MiB", "--log-level", "WARNING"),
             log_path=os.path.join(tmp.name, "kvd.log"),
         )
     procs: list = []

@@ -50,7 +50,6 @@ from gpu_worker.page_tables import BatchTables, GpuPageTables, HostRow, SeqId
 from gpu_worker.pool import GpuPageId, GpuPagePool, HostPageId, PageLoad, PoolExhausted
 from gpu_worker.sequences import EngineSequence, HeldSequences
 
-
 T = TypeVar("T")
 
 
@@ -219,7 +218,9 @@ class Engine:
         requests = []
         offloads: list[tuple[GpuPageId, HostPageId]] = []  # suffix GPU page -> private host page
         for alloc, prompt, row, table in zip(allocs, prompts, tables.rows, tables.tables):
-            assert len(row) == len(alloc.pages), f"{alloc.seq_id}: {len(row)} GPU pages for {len(alloc.pages)} host pages"
+            assert len(row) == len(alloc.pages), (
+                f"{alloc.seq_id}: {len(row)} GPU pages for {len(alloc.pages)} host pages"
+            )
             reused = alloc.shared_prefix_tokens
             if reused == len(prompt):
                 requests.append(PrefillRequest(table, reused, [], full_hit_last_token=prompt[-1]))
@@ -228,7 +229,9 @@ class Engine:
             offloads.extend(zip(row[len(alloc.shared_pages):], alloc.private_pages))
             self._counters.computed += len(prompt) - reused
             self._counters.reused += reused
-        out: PrefillOutput = self._run(lambda hook: self.runner.prefill(requests, self.pool.kv, on_layer_written=hook), offloads)
+        out: PrefillOutput = self._run(
+            lambda hook: self.runner.prefill(requests, self.pool.kv, on_layer_written=hook), offloads
+        )
         for alloc in allocs:
             self.tables.adopt_runway(SeqId(alloc.seq_id), alloc.private_pages)
         self._publish(seq_ids)

@@ -33,7 +33,8 @@ class PrefillRequest:
     """One prompt whose first ``prefix_shared_tokens`` tokens have K/V in the pool already.
 
     ``page_table`` covers the whole prompt: cached prefix pages first, then private pages
-    for the suffix (a list of pool pages, or ``BatchTables.tables[i]`` on the device). ``suffix_input_ids`` are the prompt tokens after the prefix. A full hit
+    for the suffix (a list of pool pages, or ``BatchTables.tables[i]`` on the device).
+    ``suffix_input_ids`` are the prompt tokens after the prefix. A full hit
     has an empty suffix and must name the prompt's last token in ``full_hit_last_token``:
     its query is recomputed (its K/V are not) so the prompt's next-token logits exist.
     """

@@ -79,7 +79,9 @@ class HeldSequences:
     def rebind(self, seq_id: str, position: int, old: HostPageId, new: HostPageId) -> None:
         """The daemon replaced the sequence's page at `position` by an identical published one."""
         seq = self._seqs[seq_id]
-        assert seq.host[position] == old, f"{seq_id}: rebind of page {old} at {position}, engine has {seq.host[position]}"
+        assert seq.host[position] == old, (
+            f"{seq_id}: rebind of page {old} at {position}, engine has {seq.host[position]}"
+        )
         self.check_hit(position, new, seq.host[position - 1] if position else None, seq.tokens)
         self._release(old, seq_id)
         seq.host[position] = new

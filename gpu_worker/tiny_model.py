@@ -44,7 +44,9 @@ def tiny_model(family: str = "llama", seed: int = 0, vocab_size: int = 512) -> t
             )
         else:
             e = spec.moe.num_experts
-            mlp = MoeWeights(linear(e, h, True), rand(e, h, 2 * inter), rand(e, 2 * inter), rand(e, inter, h), rand(e, h))
+            mlp = MoeWeights(
+                linear(e, h, True), rand(e, h, 2 * inter), rand(e, 2 * inter), rand(e, inter, h), rand(e, h)
+            )
         layers.append(LayerWeights(
             input_norm=1 + rand(h),
             q_proj=linear(spec.num_heads * d, h, spec.qkv_bias),

@@ -44,7 +44,7 @@ class ShmHostPages:
         self.pages = segment.tensor(torch_dtype(layout), (num_pages, *layout.page_shape))
 
     @classmethod
-    def create(cls, layout: PageLayout, num_pages: int, seed: int) -> "ShmHostPages":
+    def create(cls, layout: PageLayout, num_pages: int, seed: int) -> ShmHostPages:
         """A new segment of random page bytes; the caller unlinks ``segment`` when done."""
         name = f"/kvd-test-host-{os.getpid()}-{secrets.token_hex(4)}"
         segment = SharedSegment(name, num_pages * layout.page_bytes)

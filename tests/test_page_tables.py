@@ -5,12 +5,12 @@ import hashlib
 
 import pytest
 import torch
+from shm_host_pages import ShmHostPages
 
 from engine_client import PageLayout
 from gpu_worker.loader import PageLoader, PageStore
 from gpu_worker.page_tables import BatchTables, GpuPageTables, HostRow, SeqId
 from gpu_worker.pool import GpuPagePool, HostPageId, PageLoad, PoolExhausted
-from shm_host_pages import ShmHostPages
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
 PREFIX = 40
