@@ -2,7 +2,7 @@
 
 N sequences share a 50K-token prefix (page_size 16, 3125 pages) and have a few private
 pages each. "Naive" loads each sequence's host row into its own GPU pages; "planned" runs
-the DecodeBatchPlanner, which loads each unique page once. Printed: pages and bytes moved
+GpuPageTables.map, which loads each unique page once. Printed: pages and bytes moved
 and their ratio (target: the shared part moves 1/N of naive), and that a second decode
 step moves nothing. The layout is tiny (512 B pages) so the run fits on a small CPU box.
 
@@ -14,16 +14,17 @@ memory against ordinary pinned memory of the same size, printed as a ratio.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import secrets
 import time
 
+import posix_ipc
 import torch
 
 from engine_client import PageLayout
-from gpu_worker.ipc import SharedSegment
 from gpu_worker.loader import PageLoader
-from gpu_worker.planner import DecodeBatchPlanner, DecodePlan, HostRow, SeqId
+from gpu_worker.page_tables import BatchTables, GpuPageTables, HostRow, SeqId
 from gpu_worker.pool import GpuPageId, GpuPagePool, HostPageId, PageLoad, torch_dtype
 
 PREFIX_TOKENS = 50_000
@@ -46,10 +47,14 @@ class TensorHostPages:
         return [memoryview(self.pages.view(torch.uint8).reshape(-1).numpy())]
 
 
-def shm_host_pages(layout: PageLayout, num_pages: int) -> tuple[TensorHostPages, SharedSegment]:
+def shm_host_pages(layout: PageLayout, num_pages: int) -> tuple[TensorHostPages, str]:
+    """Host pages in a new POSIX shared-memory segment; the caller unlinks the returned name."""
     name = f"/kvd-bench-host-{os.getpid()}-{secrets.token_hex(4)}"
-    segment = SharedSegment.create(name, num_pages * layout.page_bytes)
-    return TensorHostPages(segment.tensor(torch_dtype(layout), (num_pages, *layout.page_shape))), segment
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=num_pages * layout.page_bytes)
+    buffer = mmap.mmap(shm.fd, shm.size)
+    shm.close_fd()
+    pages = torch.frombuffer(buffer, dtype=torch.uint8).view(torch_dtype(layout))  # the tensor keeps the mmap
+    return TensorHostPages(pages.reshape(num_pages, *layout.page_shape)), name
 
 
 def elapsed(device: torch.device, fn) -> float:
@@ -81,17 +86,17 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
         naive_s = elapsed(device, lambda loader=naive_loader: loader.load(naive))
         del naive_pool, naive_loader
 
-        planner = DecodeBatchPlanner(GpuPagePool.allocate(SMALL, prefix_pages + num_seqs * (PRIVATE_PAGES + 1), device))
+        planner = GpuPageTables(GpuPagePool.allocate(SMALL, prefix_pages + num_seqs * (PRIVATE_PAGES + 1), device))
         loader = PageLoader(planner.pool, host)
         start = time.perf_counter()
-        plan = planner.plan(rows, runway_pages=1)
+        plan = planner.map(rows, runway_pages=1)
         plan_s = time.perf_counter() - start
-        assert isinstance(plan, DecodePlan)
+        assert isinstance(plan, BatchTables)
         planned_s = elapsed(device, lambda: loader.load(plan.loads))
         start = time.perf_counter()
-        second = planner.plan(rows, runway_pages=1)
+        second = planner.map(rows, runway_pages=1)
         second_s = time.perf_counter() - start
-        assert isinstance(second, DecodePlan)
+        assert isinstance(second, BatchTables)
 
         n_naive, n_planned = len(naive), len(plan.loads)
         shared_naive = sum(1 for load in naive if load.host_page < prefix_pages)
@@ -108,7 +113,7 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
               f" = {stats.sharing_ratio:.2f}; planning took {plan_s * 1e3:.1f} ms;"
               f" the next decode step's plan {second_s * 1e3:.2f} ms, loading {len(second.loads)} pages")
     finally:
-        segment.unlink()
+        posix_ipc.unlink_shared_memory(segment)
 
 
 def compare_bandwidth(device: torch.device, num_pages: int = 1024, repeats: int = 5) -> None:
@@ -127,7 +132,7 @@ def compare_bandwidth(device: torch.device, num_pages: int = 1024, repeats: int 
             print(f"   H2D from {label:<13} {rates[label]:6.1f} GB/s ({LARGE.page_bytes >> 10} KiB pages)")
         print(f"   shared-memory/pinned bandwidth ratio {rates['shared memory'] / rates['pinned']:.3f}")
     finally:
-        segment.unlink()
+        posix_ipc.unlink_shared_memory(segment)
 
 
 def main() -> None:

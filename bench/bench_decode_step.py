@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from gpu_worker.demo import tiny_model
+from gpu_worker.tiny_model import tiny_model
 from gpu_worker.model import DecodeRequest, ModelRunner, PrefillRequest
 
 PAGE = 16

@@ -441,6 +441,18 @@ class KVDClient:
                 self._private.drop(ns, seq_id)
         return SequenceState(reply.previous)
 
+    def set_states(self, ns: int, seq_ids: list[str], state: SequenceState | str) -> list[SequenceState]:
+        """`set_state` for a batch in one call: every sequence moves, or none does (the error
+        names the first refused one); returns the previous states in order."""
+        state = SequenceState[state] if isinstance(state, str) else state
+        request = pb.SetStatesRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids, state=state.value)
+        reply = self._call("SetStates", request)
+        if state in (SequenceState.COMPLETED, SequenceState.EVICTED):  # their pages are released
+            with self._lock:
+                for seq_id in seq_ids:
+                    self._private.drop(ns, seq_id)
+        return [SequenceState(p) for p in reply.previous]
+
     def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
         """Stores non-KV per-sequence state (recurrent state, checkpoints); a fork copies it."""
         self._call("SetAuxState", pb.SetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, data=data))

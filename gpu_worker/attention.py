@@ -47,14 +47,10 @@ class AttentionBatch:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    @property
-    def context_lens(self) -> tuple[int, ...]:
-        return tuple(s + n for s, n in zip(self.query_starts, self.query_lens))
-
     @classmethod
     def build(
         cls,
-        page_tables: Sequence[Sequence[int]],
+        page_tables: Sequence[Sequence[int] | torch.Tensor],
         query_starts: Sequence[int],
         query_lens: Sequence[int],
         writes_kv: Sequence[bool],
@@ -63,41 +59,45 @@ class AttentionBatch:
     ) -> AttentionBatch:
         """Batch whose sequence i queries positions ``[query_starts[i], + query_lens[i])``.
 
-        ``writes_kv[i]`` says whether those tokens' K/V are new (prefill, decode) and go to
-        their slots, or are already cached (full hit) and must not be written.
+        A page table already on ``device`` as int64 (``BatchTables.tables``) is used as it
+        is, with no copy. ``writes_kv[i]`` says whether those tokens' K/V are new (prefill,
+        decode) and go to their slots, or are already cached (full hit) and must not be written.
         """
         n = len(page_tables)
         if not n == len(query_starts) == len(query_lens) == len(writes_kv):
             raise ValueError("page_tables, query_starts, query_lens and writes_kv differ in length")
-        positions: list[int] = []
-        write_rows: list[int] = []
-        slot_pages: list[int] = []
-        for i, (table, start, length, writes) in enumerate(zip(page_tables, query_starts, query_lens, writes_kv)):
+        tables = tuple(torch.as_tensor(t, dtype=torch.int64, device=device) for t in page_tables)
+        positions: list[torch.Tensor] = []  # each [query_lens[i]] int64
+        write_rows: list[torch.Tensor] = []
+        slot_pages: list[torch.Tensor] = []
+        row = 0
+        for i, (table, start, length, writes) in enumerate(zip(tables, query_starts, query_lens, writes_kv)):
             if start < 0 or length < 1:
                 raise ValueError(f"sequence {i}: query start {start} and length {length} are not a valid range")
             if len(table) * page_size < start + length:
                 raise ValueError(
                     f"sequence {i}: {len(table)} pages of {page_size} tokens cannot hold {start + length} tokens"
                 )
-            span = range(start, start + length)
+            span = torch.arange(start, start + length, dtype=torch.int64, device=device)
             if writes:
-                write_rows.extend(range(len(positions), len(positions) + length))
-                slot_pages.extend(table[p // page_size] for p in span)
-            positions.extend(span)
+                write_rows.append(torch.arange(row, row + length, dtype=torch.int64, device=device))
+                slot_pages.append(table[span // page_size])
+            positions.append(span)
+            row += length
 
-        def tensor(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
-        written_positions = tensor(positions)[tensor(write_rows)]
+        all_positions, rows = cat(positions), cat(write_rows)
         return cls(
             page_size=page_size,
-            page_tables=tuple(tensor(list(t)) for t in page_tables),
+            page_tables=tables,
             query_starts=tuple(query_starts),
             query_lens=tuple(query_lens),
-            positions=tensor(positions),
-            write_rows=tensor(write_rows),
-            slot_pages=tensor(slot_pages),
-            slot_offsets=written_positions % page_size,
+            positions=all_positions,
+            write_rows=rows,
+            slot_pages=cat(slot_pages),
+            slot_offsets=all_positions[rows] % page_size,
         )
 
 

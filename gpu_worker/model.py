@@ -33,12 +33,13 @@ class PrefillRequest:
     """One prompt whose first ``prefix_shared_tokens`` tokens have K/V in the pool already.
 
     ``page_table`` covers the whole prompt: cached prefix pages first, then private pages
-    for the suffix. ``suffix_input_ids`` are the prompt tokens after the prefix. A full hit
+    for the suffix (a list of pool pages, or ``BatchTables.tables[i]`` on the device).
+    ``suffix_input_ids`` are the prompt tokens after the prefix. A full hit
     has an empty suffix and must name the prompt's last token in ``full_hit_last_token``:
     its query is recomputed (its K/V are not) so the prompt's next-token logits exist.
     """
 
-    page_table: Sequence[int]
+    page_table: Sequence[int] | torch.Tensor  # [pages] pool page ids, token order
     prefix_shared_tokens: int
     suffix_input_ids: Sequence[int]
     full_hit_last_token: int | None = None
@@ -58,10 +59,6 @@ class PrefillRequest:
         return len(self.suffix_input_ids) == 0
 
     @property
-    def suffix_start_pos(self) -> int:
-        return self.prefix_shared_tokens
-
-    @property
     def suffix_length(self) -> int:
         return len(self.suffix_input_ids)
 
@@ -77,7 +74,7 @@ class DecodeRequest:
     Its K/V go to slot ``context_length`` of ``page_table``, which must already hold that page.
     """
 
-    page_table: Sequence[int]
+    page_table: Sequence[int] | torch.Tensor  # [pages] pool page ids, token order
     context_length: int
     input_id: int
 

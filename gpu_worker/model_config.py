@@ -130,11 +130,6 @@ class ModelSpec:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
-    def q_per_kv(self) -> int:
-        """Query heads sharing one kv head (GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
     def page_layout(self, page_size: int, dtype: object) -> PageLayout:
         """The KV page layout of this model; ``dtype`` is a torch dtype or its name."""
         name = str(dtype).removeprefix("torch.")

@@ -89,7 +89,7 @@ class GpuPagePool:
     """Pages of one pool tensor: host page → GPU page map, refcounts, LRU cache of idle copies."""
 
     def __init__(self, layout: PageLayout, kv: torch.Tensor) -> None:
-        """Manage `kv` (already allocated, e.g. in shared memory by gpu_worker.ipc) as a pool."""
+        """Manage `kv` (already allocated) as a pool."""
         if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.page_shape:
             raise ValueError(
                 f"pool tensor shape {tuple(kv.shape)} is not [num_pages, *{layout.page_shape}]"

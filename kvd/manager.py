@@ -380,7 +380,20 @@ class KVCacheManager:
     def set_state(self, session_id: str, namespace_id: int, seq_id: str, state: SeqState) -> SeqState:
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        seq = self.sequences.owned(ns.id, seq_id, session.id)
+        return self._set_state(self.sequences.owned(ns.id, seq_id, session.id), state)
+
+    def set_states(self, session_id: str, namespace_id: int, seq_ids: list[str], state: SeqState) -> list[SeqState]:
+        """Moves every sequence of the batch to `state`, or none of them (a refused transition
+        raises before any changes); returns their previous states in order."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, seq_ids)
+        seqs = [self.sequences.owned(ns.id, s, session.id) for s in seq_ids]
+        for seq in seqs:
+            self.sequences.check_transition(seq, state)
+        return [self._set_state(seq, state) for seq in seqs]
+
+    def _set_state(self, seq: Sequence, state: SeqState) -> SeqState:
         previous = seq.state
         self.sequences.set_state(seq, state)  # raises on an invalid transition
         if state is SeqState.COMPLETED:

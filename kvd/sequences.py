@@ -95,11 +95,16 @@ class SequenceTable:
         del self._seqs[(seq.namespace, seq.seq_id)]
         self._on_hold.get(seq.namespace, {}).pop(seq.seq_id, None)
 
-    def set_state(self, seq: Sequence, state: SeqState) -> None:
+    @staticmethod
+    def check_transition(seq: Sequence, state: SeqState) -> None:
+        """Raises unless the life cycle allows `seq` to go to `state`."""
         if state not in TRANSITIONS[seq.state]:
             raise FailedPrecondition(
                 f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}"
             )
+
+    def set_state(self, seq: Sequence, state: SeqState) -> None:
+        self.check_transition(seq, state)
         held = self._on_hold.setdefault(seq.namespace, OrderedDict())
         if state is SeqState.ON_HOLD:
             held[seq.seq_id] = None

@@ -47,6 +47,13 @@ STATUS_FOR: dict[type[KvdError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+
+def status_for(e: KvdError) -> grpc.StatusCode:
+    """The status of the nearest class in `e`'s hierarchy that STATUS_FOR names, so a
+    subclass of a core error (say, a finer NotFound) maps like its base."""
+    return next(STATUS_FOR[c] for c in type(e).__mro__ if c in STATUS_FOR)
+
+
 # Called with (method name, seconds) after every unary call; the metrics exporter listens.
 LatencyObserver = Callable[[str, float], None]
 
@@ -234,7 +241,7 @@ def _unary(method):
             try:
                 return method(self, _parsed(request))
             except KvdError as e:
-                code, message = STATUS_FOR[type(e)], status_message(str(e))
+                code, message = status_for(e), status_message(str(e))
             finally:
                 seconds = time.perf_counter() - start
                 if self.observe_latency is not None:
@@ -290,7 +297,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             request = _parsed(request)
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid, self.socket_tenant)
         except KvdError as e:
-            await context.abort(STATUS_FOR[type(e)], status_message(str(e)))
+            await context.abort(status_for(e), status_message(str(e)))
         events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the stream ends
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
@@ -381,6 +388,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def SetState(self, r):
         previous = self._m(r.session).set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
         return pb.SetStateReply(previous=previous.value)
+
+    @_unary
+    def SetStates(self, r):
+        previous = self._m(r.session).set_states(r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state))
+        return pb.SetStatesReply(previous=[p.value for p in previous])
 
     @_unary
     def SetAuxState(self, r):

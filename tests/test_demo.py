@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from gpu_worker.demo import LOGIT_TOLERANCE, main
+from gpu_worker.demo import main
+from gpu_worker.tiny_model import LOGIT_TOLERANCE
 
 SMALL = ["--prefix-tokens", "400", "--suffix-tokens", "12", "--decode-tokens", "4"]
 

@@ -16,7 +16,8 @@ import torch
 from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine_client import KVDClient
-from gpu_worker.demo import DemoConfig, recompute_logits, run_demo, tiny_model
+from gpu_worker.demo import DemoConfig, run_demo
+from gpu_worker.tiny_model import recompute_logits, tiny_model
 from gpu_worker.engine import Engine, NoRoom, SequenceEvicted
 from gpu_worker.model import ModelRunner
 from gpu_worker.weights import load_model
@@ -313,29 +314,6 @@ def test_a_page_published_meanwhile_by_another_engine_is_rebound_and_reloaded(da
         engine_a.complete(["a"])
         engine_b.complete(["b"])
         assert client_a.check_invariants() == []
-
-
-def test_planner_rebind_shares_a_resident_copy_or_renames_its_own() -> None:
-    from engine_client import PageLayout
-    from gpu_worker.planner import DecodeBatchPlanner, HostRow, SeqId
-    from gpu_worker.pool import GpuPagePool, HostPageId, PageLoad
-
-    pool = GpuPagePool.allocate(PageLayout(1, 1, 4, 4, "float32"), 8)
-    planner = DecodeBatchPlanner(pool)
-    a, b = SeqId("a"), SeqId("b")
-    h = [HostPageId(i) for i in range(10)]
-    planner.plan({a: HostRow((h[1], h[2])), b: HostRow((), (h[5], h[6]))}, runway_pages={a: 0, b: 2})
-    own = planner.table(b)
-    assert len(own) == 4 and len(planner.table(a)) == 2
-    planner.trim_runway(b, 0)  # undo the runway
-    assert planner.table(b) == own[:2] and pool.stats().physical_pages == 4
-
-    assert planner.rebind(b, 0, h[1]) is None  # resident: share a's copy, drop b's own
-    assert planner.table(b)[0] == planner.table(a)[0] and pool.copy_of(h[5]) is None
-    assert planner.rebind(b, 1, h[9]) == PageLoad(h[9], own[1])  # not resident: rename, reload
-    assert pool.copy_of(h[9]) == own[1] and pool.copy_of(h[6]) is None
-    assert pool.refcount(planner.table(a)[0]) == 2
-    pool.check()
 
 
 @pytest.mark.parametrize("notice", ["received", "late"])

@@ -156,6 +156,8 @@ def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(da
             (lambda: a.publish(ns, ["mine"], num_tokens={"mine": 20}), grpc.StatusCode.INVALID_ARGUMENT, "only full pages"),
             (lambda: a.page(ns, 10**9), grpc.StatusCode.NOT_FOUND, "not a page"),
             (lambda: a.set_state(ns, "mine", "EVICTED"), grpc.StatusCode.FAILED_PRECONDITION, "PREFILLED to EVICTED"),
+            (lambda: a.set_states(ns, ["mine", "nope"], "IN_DECODE"), grpc.StatusCode.NOT_FOUND, "'nope'"),
+            (lambda: b.set_states(ns, ["mine"], "IN_DECODE"), grpc.StatusCode.PERMISSION_DENIED, "another session"),
             (lambda: a.extend(ns, "mine", 10**8), grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
         ]
         for call, code, words in cases:

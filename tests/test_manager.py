@@ -665,6 +665,24 @@ def test_set_state_on_another_sessions_sequence_is_denied(make_manager):
     assert c.seq("a").state is SeqState.PREFILLED
 
 
+def test_set_states_moves_a_batch_or_nothing(make_manager):
+    c = Core(make_manager)
+    for s in ("a", "b", "c"):
+        c.alloc1(s, prompt(ord(s), 6))
+    c.m.set_state(c.sid, c.ns, "c", SeqState.IN_DECODE)
+    before = snapshot(c.m)
+    with pytest.raises(FailedPrecondition, match="'c' cannot go from IN_DECODE to IN_DECODE"):
+        c.m.set_states(c.sid, c.ns, ["a", "b", "c"], SeqState.IN_DECODE)
+    assert snapshot(c.m) == before and c.seq("a").state is SeqState.PREFILLED
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        c.m.set_states(c.sid, c.ns, ["a", "a"], SeqState.IN_DECODE)
+    assert snapshot(c.m) == before
+    assert c.m.set_states(c.sid, c.ns, ["a", "b"], SeqState.IN_DECODE) == [SeqState.PREFILLED] * 2
+    assert c.m.set_states(c.sid, c.ns, ["a", "b", "c"], SeqState.COMPLETED) == [SeqState.IN_DECODE] * 3
+    assert len(c.m.sequences) == 0
+    check(c.m)
+
+
 # ---- pins ---------------------------------------------------------------------------
 
 def pinned(c, ids, ttl=0.0, sid=None):

@@ -550,3 +550,16 @@ def test_debug_log_level_shows_kvds_own_lines(daemon_factory):
     debug = [line for line in d.log().splitlines() if " DEBUG kvd." in line]
     assert any("AllocateWithPrefix" in line for line in debug), d.log()
 
+
+def test_every_core_error_class_maps_to_a_status_through_its_hierarchy():
+    """A subclass (arena.ShmFull is a ResourceExhausted) maps like its base, not to a KeyError."""
+    import grpc
+
+    from kvd import errors
+    from kvd.arena import ShmFull
+    from kvd.service import status_for
+
+    assert status_for(ShmFull("/dev/shm is full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND
+    for cls in errors.KvdError.__subclasses__():
+        assert isinstance(status_for(cls("x")), grpc.StatusCode), cls

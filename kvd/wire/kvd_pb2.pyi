@@ -367,6 +367,24 @@ class SetStateReply(_message.Message):
     previous: SequenceState
     def __init__(self, previous: _Optional[_Union[SequenceState, str]] = ...) -> None: ...
 
+class SetStatesRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "seq_ids", "state")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    state: SequenceState
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[SequenceState, str]] = ...) -> None: ...
+
+class SetStatesReply(_message.Message):
+    __slots__ = ("previous",)
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    previous: _containers.RepeatedScalarFieldContainer[SequenceState]
+    def __init__(self, previous: _Optional[_Iterable[_Union[SequenceState, str]]] = ...) -> None: ...
+
 class SetAuxStateRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "seq_id", "data")
     SESSION_FIELD_NUMBER: _ClassVar[int]

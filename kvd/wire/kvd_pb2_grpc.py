@@ -89,6 +89,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.SetStateRequest.SerializeToString,
                 response_deserializer=kvd__pb2.SetStateReply.FromString,
                 _registered_method=True)
+        self.SetStates = channel.unary_unary(
+                '/kvd.v1.KVD/SetStates',
+                request_serializer=kvd__pb2.SetStatesRequest.SerializeToString,
+                response_deserializer=kvd__pb2.SetStatesReply.FromString,
+                _registered_method=True)
         self.SetAuxState = channel.unary_unary(
                 '/kvd.v1.KVD/SetAuxState',
                 request_serializer=kvd__pb2.SetAuxStateRequest.SerializeToString,
@@ -212,6 +217,13 @@ class KVDServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetStates(self, request, context):
+        """One state for a batch of sequences (IN_DECODE after a prefill, ON_HOLD, ...): all or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetAuxState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -330,6 +342,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.SetState,
                     request_deserializer=kvd__pb2.SetStateRequest.FromString,
                     response_serializer=kvd__pb2.SetStateReply.SerializeToString,
+            ),
+            'SetStates': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetStates,
+                    request_deserializer=kvd__pb2.SetStatesRequest.FromString,
+                    response_serializer=kvd__pb2.SetStatesReply.SerializeToString,
             ),
             'SetAuxState': grpc.unary_unary_rpc_method_handler(
                     servicer.SetAuxState,
@@ -674,6 +691,33 @@ class KVD:
             '/kvd.v1.KVD/SetState',
             kvd__pb2.SetStateRequest.SerializeToString,
             kvd__pb2.SetStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetStates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/SetStates',
+            kvd__pb2.SetStatesRequest.SerializeToString,
+            kvd__pb2.SetStatesReply.FromString,
             options,
             channel_credentials,
             insecure,

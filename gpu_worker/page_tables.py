@@ -1,26 +1,25 @@
-"""Decode-batch planner: host rows in, GPU page tables and the loads to fill them out.
+"""GPU page tables: host rows in, the page tables the runner reads and the loads to fill them out.
 
-Each sequence in a decode batch brings its host row, `[shared prefix pages | private
-pages]` in token order. The planner asks the pool, in one all-or-nothing `acquire`, for
-every host page the batch's sequences do not already hold plus the missing decode runway
-(fresh private GPU pages appended after each row for the tokens decode will write). The
-pool dedups host pages across the batch, so a prefix shared by N sequences is loaded once
-and the N page-table rows point at the same physical pages.
+Each sequence of a batch (a prefill or a decode step alike) brings its host row,
+`[shared prefix pages | private pages]` in token order. `GpuPageTables.map` asks the pool,
+in one all-or-nothing `acquire`, for every host page the batch's sequences do not already
+hold plus the missing runway (fresh private GPU pages after each row for the tokens the
+batch will write: a prefill's suffix pages, a decode step's new page). The pool dedups host
+pages across the batch, so a prefix shared by N sequences is loaded once and the N rows
+point at the same physical pages.
 
-A sequence keeps its GPU references between steps, so the next decode step of the same
-batch loads nothing. Life cycle, as the daemon's sequence states map onto it:
+A sequence keeps its GPU references between batches, and its row's device tensor is built
+once and reused until the row changes: a steady decode step costs O(batch), not
+O(context), and loads nothing. Life cycle, as the daemon's sequence states map onto it:
 
-- IN_DECODE: `plan` (again each step; only what changed is acquired, and a row that did
-  not change reuses its page-table row: a steady decode step costs O(batch), not
-  O(context));
-- IN_DECODE → ON_HOLD: `suspend` drops the GPU references; the copies stay cached;
-- ON_HOLD → IN_DECODE: `plan` again; only pages evicted meanwhile are reloaded;
-- COMPLETED: `complete` drops the references and forgets the private host pages, whose
-  ids the daemon may reuse (one that is published instead merely costs a reload later).
+- IN_DECODE: `map` (each batch; only what changed is acquired);
+- IN_DECODE → ON_HOLD and COMPLETED: `suspend` drops the GPU references; the copies stay
+  cached until the pool evicts them or the caller forgets them (`GpuPagePool.forget`);
+- ON_HOLD → IN_DECODE: `map` again; only pages evicted meanwhile are reloaded.
 
-Decode writes land in the sequence's private GPU pages (the copy of its private host tail
-and the runway). Offload them (`PageLoader.store`) and, for full runway pages, call
-`adopt_runway` before `suspend`, so cached copies and host pages agree.
+Writes land in the sequence's private GPU pages (the copy of its private host tail and the
+runway). Offload them (`PageLoader.store`) and call `adopt_runway` for the runway pages that
+got host pages, so cached copies and host pages agree.
 """
 from __future__ import annotations
 
@@ -57,32 +56,23 @@ class HostRow:
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare tensors elementwise
-class DecodePlan:
-    """Page tables of one decode batch and the host→device copies they wait on."""
+class BatchTables:
+    """The GPU page tables of one batch and the host→device copies they wait on."""
 
     seq_ids: tuple[SeqId, ...]  # row order of the tables below
-    rows: tuple[tuple[GpuPageId, ...], ...]  # unpadded page table of each sequence (model runner input)
-    # page_tables: [batch, max_pages] int32 pool page indices. Row i is valid for
-    # j < row_pages[i]; entries past that are padding, 0, never read.
-    page_tables: torch.Tensor
-    row_pages: torch.Tensor  # [batch] int32: host pages + runway pages of each row
-    host_pages: torch.Tensor  # [batch] int32: leading host-backed entries; runway starts there
+    rows: tuple[tuple[GpuPageId, ...], ...]  # each sequence's page table: copies of its host row, then its runway
+    tables: tuple[torch.Tensor, ...]  # rows[i] as [pages_i] int64 on the pool's device (the runner's input)
     loads: tuple[PageLoad, ...]  # unique missing host pages, one copy each; do them before use
     evicted: tuple[HostPageId, ...]  # cached copies dropped to make room
-    logical_pages: int  # sum of row_pages
+
+    @property
+    def logical_pages(self) -> int:
+        return sum(len(r) for r in self.rows)
 
     @cached_property
     def physical_pages(self) -> int:
-        """Distinct GPU pages in page_tables (counted on first use: it walks every row)."""
+        """Distinct GPU pages in the rows (counted on first use: it walks every row)."""
         return len(set(chain.from_iterable(self.rows)))
-
-
-@dataclass(frozen=True)
-class PlanExhausted:
-    """No room for the batch even after eviction; no count changed."""
-
-    needed: int
-    available: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +83,7 @@ class _HeldPages:
     row: HostRow
     gpu: tuple[GpuPageId, ...]  # copy of row.pages[i] is gpu[i]
     runway: tuple[GpuPageId, ...]  # private pages after the row
+    device: torch.device
 
     @cached_property
     def entries(self) -> tuple[GpuPageId, ...]:
@@ -101,20 +92,21 @@ class _HeldPages:
 
     @cached_property
     def table(self) -> torch.Tensor:
-        """``entries`` as int32 [pages], on the CPU."""
-        return torch.tensor(self.entries, dtype=torch.int32)
+        """``entries`` as [pages] int64 on the device, built on first use."""
+        return torch.tensor(self.entries, dtype=torch.int64, device=self.device)
 
 
-class DecodeBatchPlanner:
-    """Turns decode batches of host rows into page tables over one `GpuPagePool`."""
+class GpuPageTables:
+    """The GPU page references of a set of sequences over one `GpuPagePool`: maps the host
+    rows of each batch (prefill or decode) to page tables."""
 
     def __init__(self, pool: GpuPagePool) -> None:
         self.pool = pool
         self._held: dict[SeqId, _HeldPages] = {}
 
-    def plan(
+    def map(
         self, rows: Mapping[SeqId, HostRow], runway_pages: int | Mapping[SeqId, int] = 1
-    ) -> DecodePlan | PlanExhausted:
+    ) -> BatchTables | PoolExhausted:
         """Page tables for `rows` (in its iteration order), each with at least
         `runway_pages` private pages after its host pages (one count for every row, or one
         per sequence: a suffix-only prefill needs as many as its suffix pages); all or nothing.
@@ -142,12 +134,12 @@ class DecodeBatchPlanner:
 
         got = self.pool.acquire(request, private=sum(runway_needed.values()))
         if isinstance(got, PoolExhausted):
-            return PlanExhausted(needed=got.needed, available=got.available)
+            return got
 
         acquired = dict(zip(request, got.gpu_pages))
         fresh_runway = iter(got.private_pages)
         for seq, row in rows.items():
-            held = self._held.get(seq) or _HeldPages(HostRow(()), (), ())
+            held = self._held.get(seq) or _HeldPages(HostRow(()), (), (), self.pool.device)
             runway = held.runway + tuple(next(fresh_runway) for _ in range(runway_needed[seq]))
             if seq in same_row:
                 if runway_needed[seq]:
@@ -156,19 +148,17 @@ class DecodeBatchPlanner:
             old = dict(zip(held.row.pages, held.gpu))
             keep = set(row.pages)
             self.pool.release((g for h, g in old.items() if h not in keep), owner=f"sequence {seq!r}")
-            self._held[seq] = _HeldPages(row, tuple(old[h] if h in old else acquired[h] for h in row.pages), runway)
-        return self._tables(tuple(rows), got.loads, got.evicted)
+            gpu = tuple(old[h] if h in old else acquired[h] for h in row.pages)
+            self._held[seq] = _HeldPages(row, gpu, runway, self.pool.device)
+        held_rows = [self._held[s] for s in rows]
+        return BatchTables(
+            tuple(rows), tuple(h.entries for h in held_rows), tuple(h.table for h in held_rows), got.loads, got.evicted
+        )
 
     def suspend(self, seq: SeqId) -> None:
         """IN_DECODE → ON_HOLD: drop the sequence's GPU references; its copies stay cached."""
         held = self._pop(seq)
         self.pool.release(chain(held.gpu, held.runway), owner=f"sequence {seq!r}")
-
-    def complete(self, seq: SeqId) -> None:
-        """COMPLETED: drop every GPU reference and forget the private host pages' copies."""
-        held = self._pop(seq)
-        self.pool.release(chain(held.gpu, held.runway), owner=f"sequence {seq!r}")
-        self.pool.forget(held.row.private)
 
     def adopt_runway(self, seq: SeqId, host_pages: Sequence[HostPageId]) -> None:
         """The first len(host_pages) runway pages were offloaded into these new private host
@@ -183,13 +173,12 @@ class DecodeBatchPlanner:
             )
         for g, h in zip(held.runway, host_pages):
             self.pool.bind(g, h)
-        self._held[seq] = _HeldPages(
-            HostRow(held.row.shared, held.row.private + tuple(host_pages)), held.gpu + held.runway[:n], held.runway[n:]
-        )
+        row = HostRow(held.row.shared, held.row.private + tuple(host_pages))
+        self._held[seq] = _HeldPages(row, held.gpu + held.runway[:n], held.runway[n:], held.device)
 
     def trim_runway(self, seq: SeqId, keep: int) -> None:
         """Release the sequence's runway pages after the first `keep` (undoes the runway a
-        `plan` added when the step it was for cannot run)."""
+        `map` added when the batch it was for cannot run)."""
         held = self._held.get(seq)
         if held is None:
             raise KeyError(f"sequence {seq!r} holds no GPU pages")
@@ -227,7 +216,7 @@ class DecodeBatchPlanner:
         self.pool.forget([old])
         gpu = list(held.gpu)
         gpu[position] = got.gpu_pages[0]
-        self._held[seq] = _HeldPages(row, tuple(gpu), held.runway)
+        self._held[seq] = replace(held, row=row, gpu=tuple(gpu))
         return None
 
     def table(self, seq: SeqId) -> tuple[GpuPageId, ...]:
@@ -246,26 +235,3 @@ class DecodeBatchPlanner:
         if held is None:
             raise KeyError(f"sequence {seq!r} holds no GPU pages")
         return held
-
-    def _tables(
-        self, seqs: tuple[SeqId, ...], loads: tuple[PageLoad, ...], evicted: tuple[HostPageId, ...]
-    ) -> DecodePlan:
-        held = [self._held[s] for s in seqs]
-        device = self.pool.device
-        # page_tables: [batch, width] int32, padded with page 0 past row_pages
-        page_tables = (
-            torch.nn.utils.rnn.pad_sequence([h.table for h in held], batch_first=True)
-            if held else torch.zeros((0, 0), dtype=torch.int32)
-        )
-        row_pages = torch.tensor([len(h.entries) for h in held], dtype=torch.int32)  # [batch]
-        host_pages = torch.tensor([len(h.gpu) for h in held], dtype=torch.int32)  # [batch]
-        return DecodePlan(
-            seq_ids=seqs,
-            rows=tuple(h.entries for h in held),
-            page_tables=page_tables.to(device),
-            row_pages=row_pages.to(device),
-            host_pages=host_pages.to(device),
-            loads=loads,
-            evicted=evicted,
-            logical_pages=sum(len(h.entries) for h in held),
-        )
