@@ -8,25 +8,25 @@ AssertionError that names the culprit.
 from __future__ import annotations
 
 
-class KvdError(Exception):
+class KVDError(Exception):
     """Base class of every error a client can cause."""
 
 
-class InvalidArgument(KvdError):
+class InvalidArgument(KVDError):
     """The request is malformed: wrong lengths, out-of-range ids, oversize batches."""
 
 
-class NotFound(KvdError):
+class NotFound(KVDError):
     """An unknown namespace, sequence, page, pin or session."""
 
 
-class PermissionDenied(KvdError):
+class PermissionDenied(KVDError):
     """The object exists but belongs to another session."""
 
 
-class FailedPrecondition(KvdError):
+class FailedPrecondition(KVDError):
     """A well-formed request that the current state forbids (an invalid transition)."""
 
 
-class ResourceExhausted(KvdError):
+class ResourceExhausted(KVDError):
     """The host budget cannot hold the batch even after eviction; nothing was changed."""

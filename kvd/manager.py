@@ -1,6 +1,6 @@
 """The cache policy: what each client call does to pages, sequences, pins and sessions.
 
-Every public method validates the whole request first and raises a ``KvdError`` before
+Every public method validates the whole request first and raises a ``KVDError`` before
 changing anything; only then does it act. All methods run on the daemon's event loop,
 one at a time, so a lookup and the pin of its hits happen in one atomic step.
 
@@ -30,7 +30,7 @@ from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
 from kvd.supply import ExtentSupply
-from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceState, SessionId
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class KVCacheManager:
             p.reentry = self.sequences.find(ns.id, p.request.seq_id)
             if p.reentry is not None:
                 self.sequences.owned(ns.id, p.request.seq_id, session.id)
-                if p.reentry.state is not SeqState.EVICTED:
+                if p.reentry.state is not SequenceState.EVICTED:
                     raise FailedPrecondition(
                         f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
                         "release it or use another id"
@@ -303,7 +303,7 @@ class KVCacheManager:
         limits, page_size = self.limits, ns.page_size
         check_batch(limits, [seq_id for seq_id, _, _ in items])
         check_token_lists(limits, ns, [(seq_id, tokens) for seq_id, _, tokens in items if tokens])
-        growing = (SeqState.PREFILLED, SeqState.IN_DECODE)
+        growing = (SequenceState.PREFILLED, SequenceState.IN_DECODE)
         plans = []
         for seq_id, num_tokens, tokens in items:
             seq = self._live(ns, seq_id, session)
@@ -377,12 +377,12 @@ class KVCacheManager:
             self._drop(seq)
         return released
 
-    def set_state(self, session_id: str, namespace_id: int, seq_id: str, state: SeqState) -> SeqState:
+    def set_state(self, session_id: str, namespace_id: int, seq_id: str, state: SequenceState) -> SequenceState:
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         return self._set_state(self.sequences.owned(ns.id, seq_id, session.id), state)
 
-    def set_states(self, session_id: str, namespace_id: int, seq_ids: list[str], state: SeqState) -> list[SeqState]:
+    def set_states(self, session_id: str, namespace_id: int, seq_ids: list[str], state: SequenceState) -> list[SequenceState]:
         """Moves every sequence of the batch to `state`, or none of them (a refused transition
         raises before any changes); returns their previous states in order."""
         session = self.sessions.get(session_id)
@@ -393,12 +393,12 @@ class KVCacheManager:
             self.sequences.check_transition(seq, state)
         return [self._set_state(seq, state) for seq in seqs]
 
-    def _set_state(self, seq: Sequence, state: SeqState) -> SeqState:
+    def _set_state(self, seq: Sequence, state: SequenceState) -> SequenceState:
         previous = seq.state
         self.sequences.set_state(seq, state)  # raises on an invalid transition
-        if state is SeqState.COMPLETED:
+        if state is SequenceState.COMPLETED:
             self._drop(seq)
-        elif state is SeqState.EVICTED:
+        elif state is SequenceState.EVICTED:
             self._release_pages(seq)
         return previous
 
@@ -460,7 +460,7 @@ class KVCacheManager:
 
     def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
         seq = self.sequences.owned(ns.id, seq_id, session.id)
-        if seq.state is SeqState.EVICTED:
+        if seq.state is SequenceState.EVICTED:
             raise FailedPrecondition(
                 f"sequence {seq_id!r} was evicted under memory pressure; allocate it again to re-enter"
             )
@@ -507,7 +507,7 @@ class KVCacheManager:
 
     def _evict_held(self, seq: Sequence) -> None:
         """ON_HOLD → EVICTED under memory pressure: its pages go, its owner hears of it."""
-        self.sequences.set_state(seq, SeqState.EVICTED)
+        self.sequences.set_state(seq, SequenceState.EVICTED)
         self._release_pages(seq)
         session = self.sessions.get(seq.session)
         if session.listener is not None:

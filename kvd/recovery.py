@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from kvd.arena import SHM_DIR, ExtentPlan, ShmFull, daemon_segments, leftover_segments, unlink_segments
-from kvd.errors import KvdError
+from kvd.errors import KVDError
 from kvd.index import PageContent
 from kvd.manager import NamespaceCounters
 from kvd.meta import (
@@ -167,7 +167,7 @@ def _check(manager, prefix: str, segments: list[str], opened: list[ExtentMeta]) 
         registry = NamespaceRegistry()
         for entry in doc["namespaces"]:
             registry.register(identity_from_doc(entry))
-    except (KeyError, TypeError, ValueError, KvdError) as e:
+    except (KeyError, TypeError, ValueError, KVDError) as e:
         raise Mismatch(f"the manifest does not describe namespaces this daemon reads ({e!r})") from None
     if arena.budget_bytes < old_budget:
         raise Mismatch(f"the host budget shrank from {old_budget} to {arena.budget_bytes} bytes")
@@ -187,7 +187,7 @@ def _check(manager, prefix: str, segments: list[str], opened: list[ExtentMeta]) 
         h = meta.header
         try:
             ns = registry.get(h.namespace)
-        except KvdError:
+        except KVDError:
             raise Mismatch(f"extent {name} belongs to namespace {h.namespace}, which the manifest lacks") from None
         if h.root != ns.root or h.page_size != ns.page_size or h.page_bytes != ns.page_bytes:
             raise Mismatch(f"extent {name}'s layout does not match namespace {ns.id} ({ns.identity.model})")

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 from kvd.errors import FailedPrecondition, NotFound, PermissionDenied
 from kvd.index import ChainSpec
-from kvd.types import NamespaceId, PageId, PageKey, SeqId, SeqState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, SeqId, SequenceState, SessionId
 
-TRANSITIONS: dict[SeqState, frozenset[SeqState]] = {
-    SeqState.PREFILLED: frozenset({SeqState.IN_DECODE, SeqState.ON_HOLD, SeqState.COMPLETED}),
-    SeqState.IN_DECODE: frozenset({SeqState.ON_HOLD, SeqState.COMPLETED}),
-    SeqState.ON_HOLD: frozenset({SeqState.IN_DECODE, SeqState.EVICTED, SeqState.COMPLETED}),
-    SeqState.EVICTED: frozenset({SeqState.COMPLETED}),
-    SeqState.COMPLETED: frozenset(),
+TRANSITIONS: dict[SequenceState, frozenset[SequenceState]] = {
+    SequenceState.PREFILLED: frozenset({SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED}),
+    SequenceState.IN_DECODE: frozenset({SequenceState.ON_HOLD, SequenceState.COMPLETED}),
+    SequenceState.ON_HOLD: frozenset({SequenceState.IN_DECODE, SequenceState.EVICTED, SequenceState.COMPLETED}),
+    SequenceState.EVICTED: frozenset({SequenceState.COMPLETED}),
+    SequenceState.COMPLETED: frozenset(),
 }
 
 
@@ -38,7 +38,7 @@ class Sequence:
     tokens: bytearray            # known token ids, little-endian int32, a prefix of the sequence
     keys: list[PageKey]          # keys of the published pages, in order
     shared_prefix_tokens: int    # tokens covered by prefix hits when it was allocated
-    state: SeqState = SeqState.PREFILLED
+    state: SequenceState = SequenceState.PREFILLED
     aux: bytes = b""
 
     @property
@@ -96,17 +96,17 @@ class SequenceTable:
         self._on_hold.get(seq.namespace, {}).pop(seq.seq_id, None)
 
     @staticmethod
-    def check_transition(seq: Sequence, state: SeqState) -> None:
+    def check_transition(seq: Sequence, state: SequenceState) -> None:
         """Raises unless the life cycle allows `seq` to go to `state`."""
         if state not in TRANSITIONS[seq.state]:
             raise FailedPrecondition(
                 f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}"
             )
 
-    def set_state(self, seq: Sequence, state: SeqState) -> None:
+    def set_state(self, seq: Sequence, state: SequenceState) -> None:
         self.check_transition(seq, state)
         held = self._on_hold.setdefault(seq.namespace, OrderedDict())
-        if state is SeqState.ON_HOLD:
+        if state is SequenceState.ON_HOLD:
             held[seq.seq_id] = None
         else:
             held.pop(seq.seq_id, None)

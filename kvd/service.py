@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from kvd import invariants, shape, stats as stats_mod
 from kvd.errors import (
-    FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied, ResourceExhausted,
+    FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted,
 )
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
@@ -33,13 +33,13 @@ from kvd.recovery import RecoveryReport
 from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, check_call, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import IMPLICIT, Tenants
-from kvd.types import SeqState
+from kvd.types import SequenceState
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-STATUS_FOR: dict[type[KvdError], grpc.StatusCode] = {
+STATUS_FOR: dict[type[KVDError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
@@ -48,7 +48,7 @@ STATUS_FOR: dict[type[KvdError], grpc.StatusCode] = {
 }
 
 
-def status_for(e: KvdError) -> grpc.StatusCode:
+def status_for(e: KVDError) -> grpc.StatusCode:
     """The status of the nearest class in `e`'s hierarchy that STATUS_FOR names, so a
     subclass of a core error (say, a finer NotFound) maps like its base."""
     return next(STATUS_FOR[c] for c in type(e).__mro__ if c in STATUS_FOR)
@@ -108,12 +108,12 @@ def _plan(plan: SequencePlan) -> pb.SequenceAllocation:
     )
 
 
-def _seq_state(value: int) -> SeqState:
+def _seq_state(value: int) -> SequenceState:
     try:
-        return SeqState(value)
+        return SequenceState(value)
     except ValueError:
         raise InvalidArgument(
-            f"unknown sequence state {value}; use one of {[s.name for s in SeqState]}"
+            f"unknown sequence state {value}; use one of {[s.name for s in SequenceState]}"
         ) from None
 
 
@@ -240,7 +240,7 @@ def _unary(method):
             code, message = grpc.StatusCode.OK, ""
             try:
                 return method(self, _parsed(request))
-            except KvdError as e:
+            except KVDError as e:
                 code, message = status_for(e), status_message(str(e))
             finally:
                 seconds = time.perf_counter() - start
@@ -289,14 +289,14 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         for events in self.streams.events.values():
             events.put_nowait(None)
 
-    def _m(self, session: str) -> KVCacheManager:
+    def _manager_of(self, session: str) -> KVCacheManager:
         return self.tenants.manager_for(session, self.socket_tenant)
 
     async def OpenSession(self, request, context):
         try:
             request = _parsed(request)
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid, self.socket_tenant)
-        except KvdError as e:
+        except KVDError as e:
             await context.abort(status_for(e), status_message(str(e)))
         events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the stream ends
         session.listener = lambda ns, seq_ids: events.put_nowait(
@@ -316,21 +316,21 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def CloseSession(self, r):
-        session = self._m(r.session).sessions.get(r.session)
+        session = self._manager_of(r.session).sessions.get(r.session)
         session.closed_by_client = True
         self.streams.events[session.id].put_nowait(None)  # the stream's end releases the session
         return pb.CloseSessionReply()
 
     @_unary
     def RegisterNamespace(self, r):
-        m = self._m(r.session)
+        m = self._manager_of(r.session)
         m.sessions.get(r.session)
         ns = m.register_namespace(_identity(r.identity))
         return pb.RegisterNamespaceReply(namespace_id=ns.id, page_bytes=ns.page_bytes, root=ns.root)
 
     @_unary
     def DescribeExtents(self, r):
-        m = self._m(r.session)
+        m = self._manager_of(r.session)
         m.sessions.get(r.session)
         return pb.DescribeExtentsReply(extents=[
             pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
@@ -339,14 +339,14 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def AllocateWithPrefix(self, r):
-        m = self._m(r.session)
+        m = self._manager_of(r.session)
         check_call(m.limits, r.sequences)  # before building a core object per sequence and key
         plans = m.allocate(r.session, r.namespace_id, _requests(r.sequences))
         return pb.AllocateReply(sequences=[_plan(p) for p in plans])
 
     @_unary
     def Lookup(self, r):
-        m = self._m(r.session)
+        m = self._manager_of(r.session)
         check_call(m.limits, r.sequences)  # before building a core object per sequence and key
         results = m.lookup(r.session, r.namespace_id, _requests(r.sequences))
         return pb.LookupReply(results=[
@@ -356,7 +356,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Publish(self, r):
-        results = self._m(r.session).publish(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
+        results = self._manager_of(r.session).publish(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
         return pb.PublishReply(results=[
             pb.PublishResult(
                 seq_id=x.seq_id, published_pages=x.published_pages,
@@ -367,7 +367,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Extend(self, r):
-        m = self._m(r.session)
+        m = self._manager_of(r.session)
         items = extend_items(r.seq_ids, r.num_tokens, r.token_id_counts, r.token_ids)
         results = m.extend(r.session, r.namespace_id, items)
         return pb.ExtendReply(
@@ -378,45 +378,45 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Fork(self, r):
-        return pb.ForkReply(sequence=_plan(self._m(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)))
+        return pb.ForkReply(sequence=_plan(self._manager_of(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)))
 
     @_unary
     def Release(self, r):
-        return pb.ReleaseReply(released_pages=self._m(r.session).release(r.session, r.namespace_id, list(r.seq_ids)))
+        return pb.ReleaseReply(released_pages=self._manager_of(r.session).release(r.session, r.namespace_id, list(r.seq_ids)))
 
     @_unary
     def SetState(self, r):
-        previous = self._m(r.session).set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
+        previous = self._manager_of(r.session).set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
         return pb.SetStateReply(previous=previous.value)
 
     @_unary
     def SetStates(self, r):
-        previous = self._m(r.session).set_states(r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state))
+        previous = self._manager_of(r.session).set_states(r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state))
         return pb.SetStatesReply(previous=[p.value for p in previous])
 
     @_unary
     def SetAuxState(self, r):
-        self._m(r.session).set_aux(r.session, r.namespace_id, r.seq_id, r.data)
+        self._manager_of(r.session).set_aux(r.session, r.namespace_id, r.seq_id, r.data)
         return pb.SetAuxStateReply()
 
     @_unary
     def GetAuxState(self, r):
-        return pb.GetAuxStateReply(data=self._m(r.session).get_aux(r.session, r.namespace_id, r.seq_id))
+        return pb.GetAuxStateReply(data=self._manager_of(r.session).get_aux(r.session, r.namespace_id, r.seq_id))
 
     @_unary
     def Pin(self, r):
-        pin = self._m(r.session).pin(r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds)
+        pin = self._manager_of(r.session).pin(r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds)
         return pb.PinReply(pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens)
 
     @_unary
     def Unpin(self, r):
-        self._m(r.session).unpin(r.session, r.pin_id)
+        self._manager_of(r.session).unpin(r.session, r.pin_id)
         return pb.UnpinReply()
 
     @_unary
     def GetStats(self, r):
         if self.tenants.isolated and r.session:
-            m = self._m(r.session)
+            m = self._manager_of(r.session)
             m.sessions.get(r.session)
             return stats_reply(stats_mod.collect(m))
         self.tenants.check_admin(r.ticket)
@@ -427,7 +427,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def CheckInvariants(self, r):
         if self.tenants.isolated and r.session:
-            m = self._m(r.session)
+            m = self._manager_of(r.session)
             m.sessions.get(r.session)
             return pb.CheckInvariantsReply(violations=invariants.violations(m))
         self.tenants.check_admin(r.ticket)
@@ -452,7 +452,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def ResetPrefixCache(self, r):
         namespace = r.namespace_id if r.has_namespace else None
         if self.tenants.isolated and r.session:
-            m = self._m(r.session)
+            m = self._manager_of(r.session)
             m.sessions.get(r.session)
             managers = [m]
         else:

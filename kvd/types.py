@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from typing import NewType
 
-from kvd.wire.enums import SequenceState as SeqState  # noqa: F401 - the daemon's short name
+from kvd.wire.enums import SequenceState  # noqa: F401 - re-exported beside the other core types
 
 PageId = NewType("PageId", int)
 PageKey = NewType("PageKey", bytes)

@@ -18,7 +18,7 @@ from kvd import invariants, stats
 from kvd.arena import leftover_segments
 from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvd.manager import Limits, PublishResult, Rebind, SequenceRequest
-from kvd.types import PageState, SeqState
+from kvd.types import PageState, SequenceState
 
 PAGE_SIZE = 4
 PAGE_BYTES = 512
@@ -328,11 +328,11 @@ def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manag
     c.alloc1("a", a)                          # pages 0 (full) and 1 (partial)
     c.publish("a")
     c.m.set_aux(c.sid, c.ns, "a", b"state")
-    c.m.set_state(c.sid, c.ns, "a", SeqState.ON_HOLD)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
     c.alloc1("busy", prompt(100, 4))          # page 2; a live PREFILLED sequence is never evicted
     plan = c.alloc1("b", prompt(200, 8))      # 2 pages: free 3, then a's private page 1
     assert plan.private_pages == [1, 3]
-    assert c.seq("a").state is SeqState.EVICTED and c.seq("a").pages == []
+    assert c.seq("a").state is SequenceState.EVICTED and c.seq("a").pages == []
     assert c.evicted == [(c.ns, ["a"])]
     assert c.m.pool.state(0) is PageState.CACHED and c.lru() == [0]
     with pytest.raises(FailedPrecondition, match="evicted under memory pressure"):
@@ -343,7 +343,7 @@ def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manag
     c.release("b")
     again = c.alloc1("a", a)                  # re-entry: the prefix page still hits
     assert (again.shared_pages, again.shared_prefix_tokens, again.suffix_start) == ([0], 4, 4)
-    assert c.seq("a").state is SeqState.PREFILLED
+    assert c.seq("a").state is SequenceState.PREFILLED
     check(c.m)
 
 
@@ -352,9 +352,9 @@ def test_cached_pages_go_before_on_hold_sequences(make_manager):
     c.alloc(req("a", prompt(0, 6)), req("old", prompt(100, 8)))   # a: 0 1, old: 2 3
     c.publish("old")
     c.release("old")
-    c.m.set_state(c.sid, c.ns, "a", SeqState.ON_HOLD)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
     assert c.alloc1("b", prompt(200, 8)).private_pages == [2, 3]
-    assert c.seq("a").state is SeqState.ON_HOLD and c.evicted == []
+    assert c.seq("a").state is SequenceState.ON_HOLD and c.evicted == []
     check(c.m)
 
 
@@ -362,17 +362,17 @@ def test_oldest_on_hold_sequence_goes_first(make_manager):
     c = Core(make_manager, pages=4)
     c.alloc(req("x", [1]), req("y", [2]), req("z", [3]))           # 0 | 1 | 2
     for s in ("y", "x", "z"):
-        c.m.set_state(c.sid, c.ns, s, SeqState.ON_HOLD)
+        c.m.set_state(c.sid, c.ns, s, SequenceState.ON_HOLD)
     c.alloc1("b", prompt(200, 8))                                     # free 3, then y's page
     assert c.evicted == [(c.ns, ["y"])]
-    assert [c.seq(s).state for s in "xyz"] == [SeqState.ON_HOLD, SeqState.EVICTED, SeqState.ON_HOLD]
+    assert [c.seq(s).state for s in "xyz"] == [SequenceState.ON_HOLD, SequenceState.EVICTED, SequenceState.ON_HOLD]
     check(c.m)
 
 
 def test_nothing_evictable_means_resource_exhausted(make_manager):
     c = Core(make_manager, pages=4)
     c.alloc1("a", prompt(0, 6))
-    c.m.set_state(c.sid, c.ns, "a", SeqState.IN_DECODE)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.IN_DECODE)
     before = snapshot(c.m)
     with pytest.raises(ResourceExhausted):
         c.alloc1("b", prompt(100, 9))
@@ -383,8 +383,8 @@ def test_reentry_is_only_for_the_owner(make_manager):
     c = Core(make_manager)
     other = c.m.open_session("other", 2).id
     c.alloc1("a", prompt(0, 5))
-    c.m.set_state(c.sid, c.ns, "a", SeqState.ON_HOLD)
-    c.m.set_state(c.sid, c.ns, "a", SeqState.EVICTED)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.EVICTED)
     with pytest.raises(PermissionDenied):
         c.alloc(req("a", prompt(0, 5)), sid=other)
     assert c.alloc1("a", prompt(0, 5)).private_pages == [0, 1]
@@ -504,12 +504,12 @@ def test_fork_errors_change_nothing(make_manager):
 def test_fork_of_an_on_hold_sequence_evicts_others_not_it(make_manager):
     c = Core(make_manager, pages=4)
     c.alloc(req("a", prompt(0, 6)), req("h", prompt(100, 8)))   # a: 0 1, h: 2 3
-    c.m.set_state(c.sid, c.ns, "a", SeqState.ON_HOLD)          # a is the oldest on hold
-    c.m.set_state(c.sid, c.ns, "h", SeqState.ON_HOLD)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)          # a is the oldest on hold
+    c.m.set_state(c.sid, c.ns, "h", SequenceState.ON_HOLD)
     c.m.arena.page_bytes_view(0)[:] = 8
     c.m.arena.page_bytes_view(1)[:] = 9
     plan = c.m.fork(c.sid, c.ns, "a", "b")
-    assert c.evicted == [(c.ns, ["h"])] and c.seq("a").state is SeqState.ON_HOLD
+    assert c.evicted == [(c.ns, ["h"])] and c.seq("a").state is SequenceState.ON_HOLD
     assert plan.private_pages == [2, 3]
     assert [int(c.m.arena.page_bytes_view(p).min()) for p in (2, 3)] == [8, 9]
     assert [int(c.m.arena.page_bytes_view(p).max()) for p in (2, 3)] == [8, 9]
@@ -519,7 +519,7 @@ def test_fork_of_an_on_hold_sequence_evicts_others_not_it(make_manager):
 def test_fork_of_an_on_hold_sequence_never_evicts_it(make_manager):
     c = Core(make_manager, pages=3)
     c.alloc(req("a", prompt(0, 6)), req("busy", [1]))   # a: 0 1, busy: 2
-    c.m.set_state(c.sid, c.ns, "a", SeqState.ON_HOLD)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
     before = snapshot(c.m)
     with pytest.raises(ResourceExhausted):
         c.m.fork(c.sid, c.ns, "a", "b")
@@ -541,8 +541,8 @@ def test_extend_adds_private_pages_only(make_manager):
 def test_extend_is_all_or_nothing(make_manager):
     c = Core(make_manager, pages=4)
     c.alloc(req("a", prompt(0, 4)), req("b", prompt(10, 4)), req("h", [1]))
-    c.m.set_state(c.sid, c.ns, "h", SeqState.IN_DECODE)
-    c.m.set_state(c.sid, c.ns, "h", SeqState.ON_HOLD)
+    c.m.set_state(c.sid, c.ns, "h", SequenceState.IN_DECODE)
+    c.m.set_state(c.sid, c.ns, "h", SequenceState.ON_HOLD)
     before = snapshot(c.m)
     bad = [
         ([("a", 4, None), ("b", 5, None)], ResourceExhausted),   # 1 + 2 pages, only 1 free + h's page
@@ -592,37 +592,37 @@ def test_token_ids_cannot_follow_a_gap(make_manager):
 # ---- set_state ----------------------------------------------------------------------
 
 VALID = {
-    SeqState.PREFILLED: {SeqState.IN_DECODE, SeqState.ON_HOLD, SeqState.COMPLETED},
-    SeqState.IN_DECODE: {SeqState.ON_HOLD, SeqState.COMPLETED},
-    SeqState.ON_HOLD: {SeqState.IN_DECODE, SeqState.EVICTED, SeqState.COMPLETED},
-    SeqState.EVICTED: {SeqState.COMPLETED},
+    SequenceState.PREFILLED: {SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED},
+    SequenceState.IN_DECODE: {SequenceState.ON_HOLD, SequenceState.COMPLETED},
+    SequenceState.ON_HOLD: {SequenceState.IN_DECODE, SequenceState.EVICTED, SequenceState.COMPLETED},
+    SequenceState.EVICTED: {SequenceState.COMPLETED},
 }
 PATH_TO = {
-    SeqState.PREFILLED: [],
-    SeqState.IN_DECODE: [SeqState.IN_DECODE],
-    SeqState.ON_HOLD: [SeqState.ON_HOLD],
-    SeqState.EVICTED: [SeqState.ON_HOLD, SeqState.EVICTED],
+    SequenceState.PREFILLED: [],
+    SequenceState.IN_DECODE: [SequenceState.IN_DECODE],
+    SequenceState.ON_HOLD: [SequenceState.ON_HOLD],
+    SequenceState.EVICTED: [SequenceState.ON_HOLD, SequenceState.EVICTED],
 }
 
 
 def test_the_full_life_cycle(make_manager):
     c = Core(make_manager)
     c.alloc1("a", prompt(0, 6))
-    chain = [SeqState.IN_DECODE, SeqState.ON_HOLD, SeqState.IN_DECODE, SeqState.ON_HOLD, SeqState.EVICTED]
-    previous = SeqState.PREFILLED
+    chain = [SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.EVICTED]
+    previous = SequenceState.PREFILLED
     for state in chain:
         assert c.m.set_state(c.sid, c.ns, "a", state) is previous
         assert c.seq("a").state is state
         previous = state
         check(c.m)
-    assert c.m.set_state(c.sid, c.ns, "a", SeqState.COMPLETED) is SeqState.EVICTED
+    assert c.m.set_state(c.sid, c.ns, "a", SequenceState.COMPLETED) is SequenceState.EVICTED
     assert c.seq("a") is None
     with pytest.raises(NotFound):
-        c.m.set_state(c.sid, c.ns, "a", SeqState.IN_DECODE)
+        c.m.set_state(c.sid, c.ns, "a", SequenceState.IN_DECODE)
 
 
 @pytest.mark.parametrize("start", list(VALID), ids=lambda s: s.name)
-@pytest.mark.parametrize("target", list(SeqState), ids=lambda s: s.name)
+@pytest.mark.parametrize("target", list(SequenceState), ids=lambda s: s.name)
 def test_every_transition(make_manager, start, target):
     c = Core(make_manager)
     c.alloc1("a", prompt(0, 6))
@@ -636,7 +636,7 @@ def test_every_transition(make_manager, start, target):
         assert snapshot(c.m) == before
         return
     assert c.m.set_state(c.sid, c.ns, "a", target) is start
-    if target is SeqState.COMPLETED:
+    if target is SequenceState.COMPLETED:
         assert c.seq("a") is None and c.m.sessions.get(c.sid).sequences == set()
     else:
         assert c.seq("a").state is target
@@ -647,8 +647,8 @@ def test_completed_releases_the_sequence(make_manager):
     c = Core(make_manager)
     c.alloc1("a", prompt(0, 6))
     c.publish("a")
-    c.m.set_state(c.sid, c.ns, "a", SeqState.IN_DECODE)
-    c.m.set_state(c.sid, c.ns, "a", SeqState.COMPLETED)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.IN_DECODE)
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.COMPLETED)
     assert c.m.pool.state(0) is PageState.CACHED and c.m.pool.state(1) is PageState.FREE
     assert c.seq("a") is None and len(c.m.sequences) == 0
     with pytest.raises(NotFound):
@@ -661,24 +661,24 @@ def test_set_state_on_another_sessions_sequence_is_denied(make_manager):
     other = c.m.open_session("other", 2).id
     c.alloc1("a", [1])
     with pytest.raises(PermissionDenied):
-        c.m.set_state(other, c.ns, "a", SeqState.COMPLETED)
-    assert c.seq("a").state is SeqState.PREFILLED
+        c.m.set_state(other, c.ns, "a", SequenceState.COMPLETED)
+    assert c.seq("a").state is SequenceState.PREFILLED
 
 
 def test_set_states_moves_a_batch_or_nothing(make_manager):
     c = Core(make_manager)
     for s in ("a", "b", "c"):
         c.alloc1(s, prompt(ord(s), 6))
-    c.m.set_state(c.sid, c.ns, "c", SeqState.IN_DECODE)
+    c.m.set_state(c.sid, c.ns, "c", SequenceState.IN_DECODE)
     before = snapshot(c.m)
     with pytest.raises(FailedPrecondition, match="'c' cannot go from IN_DECODE to IN_DECODE"):
-        c.m.set_states(c.sid, c.ns, ["a", "b", "c"], SeqState.IN_DECODE)
-    assert snapshot(c.m) == before and c.seq("a").state is SeqState.PREFILLED
+        c.m.set_states(c.sid, c.ns, ["a", "b", "c"], SequenceState.IN_DECODE)
+    assert snapshot(c.m) == before and c.seq("a").state is SequenceState.PREFILLED
     with pytest.raises(InvalidArgument, match="appears twice"):
-        c.m.set_states(c.sid, c.ns, ["a", "a"], SeqState.IN_DECODE)
+        c.m.set_states(c.sid, c.ns, ["a", "a"], SequenceState.IN_DECODE)
     assert snapshot(c.m) == before
-    assert c.m.set_states(c.sid, c.ns, ["a", "b"], SeqState.IN_DECODE) == [SeqState.PREFILLED] * 2
-    assert c.m.set_states(c.sid, c.ns, ["a", "b", "c"], SeqState.COMPLETED) == [SeqState.IN_DECODE] * 3
+    assert c.m.set_states(c.sid, c.ns, ["a", "b"], SequenceState.IN_DECODE) == [SequenceState.PREFILLED] * 2
+    assert c.m.set_states(c.sid, c.ns, ["a", "b", "c"], SequenceState.COMPLETED) == [SequenceState.IN_DECODE] * 3
     assert len(c.m.sequences) == 0
     check(c.m)
 

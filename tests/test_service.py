@@ -561,5 +561,5 @@ def test_every_core_error_class_maps_to_a_status_through_its_hierarchy():
 
     assert status_for(ShmFull("/dev/shm is full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND
-    for cls in errors.KvdError.__subclasses__():
+    for cls in errors.KVDError.__subclasses__():
         assert isinstance(status_for(cls("x")), grpc.StatusCode), cls

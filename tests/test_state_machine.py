@@ -25,9 +25,9 @@ from hypothesis.stateful import (
 from test_manager import snapshot, toks
 
 from kvd import invariants, stats
-from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied, ResourceExhausted
+from kvd.errors import FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted
 from kvd.manager import SequenceRequest
-from kvd.types import PageState, SeqState
+from kvd.types import PageState, SequenceState
 
 PAGE_SIZES = (4, 8)                     # namespace 0: 512-byte pages, namespace 1: 1024-byte pages
 PAGE_BYTES = (512, 1024)
@@ -36,11 +36,11 @@ EXTENT = 4 * 512
 SEQ_IDS = ("a", "b", "c", "d", "e", "f")
 PREFIXES = [list(range(k * 1000 + 10, k * 1000 + 34)) for k in range(2)]
 VALID = {
-    SeqState.PREFILLED: {SeqState.IN_DECODE, SeqState.ON_HOLD, SeqState.COMPLETED},
-    SeqState.IN_DECODE: {SeqState.ON_HOLD, SeqState.COMPLETED},
-    SeqState.ON_HOLD: {SeqState.IN_DECODE, SeqState.EVICTED, SeqState.COMPLETED},
-    SeqState.EVICTED: {SeqState.COMPLETED},
-    SeqState.COMPLETED: set(),
+    SequenceState.PREFILLED: {SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED},
+    SequenceState.IN_DECODE: {SequenceState.ON_HOLD, SequenceState.COMPLETED},
+    SequenceState.ON_HOLD: {SequenceState.IN_DECODE, SequenceState.EVICTED, SequenceState.COMPLETED},
+    SequenceState.EVICTED: {SequenceState.COMPLETED},
+    SequenceState.COMPLETED: set(),
 }
 
 prompt_parts = st.tuples(
@@ -57,7 +57,7 @@ seq_ids = st.sampled_from(SEQ_IDS)
 @dataclass(frozen=True)
 class ModelSeq:
     session: str
-    state: SeqState
+    state: SequenceState
     num_tokens: int
     tokens: tuple[int, ...]   # known token ids
     aux: bytes
@@ -97,12 +97,12 @@ class CoreMachine(RuleBasedStateMachine):
         session.listener = lambda ns, ids: self.events.extend((ns, s) for s in ids)
         self.sids[i], self.open[i] = session.id, True
 
-    def call(self, fn, expected: type[KvdError] | None, may_exhaust: bool = False):
+    def call(self, fn, expected: type[KVDError] | None, may_exhaust: bool = False):
         """Runs a core call; returns its result, or None when it raised as the model allows."""
         before = snapshot(self.m)
         try:
             result = fn()
-        except KvdError as e:
+        except KVDError as e:
             allowed = isinstance(e, expected) if expected else (may_exhaust and isinstance(e, ResourceExhausted))
             assert allowed, f"raised {type(e).__name__} ({e}); the model expected {expected and expected.__name__}"
             assert snapshot(self.m) == before, f"a failed call ({type(e).__name__}: {e}) changed state"
@@ -111,17 +111,17 @@ class CoreMachine(RuleBasedStateMachine):
         assert expected is None, f"succeeded; the model expected {expected.__name__}"
         return result
 
-    def session_error(self, i: int) -> type[KvdError] | None:
+    def session_error(self, i: int) -> type[KVDError] | None:
         return None if self.open[i] else NotFound
 
-    def owned_error(self, i: int, n: int, seq_id: str, live: bool = False) -> type[KvdError] | None:
+    def owned_error(self, i: int, n: int, seq_id: str, live: bool = False) -> type[KVDError] | None:
         """The error of SequenceTable.owned (and, with live, of evicted sequences)."""
         ms = self.seqs.get((n, seq_id))
         if ms is None:
             return NotFound
         if ms.session != self.sids[i]:
             return PermissionDenied
-        if live and ms.state is SeqState.EVICTED:
+        if live and ms.state is SequenceState.EVICTED:
             return FailedPrecondition
         return None
 
@@ -191,7 +191,7 @@ class CoreMachine(RuleBasedStateMachine):
         for s in ids:
             if expected is None and (n, s) in self.seqs:
                 expected = self.owned_error(i, n, s) or (
-                    None if self.seqs[(n, s)].state is SeqState.EVICTED else FailedPrecondition
+                    None if self.seqs[(n, s)].state is SequenceState.EVICTED else FailedPrecondition
                 )
         must = [self.must_hit(n, p) for _, p in batch]
         # allocate matches exactly as lookup does; lookup changes nothing (see the lookup rule)
@@ -211,7 +211,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.write(plan.private_pages)
             aux = f"{s}@{self.writes}".encode()
             self.m.set_aux(self.sids[i], self.ns[n], s, aux)
-            self.seqs[(n, s)] = ModelSeq(self.sids[i], SeqState.PREFILLED, len(p), tuple(p), aux)
+            self.seqs[(n, s)] = ModelSeq(self.sids[i], SequenceState.PREFILLED, len(p), tuple(p), aux)
         for s, _ in batch if then_publish else ():  # prefill done: its full pages become shareable
             self._publish(i, n, s, 0)
 
@@ -219,10 +219,10 @@ class CoreMachine(RuleBasedStateMachine):
     def pressure(self, i, n, share, hold):
         """A large unrelated prompt: evicts what the policy allows (LRU, reclaim, on-hold), then goes."""
         running = [s for (m, s), ms in sorted(self.seqs.items()) if m == n and ms.session == self.sids[i]
-                   and ms.state in (SeqState.PREFILLED, SeqState.IN_DECODE)]
+                   and ms.state in (SequenceState.PREFILLED, SequenceState.IN_DECODE)]
         if hold and running:  # the scheduler parks a sequence first
-            self.m.set_state(self.sids[i], self.ns[n], running[0], SeqState.ON_HOLD)
-            self.seqs[(n, running[0])] = replace(self.seqs[(n, running[0])], state=SeqState.ON_HOLD)
+            self.m.set_state(self.sids[i], self.ns[n], running[0], SequenceState.ON_HOLD)
+            self.seqs[(n, running[0])] = replace(self.seqs[(n, running[0])], state=SequenceState.ON_HOLD)
         pages = max(1, int(share * BUDGET // PAGE_BYTES[n]))
         tokens = toks(range(500, 500 + pages * PAGE_SIZES[n]))
         plans = self.call(lambda: self.m.allocate(self.sids[i], self.ns[n], [SequenceRequest("big", tokens)]),
@@ -284,7 +284,7 @@ class CoreMachine(RuleBasedStateMachine):
                 break
             ms = self.seqs.get((n, s))
             expected = self.owned_error(i, n, s, live=True)
-            if expected is None and ms.state not in (SeqState.PREFILLED, SeqState.IN_DECODE):
+            if expected is None and ms.state not in (SequenceState.PREFILLED, SequenceState.IN_DECODE):
                 expected = FailedPrecondition
             elif expected is None and k <= 0:
                 expected = InvalidArgument
@@ -317,7 +317,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.fresh_private(plan.private_pages)
         for mine, theirs in zip(plan.private_pages, source.private_pages):
             assert np.array_equal(self.m.arena.page_bytes_view(mine), self.m.arena.page_bytes_view(theirs))
-        self.seqs[(n, dst)] = replace(self.seqs[(n, src)], state=SeqState.PREFILLED)
+        self.seqs[(n, dst)] = replace(self.seqs[(n, src)], state=SequenceState.PREFILLED)
         self.write(plan.private_pages)   # dst diverges; src's pages must not change
 
     @rule(data=st.data(), more=st.lists(seq_ids, max_size=1))
@@ -342,16 +342,16 @@ class CoreMachine(RuleBasedStateMachine):
         expected = self.session_error(i) or self.owned_error(i, n, s)
         ms = self.seqs.get((n, s))
         valid = sorted(VALID[ms.state], key=lambda x: x.value) if ms else []
-        to = data.draw(st.sampled_from(valid) if valid and any_state else st.sampled_from(list(SeqState)))
+        to = data.draw(st.sampled_from(valid) if valid and any_state else st.sampled_from(list(SequenceState)))
         if expected is None and to not in VALID[ms.state]:
             expected = FailedPrecondition
         previous = self.call(lambda: self.m.set_state(self.sids[i], self.ns[n], s, to), expected)
         if previous is None:
             return
         assert previous is ms.state
-        if to is SeqState.COMPLETED:
+        if to is SequenceState.COMPLETED:
             del self.seqs[(n, s)]
-        elif to is SeqState.EVICTED:
+        elif to is SequenceState.EVICTED:
             self.seqs[(n, s)] = replace(ms, state=to, num_tokens=0, tokens=())
         else:
             self.seqs[(n, s)] = replace(ms, state=to)
@@ -414,8 +414,8 @@ class CoreMachine(RuleBasedStateMachine):
         for ns_id, s in self.events:
             key = (self.ns.index(ns_id), s)
             ms = self.seqs[key]
-            assert ms.state is SeqState.ON_HOLD, f"{s} evicted while {ms.state.name}"
-            self.seqs[key] = replace(ms, state=SeqState.EVICTED, num_tokens=0, tokens=())
+            assert ms.state is SequenceState.ON_HOLD, f"{s} evicted while {ms.state.name}"
+            self.seqs[key] = replace(ms, state=SequenceState.EVICTED, num_tokens=0, tokens=())
         self.events.clear()
 
     def core_agrees_with_model(self):
