@@ -79,9 +79,5 @@ class Sealer:
             yield from zip(jobs, checksums)
         self._pending = still
 
-    @property
-    def pending(self) -> int:
-        return sum(len(jobs) for jobs, _ in self._pending)
-
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -238,12 +238,6 @@ class PagePool:
         p.content = content
         p.indexed = indexed
 
-    def touch(self, page: PageId) -> None:
-        """Marks a CACHED page as recently used."""
-        p = self._pages[page]
-        if p.state is PageState.CACHED:
-            self._by_namespace[p.namespace].lru.move_to_end(page)
-
     def evict_oldest(self, namespace: NamespaceId) -> PageContent:
         """CACHED → FREE for the least recently used page; returns what it held."""
         page, _ = self._ns(namespace).lru.popitem(last=False)

@@ -7,7 +7,8 @@ indexer state, checkpoints) is per sequence and a fork copies it.
 
     PREFILLED -> IN_DECODE <-> ON_HOLD -> COMPLETED
                                  |
-                                 +-> EVICTED (private pages dropped; re-enters by allocating again)
+                                 +-> EVICTED (all its pages released: private ones freed, published
+                                     ones cached unless shared; aux kept; re-enters by allocating again)
 """
 from __future__ import annotations
 
@@ -111,12 +112,6 @@ class SequenceTable:
         else:
             held.pop(seq.seq_id, None)
         seq.state = state
-
-    def oldest_on_hold(self, namespace: NamespaceId) -> Sequence | None:
-        held = self._on_hold.get(namespace)
-        if not held:
-            return None
-        return self._seqs[(namespace, next(iter(held)))]
 
     def on_hold(self, namespace: NamespaceId) -> list[Sequence]:
         return [self._seqs[(namespace, s)] for s in self._on_hold.get(namespace, ())]

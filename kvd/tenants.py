@@ -23,16 +23,18 @@ to it: on its own socket, or on the daemon's main one, the id is as unknown as o
 issued (NOT_FOUND, the same message). Within a tenant the id stays a bearer token: every
 process of the tenant's group may connect to the socket. A tenant without ``group`` gets a
 socket as open as the daemon's main one (the daemon's group), like its extents, so a
-leaked id then reaches its sessions from any process of the daemon's group. The tenant of a peer is the one listing its uid, else
-the one listing its primary gid, else the one listing one of its supplementary groups (a
-peer in groups of two tenants must be listed by uid); a peer matching none is refused.
+leaked id then reaches its sessions from any process of the daemon's group.
+
+The tenant of a peer is the one listing its uid, else the one listing its primary gid,
+else the one listing one of its supplementary groups (a peer in groups of two tenants
+must be listed by uid); a peer matching none is refused.
 
 Admin calls without a session (daemon-wide ``GetStats``, ``CheckInvariants``,
 ``VerifyPages``: ``kvd stats``, ``kvd verify``) cover every tenant, so they need an admin
 ticket, which only the daemon's own uid and root get.
 
 Without tenants there is one implicit tenant, no handshake and no ticket: every session
-reaches the single manager, exactly as before tenants existed.
+reaches the single manager.
 """
 from __future__ import annotations
 

@@ -315,10 +315,11 @@ def test_hit_pages_move_to_the_mru_end(make_manager):
     c.alloc1("d", a[:4] + [9])                # hits page 0
     c.release("d")
     assert c.lru() == [2, 1, 4, 3, 0]
-    c.m.pool.touch(2)
-    assert c.lru() == [1, 4, 3, 0, 2]
-    c.alloc1("e", prompt(300, 20))            # 3 free pages, then evicts 1 and 4
-    assert c.lru() == [3, 0, 2]
+    c.alloc1("f", a)                          # hits the whole chain 0, 1, 2
+    c.release("f")                            # released tail first: 2 is evicted before its parents
+    assert c.lru() == [4, 3, 2, 1, 0]
+    c.alloc1("e", prompt(300, 20))            # 3 free pages, then evicts 4 and 3
+    assert c.lru() == [2, 1, 0]
     check(c.m)
 
 
