@@ -7,19 +7,21 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 ``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py;
-what to give up when a namespace needs pages in ``Room``.
+what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``.
+A warm restart's findings arrive through ``restore`` (kvd/recovery.py).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
-from kvd.integrity import Sealer, SealJob, VerifyResult
-from kvd.meta import MetaError, page_checksum
+from kvd.integrity import Integrity
+from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.requests import (
@@ -31,6 +33,9 @@ from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
 from kvd.supply import ExtentSupply
 from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceState, SessionId
+
+if TYPE_CHECKING:
+    from kvd.recovery import Recovered, RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +52,22 @@ class KVCacheManager:
         self.prefix_reuse = prefix_reuse
         self.limits = limits
         self.namespaces = NamespaceRegistry()
-        self.pool = PagePool(on_unpublish=self._unpublished)
+        # A page that stops being published loses its checksum and record (kvd/integrity.py).
+        self.pool = PagePool(on_unpublish=lambda page: self.integrity.forget(page))
         self.index = PrefixIndex()
+        self.integrity = Integrity(arena, self.pool, self.index)
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
         self.counters: dict[NamespaceId, NamespaceCounters] = {}
         self.supply = ExtentSupply(arena, self.pool)
         self.room = Room(arena, self.pool, self.index, self.supply, self.sequences,
-                         settle_seals=lambda: self.apply_seals(wait=True), evict_held=self._evict_held)
+                         settle_seals=lambda: self.integrity.apply(wait=True), evict_held=self._evict_held)
         self._aux_bytes = 0  # non-KV state of all sequences
-        self.sealer = Sealer()
-        self.checksums: dict[PageId, int] = {}  # sealed published/cached pages
-        self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by recover()
-        self._to_seal: list[SealJob] = []
+        self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
 
     def close(self, unlink: bool = True) -> None:
         self.supply.close()
-        self.apply_seals(wait=True)
-        self.sealer.close()
+        self.integrity.close()
         self.arena.close(unlink=unlink)
 
     # ---- sessions -----------------------------------------------------------------
@@ -110,6 +113,32 @@ class KVCacheManager:
         self.supply.provision(ns)
         return ns
 
+    def restore(self, report: "RecoveryReport", found: "Recovered | None" = None) -> None:
+        """Takes what a warm restart (kvd/recovery.py) verified, before any call: its namespaces
+        with their old ids, its extents' pages as FREE, its pages as CACHED (indexed, refcount 0,
+        chain tails first in the LRU) and their checksums. ``report`` is kept for stats."""
+        self.last_recovery = report
+        if found is None:
+            return
+        for identity, ns_id in found.namespaces:
+            got = self.namespaces.register(identity)
+            assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
+            self.counters.setdefault(got.id, NamespaceCounters())
+        for extent in found.extents:
+            self.arena.adopt_recovered(extent)
+            self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
+        by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        for page_index, content in found.pages:  # parents first
+            self.index.insert(content, page_index)
+            by_ns.setdefault(self.pool.namespace_of(content.page), []).append((page_index, content))
+        for ns_id, contents in by_ns.items():
+            contents.sort(key=lambda c: -c[0])  # chain tails are evicted first
+            self.pool.restore(ns_id, [c for _, c in contents])
+        for ns_id, corrupted in found.corrupted.items():
+            self.pool.counters(ns_id).corrupted_pages += corrupted
+        self.integrity.restore(found.checksums)
+        self.write_manifest()
+
     def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
         """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py):
         the settings and ``namespaces`` (default: the registered ones)."""
@@ -119,36 +148,11 @@ class KVCacheManager:
             "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
         })
 
-    # ---- integrity ----------------------------------------------------------------
+    # ---- cached pages ------------------------------------------------------------
 
     def apply_seals(self, wait: bool = False) -> int:
-        """Records the checksums the sealer computed; returns how many pages were sealed."""
-        sealed = 0
-        for job, checksum in self.sealer.finished(wait):
-            if job.page in self.pool and self.pool.content(job.page) is job.content:
-                job.meta.seal(job.slot, checksum)
-                self.checksums[job.page] = checksum
-                sealed += 1
-        return sealed
-
-    def verify(self) -> VerifyResult:
-        """Re-hashes every sealed published or cached page; drops the ones whose bytes changed.
-
-        Runs on the event loop (an admin call: ~35 ms per GiB of published pages)."""
-        start = time.perf_counter()
-        self.apply_seals(wait=True)
-        checked = checked_bytes = corrupted = 0
-        for page, checksum in list(self.checksums.items()):
-            extent = self.arena.extent_of(page)
-            checked += 1
-            checked_bytes += extent.plan.page_bytes
-            if page_checksum(extent.meta.covered(page - extent.first_page), extent.page_bytes_view(page)) != checksum:
-                self.drop_corrupted(page)
-                corrupted += 1
-        seconds = time.perf_counter() - start
-        log.info("verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
-                 checked, checked_bytes, seconds * 1e3, corrupted)
-        return VerifyResult(checked, checked_bytes, corrupted, seconds)
+        """``Integrity.apply``; kept because bench/bench_publish.py calls it."""
+        return self.integrity.apply(wait)
 
     def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
         """Drops every cached (published, unreferenced) page of a namespace, or of all: what
@@ -164,25 +168,6 @@ class KVCacheManager:
         kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
         log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
         return ResetResult(dropped, kept)
-
-    def drop_corrupted(self, page: PageId) -> None:
-        """A published page whose bytes changed is never served again: out of the index now,
-        freed at once when cached, else when its holders release it."""
-        content = self.pool.content(page)
-        ns_id = self.pool.namespace_of(page)
-        self.pool.counters(ns_id).corrupted_pages += 1
-        log.warning("page %d of namespace %d (key %s) failed its checksum; dropped from the index",
-                    page, ns_id, content.key.hex()[:16])
-        self._unpublished(page)
-        if self.pool.is_indexed(page):
-            self.index.remove(content)
-        self.pool.unindex(page)
-
-    def _unpublished(self, page: PageId) -> None:
-        """The page leaves the published states: its record must not be recovered."""
-        extent = self.arena.extent_of(page)
-        extent.meta.clear(page - extent.first_page)
-        self.checksums.pop(page, None)
 
     def extents(self, namespace_id: int) -> list[ExtentPlan]:
         ns = self.namespaces.get(namespace_id)
@@ -288,9 +273,7 @@ class KVCacheManager:
             before = seq.num_published
             rebinds = [r for i in range(before, upto) if (r := self._publish_page(ns, seq, i))]
             results.append(PublishResult(seq.seq_id, seq.num_published - before, rebinds))
-        self.apply_seals()
-        self.sealer.submit(self._to_seal)
-        self._to_seal = []
+        self.integrity.submit()
         return results
 
     def extend(self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]) -> list[ExtendResult]:
@@ -493,10 +476,7 @@ class KVCacheManager:
         self.pool.publish(page, content, indexed)
         if indexed:
             self.index.insert(content, i)
-        extent = self.arena.extent_of(page)
-        slot = page - extent.first_page
-        covered = extent.meta.describe(slot, key, parent, i, local, page_tokens)
-        self._to_seal.append(SealJob(page, content, extent.meta, slot, covered, extent.page_bytes_view(page)))
+        self.integrity.describe(content, i)
         return None
 
     # ---- internals: sequence bookkeeping ------------------------------------------

@@ -21,6 +21,9 @@ survives a ``kill -9``. Pages are re-indexed as CACHED with refcount 0, parents 
 page whose parent did not come back is dropped too (``orphaned``): a lookup walks chains
 from page 0 and could never reach it. Private pages of dead sessions are simply free.
 The ``RecoveryReport`` is kept for ``kvd stats``, metrics and ``kvd verify``.
+
+This module only reads and checks segments; what it verified reaches the manager through
+one call, ``KVCacheManager.restore``, which owns the pool, index, checksums and counters.
 """
 from __future__ import annotations
 
@@ -31,14 +34,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from kvd.arena import SHM_DIR, ExtentPlan, ShmFull, daemon_segments, leftover_segments, unlink_segments
+from kvd.arena import SHM_DIR, Extent, ExtentPlan, ShmFull, daemon_segments, leftover_segments, unlink_segments
 from kvd.errors import KVDError
 from kvd.index import PageContent
-from kvd.manager import NamespaceCounters
 from kvd.meta import (
     META_SUFFIX, PUBLISHED, ExtentMeta, MetaError, manifest_name, page_checksum, read_manifest, unlink_quietly,
 )
-from kvd.namespaces import NamespaceRegistry, identity_from_doc
+from kvd.namespaces import NamespaceIdentity, NamespaceRegistry, identity_from_doc
 from kvd.types import NamespaceId, PageId, PageKey
 
 log = logging.getLogger(__name__)
@@ -101,22 +103,33 @@ class _Found:
     incomplete_pages: int = 0
 
 
+@dataclass
+class Recovered:
+    """What a warm restart verified, for ``KVCacheManager.restore``."""
+
+    namespaces: list[tuple[NamespaceIdentity, NamespaceId]]  # with the ids they had
+    extents: list[Extent] = field(default_factory=list)      # attached, not yet adopted
+    pages: list[tuple[int, PageContent]] = field(default_factory=list)  # (chain page index, content), parents first
+    checksums: dict[PageId, int] = field(default_factory=dict)
+    corrupted: dict[NamespaceId, int] = field(default_factory=dict)   # failed their checksum, per namespace
+
+
 def recover(manager) -> RecoveryReport:
     """Re-attaches what a previous daemon on this prefix left; see the module docstring."""
-    report = _recover(manager)
-    manager.last_recovery = report
+    report, found = _recover(manager.arena)
+    manager.restore(report, found)
     return report
 
 
-def _recover(manager) -> RecoveryReport:
-    prefix = manager.arena.name_prefix
+def _recover(arena) -> tuple[RecoveryReport, Recovered | None]:
+    prefix = arena.name_prefix
     segments = daemon_segments(prefix)
     if not segments:
-        return RecoveryReport()
+        return RecoveryReport(), None
     start = time.perf_counter()
     opened: list[ExtentMeta] = []
     try:
-        found = _check(manager, prefix, segments, opened)
+        found = _check(arena, prefix, segments, opened)
     except (Mismatch, MetaError) as e:
         for meta in opened:
             meta.close(unlink=False)
@@ -124,8 +137,8 @@ def _recover(manager) -> RecoveryReport:
         unlink_segments(daemon_segments(prefix))
         log.warning("warm restart: discarding the %d shared-memory segments a previous daemon left "
                     "(%d published pages): %s", len(segments), lost, e)
-        return RecoveryReport(mismatch_pages=lost, discarded=str(e), seconds=time.perf_counter() - start)
-    report = _adopt(manager, found, start)
+        return RecoveryReport(mismatch_pages=lost, discarded=str(e), seconds=time.perf_counter() - start), None
+    report, recovered = _adopt(arena, found, start)
     rate = f", {report.ms_per_gib:.0f} ms per GiB" if report.ms_per_gib is not None else ""
     log.info(
         "warm restart: recovered %d published pages from %d extents in %.1f ms (%d bytes verified%s, "
@@ -135,7 +148,7 @@ def _recover(manager) -> RecoveryReport:
         report.resealed_pages, report.corrupted_pages, report.orphaned_pages,
         report.incomplete_extents,
     )
-    return report
+    return report, recovered
 
 
 def _published(meta: ExtentMeta) -> int:
@@ -155,10 +168,9 @@ def _published_left(prefix: str) -> int:
     return total
 
 
-def _check(manager, prefix: str, segments: list[str], opened: list[ExtentMeta]) -> _Found:
+def _check(arena, prefix: str, segments: list[str], opened: list[ExtentMeta]) -> _Found:
     """Reads and checks everything; deletes only incomplete extents. Metas opened so far are
     left in ``opened`` (the caller closes them when this raises)."""
-    arena = manager.arena
     if manifest_name(prefix) not in segments:
         raise Mismatch("there is no manifest")
     doc = read_manifest(prefix)
@@ -219,14 +231,11 @@ def _drop_incomplete(found: _Found, name: str, meta: ExtentMeta | None, why: str
     log.warning("warm restart: dropping incomplete extent %s (%s; %d published pages)", name, why, lost)
 
 
-def _adopt(manager, found: _Found, start: float) -> RecoveryReport:
-    arena, pool = manager.arena, manager.pool
-    for ns in found.registry.all():
-        got = manager.namespaces.register(ns.identity)
-        assert got.id == ns.id, f"recovered namespace {ns.identity.model} got id {got.id}, not {ns.id}"
-        manager.counters.setdefault(ns.id, NamespaceCounters())
+def _adopt(arena, found: _Found, start: float) -> tuple[RecoveryReport, Recovered]:
+    """Attaches the usable extents and verifies their published pages."""
+    recovered = Recovered([(ns.identity, ns.id) for ns in found.registry.all()])
     candidates = []
-    verified = corrupted = extents = 0
+    verified = 0
     resealed: set[PageId] = set()
     for meta in sorted(found.metas, key=lambda m: m.header.first_page):
         h = meta.header
@@ -237,9 +246,7 @@ def _adopt(manager, found: _Found, start: float) -> RecoveryReport:
         except ShmFull as e:  # never map memory the tmpfs cannot back
             _drop_incomplete(found, plan.name, meta, str(e))
             continue
-        extents += 1
-        arena.adopt_recovered(extent)
-        pool.add_pages(plan.namespace, plan.name, plan.first_page, plan.num_pages)
+        recovered.extents.append(extent)
         states = meta.states()
         for slot in map(int, np.flatnonzero(states >= PUBLISHED)):
             record = meta.record(slot)
@@ -251,36 +258,37 @@ def _adopt(manager, found: _Found, start: float) -> RecoveryReport:
                 resealed.add(page)
             elif checksum != record.checksum:
                 meta.clear(slot)
-                pool.counters(plan.namespace).corrupted_pages += 1
-                corrupted += 1
+                recovered.corrupted[plan.namespace] = recovered.corrupted.get(plan.namespace, 0) + 1
                 log.warning("warm restart: page %d of extent %s failed its checksum; not recovered", page, plan.name)
                 continue
             candidates.append((record.page_index, page, record, plan.namespace, meta, slot, checksum))
+    orphaned = _chain(candidates, recovered)
+    return RecoveryReport(
+        extents=len(recovered.extents), recovered_pages=len(recovered.pages),
+        resealed_pages=len(resealed & recovered.checksums.keys()),
+        corrupted_pages=sum(recovered.corrupted.values()), orphaned_pages=orphaned,
+        incomplete_pages=found.incomplete_pages, incomplete_extents=found.incomplete_extents,
+        verified_bytes=verified, seconds=time.perf_counter() - start,
+    ), recovered
+
+
+def _chain(candidates: list, recovered: Recovered) -> int:
+    """Accepts, parents first, the verified pages whose parent came back; clears the records of
+    the others (orphans, and a second page under a key already taken). Returns how many it dropped."""
     accepted: dict[PageId, tuple[int, NamespaceId]] = {}
-    by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+    keys: set[PageKey] = set()
     orphaned = 0
-    index = manager.index
     for page_index, page, record, ns_id, meta, slot, checksum in sorted(candidates, key=lambda c: c[0]):
         content = PageContent(page, PageKey(record.key), record.tokens, record.parent, record.local)
         chained = (record.parent is None and page_index == 0) or (
             record.parent is not None and accepted.get(PageId(record.parent)) == (page_index - 1, ns_id)
         )
-        if not chained or index.lookup(content.key) is not None:
+        if not chained or content.key in keys:
             meta.clear(slot)
             orphaned += 1
             continue
-        index.insert(content, page_index)
+        keys.add(content.key)
         accepted[page] = (page_index, ns_id)
-        by_ns.setdefault(ns_id, []).append((page_index, content))
-        manager.checksums[page] = checksum
-    for ns_id, contents in by_ns.items():
-        contents.sort(key=lambda c: -c[0])  # chain tails are evicted first
-        pool.restore(ns_id, [c for _, c in contents])
-    manager.write_manifest()
-    return RecoveryReport(
-        extents=extents, recovered_pages=len(accepted), resealed_pages=len(resealed & accepted.keys()),
-        corrupted_pages=corrupted, orphaned_pages=orphaned,
-        incomplete_pages=found.incomplete_pages, incomplete_extents=found.incomplete_extents,
-        verified_bytes=verified, seconds=time.perf_counter() - start,
-    )
-
+        recovered.pages.append((page_index, content))
+        recovered.checksums[page] = checksum
+    return orphaned

@@ -169,7 +169,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     _check_shm_room(tenants)
     loop = asyncio.get_running_loop()
     for manager in tenants.managers():
-        manager.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.apply_seals)
+        manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = KvdServicer(tenants, observe_latency=metrics.observe_latency if metrics else None)
     add_to_server(servicer, server)
@@ -250,7 +250,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     sweeper.cancel()
     await asyncio.gather(*(each.stop(grace=config.shutdown_grace_seconds) for each in servers))
     for manager in tenants.managers():
-        manager.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
+        manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
     # Published pages stay in shared memory, sealed, so `kvd serve` finds them again
     # (systemctl restart keeps the cache); `kvd clean` removes them for good.
     _close_all(tenants, keep_cache=True)

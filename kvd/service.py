@@ -440,7 +440,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def VerifyPages(self, r):
         self.tenants.check_admin(r.ticket)
-        results = [m.verify() for m in self.tenants.managers()]
+        results = [m.integrity.verify() for m in self.tenants.managers()]
         return pb.VerifyPagesReply(
             checked_pages=sum(v.checked_pages for v in results), checked_bytes=sum(v.checked_bytes for v in results),
             corrupted_pages=sum(v.corrupted_pages for v in results), seconds=sum(v.seconds for v in results),

@@ -347,7 +347,7 @@ def test_a_page_dropped_from_the_middle_of_a_run_ends_every_hit_there(core):
     m, sid, ns = core
     ids = list(range(400, 432))                             # 8 pages
     pages = allocate_and_publish(m, sid, ns, "a", ids).pages
-    m.drop_corrupted(pages[3])
+    m.integrity.drop_corrupted(pages[3])
     assert hits(m, sid, ns, ids) == walked(m, ns, ids) == pages[:3]
     assert invariants.violations(m) == []
 
@@ -394,6 +394,6 @@ def test_runs_find_exactly_the_pages_a_per_page_walk_finds(make_manager, steps):
             published = [page for page, state, *_ in m.pool.pages() if state in (PageState.PUBLISHED, PageState.CACHED)
                          and m.pool.is_indexed(page)]
             if published:
-                m.drop_corrupted(published[cut % len(published)])
+                m.integrity.drop_corrupted(published[cut % len(published)])
         assert hits(m, sid, ns, ids, extra) == walked(m, ns, ids, extra)
         assert invariants.violations(m) == []

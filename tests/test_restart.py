@@ -115,7 +115,7 @@ def test_recovery_cost_per_gib(tmp_path):
         for page in plan.private_pages:
             first.arena.page_bytes_view(page)[:] = page % 251
         first.publish(session, ns.id, [("s", 0)])
-        first.apply_seals(wait=True)
+        first.integrity.apply(wait=True)
         first.close(unlink=False)  # what kill -9 leaves
         second = KVCacheManager(Arena(512 << 20, 64 << 20, prefix, lock_memory=False), prefix_reuse=True)
         try:
