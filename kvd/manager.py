@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
+from kvd.eviction import release_order, restore_order
 from kvd.integrity import Integrity
 from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
@@ -132,8 +133,7 @@ class KVCacheManager:
             self.index.insert(content, page_index)
             by_ns.setdefault(self.pool.namespace_of(content.page), []).append((page_index, content))
         for ns_id, contents in by_ns.items():
-            contents.sort(key=lambda c: -c[0])  # chain tails are evicted first
-            self.pool.restore(ns_id, [c for _, c in contents])
+            self.pool.restore(ns_id, restore_order(contents))
         for ns_id, corrupted in found.corrupted.items():
             self.pool.counters(ns_id).corrupted_pages += corrupted
         self.integrity.restore(found.checksums)
@@ -163,7 +163,7 @@ class KVCacheManager:
         dropped = 0
         for ns_id in ids:
             while self.pool.cached_count(ns_id):
-                self.index.remove(self.pool.evict_oldest(ns_id))
+                self.index.remove(self.pool.evict_next(ns_id))
                 dropped += 1
         kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
         log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
@@ -204,7 +204,7 @@ class KVCacheManager:
             self.room.ensure_free(ns, need)
         except ResourceExhausted:  # /dev/shm refused an extent the check counted on
             for p in prepared:
-                self.pool.release_all(reversed(p.hits))
+                self.pool.release_all(release_order(p.hits))
             raise
         plans = []
         counters = self.counters[ns.id]
@@ -438,7 +438,7 @@ class KVCacheManager:
         return len(expired)
 
     def _unpin(self, session: Session, pin: Pin) -> None:
-        self.pool.release_all(reversed(pin.pages), pin=True)
+        self.pool.release_all(release_order(pin.pages), pin=True)
         del session.pins[pin.id]
 
     def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
@@ -494,8 +494,7 @@ class KVCacheManager:
             session.listener(seq.namespace, [seq.seq_id])
 
     def _release_pages(self, seq: Sequence) -> None:
-        """Releases tail first, so the chain's tail is evicted before its parents."""
-        self.pool.release_all(reversed(seq.pages))
+        self.pool.release_all(release_order(seq.pages))
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
     def _forget(self, seq: Sequence) -> None:

@@ -7,15 +7,16 @@ references plus pins. Its state follows from the count and from whether it was p
       ^                    |                                                      |
       +---release to 0-----+<-----------------------evict (LRU)-------------------+
 
-CACHED pages sit in a per-namespace LRU (an OrderedDict, oldest first). Callers release
-a sequence's pages tail first, so a chain's tail is evicted before its parents.
+CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
+eviction policy's (kvd/eviction.py), not this module's.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvd.eviction import CachedQueue
 from kvd.index import PageContent
 from kvd.types import NamespaceId, PageId, PageState
 
@@ -42,7 +43,7 @@ class PoolCounters:
 @dataclass
 class _NamespacePages:
     free: list[PageId] = field(default_factory=list)
-    lru: OrderedDict[PageId, None] = field(default_factory=OrderedDict)
+    cached: CachedQueue = field(default_factory=CachedQueue)
 
 
 class PagePool:
@@ -86,7 +87,7 @@ class PagePool:
             p = self._pages[content.page]
             assert p.state is PageState.FREE and p.namespace == namespace, f"page {content.page} restored while {p.state.value}"
             p.state, p.content, p.indexed = PageState.CACHED, content, True
-            pages.lru[content.page] = None
+            pages.cached.add(content.page)
             restored.add(content.page)
         pages.free = [page for page in pages.free if page not in restored]
 
@@ -126,11 +127,11 @@ class PagePool:
         return len(self._ns(namespace).free)
 
     def cached_count(self, namespace: NamespaceId) -> int:
-        return len(self._ns(namespace).lru)
+        return len(self._ns(namespace).cached)
 
     def lru_order(self, namespace: NamespaceId) -> list[PageId]:
         """CACHED pages of a namespace, next eviction first."""
-        return list(self._ns(namespace).lru)
+        return list(self._ns(namespace).cached)
 
     def free_list(self, namespace: NamespaceId) -> list[PageId]:
         return list(self._ns(namespace).free)
@@ -187,7 +188,7 @@ class PagePool:
     def _revive(self, page: PageId, p: _Page, namespace: NamespaceId) -> None:
         assert p.namespace == namespace, f"page {page} of namespace {p.namespace} acquired with pages of namespace {namespace}"
         if p.state is PageState.CACHED:
-            del self._by_namespace[p.namespace].lru[page]
+            self._by_namespace[p.namespace].cached.remove(page)
             p.state = PageState.PUBLISHED
             self._extent_in_use[p.extent] += 1
         assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
@@ -197,13 +198,13 @@ class PagePool:
         self.release_all((page,), pin)
 
     def release_all(self, pages: Iterable[PageId], pin: bool = False) -> None:
-        """release() for each page of one namespace, in the given order (callers pass a chain tail first)."""
+        """release() for each page of one namespace, in the given order (kvd/eviction.py's release_order)."""
         pages = list(pages)
         if not pages:
             return
         pages_of, in_use, published = self._pages, self._extent_in_use, PageState.PUBLISHED
         namespace = pages_of[pages[0]].namespace
-        lru = self._by_namespace[namespace].lru
+        cache = self._by_namespace[namespace].cached.add
         for page in pages:
             p = pages_of[page]
             if p.refcount < 1 or p.namespace != namespace or (pin and p.pins < 1):
@@ -216,7 +217,7 @@ class PagePool:
             in_use[p.extent] -= 1
             if p.state is published and p.indexed:
                 p.state = PageState.CACHED
-                lru[page] = None
+                cache(page)
             else:
                 self._to_free(page, p)
         self.counters(namespace).refcount_decrements += len(pages)
@@ -238,16 +239,15 @@ class PagePool:
         p.content = content
         p.indexed = indexed
 
-    def evict_oldest(self, namespace: NamespaceId) -> PageContent:
-        """CACHED → FREE for the least recently used page; returns what it held."""
-        page, _ = self._ns(namespace).lru.popitem(last=False)
-        return self._evict(page)
+    def evict_next(self, namespace: NamespaceId) -> PageContent:
+        """CACHED → FREE for the eviction policy's next victim; returns what it held."""
+        return self._evict(self._ns(namespace).cached.victim())
 
     def evict(self, page: PageId) -> PageContent:
         """CACHED → FREE for one page (integrity failures, extent reclaim)."""
         p = self._pages[page]
         assert p.state is PageState.CACHED, f"page {page} evicted while {p.state.value}"
-        del self._by_namespace[p.namespace].lru[page]
+        self._by_namespace[p.namespace].cached.remove(page)
         return self._evict(page)
 
     def unindex(self, page: PageId) -> None:
@@ -258,7 +258,7 @@ class PagePool:
         assert p.content is not None, f"page {page} unindexed while {p.state.value}"
         p.indexed = False
         if p.state is PageState.CACHED:
-            del self._by_namespace[p.namespace].lru[page]
+            self._by_namespace[p.namespace].cached.remove(page)
             self._to_free(page, p)
 
     def _evict(self, page: PageId) -> PageContent:

@@ -3,10 +3,10 @@
 When a namespace needs more free pages than it has, room is made in this order:
 
 1. a new extent, while the budget has bytes no extent holds (kvd/supply.py builds them);
-2. the namespace's least recently used CACHED page (a chain's tail before its parents);
+2. the namespace's next CACHED page in the eviction policy's order (kvd/eviction.py);
 3. an extent of another namespace that holds no referenced page: its budget moves here;
-4. an ON_HOLD sequence of the namespace, the one on hold longest first (its owner is
-   told, see ``KVCacheManager._evict_held``).
+4. an ON_HOLD sequence of the namespace, chosen by kvd/eviction.py's ``held_victim`` (its
+   owner is told, see ``KVCacheManager._evict_held``).
 
 ``check`` counts what all of that could free and raises ``ResourceExhausted`` when it is
 not enough, so a call that cannot fit fails before evicting anything. The manager decides
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 from kvd.arena import Arena, Extent
 from kvd.errors import ResourceExhausted
+from kvd.eviction import held_victim
 from kvd.index import PrefixIndex
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
@@ -103,13 +104,13 @@ class Room:
         if self.arena.shm_refusals != refusals:
             self.check(ns, need, protect)  # without the budget /dev/shm cannot back, it may not fit
         if self.pool.cached_count(ns.id):
-            self.index.remove(self.pool.evict_oldest(ns.id))
+            self.index.remove(self.pool.evict_next(ns.id))
             return 0
         reclaimable = self._reclaimable(ns)
         if reclaimable:
             self._reclaim(reclaimable[0])
             return 0
-        victim = next((s for s in self.sequences.on_hold(ns.id) if s is not protect), None)
+        victim = held_victim(self.sequences.on_hold(ns.id), protect)
         assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
         self._evict_held(victim)
         return 1
