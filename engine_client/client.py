@@ -15,7 +15,7 @@ When the daemon dies, calls fail fast with UNAVAILABLE and ``session_lost`` is s
 a daemon restart (their ids then get NOT_FOUND); published pages do (warm restart).
 
 A daemon that isolates tenants (kvd/tenants.py) sees only this process's tenant: ``connect``
-does the handshake on ``<socket>.auth`` first (engine_client/auth.py), and a process whose
+does the handshake on ``<socket>.auth`` first (kvd/wire/auth.py), and a process whose
 user belongs to no tenant gets PERMISSION_DENIED.
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ from itertools import accumulate, chain
 import grpc
 import numpy as np
 
-from engine_client.auth import admit, fetch_ticket
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.types import (
@@ -38,6 +37,7 @@ from engine_client.types import (
 )
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
+from kvd.wire.auth import admit, fetch_ticket
 from kvd.wire.layout import PageLayout
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket
@@ -475,7 +475,7 @@ class KVDClient:
 
     def stats(self) -> dict:
         """The daemon's page statistics, as ``kvd stats --json`` prints them (with tenants: this tenant's)."""
-        from engine_client.admin import stats_dict
+        from kvd.wire.admin import stats_dict
         return stats_dict(self._call("GetStats", pb.StatsRequest(session=self.session)))
 
     def check_invariants(self) -> list[str]:
@@ -484,7 +484,7 @@ class KVDClient:
 
     def verify_pages(self) -> dict:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
-        from engine_client.admin import verify_dict
+        from kvd.wire.admin import verify_dict
         return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=fetch_ticket(self._socket))))
 
     def reset_prefix_cache(self, ns: int | None = None) -> dict:
@@ -492,7 +492,7 @@ class KVDClient:
         namespace (with tenants: this tenant's), as vLLM's ``reset_prefix_cache`` after a
         weight update. Pages a sequence or pin references are untouched.
         Returns {"dropped_pages", "kept_pages"}."""
-        from engine_client.admin import reset_dict, reset_request
+        from kvd.wire.admin import reset_dict, reset_request
         return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
 
     def ping(self) -> None:

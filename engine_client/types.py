@@ -8,20 +8,8 @@ import grpc
 import numpy as np
 
 from kvd.wire.enums import ExtraKind, SequenceState  # noqa: F401 - part of the client API
+from kvd.wire.errors import KVDError  # noqa: F401 - part of the client API
 from kvd.wire.layout import PageLayout
-
-
-class KVDError(Exception):
-    """A call the daemon refused; ``code`` is the gRPC status, the message says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-    @classmethod
-    def from_rpc(cls, e: grpc.RpcError) -> "KVDError":
-        return cls(e.code(), e.details() or "")
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,7 @@ class DemoResult:
 def run_demo(cfg: DemoConfig, socket: str | None = None) -> DemoResult:
     """Run the engines against the daemon on `socket`, or against one started for the run."""
     from engine_client import KVDClient
-    from engine_client.admin import fetch_stats
+    from kvd.wire.admin import fetch_stats
 
     start = time.perf_counter()
     daemon = tmp = None

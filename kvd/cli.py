@@ -67,8 +67,8 @@ def recovery_line(r: dict) -> str:
 
 
 def _stats(args) -> int:
-    from engine_client.admin import fetch_stats
-    from engine_client.types import KVDError
+    from kvd.wire.admin import fetch_stats
+    from kvd.wire.errors import KVDError
     if args.watch is not None and not args.watch > 0:
         print(f"kvd stats: --watch needs a positive number of seconds, got {args.watch}", file=sys.stderr)
         return 2
@@ -92,8 +92,8 @@ def _stats(args) -> int:
 
 
 def _verify(args) -> int:
-    from engine_client.admin import verify_pages
-    from engine_client.types import KVDError
+    from kvd.wire.admin import verify_pages
+    from kvd.wire.errors import KVDError
     path = _socket(args)
     try:
         result = verify_pages(path)
@@ -110,8 +110,8 @@ def _verify(args) -> int:
 
 
 def _reset(args) -> int:
-    from engine_client.admin import reset_prefix_cache
-    from engine_client.types import KVDError
+    from kvd.wire.admin import reset_prefix_cache
+    from kvd.wire.errors import KVDError
     path = _socket(args)
     try:
         result = reset_prefix_cache(path, args.namespace)

@@ -59,10 +59,7 @@ def _violations(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ..
 
 def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     """DESIGN.md's "who may import whom", read from the source, not from what a run loads."""
-    # kvd/cli.py's stats/verify/reset still use the client's admin calls; the change that puts
-    # the admin client where it belongs (issue 14, another branch) empties this set.
-    pending = {"kvd/cli.py: engine_client.admin", "kvd/cli.py: engine_client.types"}
-    assert _violations("kvd", ("engine_client", "gpu_worker", "torch", "cupy")) == pending
+    assert _violations("kvd", ("engine_client", "gpu_worker", "torch", "cupy")) == set()
     assert _violations("kvd/wire", ("kvd",), allowed=("kvd.wire",)) == set()
     assert _violations("engine_client", ("kvd", "gpu_worker"), allowed=("kvd.wire",)) == set()
     assert _violations("gpu_worker", ("kvd",), allowed=("kvd.wire",)) == set()

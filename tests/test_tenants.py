@@ -23,8 +23,8 @@ import pytest
 from conftest import start_daemon
 from test_service import free_port, metric_samples
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
-from engine_client.admin import fetch_stats, reset_prefix_cache
-from engine_client.auth import admit, fetch_ticket
+from kvd.wire.admin import fetch_stats, reset_prefix_cache
+from kvd.wire.auth import admit, fetch_ticket
 from kvd import config as config_mod
 from kvd.config import ConfigError
 from kvd.errors import NotFound, PermissionDenied
@@ -381,7 +381,7 @@ with KVDClient.connect(socket) as kvd:
         except posix_ipc.PermissionsError:
             pass
     try:
-        from engine_client.admin import fetch_stats
+        from kvd.wire.admin import fetch_stats
         fetch_stats(socket)
         out["admin"] = True
     except KVDError as e:
@@ -542,7 +542,7 @@ print(json.dumps(out))
 THIEF = '''
 import json, os, socket as socket_mod, sys
 import grpc
-from engine_client.auth import admit
+from kvd.wire.auth import admit
 from kvd.wire import kvd_pb2 as pb, kvd_pb2_grpc
 main, own, theirs, leaked = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 ns, pin = leaked["ns"], leaked["pin"]

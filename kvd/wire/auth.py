@@ -1,4 +1,5 @@
-"""The client half of the tenant handshake (the daemon's half: kvd/handshake.py).
+"""The client half of the tenant handshake (the daemon's half: kvd/handshake.py), shared by
+the client library and the daemon's admin commands.
 
 A daemon that isolates tenants listens on ``<socket>.auth`` beside its gRPC socket. The
 client connects, sends nothing, and reads one line: ``OK <ticket>`` or ``DENIED <why>``.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine_client.types import KVDError
+from kvd.wire.errors import KVDError
 from kvd.wire.paths import auth_socket, tenant_socket
 
 MAX_ANSWER = 4096

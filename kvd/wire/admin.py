@@ -1,16 +1,18 @@
-"""Session-less admin calls (stats, verify, reset), for the CLI and monitoring.
+"""Session-less admin calls (stats, verify, reset), for ``kvd stats`` / ``verify`` / ``reset``,
+monitoring, and the client library's ``stats()`` / ``verify()`` / ``reset_prefix_cache()``.
+It lives in kvd/wire/ so that the daemon's CLI uses it without depending on the client.
 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
-an admin ticket through the handshake (engine_client/auth.py), when the daemon has one.
+an admin ticket through the handshake (kvd/wire/auth.py), when the daemon has one.
 """
 from __future__ import annotations
 
 import grpc
 
-from engine_client.auth import fetch_ticket
-from engine_client.types import KVDError
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
+from kvd.wire.auth import fetch_ticket
+from kvd.wire.errors import KVDError
 
 
 def _fields(msg) -> dict:
