@@ -33,11 +33,12 @@ from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.types import (
     ExtendItem, ExtendResult, ExtraKey, KVDError, LookupResult, Namespace, PinResult, PublishResult,
-    Rebind, SequenceAllocation, SequenceRequest, SequenceState, pack_tokens, unpack_pages,
+    Rebind, SequenceAllocation, SequenceRequest, SequenceState,
 )
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import admit, fetch_ticket
+from kvd.wire.codec import pack_tokens, unpack_pages
 from kvd.wire.layout import PageLayout
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket

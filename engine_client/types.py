@@ -1,12 +1,9 @@
 """Requests and results of the client API, and the one error type it raises."""
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
-import grpc
-import numpy as np
-
+from kvd.wire.codec import pack_tokens, unpack_pages  # noqa: F401 - part of the client API
 from kvd.wire.enums import ExtraKind, SequenceState  # noqa: F401 - part of the client API
 from kvd.wire.errors import KVDError  # noqa: F401 - part of the client API
 from kvd.wire.layout import PageLayout
@@ -108,24 +105,3 @@ class Namespace:
     id: int
     layout: PageLayout
     page_bytes: int
-
-
-def pack_tokens(token_ids) -> bytes:
-    """Token ids as packed little-endian int32, the wire format."""
-    if isinstance(token_ids, (bytes, bytearray, memoryview)):
-        return bytes(token_ids)
-    if isinstance(token_ids, (list, tuple)) and len(token_ids) <= 256:  # a decode step: skip numpy
-        try:
-            return struct.pack(f"<{len(token_ids)}i", *token_ids)
-        except struct.error:
-            pass  # not all int32: numpy below says which way
-    arr = np.asarray(token_ids)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
-        raise ValueError("token ids must fit in int32")
-    return arr.astype("<i4", copy=False).tobytes()
-
-
-def unpack_pages(data: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(data) // 4}I", data))

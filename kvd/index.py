@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from kvd.types import PageId, PageKey
+from kvd.wire.codec import TOKEN_BYTES, token_array
 from kvd.wire.enums import ExtraKind
 
 _hash = xxhash.xxh3_128_digest
@@ -238,8 +239,8 @@ class PrefixIndex:
                 tokens[i * page_bytes:(i + span) * page_bytes] == run.tokens[first * page_bytes:last * page_bytes]:
             equal_pages = span  # a short span: comparing slices beats numpy's call overhead
         else:
-            theirs = np.frombuffer(run.tokens, dtype=np.int32)[first * page_bytes // 4:last * page_bytes // 4]
-            ours = np.frombuffer(tokens, dtype=np.int32)[i * page_bytes // 4:(i + span) * page_bytes // 4]
+            theirs = token_array(run.tokens)[first * page_bytes // TOKEN_BYTES:last * page_bytes // TOKEN_BYTES]
+            ours = token_array(tokens)[i * page_bytes // TOKEN_BYTES:(i + span) * page_bytes // TOKEN_BYTES]
             differ = np.flatnonzero(theirs != ours)
             equal_pages = span if not differ.size else int(differ[0]) * 4 // page_bytes
         return run.pages[first:first + equal_pages], run.keys[first:first + equal_pages]

@@ -5,7 +5,6 @@ so bad input raises ``InvalidArgument`` and loses nothing.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -16,8 +15,8 @@ from kvd.index import ChainSpec, ExtraKey, ExtraKind, chain_spec
 from kvd.namespaces import Namespace
 from kvd.sequences import Sequence
 from kvd.types import PageId, PageKey, PinId, SeqId
+from kvd.wire.codec import TOKEN_BYTES, token_array, unpack_tokens
 
-TOKEN_BYTES = 4  # token ids travel and are stored as little-endian int32
 _SMALL_TOKEN_BYTES = 1024
 
 # Fields and repeated elements one request may hold on the wire, counted before it is
@@ -176,7 +175,7 @@ def check_tokens(limits: Limits, ns: Namespace, tokens: bytes, what: str) -> byt
         )
     if not _in_vocabulary(ns, tokens):
         vocab = ns.identity.vocab_size
-        ids = np.frombuffer(tokens, dtype="<i4")
+        ids = token_array(tokens)
         bad = np.flatnonzero((ids < 0) | (ids >= vocab)) if vocab else np.flatnonzero(ids < 0)
         limit = f"[0, {vocab})" if vocab else "[0, 2^31)"
         raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
@@ -196,9 +195,9 @@ def _in_vocabulary(ns: Namespace, tokens: bytes) -> bool:
     """Whether every packed id lies in [0, vocab_size) (in [0, 2^31) without a vocabulary)."""
     vocab = ns.identity.vocab_size
     if len(tokens) <= _SMALL_TOKEN_BYTES:  # a decode step's few ids: cheaper without numpy
-        ids = struct.unpack(f"<{len(tokens) // TOKEN_BYTES}i", tokens)
+        ids = unpack_tokens(tokens)
         return not ids or (min(ids) >= 0 and (not vocab or max(ids) < vocab))
-    ids = np.frombuffer(tokens, dtype="<i4")
+    ids = token_array(tokens)
     return bool(ids.min() >= 0 and (not vocab or ids.max() < vocab))
 
 def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedRequest:

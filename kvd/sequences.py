@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kvd.errors import FailedPrecondition, NotFound, PermissionDenied
 from kvd.index import ChainSpec
 from kvd.types import NamespaceId, PageId, PageKey, SeqId, SequenceState, SessionId
+from kvd.wire.codec import TOKEN_BYTES
 
 TRANSITIONS: dict[SequenceState, frozenset[SequenceState]] = {
     SequenceState.PREFILLED: frozenset({SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED}),
@@ -56,7 +57,7 @@ class Sequence:
 
     @property
     def known_tokens(self) -> int:
-        return len(self.tokens) // 4
+        return len(self.tokens) // TOKEN_BYTES
 
 
 @dataclass

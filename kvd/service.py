@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import struct
 import logging
 import secrets
 import copy
@@ -36,6 +35,7 @@ from kvd.tenants import IMPLICIT, Tenants
 from kvd.types import SequenceState
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
+from kvd.wire.codec import pack_pages
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,6 @@ MAX_STATUS_CHARS = 512
 
 
 # ---- conversions ---------------------------------------------------------------------
-
-def pack_pages(pages: list) -> bytes:
-    """Page ids as packed little-endian uint32, the wire format."""
-    return struct.pack(f"<{len(pages)}I", *pages)
-
 
 def _extra_keys(keys) -> tuple[ExtraKey, ...]:
     return tuple(ExtraKey(k.kind, k.value, k.offset, max(1, k.length)) for k in keys)
