@@ -46,6 +46,8 @@ serve: setup
 	$(VENV)/bin/kvd serve --enable-prefix-reuse $(ARGS)
 
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup

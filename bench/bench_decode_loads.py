@@ -11,6 +11,7 @@ memory against ordinary pinned memory of the same size, printed as a ratio.
 
     python bench/bench_decode_loads.py [--device cpu|cuda]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,15 +74,19 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
     try:
         shared = tuple(HostPageId(p) for p in range(prefix_pages))
         rows = {
-            SeqId(f"s{i}"): HostRow(shared, tuple(
-                HostPageId(prefix_pages + i * PRIVATE_PAGES + j) for j in range(PRIVATE_PAGES)))
+            SeqId(f"s{i}"): HostRow(
+                shared, tuple(HostPageId(prefix_pages + i * PRIVATE_PAGES + j) for j in range(PRIVATE_PAGES))
+            )
             for i in range(num_seqs)
         }
         row_pages = prefix_pages + PRIVATE_PAGES
 
         naive_pool = GpuPagePool.allocate(SMALL, num_seqs * row_pages, device)
-        naive = [PageLoad(page, GpuPageId(i * row_pages + j))
-                 for i, row in enumerate(rows.values()) for j, page in enumerate(row.pages)]
+        naive = [
+            PageLoad(page, GpuPageId(i * row_pages + j))
+            for i, row in enumerate(rows.values())
+            for j, page in enumerate(row.pages)
+        ]
         naive_loader = PageLoader(naive_pool, host)
         naive_s = elapsed(device, lambda loader=naive_loader: loader.load(naive))
         del naive_pool, naive_loader
@@ -105,13 +110,17 @@ def compare_loads(num_seqs: int, device: torch.device) -> None:
         print(f"{num_seqs:>2} seqs x {PREFIX_TOKENS} shared tokens + {PRIVATE_PAGES} private pages each:")
         print(f"   naive    {n_naive:>7} pages {n_naive * page_bytes / 2**20:8.2f} MiB  {naive_s * 1e3:8.1f} ms")
         print(f"   planned  {n_planned:>7} pages {n_planned * page_bytes / 2**20:8.2f} MiB  {planned_s * 1e3:8.1f} ms")
-        print(f"   bytes planned/naive {n_planned / n_naive:.4f}"
-              f"  shared part {shared_planned / shared_naive:.4f} (target 1/{num_seqs} = {1 / num_seqs:.4f})"
-              f"  time ratio {planned_s / naive_s:.3f}")
+        print(
+            f"   bytes planned/naive {n_planned / n_naive:.4f}"
+            f"  shared part {shared_planned / shared_naive:.4f} (target 1/{num_seqs} = {1 / num_seqs:.4f})"
+            f"  time ratio {planned_s / naive_s:.3f}"
+        )
         stats = planner.pool.stats()
-        print(f"   logical/physical GPU pages {stats.logical_pages}/{stats.physical_pages}"
-              f" = {stats.sharing_ratio:.2f}; planning took {plan_s * 1e3:.1f} ms;"
-              f" the next decode step's plan {second_s * 1e3:.2f} ms, loading {len(second.loads)} pages")
+        print(
+            f"   logical/physical GPU pages {stats.logical_pages}/{stats.physical_pages}"
+            f" = {stats.sharing_ratio:.2f}; planning took {plan_s * 1e3:.1f} ms;"
+            f" the next decode step's plan {second_s * 1e3:.2f} ms, loading {len(second.loads)} pages"
+        )
     finally:
         posix_ipc.unlink_shared_memory(segment)
 
@@ -127,7 +136,7 @@ def compare_bandwidth(device: torch.device, num_pages: int = 1024, repeats: int 
         rates = {}
         for label, host in (("shared memory", shm), ("pinned", pinned)):
             loader = PageLoader(pool, host)
-            best = min(elapsed(device, lambda: loader.load(loads)) for _ in range(repeats))
+            best = min(elapsed(device, lambda loader=loader: loader.load(loads)) for _ in range(repeats))
             rates[label] = num_pages * LARGE.page_bytes / best / 1e9
             print(f"   H2D from {label:<13} {rates[label]:6.1f} GB/s ({LARGE.page_bytes >> 10} KiB pages)")
         print(f"   shared-memory/pinned bandwidth ratio {rates['shared memory'] / rates['pinned']:.3f}")

@@ -7,6 +7,7 @@ printed ratios isolate what sharing changes: pool bytes (memory) and step time.
 
     python bench/bench_decode_step.py [--sequences 8] [--prefix-tokens 4096] [--steps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ import time
 
 import torch
 
-from gpu_worker.tiny_model import tiny_model
 from gpu_worker.model import DecodeRequest, ModelRunner, PrefillRequest
+from gpu_worker.tiny_model import tiny_model
 
 PAGE = 16
 
@@ -70,12 +71,18 @@ def main() -> None:
         pool, tables = build_pool(runner, spec, args.sequences, prefix, own, shared)
         results[shared] = (pool.numel() * pool.element_size(), decode_time(runner, pool, tables, lengths, args.steps))
     (shared_bytes, shared_s), (private_bytes, private_s) = results[True], results[False]
-    print(f"{args.sequences} sequences x {len(prefix)} shared + {args.own_tokens} own tokens, page_size {PAGE}, "
-          f"{spec.num_layers} layers, hidden {spec.hidden_size}, CPU")
-    print(f"  pool bytes: shared {shared_bytes / 2**20:.1f} MiB, no sharing {private_bytes / 2**20:.1f} MiB"
-          f" = {shared_bytes / private_bytes:.3f} (the prefix once instead of {args.sequences} times)")
-    print(f"  decode step: shared {shared_s * 1e3:.1f} ms, no sharing {private_s * 1e3:.1f} ms"
-          f" = {shared_s / private_s:.2f}x the unshared step time")
+    print(
+        f"{args.sequences} sequences x {len(prefix)} shared + {args.own_tokens} own tokens, page_size {PAGE}, "
+        f"{spec.num_layers} layers, hidden {spec.hidden_size}, CPU"
+    )
+    print(
+        f"  pool bytes: shared {shared_bytes / 2**20:.1f} MiB, no sharing {private_bytes / 2**20:.1f} MiB"
+        f" = {shared_bytes / private_bytes:.3f} (the prefix once instead of {args.sequences} times)"
+    )
+    print(
+        f"  decode step: shared {shared_s * 1e3:.1f} ms, no sharing {private_s * 1e3:.1f} ms"
+        f" = {shared_s / private_s:.2f}x the unshared step time"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ shared 2-core box it is itself several times its p50.
 
     python bench/bench_fairness.py [--seconds 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,10 @@ LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtyp
 
 def heavy(socket: str, stop) -> None:
     big = [SequenceRequest(f"big{i}", np.arange(4 << 20, dtype=np.int32) % 30000 + i) for i in range(2)]
-    wide = [SequenceRequest(f"w{i}", np.arange(64, dtype=np.int32), [ExtraKey.lora(f"a{j}") for j in range(4)])
-            for i in range(4096)]
+    wide = [
+        SequenceRequest(f"w{i}", np.arange(64, dtype=np.int32), [ExtraKey.lora(f"a{j}") for j in range(4)])
+        for i in range(4096)
+    ]
     with KVDClient.connect(socket, client_name="heavy") as c:
         ns = c.register_namespace("fair", LAYOUT)
         while not stop.is_set():
@@ -64,9 +67,12 @@ def measure(c: KVDClient, ns: int, seconds: float) -> tuple[list[float], list[fl
 
 def report(label: str, ping: list[float], extend: list[float], unit: float) -> None:
     """``unit``: the empty round trip's p50 alone, in ms."""
-    print(f"{label}: {len(extend)} steps; empty round trip p50 {percentile(ping, 50):.3f} ms p99 {percentile(ping, 99):.3f} ms; "
-          f"64-sequence extend p50 {percentile(extend, 50):.3f} ms p99 {percentile(extend, 99):.3f} ms; "
-          f"extend p99 / round trip p50 alone {percentile(extend, 99) / unit:.2f}x")
+    print(
+        f"{label}: {len(extend)} steps; empty round trip p50 {percentile(ping, 50):.3f} ms "
+        f"p99 {percentile(ping, 99):.3f} ms; "
+        f"64-sequence extend p50 {percentile(extend, 50):.3f} ms p99 {percentile(extend, 99):.3f} ms; "
+        f"extend p99 / round trip p50 alone {percentile(extend, 99) / unit:.2f}x"
+    )
 
 
 def decoder(socket: str) -> tuple[KVDClient, int]:
@@ -81,8 +87,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        daemons = [DaemonProcess.start(f"{tmp}/kvd{i}.sock", "--enable-prefix-reuse", "--host-bytes", "4GiB",
-                                       log_path=f"{tmp}/kvd{i}.log") for i in range(2)]
+        daemons = [
+            DaemonProcess.start(
+                f"{tmp}/kvd{i}.sock", "--enable-prefix-reuse", "--host-bytes", "4GiB", log_path=f"{tmp}/kvd{i}.log"
+            )
+            for i in range(2)
+        ]
         try:
             (c, ns), (other, other_ns) = decoder(daemons[0].socket), decoder(daemons[1].socket)
             ping, extend = measure(c, ns, args.seconds / 2)

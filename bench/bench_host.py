@@ -13,6 +13,7 @@ shared and noisy):
 
     python bench/bench_host.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ BIG_LAYOUT = PageLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_size=1
 
 
 def agent_prompt(prefix: int, private: int, agent: int) -> np.ndarray:
-    return np.concatenate([np.arange(prefix, dtype=np.int32) % 50000,
-                           50000 + agent * private + np.arange(private, dtype=np.int32)])
+    return np.concatenate(
+        [np.arange(prefix, dtype=np.int32) % 50000, 50000 + agent * private + np.arange(private, dtype=np.int32)]
+    )
 
 
 def _agent(socket: str, model: str, agent: int, prefix: int, private: int, start, done, out) -> None:
@@ -82,8 +84,11 @@ def control_plane(socket: str, repeats: int) -> None:
         prompt = np.arange(50_000, dtype=np.int32)
         ping, miss, hit = [], [], []
         for i in range(repeats):
-            t = time.perf_counter(); c.ping(); ping.append(time.perf_counter() - t)
-            p = prompt.copy(); p[0] = i + 1  # a fresh first page: the whole prompt misses
+            t = time.perf_counter()
+            c.ping()
+            ping.append(time.perf_counter() - t)
+            p = prompt.copy()
+            p[0] = i + 1  # a fresh first page: the whole prompt misses
             t = time.perf_counter()
             c.allocate_with_prefix(ns, [SequenceRequest(f"miss{i}", p)])
             miss.append(time.perf_counter() - t)
@@ -98,8 +103,10 @@ def control_plane(socket: str, repeats: int) -> None:
         rt = percentile(ping, 50)
         print(f"  empty round trip          p50 {rt:6.3f} ms  p99 {percentile(ping, 99):6.3f} ms")
         for name, s in (("50K allocate, miss", miss), ("50K allocate, hit", hit)):
-            print(f"  {name:<25} p50 {percentile(s, 50):6.3f} ms  p99 {percentile(s, 99):6.3f} ms"
-                  f"  = {percentile(s, 50) / rt:5.2f}x round trip  (target p50 <= 3 ms)")
+            print(
+                f"  {name:<25} p50 {percentile(s, 50):6.3f} ms  p99 {percentile(s, 99):6.3f} ms"
+                f"  = {percentile(s, 50) / rt:5.2f}x round trip  (target p50 <= 3 ms)"
+            )
         c.release(ns, ["base"])
 
 
@@ -122,8 +129,12 @@ def _decoder(socket: str, tag: str, steps: int, barrier, out) -> None:
         barrier.wait()
         ping, extend = [], []
         for _ in range(steps):
-            t = time.perf_counter(); c.ping(); ping.append(time.perf_counter() - t)
-            t = time.perf_counter(); c.extend_batch(ns, items); extend.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c.ping()
+            ping.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c.extend_batch(ns, items)
+            extend.append(time.perf_counter() - t)
         out.put((rate, float(np.median(ping)), float(np.median(extend))))
         c.release(ns, ids)
 
@@ -138,8 +149,10 @@ def decode_batches(socket: str, clients: int, steps: int) -> None:
         p.join()
     rate = sum(r[0] for r in results)
     rt, ext = (float(np.median([r[k] for r in results])) * 1e3 for k in (1, 2))
-    print(f"  64-seq extend batch, {clients} client(s): {rate:8.0f} calls/s in all; side by side, extend p50"
-          f" {ext:6.3f} ms vs empty round trip p50 {rt:6.3f} ms = {ext / rt:4.2f}x (target <= 2x)")
+    print(
+        f"  64-seq extend batch, {clients} client(s): {rate:8.0f} calls/s in all; side by side, extend p50"
+        f" {ext:6.3f} ms vs empty round trip p50 {rt:6.3f} ms = {ext / rt:4.2f}x (target <= 2x)"
+    )
 
 
 def data_plane(socket: str, pages: int) -> None:
@@ -147,6 +160,7 @@ def data_plane(socket: str, pages: int) -> None:
         ns = c.register_namespace("bench-data", BIG_LAYOUT)
         [a] = c.allocate_with_prefix(ns, [SequenceRequest("data", np.arange(pages * 16, dtype=np.int32))])
         import torch
+
         views = [c.page(ns, p) for p in a.pages]
         src = torch.randn(BIG_LAYOUT.page_shape).to(torch.bfloat16)
         dst = torch.empty_like(src)
@@ -172,11 +186,14 @@ def data_plane(socket: str, pages: int) -> None:
         for v in published:
             dst.copy_(v)
         timings["page() view read, published"] = nbytes / min(
-            _timed(lambda: [dst.copy_(v) for v in published]) for _ in range(5))
+            _timed(lambda: [dst.copy_(v) for v in published]) for _ in range(5)
+        )
         for kind, base_kind in (("write", "write"), ("read", "read"), ("read, published", "read")):
             ours, base = timings[f"page() view {kind}"], timings[f"numpy.copyto {base_kind}"]
-            print(f"  {kind:<15} {ours / 1e9:6.2f} GB/s through page() vs {base / 1e9:6.2f} GB/s numpy.copyto"
-                  f" = {ours / base:4.2f} (target >= 0.8)")
+            print(
+                f"  {kind:<15} {ours / 1e9:6.2f} GB/s through page() vs {base / 1e9:6.2f} GB/s numpy.copyto"
+                f" = {ours / base:4.2f} (target >= 0.8)"
+            )
         c.release(ns, ["data"])
         c.reset_prefix_cache(ns)  # a second run must write fresh private pages, not hit these
 
@@ -194,15 +211,25 @@ def main() -> None:
     repeats = 30 if args.quick else 200
     with tempfile.TemporaryDirectory() as tmp:
         socket = os.path.join(tmp, "kvd.sock")
-        daemon = DaemonProcess.start(socket, "--host-bytes", "2GiB", "--enable-prefix-reuse", "--log-level", "WARNING",
-                                     log_path=os.path.join(tmp, "kvd.log"))
+        daemon = DaemonProcess.start(
+            socket,
+            "--host-bytes",
+            "2GiB",
+            "--enable-prefix-reuse",
+            "--log-level",
+            "WARNING",
+            log_path=os.path.join(tmp, "kvd.log"),
+        )
         try:
             print("1. workload: 4 agents x 50,000 shared + 1,000 private tokens, page_size 16")
             for concurrent in (False, True):
                 r = workload(socket, concurrent)
-                print(f"  {'concurrent' if concurrent else 'sequential'} prefill: logical {r['logical']} physical {r['physical']}"
-                      f" ideal {r['ideal']}: physical/logical {r['physical'] / r['logical']:.3f},"
-                      f" physical/ideal {r['physical'] / r['ideal']:.3f} (target 1.00)")
+                print(
+                    f"  {'concurrent' if concurrent else 'sequential'} prefill: "
+                    f"logical {r['logical']} physical {r['physical']}"
+                    f" ideal {r['ideal']}: physical/logical {r['physical'] / r['logical']:.3f},"
+                    f" physical/ideal {r['physical'] / r['ideal']:.3f} (target 1.00)"
+                )
             print("2. control plane")
             control_plane(socket, repeats)
             for clients in (1, 8):

@@ -8,6 +8,7 @@ causal attention per visible key) and "achieved speedup / ideal speedup".
 
     python bench/bench_prefill.py --prefix-tokens 8192 --suffix-tokens 256 --device cpu
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ def small_model(device: str) -> ModelRunner:
     """A 4-layer GQA Llama (hidden 256, 4 heads over 2 kv heads) with random weights."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=65536,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=65536,
     )
     spec, weights = load_model(LlamaForCausalLM(config))
     return ModelRunner(spec, weights, device=device, dtype=torch.float32)
@@ -87,8 +93,10 @@ def main() -> None:
     ideal = prefill_flops(r.spec, 0, total) / prefill_flops(r.spec, prefix, total)
     achieved = miss_s / hit_s
     drift = ((hit_logits - miss_logits).abs().max() / miss_logits.abs().max()).item()
-    print(f"model: {r.spec.num_layers} layers, hidden {r.spec.hidden_size}, "
-          f"{r.spec.num_heads}/{r.spec.num_kv_heads} heads, device {args.device}")
+    print(
+        f"model: {r.spec.num_layers} layers, hidden {r.spec.hidden_size}, "
+        f"{r.spec.num_heads}/{r.spec.num_kv_heads} heads, device {args.device}"
+    )
     print(f"tokens computed: without prefix hit {total}, with prefix hit {suffix} (prefix {prefix} cached)")
     print(f"prefill wall time: without hit {miss_s * 1e3:.1f} ms, with hit {hit_s * 1e3:.1f} ms")
     print(f"achieved speedup {achieved:.2f}x, FLOPs-ideal speedup {ideal:.2f}x")

@@ -13,6 +13,7 @@ checksummed yet is sealed by recovery (kvd/recovery.py). Printed as ratios:
 
     python bench/bench_publish.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ def over_grpc(socket: str, layout: PageLayout, repeats: int) -> tuple[float, flo
         for i in range(repeats):
             prompt = np.arange(TOKENS, dtype=np.int32) + i * TOKENS  # nothing to dedup against
             c.allocate_with_prefix(ns, [SequenceRequest(f"p{i}", prompt)])
-            t = time.perf_counter(); c.ping(); ping.append(time.perf_counter() - t)
-            t = time.perf_counter(); c.publish(ns, [f"p{i}"]); publish.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c.ping()
+            ping.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c.publish(ns, [f"p{i}"])
+            publish.append(time.perf_counter() - t)
             c.release(ns, [f"p{i}"])
         return p50(publish), p50(ping)
 
@@ -54,11 +59,16 @@ def over_grpc(socket: str, layout: PageLayout, repeats: int) -> tuple[float, flo
 def in_process(layout: PageLayout, repeats: int) -> tuple[float, float]:
     """(publish alone, publish + every checksum) p50 in ms, on the core without gRPC."""
     from kvd.arena import Arena
-    from kvd.manager import KVCacheManager, SequenceRequest as CoreRequest
+    from kvd.manager import KVCacheManager
+    from kvd.manager import SequenceRequest as CoreRequest
     from kvd.namespaces import NamespaceIdentity, make_layout
-    identity = NamespaceIdentity("bench", make_layout(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                                      layout.page_size, layout.dtype))
-    m = KVCacheManager(Arena(1 << 30, 1 << 30, f"/kvdbench-publish-{os.getpid()}", lock_memory=False), prefix_reuse=True)
+
+    identity = NamespaceIdentity(
+        "bench", make_layout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype)
+    )
+    m = KVCacheManager(
+        Arena(1 << 30, 1 << 30, f"/kvdbench-publish-{os.getpid()}", lock_memory=False), prefix_reuse=True
+    )
     try:
         session = m.open_session("bench", os.getpid()).id
         ns = m.register_namespace(identity)
@@ -106,28 +116,42 @@ def main() -> None:
     repeats = 5 if args.quick else 20
     with tempfile.TemporaryDirectory() as tmp:
         socket = os.path.join(tmp, "kvd.sock")
-        daemon = DaemonProcess.start(socket, "--host-bytes", "1GiB", "--enable-prefix-reuse", "--log-level", "WARNING",
-                                     log_path=os.path.join(tmp, "kvd.log"))
+        daemon = DaemonProcess.start(
+            socket,
+            "--host-bytes",
+            "1GiB",
+            "--enable-prefix-reuse",
+            "--log-level",
+            "WARNING",
+            log_path=os.path.join(tmp, "kvd.log"),
+        )
         try:
             print(f"1. publish of a fresh {TOKENS:,}-token prompt over gRPC (records before the reply)")
             for name, layout in LAYOUTS.items():
                 publish, rt = over_grpc(socket, layout, repeats)
-                print(f"  {name:<14} publish p50 {publish:7.2f} ms vs empty round trip {rt:5.2f} ms = {publish / rt:5.1f}x")
+                print(
+                    f"  {name:<14} publish p50 {publish:7.2f} ms vs empty round trip {rt:5.2f} ms "
+                    f"= {publish / rt:5.1f}x"
+                )
         finally:
             daemon.stop()
             daemon.clean()
         print("2. in process: the publish call alone vs the same call with every checksum before returning")
         for name, layout in LAYOUTS.items():
             alone, sealed = in_process(layout, repeats)
-            print(f"  {name:<14} {alone:7.2f} ms vs {sealed:7.2f} ms = {sealed / alone:5.2f}x "
-                  f"({3125 * layout.page_bytes >> 20} MiB of pages)")
+            print(
+                f"  {name:<14} {alone:7.2f} ms vs {sealed:7.2f} ms = {sealed / alone:5.2f}x "
+                f"({3125 * layout.page_bytes >> 20} MiB of pages)"
+            )
         print("3. daemon killed as the publish returned, then restarted")
         for name, layout in LAYOUTS.items():
             r = killed_after_publish(tmp, layout)
             gib = r["resealed_pages"] * layout.page_bytes / (1 << 30)
-            print(f"  {name:<14} recovered {r['recovered_pages']:,} pages, {r['resealed_pages']:,} sealed by recovery, "
-                  f"start-up recovery {r['seconds'] * 1e3:.1f} ms"
-                  + (f" ({r['seconds'] * 1e3 / gib:.0f} ms per GiB)" if gib else ""))
+            print(
+                f"  {name:<14} recovered {r['recovered_pages']:,} pages, {r['resealed_pages']:,} sealed by recovery, "
+                f"start-up recovery {r['seconds'] * 1e3:.1f} ms"
+                + (f" ({r['seconds'] * 1e3 / gib:.0f} ms per GiB)" if gib else "")
+            )
 
 
 if __name__ == "__main__":

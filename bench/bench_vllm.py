@@ -18,6 +18,7 @@ Not measured here: vLLM's own host offloading (`OffloadingConnector`) against kv
 one process. vLLM 0.32's CPU backend refuses it at start ("CPU Offloading is currently only
 supported on CUDA-alike and XPU GPUs", tried 2026-11-30); the comparison is for a GPU run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,19 @@ from engine_client.launch import DaemonProcess  # noqa: E402
 def write_model(path: str, layers: int, hidden: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=32768, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
+        torch_dtype="float32",
+    )
     LlamaForCausalLM(config).save_pretrained(path)
 
 
@@ -53,6 +63,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from test_vllm_connector import Engine
+
     os.environ["VLLM_ENGINE_MAX_MODEL_LEN"] = str(args.prefix + args.suffix + 64)  # read by tests/vllm_engine.py
 
     rng = np.random.default_rng(0)
@@ -64,10 +75,13 @@ def main() -> None:
         model = os.path.join(workdir, "model")
         write_model(model, args.layers, args.hidden)
         socket = os.path.join(workdir, "kvd.sock")
-        daemon = DaemonProcess.start(socket, "--enable-prefix-reuse", "--host-bytes", "4GiB",
-                                     log_path=os.path.join(workdir, "kvd.log"))
-        engines = {name: Engine(name, model, workdir, None if name == "alone" else socket)
-                   for name in ("first", "second", "alone")}
+        daemon = DaemonProcess.start(
+            socket, "--enable-prefix-reuse", "--host-bytes", "4GiB", log_path=os.path.join(workdir, "kvd.log")
+        )
+        engines = {
+            name: Engine(name, model, workdir, None if name == "alone" else socket)
+            for name in ("first", "second", "alone")
+        }
         try:
             for engine in engines.values():
                 engine.wait_ready(timeout=600)
@@ -80,6 +94,7 @@ def main() -> None:
 
             def ttft(engine, prompt_tokens, forget: bool = True) -> tuple[float, int]:
                 import time
+
                 if forget:
                     engine.forget_local_cache()
                 start = time.perf_counter()
@@ -104,23 +119,33 @@ def main() -> None:
             computed = total - hits
             # Prefill FLOPs: ~32 h^2 a token in the linear layers (attention projections and a
             # 4h MLP), ~4 h a (query, key) pair in attention; causal: a prompt has T^2 / 2 pairs.
-            pair = 4 * args.hidden / (32 * args.hidden ** 2)
-            ideal = (total + pair * total ** 2 / 2) / (computed + pair * (total ** 2 - hits ** 2) / 2)
+            pair = 4 * args.hidden / (32 * args.hidden**2)
+            ideal = (total + pair * total**2 / 2) / (computed + pair * (total**2 - hits**2) / 2)
             achieved = statistics.median(alone_times) / statistics.median(hit_times)
             overhead = statistics.median(miss_times) / statistics.median(miss_alone_times) - 1
-            print(f"prompt {total:,} tokens ({args.prefix:,} shared + {args.suffix} own), {args.layers} layers x "
-                  f"hidden {args.hidden}, float32, vLLM CPU backend, {args.repeats} repeats (medians)")
-            print(f"  second engine TTFT with kvd  {statistics.median(hit_times) * 1000:9.1f} ms  "
-                  f"({hits:,} prompt tokens loaded from kvd)")
+            print(
+                f"prompt {total:,} tokens ({args.prefix:,} shared + {args.suffix} own), {args.layers} layers x "
+                f"hidden {args.hidden}, float32, vLLM CPU backend, {args.repeats} repeats (medians)"
+            )
+            print(
+                f"  second engine TTFT with kvd  {statistics.median(hit_times) * 1000:9.1f} ms  "
+                f"({hits:,} prompt tokens loaded from kvd)"
+            )
             floor = statistics.median(local_times)
-            print(f"  same prefix from vLLM's own cache {floor * 1000:9.1f} ms (the floor for any cache: "
-                  f"kvd takes {statistics.median(hit_times) / floor:.2f}x it)")
+            print(
+                f"  same prefix from vLLM's own cache {floor * 1000:9.1f} ms (the floor for any cache: "
+                f"kvd takes {statistics.median(hit_times) / floor:.2f}x it)"
+            )
             print(f"  same prompt, vLLM alone      {statistics.median(alone_times) * 1000:9.1f} ms")
-            print(f"  speed-up achieved {achieved:.2f}x, FLOPs-ideal {ideal:.2f}x -> {achieved / ideal:.2f} of ideal "
-                  f"(target >= 0.7); vLLM's own cache reaches {statistics.median(alone_times) / floor / ideal:.2f}")
-            print(f"  no hit: TTFT with kvd {statistics.median(miss_times) * 1000:.1f} ms, alone "
-                  f"{statistics.median(miss_alone_times) * 1000:.1f} ms -> overhead {overhead * 100:+.1f} % "
-                  f"(target <= 3 %)")
+            print(
+                f"  speed-up achieved {achieved:.2f}x, FLOPs-ideal {ideal:.2f}x -> {achieved / ideal:.2f} of ideal "
+                f"(target >= 0.7); vLLM's own cache reaches {statistics.median(alone_times) / floor / ideal:.2f}"
+            )
+            print(
+                f"  no hit: TTFT with kvd {statistics.median(miss_times) * 1000:.1f} ms, alone "
+                f"{statistics.median(miss_alone_times) * 1000:.1f} ms -> overhead {overhead * 100:+.1f} % "
+                f"(target <= 3 %)"
+            )
         finally:
             for engine in engines.values():
                 engine.stop()

@@ -2,14 +2,37 @@
 
 Imports only the wire contract (``kvd.wire``), never the daemon's internals.
 """
+
 from engine_client.client import KVDClient
 from engine_client.types import (
-    ExtendItem, ExtendResult, ExtraKey, ExtraKind, KVDError, LookupResult, PinResult, PublishResult, Rebind,
-    SequenceAllocation, SequenceRequest, SequenceState,
+    ExtendItem,
+    ExtendResult,
+    ExtraKey,
+    ExtraKind,
+    KVDError,
+    LookupResult,
+    PinResult,
+    PublishResult,
+    Rebind,
+    SequenceAllocation,
+    SequenceRequest,
+    SequenceState,
 )
 from kvd.wire.layout import PageLayout
 
 __all__ = [
-    "KVDClient", "PageLayout", "SequenceRequest", "SequenceAllocation", "LookupResult", "PublishResult",
-    "Rebind", "ExtendItem", "ExtendResult", "PinResult", "ExtraKey", "ExtraKind", "KVDError", "SequenceState",
+    "KVDClient",
+    "PageLayout",
+    "SequenceRequest",
+    "SequenceAllocation",
+    "LookupResult",
+    "PublishResult",
+    "Rebind",
+    "ExtendItem",
+    "ExtendResult",
+    "PinResult",
+    "ExtraKey",
+    "ExtraKind",
+    "KVDError",
+    "SequenceState",
 ]

@@ -18,6 +18,7 @@ A daemon that isolates tenants (kvd/tenants.py) sees only this process's tenant:
 does the handshake on ``<socket>.auth`` first (kvd/wire/auth.py), and a process whose
 user belongs to no tenant gets PERMISSION_DENIED.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,18 @@ import numpy as np
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.types import (
-    ExtendItem, ExtendResult, ExtraKey, KVDError, LookupResult, Namespace, PinResult, PublishResult,
-    Rebind, SequenceAllocation, SequenceRequest, SequenceState,
+    ExtendItem,
+    ExtendResult,
+    ExtraKey,
+    KVDError,
+    LookupResult,
+    Namespace,
+    PinResult,
+    PublishResult,
+    Rebind,
+    SequenceAllocation,
+    SequenceRequest,
+    SequenceState,
 )
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
@@ -88,8 +99,15 @@ def _no_listener(path: str) -> str | None:
 class KVDClient:
     """A session with the daemon; use ``connect`` and close it (or use ``with``)."""
 
-    def __init__(self, channel: grpc.Channel, stub: kvd_pb2_grpc.KVDStub, stream, opened: pb.SessionOpened,
-                 socket: str, client_name: str | None = None) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        stub: kvd_pb2_grpc.KVDStub,
+        stream,
+        opened: pb.SessionOpened,
+        socket: str,
+        client_name: str | None = None,
+    ) -> None:
         self._socket = socket
         self._client_name = client_name
         self._namespaces: dict[int, Namespace] = {}
@@ -112,12 +130,13 @@ class KVDClient:
         self.host_bytes = opened.host_bytes
         self.daemon_instance = opened.daemon_instance  # differs after a daemon restart
         self.session_lost = threading.Event()  # one per session: set when this session ends
-        self._watcher = threading.Thread(target=self._watch_session, args=(stream, self.session_lost),
-                                         name="kvd-session", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch_session, args=(stream, self.session_lost), name="kvd-session", daemon=True
+        )
         self._watcher.start()
 
     @classmethod
-    def connect(cls, socket: str | None = None, client_name: str | None = None, timeout: float = 10.0) -> "KVDClient":
+    def connect(cls, socket: str | None = None, client_name: str | None = None, timeout: float = 10.0) -> KVDClient:
         """Opens a session; the daemon drops its references when this process closes it or dies.
 
         The socket is ``socket``, else found in the order kvd/wire/paths.py gives (``KVD_SOCKET``,
@@ -127,10 +146,13 @@ class KVDClient:
         choice = find_socket(socket)
         problem = _no_listener(choice.path)
         if problem:
-            raise KVDError(grpc.StatusCode.UNAVAILABLE, (
-                f"no kvd daemon on {choice.path}: {problem} (looked at: {'; '.join(choice.tried)}); "
-                "start one with `kvd serve`, or pass the socket of a running one"
-            ))
+            raise KVDError(
+                grpc.StatusCode.UNAVAILABLE,
+                (
+                    f"no kvd daemon on {choice.path}: {problem} (looked at: {'; '.join(choice.tried)}); "
+                    "start one with `kvd serve`, or pass the socket of a running one"
+                ),
+            )
         return cls(*cls._open(choice.path, client_name, timeout), socket=choice.path, client_name=client_name)
 
     def reconnect(self, timeout: float = 10.0) -> dict[int, int]:
@@ -151,8 +173,12 @@ class KVDClient:
             self._private.clear()
         renamed = {}
         for old_id, identity in registrations.items():
-            reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity))
-            self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, namespaces[old_id].layout, reply.page_bytes)
+            reply = self._call(
+                "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity)
+            )
+            self._namespaces[reply.namespace_id] = Namespace(
+                reply.namespace_id, namespaces[old_id].layout, reply.page_bytes
+            )
             self._registrations[reply.namespace_id] = identity
             self._page_maps[reply.namespace_id] = PageMap(namespaces[old_id].layout)  # extents may be new
             renamed[old_id] = reply.namespace_id
@@ -180,10 +206,13 @@ class KVDClient:
             channel.close()
             channel = cls._ready_channel(admission.session_socket, timeout)
         stub = kvd_pb2_grpc.KVDStub(channel)
-        stream = stub.OpenSession(pb.OpenSessionRequest(
-            client_name=client_name or os.path.basename(sys.argv[0] or "python"), pid=os.getpid(),
-            ticket=admission.ticket,
-        ))
+        stream = stub.OpenSession(
+            pb.OpenSessionRequest(
+                client_name=client_name or os.path.basename(sys.argv[0] or "python"),
+                pid=os.getpid(),
+                ticket=admission.ticket,
+            )
+        )
         try:
             first = next(stream)
         except grpc.RpcError as e:
@@ -203,7 +232,7 @@ class KVDClient:
         self._stream.cancel()
         self._channel.close()
 
-    def __enter__(self) -> "KVDClient":
+    def __enter__(self) -> KVDClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -230,39 +259,69 @@ class KVDClient:
 
     def _call(self, method: str, request):
         if self.session_lost.is_set() and not self._closed:
-            raise KVDError(grpc.StatusCode.UNAVAILABLE, (
-                f"the session with the kvd daemon on {self._socket} ended (the daemon stopped, died or restarted); "
-                "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
-            ))
+            raise KVDError(
+                grpc.StatusCode.UNAVAILABLE,
+                (
+                    f"the session with the kvd daemon on {self._socket} ended (the daemon stopped, died or restarted); "
+                    "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
+                ),
+            )
         try:
             return getattr(self._stub, method)(request, timeout=self.call_timeout)
         except grpc.RpcError as e:
             error = KVDError.from_rpc(e)
         if error.code == grpc.StatusCode.UNAVAILABLE:
-            error = KVDError(error.code, (
-                f"the kvd daemon on {self._socket} does not answer (stopped, died or restarting): {error.message}; "
-                "call reconnect() once it is back"
-            ))
+            error = KVDError(
+                error.code,
+                (
+                    f"the kvd daemon on {self._socket} does not answer (stopped, died or restarting): {error.message}; "
+                    "call reconnect() once it is back"
+                ),
+            )
         elif error.code == grpc.StatusCode.NOT_FOUND and self._reconnected and "sequence" in error.message:
-            error = KVDError(error.code, (
-                f"{error.message}; sequences do not survive a daemon restart (published pages do): "
-                "allocate it again, its published prefix still hits"
-            ))
+            error = KVDError(
+                error.code,
+                (
+                    f"{error.message}; sequences do not survive a daemon restart (published pages do): "
+                    "allocate it again, its published prefix still hits"
+                ),
+            )
         raise error from None
 
     # ---- namespaces and pages -----------------------------------------------------
 
-    def register_namespace(self, model: str, layout: PageLayout, *, revision: str = "", tp_rank: int = 0,
-                           tp_size: int = 1, attention: str = "gqa", vocab_size: int = 0,
-                           extra: dict[str, str] | None = None) -> int:
+    def register_namespace(
+        self,
+        model: str,
+        layout: PageLayout,
+        *,
+        revision: str = "",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        attention: str = "gqa",
+        vocab_size: int = 0,
+        extra: dict[str, str] | None = None,
+    ) -> int:
         """The namespace id for this KV identity; equal identities get equal ids."""
         identity_msg = pb.NamespaceIdentity(
-            model=model, revision=revision, tp_rank=tp_rank, tp_size=tp_size, attention=attention,
-            vocab_size=vocab_size, extra=extra or {},
-            layout=pb.PageLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                 head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype),
+            model=model,
+            revision=revision,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            attention=attention,
+            vocab_size=vocab_size,
+            extra=extra or {},
+            layout=pb.PageLayout(
+                num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                page_size=layout.page_size,
+                dtype=layout.dtype,
+            ),
         )
-        reply = self._call("RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg))
+        reply = self._call(
+            "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg)
+        )
         self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes)
         self._registrations[reply.namespace_id] = identity_msg
         self._page_maps.setdefault(reply.namespace_id, PageMap(layout))
@@ -316,9 +375,13 @@ class KVDClient:
             return False
         mine = self._private.writable(ns, page_id)
         if writable and not mine:
-            raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, (
-                f"page {page_id} of namespace {ns} is not a private page of a live sequence of this client; "
-                "published pages are immutable"))
+            raise KVDError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                (
+                    f"page {page_id} of namespace {ns} is not a private page of a live sequence of this client; "
+                    "published pages are immutable"
+                ),
+            )
         return mine
 
     def pages_by_extent(self, ns: int, page_ids, writable: bool = False) -> list[tuple[object, list[int], list[int]]]:
@@ -348,9 +411,14 @@ class KVDClient:
     def allocate_with_prefix(self, ns: int, requests: list[SequenceRequest]) -> list[SequenceAllocation]:
         """Pins the longest full-page prefix hit of each request and allocates private pages
         for the rest, in one atomic step; the whole batch or nothing."""
-        reply = self._call("AllocateWithPrefix", pb.AllocateRequest(
-            session=self.session, namespace_id=ns, sequences=_requests(requests),
-        ))
+        reply = self._call(
+            "AllocateWithPrefix",
+            pb.AllocateRequest(
+                session=self.session,
+                namespace_id=ns,
+                sequences=_requests(requests),
+            ),
+        )
         allocations = [_allocation(s) for s in reply.sequences]
         with self._lock:
             for a in allocations:
@@ -362,7 +430,9 @@ class KVDClient:
 
     def lookup(self, ns: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The prefix hits allocate_with_prefix would find now, without pinning anything."""
-        reply = self._call("Lookup", pb.LookupRequest(session=self.session, namespace_id=ns, sequences=_requests(requests)))
+        reply = self._call(
+            "Lookup", pb.LookupRequest(session=self.session, namespace_id=ns, sequences=_requests(requests))
+        )
         return [LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens) for r in reply.results]
 
     def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:
@@ -373,10 +443,14 @@ class KVDClient:
         by it; the result's ``rebinds`` say which page ids changed.
         """
         num_tokens = num_tokens or {}
-        reply = self._call("Publish", pb.PublishRequest(
-            session=self.session, namespace_id=ns,
-            items=[pb.PublishItem(seq_id=s, num_tokens=num_tokens.get(s, 0)) for s in seq_ids],
-        ))
+        reply = self._call(
+            "Publish",
+            pb.PublishRequest(
+                session=self.session,
+                namespace_id=ns,
+                items=[pb.PublishItem(seq_id=s, num_tokens=num_tokens.get(s, 0)) for s in seq_ids],
+            ),
+        )
         with self._lock:
             for r in reply.results:
                 self._private.published(ns, r.seq_id, r.published_pages)
@@ -399,14 +473,21 @@ class KVDClient:
         else:
             packed = [b"" if t is None else pack_tokens(t) for t in ids]
             counts, token_ids = [len(p) // 4 for p in packed], b"".join(packed)
-        reply = self._call("Extend", pb.ExtendRequest(
-            session=self.session, namespace_id=ns, seq_ids=[i.seq_id for i in items],
-            num_tokens=[i.num_tokens for i in items], token_id_counts=counts, token_ids=token_ids,
-        ))
+        reply = self._call(
+            "Extend",
+            pb.ExtendRequest(
+                session=self.session,
+                namespace_id=ns,
+                seq_ids=[i.seq_id for i in items],
+                num_tokens=[i.num_tokens for i in items],
+                token_id_counts=counts,
+                token_ids=token_ids,
+            ),
+        )
         page_counts = reply.new_page_counts
         pages = unpack_pages(reply.new_pages)
         results = [
-            ExtendResult(i.seq_id, pages[end - count:end], num_tokens)
+            ExtendResult(i.seq_id, pages[end - count : end], num_tokens)
             for i, num_tokens, count, end in zip(items, reply.num_tokens, page_counts, accumulate(page_counts))
         ]
         if pages:
@@ -418,16 +499,26 @@ class KVDClient:
 
     def fork(self, ns: int, src: str, dst: str) -> SequenceAllocation:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
-        allocation = _allocation(self._call("Fork", pb.ForkRequest(
-            session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst,
-        )).sequence)
+        allocation = _allocation(
+            self._call(
+                "Fork",
+                pb.ForkRequest(
+                    session=self.session,
+                    namespace_id=ns,
+                    src_seq_id=src,
+                    dst_seq_id=dst,
+                ),
+            ).sequence
+        )
         with self._lock:
             self._private.add(ns, dst, allocation.private_pages)
         return allocation
 
     def release(self, ns: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns the number of page references released."""
-        released = self._call("Release", pb.ReleaseRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)).released_pages
+        released = self._call(
+            "Release", pb.ReleaseRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)
+        ).released_pages
         with self._lock:
             for seq_id in seq_ids:
                 self._private.drop(ns, seq_id)
@@ -436,7 +527,9 @@ class KVDClient:
     def set_state(self, ns: int, seq_id: str, state: SequenceState | str) -> SequenceState:
         """Moves a sequence through PREFILLED → IN_DECODE ⇄ ON_HOLD → COMPLETED; returns the previous state."""
         state = SequenceState[state] if isinstance(state, str) else state
-        reply = self._call("SetState", pb.SetStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value))
+        reply = self._call(
+            "SetState", pb.SetStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value)
+        )
         if state in (SequenceState.COMPLETED, SequenceState.EVICTED):  # its pages are released
             with self._lock:
                 self._private.drop(ns, seq_id)
@@ -456,19 +549,29 @@ class KVDClient:
 
     def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
         """Stores non-KV per-sequence state (recurrent state, checkpoints); a fork copies it."""
-        self._call("SetAuxState", pb.SetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, data=data))
+        self._call(
+            "SetAuxState", pb.SetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, data=data)
+        )
 
     def get_aux_state(self, ns: int, seq_id: str) -> bytes:
-        return self._call("GetAuxState", pb.GetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id)).data
+        return self._call(
+            "GetAuxState", pb.GetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id)
+        ).data
 
     # ---- pins, stats --------------------------------------------------------------
 
     def pin(self, ns: int, token_ids, ttl: float | None = None, extra_keys: tuple[ExtraKey, ...] = ()) -> PinResult:
         """Keeps the cached pages of this prefix resident until unpin, ttl seconds, or session end."""
-        reply = self._call("Pin", pb.PinRequest(
-            session=self.session, namespace_id=ns, tokens=pack_tokens(token_ids),
-            extra_keys=_extra_keys(extra_keys), ttl_seconds=ttl or 0.0,
-        ))
+        reply = self._call(
+            "Pin",
+            pb.PinRequest(
+                session=self.session,
+                namespace_id=ns,
+                tokens=pack_tokens(token_ids),
+                extra_keys=_extra_keys(extra_keys),
+                ttl_seconds=ttl or 0.0,
+            ),
+        )
         return PinResult(reply.pin_id, reply.pinned_pages, reply.pinned_tokens)
 
     def unpin(self, pin_id: int) -> None:
@@ -477,6 +580,7 @@ class KVDClient:
     def stats(self) -> dict:
         """The daemon's page statistics, as ``kvd stats --json`` prints them (with tenants: this tenant's)."""
         from kvd.wire.admin import stats_dict
+
         return stats_dict(self._call("GetStats", pb.StatsRequest(session=self.session)))
 
     def check_invariants(self) -> list[str]:
@@ -486,6 +590,7 @@ class KVDClient:
     def verify_pages(self) -> dict:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
         from kvd.wire.admin import verify_dict
+
         return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=fetch_ticket(self._socket))))
 
     def reset_prefix_cache(self, ns: int | None = None) -> dict:
@@ -494,6 +599,7 @@ class KVDClient:
         weight update. Pages a sequence or pin references are untouched.
         Returns {"dropped_pages", "kept_pages"}."""
         from kvd.wire.admin import reset_dict, reset_request
+
         return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
 
     def ping(self) -> None:

@@ -4,6 +4,7 @@ Production daemons run under systemd (systemd/kvd.service); this is for programs
 need a private daemon for a while. It runs the daemon as a separate process
 (``python -m kvd.cli serve``), so the caller never imports the daemon's modules.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,11 +25,15 @@ class DaemonProcess:
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvd.cli", "serve", "--socket", socket, *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
 
     @classmethod
-    def start(cls, socket: str, *args: str, log_path: str, env: dict | None = None, timeout: float = 20.0) -> "DaemonProcess":
+    def start(
+        cls, socket: str, *args: str, log_path: str, env: dict | None = None, timeout: float = 20.0
+    ) -> DaemonProcess:
         """Starts the daemon and returns once it answers calls; kills it and raises otherwise."""
         daemon = cls(socket, args, log_path, env)
         try:
@@ -43,6 +48,7 @@ class DaemonProcess:
 
         from engine_client.client import KVDClient
         from engine_client.types import KVDError
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -65,8 +71,13 @@ class DaemonProcess:
 
     def clean(self) -> None:
         """Removes the shared memory the stopped daemon kept for a warm restart (`kvd clean`)."""
-        subprocess.run([sys.executable, "-m", "kvd.cli", "clean", "--socket", self.socket],
-                       capture_output=True, check=True, env=self.env, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "clean", "--socket", self.socket],
+            capture_output=True,
+            check=True,
+            env=self.env,
+            timeout=60,
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Signals the daemon (SIGTERM: graceful) and waits; kills it if it outlives the timeout."""

@@ -9,6 +9,7 @@ order after the sequence's published pages. ``publish`` makes the first N of the
 immutable (published, or replaced by an equal published page), in that order;
 ``release``, ``COMPLETED`` and eviction drop the rest.
 """
+
 from __future__ import annotations
 
 from collections import Counter

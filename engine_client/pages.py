@@ -10,6 +10,7 @@ a torch write faults) instead of corrupting every engine's KV.
 Page layout (kvd/wire/layout.py): ``[num_layers, 2, page_size, num_kv_heads, head_dim]``,
 axis 1 holding K (0) and V (1).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -24,8 +25,14 @@ from kvd.wire.layout import PageLayout
 
 # numpy cannot hold bfloat16 or float8; those pages are viewed as same-width integers and
 # reinterpreted by torch.
-_NUMPY_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
-                  "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "uint8": np.uint8}
+_NUMPY_STORAGE = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "uint8": np.uint8,
+}
 
 
 @dataclass
@@ -34,10 +41,10 @@ class MappedExtent:
     first_page: int
     num_pages: int
     memory: mmap.mmap
-    array: np.ndarray         # [num_pages, *page_shape] in the storage dtype, writable
+    array: np.ndarray  # [num_pages, *page_shape] in the storage dtype, writable
     readonly_memory: mmap.mmap
-    readonly: np.ndarray      # the same pages through the read-only map
-    tensor: object = None     # the writable array as a torch tensor, made on first use
+    readonly: np.ndarray  # the same pages through the read-only map
+    tensor: object = None  # the writable array as a torch tensor, made on first use
     readonly_tensor: object = None
 
 
@@ -90,11 +97,13 @@ class PageMap:
 
 def torch_dtype(name: str):
     import torch
+
     return getattr(torch, name)
 
 
 def _as_tensor(array: np.ndarray, layout: PageLayout):
     import torch
+
     with warnings.catch_warnings():  # torch has no read-only tensors; the map itself refuses writes
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         t = torch.from_numpy(array)

@@ -1,4 +1,5 @@
 """Requests and results of the client API, and the one error type it raises."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,16 +20,16 @@ class ExtraKey:
     length: int = 1
 
     @classmethod
-    def multimodal(cls, content_hash: bytes, offset: int, length: int) -> "ExtraKey":
+    def multimodal(cls, content_hash: bytes, offset: int, length: int) -> ExtraKey:
         """An image/audio item whose placeholder tokens are [offset, offset + length)."""
         return cls(ExtraKind.MULTIMODAL, content_hash, offset, length)
 
     @classmethod
-    def lora(cls, adapter: str | bytes) -> "ExtraKey":
+    def lora(cls, adapter: str | bytes) -> ExtraKey:
         return cls(ExtraKind.LORA, adapter.encode() if isinstance(adapter, str) else adapter)
 
     @classmethod
-    def cache_salt(cls, salt: str | bytes) -> "ExtraKey":
+    def cache_salt(cls, salt: str | bytes) -> ExtraKey:
         return cls(ExtraKind.CACHE_SALT, salt.encode() if isinstance(salt, str) else salt)
 
 

@@ -17,6 +17,7 @@ keys at positions <= p, and on a sliding layer only keys in (p - window, p]; suc
 gathers only the pages that intersect the windows of the sequence's queries, so pages
 that slid out are never read. Scores and softmax run in float32.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -15,6 +15,7 @@ daemon's page counts while all agents are live, prints one table, lets the engin
 complete their sequences, stops the daemon and exits 0, or 1 when a logit check failed
 or the host held no page fewer than the agents address.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,7 +60,9 @@ class DemoConfig:
 
 def agent_prompt(cfg: DemoConfig, agent: int) -> list[int]:
     """The shared prefix (the same for every agent) followed by the agent's own tokens."""
-    shared = torch.randint(0, cfg.vocab_size, (cfg.prefix_tokens,), generator=torch.Generator().manual_seed(1000 + cfg.seed))
+    shared = torch.randint(
+        0, cfg.vocab_size, (cfg.prefix_tokens,), generator=torch.Generator().manual_seed(1000 + cfg.seed)
+    )
     own = torch.randint(0, cfg.vocab_size, (cfg.suffix_tokens,), generator=torch.Generator().manual_seed(2000 + agent))
     return shared.tolist() + own.tolist()
 
@@ -97,8 +100,15 @@ def run_engine(socket: str, cfg: DemoConfig, engine: int, go, finish, messages) 
         agents = {f"agent-{a + 1}": agent_prompt(cfg, a) for a in range(first, first + cfg.agents_per_engine)}
         pages_per_agent = -(-(cfg.prefix_tokens + cfg.suffix_tokens + cfg.decode_tokens) // cfg.page_size) + 1
         with KVDClient.connect(socket, client_name=f"demo-engine-{engine + 1}") as client:
-            eng = Engine(client, runner, spec, cfg.page_size, gpu_pages=pages_per_agent * len(agents),
-                         model=cfg.model_name, revision=cfg.revision)
+            eng = Engine(
+                client,
+                runner,
+                spec,
+                cfg.page_size,
+                gpu_pages=pages_per_agent * len(agents),
+                model=cfg.model_name,
+                revision=cfg.revision,
+            )
             go.wait()
             start = time.perf_counter()
             # The first agent's prefill publishes the shared prompt, so the engine's other agents
@@ -121,15 +131,25 @@ def run_engine(socket: str, cfg: DemoConfig, engine: int, go, finish, messages) 
                     ref = recompute_logits(runner, cfg.page_size, list(eng.info(s).tokens))
                     delta = max(delta, (last.logits[i] - ref).abs().max().item())
             stats = eng.stats()
-            messages.put(("report", EngineReport(
-                engine=engine + 1, pid=os.getpid(), agents=tuple(agents),
-                computed_tokens=stats.prefill_tokens_computed, reused_tokens=stats.prefill_tokens_reused,
-                gpu_pages_loaded=stats.gpu.unique_host_pages_loaded,
-                duplicate_loads_skipped=stats.gpu.duplicate_loads_skipped,
-                gpu_logical_pages=stats.gpu.logical_pages, gpu_physical_pages=stats.gpu.physical_pages,
-                max_logit_delta=delta, generated=tuple(tuple(generated[s][:cfg.decode_tokens]) for s in agents),
-                seconds=time.perf_counter() - start,
-            )))
+            messages.put(
+                (
+                    "report",
+                    EngineReport(
+                        engine=engine + 1,
+                        pid=os.getpid(),
+                        agents=tuple(agents),
+                        computed_tokens=stats.prefill_tokens_computed,
+                        reused_tokens=stats.prefill_tokens_reused,
+                        gpu_pages_loaded=stats.gpu.unique_host_pages_loaded,
+                        duplicate_loads_skipped=stats.gpu.duplicate_loads_skipped,
+                        gpu_logical_pages=stats.gpu.logical_pages,
+                        gpu_physical_pages=stats.gpu.physical_pages,
+                        max_logit_delta=delta,
+                        generated=tuple(tuple(generated[s][: cfg.decode_tokens]) for s in agents),
+                        seconds=time.perf_counter() - start,
+                    ),
+                )
+            )
             finish.wait(timeout=300)
             eng.complete(list(agents))
     except BaseException as e:
@@ -149,7 +169,7 @@ def _next_message(messages, procs, timeout: float = 300.0):
         except queue.Empty:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"engine process {dead[0].pid} exited with {dead[0].exitcode}")
+                raise RuntimeError(f"engine process {dead[0].pid} exited with {dead[0].exitcode}") from None
             continue
         if kind == "error":
             raise RuntimeError(body)
@@ -207,8 +227,13 @@ def run_demo(cfg: DemoConfig, socket: str | None = None) -> DemoResult:
         # after it has published.
         for engine in range(cfg.engines):
             go = go_first if engine == 0 else go_rest
-            procs.append(SPAWN.Process(target=run_engine, args=(socket, cfg, engine, go, finish, messages),
-                                       name=f"demo-engine-{engine + 1}"))
+            procs.append(
+                SPAWN.Process(
+                    target=run_engine,
+                    args=(socket, cfg, engine, go, finish, messages),
+                    name=f"demo-engine-{engine + 1}",
+                )
+            )
         for p in procs:
             p.start()
         go_first.set()
@@ -240,8 +265,9 @@ def run_demo(cfg: DemoConfig, socket: str | None = None) -> DemoResult:
             daemon.stop()
             daemon.clean()  # the demo's cache is not worth keeping for a warm restart
             tmp.cleanup()
-    return DemoResult(tuple(reports[e] for e in sorted(reports)), live, after, prefix_reuse, violations,
-                      time.perf_counter() - start)
+    return DemoResult(
+        tuple(reports[e] for e in sorted(reports)), live, after, prefix_reuse, violations, time.perf_counter() - start
+    )
 
 
 def _ns_stats(stats: dict, model: str) -> dict:
@@ -259,12 +285,14 @@ def format_result(cfg: DemoConfig, result: DemoResult) -> str:
     delta = result.max_logit_delta
     lines = [
         f"kvd demo: {cfg.engines} engine processes x {cfg.agents_per_engine} agents; one shared prompt of "
-        f"{cfg.prefix_tokens:,} tokens + {cfg.suffix_tokens} own tokens per agent; {cfg.decode_tokens} greedy tokens each",
+        f"{cfg.prefix_tokens:,} tokens + {cfg.suffix_tokens} own tokens per agent; "
+        f"{cfg.decode_tokens} greedy tokens each",
         f"model: tiny random {cfg.family} (2 layers, hidden 64, 4/2 heads, vocab {cfg.vocab_size}, seed {cfg.seed}), "
         f"float32 on {cfg.device}, {cfg.page_size}-token pages",
         "",
         f"{'engine':>6}  {'pid':>7}  {'prefill computed':>16}  {'prefill reused':>14}  {'GPU pages loaded':>16}  "
-        f"{'dup loads skipped':>17}  {'GPU logical/physical':>20}  {'max |dlogit|':>12}  {'secs':>5}  first tokens of each agent",
+        f"{'dup loads skipped':>17}  {'GPU logical/physical':>20}  {'max |dlogit|':>12}  {'secs':>5}  "
+        "first tokens of each agent",
     ]
     for r in result.reports:
         firsts = " | ".join(" ".join(map(str, g[:4])) for g in r.generated)
@@ -276,7 +304,8 @@ def format_result(cfg: DemoConfig, result: DemoResult) -> str:
     share = reused / (reused + computed) if reused + computed else 0.0
     lines += [
         "",
-        f"host pages (kvd, {agents} agents live): logical {live['logical_pages']:,}  physical {live['physical_pages']:,}  "
+        f"host pages (kvd, {agents} agents live): logical {live['logical_pages']:,}  "
+        f"physical {live['physical_pages']:,}  "
         f"saved {live['host_pages_saved']:,} pages = {live['host_bytes_saved'] / 2**20:.2f} MiB of host memory",
         f"prefill tokens: reused {reused:,}  computed {computed:,}  ({share:.0%} of prompt tokens not recomputed)",
         f"GPU pages: unique host pages loaded {loaded:,}  duplicate host->device loads skipped {skipped:,}",
@@ -296,14 +325,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
     p = argparse.ArgumentParser(prog="python -m gpu_worker.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, default=d.engines, help="engine processes (default %(default)s)")
     p.add_argument("--agents-per-engine", type=int, default=d.agents_per_engine, help="(default %(default)s)")
-    p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens, help="shared prompt length (default %(default)s)")
-    p.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens, help="own tokens per agent (default %(default)s)")
-    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="greedy tokens per agent (default %(default)s)")
+    p.add_argument(
+        "--prefix-tokens", type=int, default=d.prefix_tokens, help="shared prompt length (default %(default)s)"
+    )
+    p.add_argument(
+        "--suffix-tokens", type=int, default=d.suffix_tokens, help="own tokens per agent (default %(default)s)"
+    )
+    p.add_argument(
+        "--decode-tokens", type=int, default=d.decode_tokens, help="greedy tokens per agent (default %(default)s)"
+    )
     p.add_argument("--family", choices=("llama", "gpt_oss"), default=d.family, help="model style (default %(default)s)")
     p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page (default %(default)s)")
-    p.add_argument("--device", default=d.device, help="where the engines run the model: cpu or cuda (default %(default)s)")
-    p.add_argument("--socket", help="use the kvd daemon on this socket (started with --enable-prefix-reuse) "
-                                    "instead of starting one")
+    p.add_argument(
+        "--device", default=d.device, help="where the engines run the model: cpu or cuda (default %(default)s)"
+    )
+    p.add_argument(
+        "--socket",
+        help="use the kvd daemon on this socket (started with --enable-prefix-reuse) instead of starting one",
+    )
     a = p.parse_args(argv)
     if a.engines < 1 or a.agents_per_engine < 1 or a.prefix_tokens < 0 or a.suffix_tokens < 0 or a.decode_tokens < 1:
         p.error("--engines, --agents-per-engine and --decode-tokens must be ≥ 1; token counts ≥ 0")
@@ -311,8 +350,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
         p.error("a prompt needs at least one token")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {a.device}: torch sees no CUDA GPU here")
-    cfg = DemoConfig(a.engines, a.agents_per_engine, a.prefix_tokens, a.suffix_tokens, a.decode_tokens,
-                     a.family, a.page_size, a.device)
+    cfg = DemoConfig(
+        a.engines,
+        a.agents_per_engine,
+        a.prefix_tokens,
+        a.suffix_tokens,
+        a.decode_tokens,
+        a.family,
+        a.page_size,
+        a.device,
+    )
     return cfg, a.socket
 
 

@@ -31,6 +31,7 @@ Rules kept here:
 
 One engine per client: `take_evicted()` reports every namespace of the session.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -160,8 +161,12 @@ class Engine:
         self.page_size = page_size
         self.layout = spec.page_layout(page_size, dtype)
         self.ns = client.register_namespace(
-            model, self.layout, revision=revision, attention=attention_kind(spec),
-            vocab_size=spec.vocab_size, extra={"model_type": spec.model_type},
+            model,
+            self.layout,
+            revision=revision,
+            attention=attention_kind(spec),
+            vocab_size=spec.vocab_size,
+            extra={"model_type": spec.model_type},
         )
         self.host = ClientHostPages(client, self.ns)
         self.pool = GpuPagePool.allocate(self.layout, gpu_pages, device)
@@ -226,7 +231,7 @@ class Engine:
                 requests.append(PrefillRequest(table, reused, [], full_hit_last_token=prompt[-1]))
             else:
                 requests.append(PrefillRequest(table, reused, prompt[reused:]))
-            offloads.extend(zip(row[len(alloc.shared_pages):], alloc.private_pages))
+            offloads.extend(zip(row[len(alloc.shared_pages) :], alloc.private_pages))
             self._counters.computed += len(prompt) - reused
             self._counters.reused += reused
         out: PrefillOutput = self._run(
@@ -241,10 +246,15 @@ class Engine:
         for i, (alloc, prompt) in enumerate(zip(allocs, prompts)):
             logits = out.last_logits[i]
             self.seqs[alloc.seq_id].next_token = int(logits.argmax())
-            results.append(PrefillResult(
-                alloc.seq_id, logits, int(logits.argmax()), len(prompt) - alloc.shared_prefix_tokens,
-                alloc.shared_prefix_tokens,
-            ))
+            results.append(
+                PrefillResult(
+                    alloc.seq_id,
+                    logits,
+                    int(logits.argmax()),
+                    len(prompt) - alloc.shared_prefix_tokens,
+                    alloc.shared_prefix_tokens,
+                )
+            )
         return results
 
     # ---- decode --------------------------------------------------------------------------
@@ -364,9 +374,14 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self._counters
         return EngineStats(
-            gpu=self.pool.stats(), sequences=len(self.seqs), prefill_tokens_computed=c.computed,
-            prefill_tokens_reused=c.reused, decode_tokens=c.decoded, pages_published=c.published,
-            rebinds=c.rebinds, bytes_offloaded=c.offloaded,
+            gpu=self.pool.stats(),
+            sequences=len(self.seqs),
+            prefill_tokens_computed=c.computed,
+            prefill_tokens_reused=c.reused,
+            decode_tokens=c.decoded,
+            pages_published=c.published,
+            rebinds=c.rebinds,
+            bytes_offloaded=c.offloaded,
         )
 
     # ---- internals: copies and the forward pass ------------------------------------------

@@ -5,6 +5,7 @@ address (the sum of row lengths over every sequence that holds GPU pages); "phys
 pages are the distinct GPU pages behind them. With no sharing the two are equal
 (docs/architecture.md invariant 4, applied to the GPU pool).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ between shared memory and the GPU pool. The client maps extents lazily, when a p
 new extent is first asked for; `map_pages` does that up front, so that on CUDA the loader
 can register (`cudaHostRegister`) every extent a copy batch touches before it copies.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

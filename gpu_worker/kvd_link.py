@@ -18,6 +18,7 @@ sequence it no longer knows) is logged and also answers `None`.
 page ids are meaningful only within one instance, so processes that hand page ids to each
 other (vLLM's scheduler and workers) compare it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,15 +48,22 @@ class NamespaceSpec:
     revision: str = ""
     tp_rank: int = 0
     tp_size: int = 1
-    extra: tuple[tuple[str, str], ...] = ()   # engine-specific identity, e.g. a page byte order
+    extra: tuple[tuple[str, str], ...] = ()  # engine-specific identity, e.g. a page byte order
 
 
 class KVDLink:
     """A lazily opened, self-healing session with one namespace registered."""
 
-    def __init__(self, socket: str | None, client_name: str, namespace: NamespaceSpec,
-                 retry_seconds: float = 0.5, max_retry_seconds: float = 5.0, connect_timeout: float = 2.0,
-                 call_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        socket: str | None,
+        client_name: str,
+        namespace: NamespaceSpec,
+        retry_seconds: float = 0.5,
+        max_retry_seconds: float = 5.0,
+        connect_timeout: float = 2.0,
+        call_timeout: float = 5.0,
+    ) -> None:
         self.socket = socket
         self.client_name = client_name
         self.namespace = namespace
@@ -139,8 +147,14 @@ class KVDLink:
         client.call_timeout = self.call_timeout
         try:
             spec = self.namespace
-            ns = client.register_namespace(spec.model, spec.layout, revision=spec.revision,
-                                           tp_rank=spec.tp_rank, tp_size=spec.tp_size, extra=dict(spec.extra))
+            ns = client.register_namespace(
+                spec.model,
+                spec.layout,
+                revision=spec.revision,
+                tp_rank=spec.tp_rank,
+                tp_size=spec.tp_size,
+                extra=dict(spec.extra),
+            )
         except KVDError as e:
             client.close()
             self._outcome = f"cannot register the namespace: {e.message}"
@@ -152,8 +166,11 @@ class KVDLink:
         self.instance, self.session = client.daemon_instance, client.session
         self._backoff = self.retry_seconds
         if self._warned:
-            log.warning("kvd on %s is back (daemon instance %s); prefix hits resume", self.socket or "the default socket",
-                        self.instance)
+            log.warning(
+                "kvd on %s is back (daemon instance %s); prefix hits resume",
+                self.socket or "the default socket",
+                self.instance,
+            )
         self._warned = False
 
     def _lost(self, why: str) -> None:
@@ -164,8 +181,11 @@ class KVDLink:
 
     def _schedule_retry(self, now: float, why: str) -> None:
         if not self._warned:
-            log.warning("kvd on %s cannot serve (%s); the engine computes without it and retries",
-                        self.socket or "the default socket", why)
+            log.warning(
+                "kvd on %s cannot serve (%s); the engine computes without it and retries",
+                self.socket or "the default socket",
+                why,
+            )
             self._warned = True
         self._next_try = now + self._backoff
         self._backoff = min(self._backoff * 2, self.max_retry_seconds)

@@ -6,12 +6,13 @@ On CUDA both run on a side stream, ordered after the work already queued on the 
 stream (a load may overwrite an evicted copy that queued kernels still read; a store reads
 KV that queued kernels write), and the compute stream waits on an event recorded after
 the copies. Each host extent is registered with `cudaHostRegister` once per process (at
-the first copy batch after it appears), so the copies are DMA straight from shared memory. On CPU the same code runs as plain,
-synchronous tensor copies.
+the first copy batch after it appears), so the copies are DMA straight from shared
+memory. On CPU the same code runs as plain, synchronous tensor copies.
 
 The pool tensor must outlive the loader: it is used on the side stream without
 `record_stream`, which is safe only because it is never freed while copies are queued.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,6 +31,7 @@ from gpu_worker.pool import GpuPageId, GpuPagePool, HostPageId, PageLoad, torch_
 
 # cudaHostRegister of very large ranges fails or stalls; register at most this much at once.
 CUDA_REGISTER_CHUNK_BYTES = 64 << 30
+
 
 class HostPages(Protocol):
     """Where host pages live: the client's zero-copy views of the daemon's shared memory."""
@@ -65,8 +67,9 @@ class CopyBatch:
             self.done.synchronize()
 
 
-def register_chunks(address: int, nbytes: int, align: int,
-                    max_chunk: int = CUDA_REGISTER_CHUNK_BYTES) -> list[tuple[int, int]]:
+def register_chunks(
+    address: int, nbytes: int, align: int, max_chunk: int = CUDA_REGISTER_CHUNK_BYTES
+) -> list[tuple[int, int]]:
     """Split `[address, address + nbytes)` into `(address, size)` ranges of at most
     `max_chunk` bytes whose inner boundaries lie at multiples of `align` from the start,
     so that no KV page straddles two registrations."""
@@ -116,8 +119,11 @@ def register_host_extents(extents: Iterable[memoryview], page_bytes: int) -> int
                         for p in done:
                             cudart.cudaHostUnregister(p)
                         if view.readonly:
-                            log.warning("cannot register a read-only host extent (CUDA error %d); copies of "
-                                        "published pages from it go through pageable memory", err)
+                            log.warning(
+                                "cannot register a read-only host extent (CUDA error %d); copies of "
+                                "published pages from it go through pageable memory",
+                                err,
+                            )
                             break
                         raise RuntimeError(f"cudaHostRegister({ptr:#x}, {size}) failed with CUDA error {err}")
                     done.append(ptr)
@@ -125,6 +131,7 @@ def register_host_extents(extents: Iterable[memoryview], page_bytes: int) -> int
                     added += view.nbytes
             _registered.add(key)
     return added
+
 
 class PageLoader:
     """Copies pages between one pool and one host page source."""

@@ -9,6 +9,7 @@ The math follows transformers' ``modeling_llama.py`` / ``modeling_gpt_oss.py`` (
 the two halves of each head, RMSNorm in float32, SwiGLU, GPT-OSS's clamped SwiGLU experts,
 attention sinks, yarn) so logits match HF's eager implementation.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,9 +49,7 @@ class PrefillRequest:
         if self.prefix_shared_tokens < 0:
             raise ValueError(f"prefix_shared_tokens must be >= 0, got {self.prefix_shared_tokens}")
         if self.is_full_hit != (self.full_hit_last_token is not None):
-            raise ValueError(
-                "an empty suffix (full hit) needs full_hit_last_token, and only a full hit may set it"
-            )
+            raise ValueError("an empty suffix (full hit) needs full_hit_last_token, and only a full hit may set it")
         if self.is_full_hit and self.prefix_shared_tokens == 0:
             raise ValueError("a full hit needs at least one cached token")
 
@@ -118,9 +117,7 @@ class ModelRunner:
         and returns next-token logits; with ``all_logits`` also every suffix token's logits.
         """
         page_size = self._check_pool(kv_pool)
-        input_ids = [
-            int(t) for r in batch for t in ([r.full_hit_last_token] if r.is_full_hit else r.suffix_input_ids)
-        ]
+        input_ids = [int(t) for r in batch for t in ([r.full_hit_last_token] if r.is_full_hit else r.suffix_input_ids)]
         attn = AttentionBatch.build(
             page_tables=[r.page_table for r in batch],
             query_starts=[r.context_length - 1 if r.is_full_hit else r.prefix_shared_tokens for r in batch],
@@ -299,9 +296,7 @@ def _yarn(rope: RopeSpec, dim: int) -> tuple[torch.Tensor, float]:
             attention_factor = mscale(rope.factor)
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (
-            2 * math.log(rope.theta)
-        )
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:

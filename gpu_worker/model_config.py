@@ -7,6 +7,7 @@ Parsing is strict: a model type or attention feature the runner cannot compute e
 RoPE scalings) raises ``UnsupportedModelError`` instead of being run as plain GQA, which
 would produce plausible-looking but wrong KV pages.
 """
+
 from __future__ import annotations
 
 import json

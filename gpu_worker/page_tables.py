@@ -21,6 +21,7 @@ Writes land in the sequence's private GPU pages (the copy of its private host ta
 runway). Offload them (`PageLoader.store`) and call `adopt_runway` for the runway pages that
 got host pages, so cached copies and host pages agree.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -168,9 +169,7 @@ class GpuPageTables:
             raise KeyError(f"sequence {seq!r} holds no GPU pages")
         n = len(host_pages)
         if n > len(held.runway):
-            raise ValueError(
-                f"sequence {seq!r}: {n} host pages adopted but only {len(held.runway)} runway pages"
-            )
+            raise ValueError(f"sequence {seq!r}: {n} host pages adopted but only {len(held.runway)} runway pages")
         for g, h in zip(held.runway, host_pages):
             self.pool.bind(g, h)
         row = HostRow(held.row.shared, held.row.private + tuple(host_pages))

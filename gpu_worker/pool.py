@@ -25,6 +25,7 @@ A resident copy is trusted to equal its host page; whoever writes a host-backed 
 (decode appending to a sequence's private tail) writes the host page too before the last
 reference goes, and host page ids whose contents will change are `forget`-ed first.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -91,9 +92,7 @@ class GpuPagePool:
     def __init__(self, layout: PageLayout, kv: torch.Tensor) -> None:
         """Manage `kv` (already allocated) as a pool."""
         if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.page_shape:
-            raise ValueError(
-                f"pool tensor shape {tuple(kv.shape)} is not [num_pages, *{layout.page_shape}]"
-            )
+            raise ValueError(f"pool tensor shape {tuple(kv.shape)} is not [num_pages, *{layout.page_shape}]")
         if kv.dtype != torch_dtype(layout):
             raise ValueError(f"pool tensor dtype {kv.dtype} is not the layout's {layout.dtype}")
         if not kv.is_contiguous():
@@ -110,9 +109,7 @@ class GpuPagePool:
         self._skipped = 0
 
     @classmethod
-    def allocate(
-        cls, layout: PageLayout, num_pages: int, device: torch.device | str = "cpu"
-    ) -> GpuPagePool:
+    def allocate(cls, layout: PageLayout, num_pages: int, device: torch.device | str = "cpu") -> GpuPagePool:
         """A pool over a fresh (uninitialised) tensor of `num_pages` pages on `device`."""
         if num_pages <= 0:
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
@@ -142,9 +139,7 @@ class GpuPagePool:
 
     # ---- refcount changes ----------------------------------------------------------------
 
-    def acquire(
-        self, host_pages: Sequence[HostPageId], private: int = 0
-    ) -> Acquired | PoolExhausted:
+    def acquire(self, host_pages: Sequence[HostPageId], private: int = 0) -> Acquired | PoolExhausted:
         """Take one reference per entry of `host_pages` (duplicates = several rows) and
         `private` fresh private pages; all or nothing.
 
@@ -156,8 +151,7 @@ class GpuPagePool:
         wanted = dict.fromkeys(host_pages)  # unique host pages, first-seen order
         missing = [h for h in wanted if h not in self._gpu_of_host]
         reused_cached = [
-            self._gpu_of_host[h] for h in wanted
-            if h in self._gpu_of_host and self._gpu_of_host[h] in self._cached
+            self._gpu_of_host[h] for h in wanted if h in self._gpu_of_host and self._gpu_of_host[h] in self._cached
         ]
         needed = len(missing) + private
         available = len(self._free) + len(self._cached) - len(reused_cached)
@@ -190,9 +184,7 @@ class GpuPagePool:
         for g in gpu_pages:
             count = self._refs.get(g)
             if count is None:
-                raise PoolInvariantError(
-                    f"gpu page {g} released{by} but holds no reference (released twice?)"
-                )
+                raise PoolInvariantError(f"gpu page {g} released{by} but holds no reference (released twice?)")
             if count > 1:
                 self._refs[g] = count - 1
                 continue
@@ -208,9 +200,7 @@ class GpuPagePool:
         """Record that private page `gpu_page` now equals host page `host_page` (its KV was
         offloaded there), so later rows with that host page reuse it instead of loading."""
         if gpu_page not in self._refs:
-            raise PoolInvariantError(
-                f"gpu page {gpu_page} bound to host page {host_page} while unreferenced"
-            )
+            raise PoolInvariantError(f"gpu page {gpu_page} bound to host page {host_page} while unreferenced")
         if gpu_page in self._host_of_gpu:
             raise PoolInvariantError(
                 f"gpu page {gpu_page} bound to host page {host_page} but already holds "
@@ -233,8 +223,7 @@ class GpuPagePool:
             raise PoolInvariantError(f"host page {old} renamed to {new} but it is not resident")
         if new in self._gpu_of_host:
             raise PoolInvariantError(
-                f"host page {old} renamed to {new}, which is already resident in gpu page "
-                f"{self._gpu_of_host[new]}"
+                f"host page {old} renamed to {new}, which is already resident in gpu page {self._gpu_of_host[new]}"
             )
         del self._gpu_of_host[old]
         self._gpu_of_host[new] = g
@@ -249,9 +238,7 @@ class GpuPagePool:
             if g is None:
                 continue
             if g in self._refs:
-                raise PoolInvariantError(
-                    f"host page {h} forgotten while gpu page {g} holds {self._refs[g]} references"
-                )
+                raise PoolInvariantError(f"host page {h} forgotten while gpu page {g} holds {self._refs[g]} references")
             del self._cached[g]
             del self._host_of_gpu[g]
             del self._gpu_of_host[h]
@@ -284,7 +271,8 @@ class GpuPagePool:
         if len(free) != len(self._free):
             raise PoolInvariantError("a gpu page is on the free list twice")
         for name_a, a, name_b, b in (
-            ("free", free, "cached", cached), ("free", free, "in use", used),
+            ("free", free, "cached", cached),
+            ("free", free, "in use", used),
             ("cached", cached, "in use", used),
         ):
             if a & b:

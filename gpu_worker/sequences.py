@@ -7,6 +7,7 @@ A sequence the daemon evicted while on hold is noticed through the session's evi
 events (`evicted`), or at the latest when the daemon hands out one of its pages again
 (`check_fresh`, `check_hits`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -29,7 +30,7 @@ class EngineSequence:
 
     @property
     def row(self) -> HostRow:
-        return HostRow(tuple(self.host[: self.published]), tuple(self.host[self.published:]))
+        return HostRow(tuple(self.host[: self.published]), tuple(self.host[self.published :]))
 
 
 class HeldSequences:
@@ -124,9 +125,10 @@ class HeldSequences:
         seq_id, pos = next(iter(holders.items()))
         seq = self._seqs[seq_id]
         same = (
-            pos == position and pos < seq.published
+            pos == position
+            and pos < seq.published
             and (seq.host[pos - 1] if pos else None) == parent
-            and seq.tokens[pos * size:(pos + 1) * size] == list(tokens[position * size:(position + 1) * size])
+            and seq.tokens[pos * size : (pos + 1) * size] == list(tokens[position * size : (position + 1) * size])
         )
         if not same:
             for s in list(holders):

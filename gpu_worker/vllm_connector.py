@@ -22,6 +22,7 @@ unless `kv_connector_extra_config` says `"load_failure_policy": "fail"`.
 `kv_connector_extra_config` keys: `socket` (default: found as kvd/wire/paths.py says: `KVD_SOCKET`,
 the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from engine_client import PageLayout
 from gpu_worker.kvd_link import KVDLink, NamespaceSpec
 from gpu_worker.vllm_plans import KVDConnectorMetadata
 from gpu_worker.vllm_scheduler import KVDSchedulerSide
 from gpu_worker.vllm_worker import KVDWorkerSide
-from engine_client import PageLayout
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,26 @@ def namespace_spec(vllm_config, kv_cache_config) -> tuple[NamespaceSpec, list[st
         )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise ValueError(f"KVDConnector needs one KV cache group of full-attention layers; this model has {len(groups)}")
+        raise ValueError(
+            f"KVDConnector needs one KV cache group of full-attention layers; this model has {len(groups)}"
+        )
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or getattr(spec, "sliding_window", None) or type(spec).__name__ != "FullAttentionSpec":
+    if (
+        not isinstance(spec, AttentionSpec)
+        or getattr(spec, "sliding_window", None)
+        or type(spec).__name__ != "FullAttentionSpec"
+    ):
         raise ValueError(f"KVDConnector supports full attention only; this model's KV cache is {type(spec).__name__}")
     if spec.head_size_v != spec.head_size or spec.num_head_slots is not None or spec.page_size_padded is not None:
         raise ValueError("KVDConnector needs dense K/V of equal head sizes (no MLA, packed or padded pages)")
     dtype = str(spec.dtype).removeprefix("torch.")
-    layout = PageLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
-                        head_dim=spec.head_size, page_size=spec.block_size, dtype=dtype)
+    layout = PageLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        page_size=spec.block_size,
+        dtype=dtype,
+    )
     model = vllm_config.model_config
     extra = (("kv_layout", cpu_kv_layout(vllm_config, spec)),) if current_platform.is_cpu() else ()
     return NamespaceSpec(model.model, layout, revision=model.revision or "", extra=extra), list(groups[0].layer_names)
@@ -72,8 +84,10 @@ def cpu_kv_layout(vllm_config, spec) -> str:
     that depends on the kernel it picked for this CPU and dtype (its "ISA"), not in kvd's
     page order. Its pages are shared only with engines that use the same arrangement."""
     from vllm.v1.attention.backends import cpu_attn
-    isa = cpu_attn._get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
-                                 vllm_config.cache_config.cache_dtype)
+
+    isa = cpu_attn._get_attn_isa(
+        vllm_config.model_config.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+    )
     return f"vllm-cpu-{isa}"
 
 

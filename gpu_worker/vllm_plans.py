@@ -7,6 +7,7 @@ whose own session is with another instance (the daemon restarted in between) mus
 use them. Saves carry no page ids: each worker writes and publishes pages of its own
 kvd sequence, so no process ever writes a page another session owns.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class KVDWorkerMetadata(KVConnectorWorkerMetadata):
 
     published: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def aggregate(self, other: "KVDWorkerMetadata") -> "KVDWorkerMetadata":
+    def aggregate(self, other: KVDWorkerMetadata) -> KVDWorkerMetadata:
         """Blocks count as published only where every worker published them."""
         both = {}
         for req_id, (start, end) in self.published.items():

@@ -20,6 +20,7 @@ It holds no tensors and writes no page:
 Prompt blocks only: generated tokens are not saved. Requests with prompt embeddings are
 left alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,19 +72,19 @@ class _Tracked:
     request: object
     prompt: PromptKey
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
-    planned: int = 0              # blocks [0, planned) were in a save plan already
-    announced: bool = False       # its prompt went to the workers with a plan
-    pinned_on: str = ""           # the session whose sequence pins its loads ("" none)
+    planned: int = 0  # blocks [0, planned) were in a save plan already
+    announced: bool = False  # its prompt went to the workers with a plan
+    pinned_on: str = ""  # the session whose sequence pins its loads ("" none)
 
 
 class KVDSchedulerSide:
     def __init__(self, link: KVDLink, block_size: int) -> None:
         self.link = link
         self.block_size = block_size
-        self._local_hits: dict[str, int] = {}   # req_id -> vLLM's block-aligned local hit at lookup
+        self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
-        self._finished: set[str] = set()         # for the workers, with the next metadata
+        self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, object] = {}  # for events still to come
         self._events: list[BlockStored] = []
 
@@ -98,8 +99,12 @@ class KVDSchedulerSide:
         loadable = min(len(tokens), (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size)
         if loadable <= num_computed_tokens:
             return 0
-        found = self.link.attempt("lookup", lambda kvd, ns: kvd.lookup(
-            ns, [SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)]))
+        found = self.link.attempt(
+            "lookup",
+            lambda kvd, ns: kvd.lookup(
+                ns, [SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)]
+            ),
+        )
         if not found:
             return 0
         self._local_hits[request.request_id] = num_computed_tokens
@@ -117,28 +122,37 @@ class KVDSchedulerSide:
         self._tracked[req_id] = tracked
         if not num_external_tokens:
             return
-        wanted = tokens[:local_hit + num_external_tokens]
-        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(
-            ns, [SequenceRequest(self.link.seq_id(req_id), wanted, keys)]))
+        wanted = tokens[: local_hit + num_external_tokens]
+        found = self.link.attempt(
+            "allocate",
+            lambda kvd, ns: kvd.allocate_with_prefix(ns, [SequenceRequest(self.link.seq_id(req_id), wanted, keys)]),
+        )
         hit_pages = found[0].shared_pages if found else []
         if found:
             tracked.pinned_on = self.link.session
             tracked.planned = len(hit_pages)  # kvd holds these blocks: nothing to save
         positions = range(local_hit // self.block_size, len(wanted) // self.block_size)
-        self._loads.append((self.link.session, LoadPlan(
-            req_id, self.link.instance,
-            page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
-            block_ids=[block_ids[p] for p in positions if p < len(hit_pages)],
-            missing_block_ids=[block_ids[p] for p in positions if p >= len(hit_pages)],
-        )))
+        self._loads.append(
+            (
+                self.link.session,
+                LoadPlan(
+                    req_id,
+                    self.link.instance,
+                    page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
+                    block_ids=[block_ids[p] for p in positions if p < len(hit_pages)],
+                    missing_block_ids=[block_ids[p] for p in positions if p >= len(hit_pages)],
+                ),
+            )
+        )
 
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
         """This step's loads (from `allocated`), saves (full prompt blocks it completes) and
         the requests finished since the last step."""
-        meta = KVDConnectorMetadata(loads=[self._still_pinned(session, plan) for session, plan in self._loads],
-                                    finished=self._finished)
+        meta = KVDConnectorMetadata(
+            loads=[self._still_pinned(session, plan) for session, plan in self._loads], finished=self._finished
+        )
         self._loads, self._finished = [], set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -161,8 +175,11 @@ class KVDSchedulerSide:
             end = min(done, len(t.prompt.token_ids) // self.block_size, len(t.block_ids))
             if end > t.planned:
                 positions = list(range(t.planned, end))
-                meta.saves.append(SavePlan(req_id, positions, [t.block_ids[p] for p in positions],
-                                           prompt=None if t.announced else t.prompt))
+                meta.saves.append(
+                    SavePlan(
+                        req_id, positions, [t.block_ids[p] for p in positions], prompt=None if t.announced else t.prompt
+                    )
+                )
                 t.planned, t.announced = end, True
         return meta
 
@@ -197,9 +214,12 @@ class KVDSchedulerSide:
         parent = maybe_convert_block_hash(request.block_hashes[first - 1]) if first and request.block_hashes else None
         lora = request.lora_request
         return BlockStored(
-            block_hashes=hashes, parent_block_hash=parent,
-            token_ids=list(request.prompt_token_ids[first * self.block_size:end * self.block_size]),
-            block_size=self.block_size, lora_id=lora.lora_int_id if lora else None, medium="kvd",
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=list(request.prompt_token_ids[first * self.block_size : end * self.block_size]),
+            block_size=self.block_size,
+            lora_id=lora.lora_int_id if lora else None,
+            medium="kvd",
             lora_name=lora.lora_name if lora else None,
         )
 

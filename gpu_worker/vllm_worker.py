@@ -25,6 +25,7 @@ for every layer at once with an event per layer that `wait_layer` makes the comp
 stream wait on; saves of a layer are queued after that layer's attention and waited for
 in `wait_for_save`, before they are published.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,9 +69,9 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
 class _Saving:
     """One request's kvd sequence in this worker's session."""
 
-    session: str          # this worker's session that owns the sequence
-    page_ids: list[int]   # one per full prompt block
-    published: int        # blocks [0, published) are published (hits count from the start)
+    session: str  # this worker's session that owns the sequence
+    page_ids: list[int]  # one per full prompt block
+    published: int  # blocks [0, published) are published (hits count from the start)
     written: set[int] = field(default_factory=set)
 
 
@@ -81,7 +82,7 @@ class _StepSave:
     req_id: str
     positions: list[int]
     block_ids: list[int]
-    groups: list          # client.pages_by_extent of the pages at `positions`
+    groups: list  # client.pages_by_extent of the pages at `positions`
 
 
 class KVDWorkerSide:
@@ -89,14 +90,14 @@ class KVDWorkerSide:
         self.link = link
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.layout = link.namespace.layout
-        self._layers: list[torch.Tensor] = []   # per layer: [blocks, 2, block_size, heads, head_dim] views
+        self._layers: list[torch.Tensor] = []  # per layer: [blocks, 2, block_size, heads, head_dim] views
         self._cuda = False
         self._stream: torch.cuda.Stream | None = None
         self._load_events: dict[int, torch.cuda.Event] = {}
         self._load_errors: set[int] = set()
         self._prompts: dict[str, PromptKey] = {}
         self._sequences: dict[str, _Saving] = {}
-        self._complete: set[str] = set()   # requests whose prompt blocks are all saved (or tried)
+        self._complete: set[str] = set()  # requests whose prompt blocks are all saved (or tried)
         self._saves: list[_StepSave] = []
         self._saved_layers: set[int] = set()
         self._published: dict[str, tuple[int, int]] = {}
@@ -173,8 +174,9 @@ class KVDWorkerSide:
         if not todo:
             return None
         positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
-        groups = self._resolve(None, [seq.page_ids[p] for p in positions],
-                               f"save for request {plan.req_id}", writable=True)
+        groups = self._resolve(
+            None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
+        )
         return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
 
     def _sequence(self, req_id: str) -> _Saving | None:
@@ -187,8 +189,12 @@ class KVDWorkerSide:
         if prompt is None:
             return None
         seq_id = self.link.seq_id(req_id)
-        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(
-            ns, [SequenceRequest(seq_id, prompt.token_ids, prompt.extra_keys)]))
+        found = self.link.attempt(
+            "allocate",
+            lambda kvd, ns: kvd.allocate_with_prefix(
+                ns, [SequenceRequest(seq_id, prompt.token_ids, prompt.extra_keys)]
+            ),
+        )
         if not found:
             self._sequences.pop(req_id, None)
             return None
@@ -251,8 +257,12 @@ class KVDWorkerSide:
         if end == seq.published or seq.session != self.link.session:
             return
         seq_id = self.link.seq_id(req_id)
-        if self.link.attempt("publish", lambda kvd, ns: kvd.publish(
-                ns, [seq_id], {seq_id: end * self.layout.page_size})) is not None:
+        if (
+            self.link.attempt(
+                "publish", lambda kvd, ns: kvd.publish(ns, [seq_id], {seq_id: end * self.layout.page_size})
+            )
+            is not None
+        ):
             start = self._published.get(req_id, (seq.published, 0))[0]
             self._published[req_id] = (start, end)
             seq.published = end
@@ -271,8 +281,11 @@ class KVDWorkerSide:
     def _release(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._prompts.pop(req_id, None)
-        live = [self.link.seq_id(r) for r in req_ids
-                if (seq := self._sequences.pop(r, None)) is not None and seq.session == self.link.session]
+        live = [
+            self.link.seq_id(r)
+            for r in req_ids
+            if (seq := self._sequences.pop(r, None)) is not None and seq.session == self.link.session
+        ]
         if live:
             self.link.attempt("release", lambda kvd, ns: kvd.release(ns, live))
 
@@ -282,6 +295,7 @@ class KVDWorkerSide:
 
         Pages another session named (loads) are trusted only from the daemon instance
         that named them; writable ones must be private pages of this worker's sequences."""
+
         def locate(kvd, ns):
             if daemon_instance is not None and kvd.daemon_instance != daemon_instance:
                 raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
@@ -289,8 +303,9 @@ class KVDWorkerSide:
             if self._cuda:  # both maps; registered memory must stay mapped, so its extents are kept
                 extents = kvd.mapped_extents(ns)
                 self._registered.update((e.name, e) for e in extents)
-                register_host_extents([memoryview(m) for e in extents for m in (e.memory, e.readonly_memory)],
-                                      self.layout.page_bytes)
+                register_host_extents(
+                    [memoryview(m) for e in extents for m in (e.memory, e.readonly_memory)], self.layout.page_bytes
+                )
             return groups
 
         try:

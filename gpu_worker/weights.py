@@ -6,6 +6,7 @@ Loading is strict: a missing tensor, a tensor the spec does not expect (say an M
 the config did not announce) or a quantised tensor (``*_blocks``/``*_scales``) is an
 error rather than a silently different model. Nothing is downloaded.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -138,9 +139,7 @@ class _Reader:
     def assert_consumed(self) -> None:
         if self._left:
             names = sorted(self._left)
-            raise WeightsError(
-                f"checkpoint has {len(names)} tensors the config does not describe, e.g. {names[:3]}"
-            )
+            raise WeightsError(f"checkpoint has {len(names)} tensors the config does not describe, e.g. {names[:3]}")
 
 
 def _read_layer(spec: ModelSpec, reader: _Reader, prefix: str) -> LayerWeights:

@@ -14,6 +14,7 @@ Each extent has a companion metadata segment ``{name}.meta`` (kvd/meta.py) with 
 record per page, and the arena keeps a manifest segment ``{prefix}-manifest``; with
 them a restarted daemon re-attaches the extents (``attach``) instead of deleting them.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -58,8 +59,8 @@ class ExtentPlan:
     first_page: PageId
     num_pages: int
     page_bytes: int
-    page_size: int = 1        # tokens per page, for the metadata records
-    root: bytes = b""         # the namespace root, checked at recovery
+    page_size: int = 1  # tokens per page, for the metadata records
+    root: bytes = b""  # the namespace root, checked at recovery
 
     @property
     def size(self) -> int:
@@ -151,8 +152,15 @@ class _MemoryLocker:
 class Arena:
     """All extents of one daemon, their names and the host byte budget they share."""
 
-    def __init__(self, budget_bytes: int, extent_bytes: int, name_prefix: str, lock_memory: bool = True,
-                 group: int | None = None, meta_mode: int = 0o660) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        extent_bytes: int,
+        name_prefix: str,
+        lock_memory: bool = True,
+        group: int | None = None,
+        meta_mode: int = 0o660,
+    ) -> None:
         """``group``: gid owning the extents (a tenant's group; None: the daemon's); ``meta_mode``:
         permissions of the metadata and manifest segments, which only the daemon reads."""
         if budget_bytes <= 0:
@@ -171,8 +179,8 @@ class Arena:
         self._extents: dict[str, Extent] = {}
         self._by_first_page: list[Extent] = []  # sorted by first_page
         self._manifest: mmap.mmap | None = None
-        self.shm_refusals = 0   # extents /dev/shm could not hold
-        self.shm_note = ""      # why the last one was refused, until one fits again
+        self.shm_refusals = 0  # extents /dev/shm could not hold
+        self.shm_note = ""  # why the last one was refused, until one fits again
         self._shm_retry_at = 0.0
         self._shm_warned = False
 
@@ -215,9 +223,18 @@ class Arena:
         Metadata comes first, so a crash at any instant leaves either a complete extent or
         one whose data segment is missing or short, which recovery drops on its own
         (kvd/recovery.py) without mistaking it for another configuration."""
-        meta = ExtentMeta.create(plan.name, ExtentHeader(
-            plan.namespace, plan.root, plan.first_page, plan.num_pages, plan.page_size, plan.page_bytes,
-        ), self.meta_mode)
+        meta = ExtentMeta.create(
+            plan.name,
+            ExtentHeader(
+                plan.namespace,
+                plan.root,
+                plan.first_page,
+                plan.num_pages,
+                plan.page_size,
+                plan.page_bytes,
+            ),
+            self.meta_mode,
+        )
         crashpoints.reached("extent-meta")
         try:
             shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
@@ -346,7 +363,7 @@ def _suffixes(name_prefix: str) -> list[str]:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return [n[len(base):] for n in names if n.startswith(base)]
+    return [n[len(base) :] for n in names if n.startswith(base)]
 
 
 def leftover_segments(name_prefix: str) -> list[str]:
@@ -360,9 +377,10 @@ def daemon_segments(name_prefix: str) -> list[str]:
     """Every segment of this daemon's prefix: extents, their metadata and the manifest."""
     root = "/" + name_prefix.lstrip("/")
     ours = [
-        f"{root}-{rest}" for rest in _suffixes(name_prefix)
+        f"{root}-{rest}"
+        for rest in _suffixes(name_prefix)
         if rest.isdigit()
-        or (rest.endswith(META_SUFFIX) and rest[:-len(META_SUFFIX)].isdigit())
+        or (rest.endswith(META_SUFFIX) and rest[: -len(META_SUFFIX)].isdigit())
         or f"{root}-{rest}" == manifest_name(root)
     ]
     return sorted(ours)

@@ -4,6 +4,7 @@ Exit status, one meaning each: 0 done; 1 a runtime failure (no daemon answers, t
 daemon cannot start, ``verify`` found corrupted pages, ``clean`` found a daemon
 running); 2 bad usage or configuration (argparse errors, a setting that cannot be used).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,16 +20,22 @@ from kvd import config as config_mod
 
 def _serve(args) -> int:
     flags = {
-        "socket": args.socket, "host_bytes": args.host_bytes, "extent_bytes": args.extent_bytes,
-        "enable_prefix_reuse": args.enable_prefix_reuse, "metrics_port": args.metrics_port,
-        "metrics_host": args.metrics_host, "log_level": args.log_level,
+        "socket": args.socket,
+        "host_bytes": args.host_bytes,
+        "extent_bytes": args.extent_bytes,
+        "enable_prefix_reuse": args.enable_prefix_reuse,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
+        "log_level": args.log_level,
     }
     cfg = config_mod.load(flags, config_file=args.config)
     config_mod.check_socket_directory(cfg)
     from kvd.server import StartupError, serve  # the daemon's modules load only for `serve`
+
     metrics = None
     if cfg.metrics_port:
         from kvd.metrics import MetricsExporter
+
         metrics = MetricsExporter(isolated=bool(cfg.tenants))
     try:
         serve(cfg, metrics)
@@ -45,6 +52,7 @@ def _socket(args) -> str:
 def stats_table(stats: dict) -> str:
     """A readable table of the JSON stats: totals and one column per namespace."""
     from kvd.stats import STAT_FIELDS
+
     columns = [("total", stats)] + [(f"ns {n['namespace_id']} {n['model']}", n) for n in stats["namespaces"]]
     width = max(len(f) for f in STAT_FIELDS)
     head = " " * width + "".join(f"  {name[:24]:>24}" for name, _ in columns)
@@ -61,14 +69,17 @@ def stats_table(stats: dict) -> str:
 def recovery_line(r: dict) -> str:
     """One line on what the daemon's start found in shared memory, dropped pages by reason."""
     dropped = ", ".join(f"{reason} {n:,}" for reason, n in r["dropped_pages"].items())
-    line = (f"last start: recovered {r['recovered_pages']:,} published pages ({r['resealed_pages']:,} sealed by "
-            f"recovery); dropped {dropped}; incomplete extents {r['incomplete_extents']:,}")
+    line = (
+        f"last start: recovered {r['recovered_pages']:,} published pages ({r['resealed_pages']:,} sealed by "
+        f"recovery); dropped {dropped}; incomplete extents {r['incomplete_extents']:,}"
+    )
     return line + (f"; discarded every segment: {r['discarded']}" if r["discarded"] else "")
 
 
 def _stats(args) -> int:
     from kvd.wire.admin import fetch_stats
     from kvd.wire.errors import KVDError
+
     if args.watch is not None and not args.watch > 0:
         print(f"kvd stats: --watch needs a positive number of seconds, got {args.watch}", file=sys.stderr)
         return 2
@@ -94,6 +105,7 @@ def _stats(args) -> int:
 def _verify(args) -> int:
     from kvd.wire.admin import verify_pages
     from kvd.wire.errors import KVDError
+
     path = _socket(args)
     try:
         result = verify_pages(path)
@@ -103,8 +115,10 @@ def _verify(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"verified {result['checked_pages']} published pages ({result['checked_bytes']:,} bytes) in "
-              f"{result['seconds'] * 1e3:.1f} ms: {result['corrupted_pages']} corrupted pages dropped")
+        print(
+            f"verified {result['checked_pages']} published pages ({result['checked_bytes']:,} bytes) in "
+            f"{result['seconds'] * 1e3:.1f} ms: {result['corrupted_pages']} corrupted pages dropped"
+        )
         print(recovery_line(result["recovery"]))
     return 1 if result["corrupted_pages"] else 0
 
@@ -112,6 +126,7 @@ def _verify(args) -> int:
 def _reset(args) -> int:
     from kvd.wire.admin import reset_prefix_cache
     from kvd.wire.errors import KVDError
+
     path = _socket(args)
     try:
         result = reset_prefix_cache(path, args.namespace)
@@ -127,6 +142,7 @@ def _reset(args) -> int:
 
 def _clean(args) -> int:
     from kvd.arena import daemon_segments, leftover_segments, unlink_segments
+
     cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
     try:
         with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
@@ -139,16 +155,20 @@ def _clean(args) -> int:
         print(f"kvd clean: cannot tell whether a daemon runs on {cfg.socket} ({e.strerror})", file=sys.stderr)
         return 1
     from kvd.tenants import tenant_prefix
+
     prefixes = [cfg.shm_prefix, *(tenant_prefix(cfg.shm_prefix, t.name) for t in cfg.tenants)]
     names = [n for prefix in prefixes for n in leftover_segments(prefix)]
     try:
         for prefix in prefixes:
             unlink_segments(daemon_segments(prefix))  # extents, their metadata, the manifest
     except PermissionError:
-        print(f"kvd clean: not allowed to remove the extents of {cfg.socket}; run it as the daemon's user",
-              file=sys.stderr)
+        print(
+            f"kvd clean: not allowed to remove the extents of {cfg.socket}; run it as the daemon's user",
+            file=sys.stderr,
+        )
         return 1
     from kvd.wire.paths import auth_socket
+
     for path in dict.fromkeys((*cfg.socket_paths, auth_socket(cfg.socket))):
         if os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)  # a dead daemon's socket files
@@ -158,24 +178,35 @@ def _clean(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from kvd import __version__
+
     p = argparse.ArgumentParser(prog="kvd", description="host KV-cache daemon for LLM inference")
     p.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
         sp.set_defaults(parser=sp)  # main() reports unknown options with this subcommand's usage
-        sp.add_argument("--socket", help="unix socket path (default: $KVD_SOCKET, else the config file's socket, "
-                                         "else /run/kvd/kvd.sock if it exists, else $XDG_RUNTIME_DIR/kvd.sock "
-                                         "or /tmp/kvd-UID.sock)")
-        sp.add_argument("--config", help=f"TOML config file (default: $KVD_CONFIG, else {config_mod.DEFAULT_CONFIG_FILE} if present)")
+        sp.add_argument(
+            "--socket",
+            help="unix socket path (default: $KVD_SOCKET, else the config file's socket, "
+            "else /run/kvd/kvd.sock if it exists, else $XDG_RUNTIME_DIR/kvd.sock "
+            "or /tmp/kvd-UID.sock)",
+        )
+        sp.add_argument(
+            "--config",
+            help=f"TOML config file (default: $KVD_CONFIG, else {config_mod.DEFAULT_CONFIG_FILE} if present)",
+        )
 
     s = sub.add_parser("serve", help="run the daemon")
     common(s)
     s.add_argument("--host-bytes", help="budget for all host pages, e.g. 8GiB (default 1GiB)")
     s.add_argument("--extent-bytes", help="size of one shared-memory extent (default 64MiB)")
-    s.add_argument("--enable-prefix-reuse", action=argparse.BooleanOptionalAction, default=None,
-                   help="share identical full prefix pages between sequences (off by default; "
-                        "--no-enable-prefix-reuse overrides a config file)")
+    s.add_argument(
+        "--enable-prefix-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share identical full prefix pages between sequences (off by default; "
+        "--no-enable-prefix-reuse overrides a config file)",
+    )
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     s.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")

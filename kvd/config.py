@@ -20,6 +20,7 @@ Tenants come only from the file (kvd/tenants.py says how clients are mapped to t
 
 Without a ``[tenants]`` table the daemon has one implicit tenant that everyone reaches.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,15 +31,36 @@ import re
 import sys
 from dataclasses import dataclass
 
-from kvd.wire.paths import DEFAULT_CONFIG_FILE, auth_socket, config_file as find_config_file, default_socket, tenant_socket
+from kvd.wire.paths import (
+    auth_socket,
+    default_socket,
+    tenant_socket,
+)
+from kvd.wire.paths import (
+    config_file as find_config_file,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
 
 
 class ConfigError(ValueError):
@@ -76,7 +98,7 @@ class ServeConfig:
     host_bytes: int = 1 << 30
     extent_bytes: int = 64 << 20
     enable_prefix_reuse: bool = False
-    metrics_port: int = 0          # 0: no Prometheus endpoint
+    metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
     lock_memory: bool = True
@@ -106,7 +128,9 @@ _TENANT_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 def _ids(tenant: str, key: str, value, source: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ConfigError(f"tenants.{tenant}.{key}: expected a list of non-negative integer ids, got {value!r} (from {source})")
+        raise ConfigError(
+            f"tenants.{tenant}.{key}: expected a list of non-negative integer ids, got {value!r} (from {source})"
+        )
     return tuple(value)
 
 
@@ -117,7 +141,9 @@ def _group(tenant: str, value, source: str) -> int:
         try:
             return grp.getgrnam(value).gr_gid
         except KeyError:
-            raise ConfigError(f"tenants.{tenant}.group: no group named {value!r} on this host (from {source})") from None
+            raise ConfigError(
+                f"tenants.{tenant}.group: no group named {value!r} on this host (from {source})"
+            ) from None
     raise ConfigError(f"tenants.{tenant}.group: expected a group name or gid, got {value!r} (from {source})")
 
 
@@ -128,9 +154,11 @@ def _tenant(name: str, table, source: str) -> TenantConfig:
         raise ConfigError(f"tenants.{name}: expected a table with {', '.join(_TENANT_KEYS)} (from {source})")
     unknown = sorted(set(table) - set(_TENANT_KEYS))
     if unknown:
-        raise ConfigError(f"tenants.{name}: unknown setting {unknown[0]!r}; known: {list(_TENANT_KEYS)} (from {source})")
+        raise ConfigError(
+            f"tenants.{name}: unknown setting {unknown[0]!r}; known: {list(_TENANT_KEYS)} (from {source})"
+        )
     if "host_bytes" not in table:
-        raise ConfigError(f"tenants.{name}: host_bytes (the tenant's budget, e.g. \"2GiB\") is required (from {source})")
+        raise ConfigError(f'tenants.{name}: host_bytes (the tenant\'s budget, e.g. "2GiB") is required (from {source})')
     uids = _ids(name, "uids", table.get("uids", []), source)
     gids = _ids(name, "gids", table.get("gids", []), source)
     if not uids and not gids:
@@ -152,12 +180,14 @@ def _tenants(doc, source: str) -> tuple[TenantConfig, ...]:
         for t in tenants:
             for i in getattr(t, key):
                 if i in owner:
-                    raise ConfigError(f"tenants: {key[:-1]} {i} belongs to both {owner[i]!r} and {t.name!r} (from {source})")
+                    raise ConfigError(
+                        f"tenants: {key[:-1]} {i} belongs to both {owner[i]!r} and {t.name!r} (from {source})"
+                    )
                 owner[i] = t.name
     return tenants
 
 
-def _check_tenants(cfg: "ServeConfig") -> None:
+def _check_tenants(cfg: ServeConfig) -> None:
     """Checks that need the merged settings: the budget and the auth socket's path."""
     if not cfg.tenants:
         return
@@ -169,8 +199,10 @@ def _check_tenants(cfg: "ServeConfig") -> None:
         )
     for path in cfg.socket_paths:
         if len(os.fsencode(path)) > 107:
-            raise ConfigError(f"socket: with tenants the daemon also listens on {path!r}, "
-                              "and a unix socket path holds at most 107 bytes")
+            raise ConfigError(
+                f"socket: with tenants the daemon also listens on {path!r}, "
+                "and a unix socket path holds at most 107 bytes"
+            )
 
 
 def _coerce(name: str, value, source: str):
@@ -262,5 +294,7 @@ def check_socket_directory(cfg: ServeConfig) -> None:
     """``kvd serve`` creates its socket, never the directory: a typo must not grow a tree."""
     directory = os.path.dirname(os.path.abspath(cfg.socket))
     if not os.path.isdir(directory):
-        raise ConfigError(f"socket: directory {directory} does not exist (socket {cfg.socket!r}); "
-                          "create it first (systemd: RuntimeDirectory=) or choose another path")
+        raise ConfigError(
+            f"socket: directory {directory} does not exist (socket {cfg.socket!r}); "
+            "create it first (systemd: RuntimeDirectory=) or choose another path"
+        )

@@ -11,6 +11,7 @@ at them: ``KVD_CRASH_AT=STEP[:N]`` in the daemon's environment kills it (SIGKILL
 The variable is read once, at import; unset (always, in production) a crash point costs
 one dictionary lookup.
 """
+
 from __future__ import annotations
 
 import os

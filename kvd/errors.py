@@ -5,6 +5,7 @@ memory is an expected outcome and also has its class here, so a batch that does 
 unwinds the same way as bad input. A broken invariant is never one of these: it is an
 AssertionError that names the culprit.
 """
+
 from __future__ import annotations
 
 

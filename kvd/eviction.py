@@ -16,6 +16,7 @@ Today's policy:
 - An on-hold sequence is evicted only when no cached page or reclaimable extent is left,
   the one on hold longest first (``held_victim``).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -22,6 +22,7 @@ process should not hand it on.
 engine_client does this transparently whenever ``<socket>.auth`` exists; a daemon
 without tenants does not create it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +68,9 @@ def answer(tenants: Tenants, peer: Peer) -> bytes:
     except PermissionDenied as e:
         log.warning("handshake refused pid %d uid %d gid %d: %s", peer.pid, peer.uid, peer.gid, e)
         return f"DENIED {e}\n".encode()
-    log.info("handshake: pid %d uid %d → tenant %s%s", peer.pid, peer.uid, ticket.tenant, " (admin)" if ticket.admin else "")
+    log.info(
+        "handshake: pid %d uid %d → tenant %s%s", peer.pid, peer.uid, ticket.tenant, " (admin)" if ticket.admin else ""
+    )
     return f"OK {ticket.token}{'' if ticket.tenant is None else ' ' + ticket.tenant}\n".encode()
 
 

@@ -10,6 +10,7 @@ The hash only narrows the search: a hit counts only when the stored page's token
 parent page and a digest of the local extra bytes equal the request's (``PageContent``), so a collision
 costs a miss, never wrong KV.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -52,8 +53,8 @@ def _tagged(kind: int, value: bytes, *fields: int) -> bytes:
 class ChainSpec:
     """Everything a request contributes to its page keys besides token ids."""
 
-    root: bytes                      # 16-byte start of the chain
-    page_local: dict[int, bytes]     # page index -> tagged multimodal bytes of that page
+    root: bytes  # 16-byte start of the chain
+    page_local: dict[int, bytes]  # page index -> tagged multimodal bytes of that page
 
     def local_bytes(self, page_index: int) -> bytes:
         """Bytes a stored page must match beyond tokens and parent: page 0 also pins the root."""
@@ -73,9 +74,8 @@ class ChainSpec:
 def chain_spec(namespace_root: bytes, page_size: int, extra_keys: list[ExtraKey]) -> ChainSpec:
     """Builds the chain root and per-page extra bytes of one request."""
     request_wide = b"".join(
-        _tagged(k.kind, k.value) for k in sorted(
-            (k for k in extra_keys if k.kind != ExtraKind.MULTIMODAL), key=lambda k: (k.kind, k.value)
-        )
+        _tagged(k.kind, k.value)
+        for k in sorted((k for k in extra_keys if k.kind != ExtraKind.MULTIMODAL), key=lambda k: (k.kind, k.value))
     )
     # Once per request, so a cryptographic digest costs nothing and keeps tenants' salts apart.
     root = hashlib.blake2b(namespace_root + _U32.pack(page_size) + request_wide, digest_size=16).digest()
@@ -101,9 +101,9 @@ class PageContent:
 
     page: PageId
     key: PageKey
-    tokens: bytes              # page_size little-endian int32 token ids
-    parent: PageId | None      # the previous page of the chain; None for page 0
-    local: bytes               # ChainSpec.local_digest of this page
+    tokens: bytes  # page_size little-endian int32 token ids
+    parent: PageId | None  # the previous page of the chain; None for page 0
+    local: bytes  # ChainSpec.local_digest of this page
 
     def matches(self, tokens: bytes, parent: PageId | None, local: bytes) -> bool:
         return self.parent == parent and self.tokens == tokens and self.local == local
@@ -119,7 +119,7 @@ class _Run:
     bytes instead of one hash and one lookup per page.
     """
 
-    start: int                            # chain page index of pages[0]
+    start: int  # chain page index of pages[0]
     pages: list[PageId] = field(default_factory=list)
     keys: list[PageKey] = field(default_factory=list)
     tokens: bytearray = field(default_factory=bytearray)  # the pages' token ids, in order
@@ -135,8 +135,8 @@ class _Run:
     def truncate(self, length: int, page_bytes: int) -> list[PageId]:
         """Keeps the first ``length`` pages; returns the ones cut off."""
         cut = self.pages[length:]
-        del self.pages[length:], self.keys[length:], self.tokens[length * page_bytes:]
-        del self.local_positions[bisect.bisect_left(self.local_positions, length):]
+        del self.pages[length:], self.keys[length:], self.tokens[length * page_bytes :]
+        del self.local_positions[bisect.bisect_left(self.local_positions, length) :]
         return cut
 
 
@@ -174,7 +174,8 @@ class PrefixIndex:
         else:
             run = _Run(start=page_index)
         assert run.start + len(run.pages) == page_index, (
-            f"page {content.page} at chain index {page_index} joins a run ending at index {run.start + len(run.pages) - 1}"
+            f"page {content.page} at chain index {page_index} joins a run ending at index "
+            f"{run.start + len(run.pages) - 1}"
         )
         self._runs[content.page] = (run, len(run.pages))
         run.append(content)
@@ -188,7 +189,9 @@ class PrefixIndex:
             for page in run.truncate(position, len(content.tokens))[1:]:
                 del self._runs[page]
 
-    def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> tuple[list[PageId], list[PageKey]]:
+    def match(
+        self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int
+    ) -> tuple[list[PageId], list[PageKey]]:
         """The longest run of leading full pages whose stored content equals the request's.
 
         ``page_bytes`` is the size of one page's token ids. Each step hashes and looks up
@@ -201,7 +204,7 @@ class PrefixIndex:
         local_pages = sorted(chain.page_local)
         i = 0
         while i < full_pages:
-            page_tokens = tokens[i * page_bytes:(i + 1) * page_bytes]
+            page_tokens = tokens[i * page_bytes : (i + 1) * page_bytes]
             local = chain.local_bytes(i)
             content = self._entries.get(page_key(parent_key, i, page_tokens, local))
             if content is None or not content.matches(page_tokens, parent, chain.local_digest(i) if local else b""):
@@ -220,8 +223,9 @@ class PrefixIndex:
             parent_key, parent = keys[-1], pages[-1]
         return pages, keys
 
-    def _follow_run(self, page: PageId, tokens: bytes, i: int, stop: int,
-                    page_bytes: int) -> tuple[list[PageId], list[PageKey]]:
+    def _follow_run(
+        self, page: PageId, tokens: bytes, i: int, stop: int, page_bytes: int
+    ) -> tuple[list[PageId], list[PageKey]]:
         """Pages after ``page`` in its run that hold the request's pages [i, stop)."""
         place = self._runs.get(page)
         if place is None or stop <= i:
@@ -235,15 +239,17 @@ class PrefixIndex:
         if last <= first:
             return [], []
         span = last - first
-        if span * page_bytes <= _SMALL_SPAN_BYTES and \
-                tokens[i * page_bytes:(i + span) * page_bytes] == run.tokens[first * page_bytes:last * page_bytes]:
+        if (
+            span * page_bytes <= _SMALL_SPAN_BYTES
+            and tokens[i * page_bytes : (i + span) * page_bytes] == run.tokens[first * page_bytes : last * page_bytes]
+        ):
             equal_pages = span  # a short span: comparing slices beats numpy's call overhead
         else:
-            theirs = token_array(run.tokens)[first * page_bytes // TOKEN_BYTES:last * page_bytes // TOKEN_BYTES]
-            ours = token_array(tokens)[i * page_bytes // TOKEN_BYTES:(i + span) * page_bytes // TOKEN_BYTES]
+            theirs = token_array(run.tokens)[first * page_bytes // TOKEN_BYTES : last * page_bytes // TOKEN_BYTES]
+            ours = token_array(tokens)[i * page_bytes // TOKEN_BYTES : (i + span) * page_bytes // TOKEN_BYTES]
             differ = np.flatnonzero(theirs != ours)
             equal_pages = span if not differ.size else int(differ[0]) * 4 // page_bytes
-        return run.pages[first:first + equal_pages], run.keys[first:first + equal_pages]
+        return run.pages[first : first + equal_pages], run.keys[first : first + equal_pages]
 
     def run_problems(self) -> list[str]:
         """Broken run invariants, for kvd/invariants.py: every run page is indexed at its
@@ -259,7 +265,7 @@ class PrefixIndex:
                 found.append(f"run page {page} is not indexed under its key")
             elif position and content.parent != run.pages[position - 1]:
                 found.append(f"run page {page}'s parent is {content.parent}, not the run's previous page")
-            elif run.tokens[position * len(content.tokens):(position + 1) * len(content.tokens)] != content.tokens:
+            elif run.tokens[position * len(content.tokens) : (position + 1) * len(content.tokens)] != content.tokens:
                 found.append(f"run page {page}'s token ids differ from the run's copy")
             elif bool(content.local) != (position in run.local_positions):
                 found.append(f"run page {page}'s local bytes are not recorded in its run")

@@ -9,16 +9,18 @@ hashed synchronously. Instead ``publish`` writes each page's record (state PUBLI
 kvd/meta.py) and hands the page to one background sealer thread; the checksum is
 recorded (state SEALED) on the event loop a moment later, and only if the page still
 holds the same content. A page whose daemon died before its seal is sealed by recovery
-(kvd/recovery.py): its bytes and record were complete before ``publish`` replied. Published pages are immutable, so hashing them beside the event loop is safe;
-the manager waits for the sealer before it unmaps an extent.
+(kvd/recovery.py): its bytes and record were complete before ``publish`` replied.
+Published pages are immutable, so hashing them beside the event loop is safe; the
+manager waits for the sealer before it unmaps an extent.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -34,11 +36,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SealJob:
     page: PageId
-    content: PageContent     # identity-checked when the checksum comes back
+    content: PageContent  # identity-checked when the checksum comes back
     meta: ExtentMeta
-    slot: int                # the page's record in meta
-    covered: bytes           # the record fields the checksum covers
-    view: np.ndarray         # the page's bytes in shared memory
+    slot: int  # the page's record in meta
+    covered: bytes  # the record fields the checksum covers
+    view: np.ndarray  # the page's bytes in shared memory
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,13 @@ class Integrity:
                 self.drop_corrupted(page)
                 corrupted += 1
         seconds = time.perf_counter() - start
-        log.info("verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
-                 checked, checked_bytes, seconds * 1e3, corrupted)
+        log.info(
+            "verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
+            checked,
+            checked_bytes,
+            seconds * 1e3,
+            corrupted,
+        )
         return VerifyResult(checked, checked_bytes, corrupted, seconds)
 
     def drop_corrupted(self, page: PageId) -> None:
@@ -157,8 +164,12 @@ class Integrity:
         content = self.pool.content(page)
         ns_id = self.pool.namespace_of(page)
         self.pool.counters(ns_id).corrupted_pages += 1
-        log.warning("page %d of namespace %d (key %s) failed its checksum; dropped from the index",
-                    page, ns_id, content.key.hex()[:16])
+        log.warning(
+            "page %d of namespace %d (key %s) failed its checksum; dropped from the index",
+            page,
+            ns_id,
+            content.key.hex()[:16],
+        )
         self.forget(page)
         if self.pool.is_indexed(page):
             self.index.remove(content)

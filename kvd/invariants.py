@@ -3,6 +3,7 @@
 Used by tests after every step and by the CheckInvariants admin call. It reads the
 core's state and changes nothing.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -89,5 +90,7 @@ def violations(manager) -> list[str]:
     if physical > logical:
         found.append(f"physical pages {physical} exceed logical pages {logical}")
     if manager.arena.reserved_bytes > manager.arena.budget_bytes:
-        found.append(f"arena holds {manager.arena.reserved_bytes} bytes, over its budget of {manager.arena.budget_bytes}")
+        found.append(
+            f"arena holds {manager.arena.reserved_bytes} bytes, over its budget of {manager.arena.budget_bytes}"
+        )
     return found

@@ -10,6 +10,7 @@ shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``.
 A warm restart's findings arrive through ``restore`` (kvd/recovery.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,15 +20,28 @@ from typing import TYPE_CHECKING
 
 from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.eviction import release_order, restore_order
+from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
 from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
 from kvd.requests import (
-    TOKEN_BYTES, Limits, LookupResult, PinResult, PublishResult, Rebind, ResetResult, ExtendResult,
-    SequencePlan, SequenceRequest, check_batch, check_call, check_seq_id, check_token_lists, prepare,
+    TOKEN_BYTES,
+    ExtendResult,
+    Limits,
+    LookupResult,
+    PinResult,
+    PublishResult,
+    Rebind,
+    ResetResult,
+    SequencePlan,
+    SequenceRequest,
+    check_batch,
+    check_call,
+    check_seq_id,
+    check_token_lists,
+    prepare,
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
@@ -48,10 +62,10 @@ class NamespaceCounters:
 
 
 class KVCacheManager:
-    def __init__(self, arena: Arena, prefix_reuse: bool, limits: Limits = Limits()) -> None:
+    def __init__(self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None) -> None:
         self.arena = arena
         self.prefix_reuse = prefix_reuse
-        self.limits = limits
+        self.limits = limits or Limits()
         self.namespaces = NamespaceRegistry()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
         self.pool = PagePool(on_unpublish=lambda page: self.integrity.forget(page))
@@ -61,8 +75,15 @@ class KVCacheManager:
         self.sessions = SessionRegistry()
         self.counters: dict[NamespaceId, NamespaceCounters] = {}
         self.supply = ExtentSupply(arena, self.pool)
-        self.room = Room(arena, self.pool, self.index, self.supply, self.sequences,
-                         settle_seals=lambda: self.integrity.apply(wait=True), evict_held=self._evict_held)
+        self.room = Room(
+            arena,
+            self.pool,
+            self.index,
+            self.supply,
+            self.sequences,
+            settle_seals=lambda: self.integrity.apply(wait=True),
+            evict_held=self._evict_held,
+        )
         self._aux_bytes = 0  # non-KV state of all sequences
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
 
@@ -94,8 +115,14 @@ class KVCacheManager:
         elif daemon_stopping:
             log.info("session %s of %s ended: the daemon is stopping", session.id[:8], name)
         else:
-            log.warning("session %s of %s (pid %d) ended without a close: the client crashed, was killed or lost "
-                        "its connection; released %d sequences and %d pins", session.id[:8], name, session.pid, *held)
+            log.warning(
+                "session %s of %s (pid %d) ended without a close: the client crashed, was killed or lost "
+                "its connection; released %d sequences and %d pins",
+                session.id[:8],
+                name,
+                session.pid,
+                *held,
+            )
 
     # ---- namespaces ---------------------------------------------------------------
 
@@ -114,7 +141,7 @@ class KVCacheManager:
         self.supply.provision(ns)
         return ns
 
-    def restore(self, report: "RecoveryReport", found: "Recovered | None" = None) -> None:
+    def restore(self, report: RecoveryReport, found: Recovered | None = None) -> None:
         """Takes what a warm restart (kvd/recovery.py) verified, before any call: its namespaces
         with their old ids, its extents' pages as FREE, its pages as CACHED (indexed, refcount 0,
         chain tails first in the LRU) and their checksums. ``report`` is kept for stats."""
@@ -142,11 +169,13 @@ class KVCacheManager:
     def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
         """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py):
         the settings and ``namespaces`` (default: the registered ones)."""
-        self.arena.write_manifest({
-            "host_bytes": self.arena.budget_bytes,
-            "extent_bytes": self.arena.extent_bytes,
-            "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
-        })
+        self.arena.write_manifest(
+            {
+                "host_bytes": self.arena.budget_bytes,
+                "extent_bytes": self.arena.extent_bytes,
+                "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
+            }
+        )
 
     # ---- cached pages ------------------------------------------------------------
 
@@ -214,9 +243,15 @@ class KVCacheManager:
             private = self.pool.allocate(ns.id, -(-p.num_tokens // ns.page_size) - len(p.hits))
             hit_tokens = len(p.hits) * ns.page_size
             seq = Sequence(
-                seq_id=SeqId(p.request.seq_id), namespace=ns.id, session=session.id, chain=p.chain,
-                pages=p.hits + private, num_tokens=p.num_tokens, tokens=bytearray(p.tokens),
-                keys=p.hit_keys, shared_prefix_tokens=hit_tokens,
+                seq_id=SeqId(p.request.seq_id),
+                namespace=ns.id,
+                session=session.id,
+                chain=p.chain,
+                pages=p.hits + private,
+                num_tokens=p.num_tokens,
+                tokens=bytearray(p.tokens),
+                keys=p.hit_keys,
+                shared_prefix_tokens=hit_tokens,
             )
             self._add(session, seq)
             counters.lookup_tokens += p.num_tokens
@@ -276,7 +311,9 @@ class KVCacheManager:
         self.integrity.submit()
         return results
 
-    def extend(self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]) -> list[ExtendResult]:
+    def extend(
+        self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]
+    ) -> list[ExtendResult]:
         """Room for more tokens (decode), always in private pages; all or nothing.
 
         One call per decode step for the whole batch, so the per-item work stays small: most
@@ -291,9 +328,13 @@ class KVCacheManager:
         for seq_id, num_tokens, tokens in items:
             seq = self._live(ns, seq_id, session)
             if seq.state not in growing:
-                raise FailedPrecondition(f"sequence {seq_id!r} is {seq.state.name}; only PREFILLED or IN_DECODE sequences grow")
+                raise FailedPrecondition(
+                    f"sequence {seq_id!r} is {seq.state.name}; only PREFILLED or IN_DECODE sequences grow"
+                )
             if num_tokens <= 0:
-                raise InvalidArgument(f"sequence {seq_id!r}: extend needs a positive number of tokens, got {num_tokens}")
+                raise InvalidArgument(
+                    f"sequence {seq_id!r}: extend needs a positive number of tokens, got {num_tokens}"
+                )
             total = seq.num_tokens + num_tokens
             if total > limits.max_tokens_per_sequence:
                 raise InvalidArgument(
@@ -339,14 +380,23 @@ class KVCacheManager:
         for page, dst_page in zip(copies, private):
             self.arena.copy_page(page, dst_page)
         dst = Sequence(
-            seq_id=SeqId(dst_id), namespace=ns.id, session=session.id, chain=src.chain,
-            pages=shared + private, num_tokens=src.num_tokens, tokens=bytearray(src.tokens),
-            keys=list(src.keys), shared_prefix_tokens=len(shared) * ns.page_size, aux=src.aux,
+            seq_id=SeqId(dst_id),
+            namespace=ns.id,
+            session=session.id,
+            chain=src.chain,
+            pages=shared + private,
+            num_tokens=src.num_tokens,
+            tokens=bytearray(src.tokens),
+            keys=list(src.keys),
+            shared_prefix_tokens=len(shared) * ns.page_size,
+            aux=src.aux,
         )
         self._add(session, dst)
         self._aux_bytes += len(dst.aux)
         self.supply.provision(ns)
-        return SequencePlan(dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens)
+        return SequencePlan(
+            dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
+        )
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns how many page references were released."""
@@ -365,7 +415,9 @@ class KVCacheManager:
         ns = self.namespaces.get(namespace_id)
         return self._set_state(self.sequences.owned(ns.id, seq_id, session.id), state)
 
-    def set_states(self, session_id: str, namespace_id: int, seq_ids: list[str], state: SequenceState) -> list[SequenceState]:
+    def set_states(
+        self, session_id: str, namespace_id: int, seq_ids: list[str], state: SequenceState
+    ) -> list[SequenceState]:
         """Moves every sequence of the batch to `state`, or none of them (a refused transition
         raises before any changes); returns their previous states in order."""
         session = self.sessions.get(session_id)
@@ -412,8 +464,9 @@ class KVCacheManager:
 
     # ---- pins ---------------------------------------------------------------------
 
-    def pin(self, session_id: str, namespace_id: int, tokens: bytes, extra_keys: tuple[ExtraKey, ...],
-            ttl_seconds: float) -> PinResult:
+    def pin(
+        self, session_id: str, namespace_id: int, tokens: bytes, extra_keys: tuple[ExtraKey, ...], ttl_seconds: float
+    ) -> PinResult:
         """Keeps the cached pages of a prefix from eviction until unpinned, expired or the session ends."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
@@ -451,14 +504,16 @@ class KVCacheManager:
 
     # ---- internals: matching and publishing ---------------------------------------
 
-    def _match(self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int) -> tuple[list[PageId], list[PageKey]]:
+    def _match(
+        self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int
+    ) -> tuple[list[PageId], list[PageKey]]:
         """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
         return self.index.match(chain, tokens, ns.page_size * TOKEN_BYTES, full_pages)
 
     def _publish_page(self, ns: Namespace, seq: Sequence, i: int) -> Rebind | None:
         step = ns.page_size * TOKEN_BYTES
         page = seq.pages[i]
-        page_tokens = bytes(seq.tokens[i * step:(i + 1) * step])
+        page_tokens = bytes(seq.tokens[i * step : (i + 1) * step])
         local = seq.chain.local_bytes(i)
         parent_key, parent = (seq.keys[i - 1], seq.pages[i - 1]) if i else (seq.chain.root, None)
         key = page_key(parent_key, i, page_tokens, local)

@@ -34,9 +34,11 @@ becomes PUBLISHED (before ``publish`` replies), its checksum before SEALED, and 
 drops to FREE before the page can be written again. A SEALED record is recovered only
 when its checksum matches, so the checksum also covers the record's own fields; a
 PUBLISHED one is complete (its state byte is written last) and recovery seals it itself.
-The metadata segment is created before its extent's data segment and unlinked after it. Metadata segments are not counted in
-the host budget: per page they take 64 + 4 * page_size bytes (0.1% of a 2 MiB page).
+The metadata segment is created before its extent's data segment and unlinked after it.
+Metadata segments are not counted in the host budget: per page they take
+64 + 4 * page_size bytes (0.1% of a 2 MiB page).
 """
+
 from __future__ import annotations
 
 import json
@@ -102,6 +104,7 @@ def _open(name: str) -> mmap.mmap:
 
 # ---- manifest -----------------------------------------------------------------------
 
+
 def manifest_name(prefix: str) -> str:
     return prefix + MANIFEST_SUFFIX
 
@@ -113,8 +116,10 @@ def write_manifest(prefix: str, doc: dict, memory: mmap.mmap | None, mode: int =
         raise MetaError(f"manifest of {len(body)} bytes does not fit its {MANIFEST_BYTES}-byte segment")
     if memory is None:
         memory = _create(manifest_name(prefix), MANIFEST_BYTES, mode)
-    memory[_MANIFEST_HEAD.size:_MANIFEST_HEAD.size + len(body)] = body
-    memory[:_MANIFEST_HEAD.size] = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body))
+    memory[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + len(body)] = body
+    memory[: _MANIFEST_HEAD.size] = _MANIFEST_HEAD.pack(
+        MANIFEST_MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body)
+    )
     return memory
 
 
@@ -128,7 +133,7 @@ def read_manifest(prefix: str) -> dict:
             raise MetaError(f"the manifest has magic {magic!r}, not {MANIFEST_MAGIC!r}")
         if version != FORMAT_VERSION:
             raise MetaError(f"the manifest has format version {version}; this daemon reads {FORMAT_VERSION}")
-        body = memory[_MANIFEST_HEAD.size:_MANIFEST_HEAD.size + length]
+        body = memory[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + length]
         if len(body) != length or xxhash.xxh3_64_intdigest(body) != digest:
             raise MetaError("the manifest's checksum does not match its body (torn or overwritten)")
         try:
@@ -143,6 +148,7 @@ def read_manifest(prefix: str) -> dict:
 
 
 # ---- per-extent records -------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ExtentHeader:
@@ -162,9 +168,9 @@ class ExtentHeader:
 class Record:
     """One SEALED record as read back at recovery."""
 
-    index: int                 # position in the extent
+    index: int  # position in the extent
     checksum: int
-    covered: bytes             # record[16:], what the checksum covers besides the page
+    covered: bytes  # record[16:], what the checksum covers besides the page
     parent: int | None
     page_index: int
     key: bytes
@@ -182,17 +188,24 @@ class ExtentMeta:
         self._size = header.record_bytes
 
     @classmethod
-    def create(cls, extent_name: str, header: ExtentHeader, mode: int = 0o660) -> "ExtentMeta":
+    def create(cls, extent_name: str, header: ExtentHeader, mode: int = 0o660) -> ExtentMeta:
         name = extent_name + META_SUFFIX
         memory = _create(name, HEADER_BYTES + header.num_pages * header.record_bytes, mode)
-        memory[:_HEADER.size] = _HEADER.pack(
-            EXTENT_MAGIC, FORMAT_VERSION, header.namespace, header.root, header.first_page,
-            header.num_pages, header.page_size, header.page_bytes, header.record_bytes,
+        memory[: _HEADER.size] = _HEADER.pack(
+            EXTENT_MAGIC,
+            FORMAT_VERSION,
+            header.namespace,
+            header.root,
+            header.first_page,
+            header.num_pages,
+            header.page_size,
+            header.page_bytes,
+            header.record_bytes,
         )
         return cls(name, memory, header)
 
     @classmethod
-    def open(cls, extent_name: str) -> "ExtentMeta":
+    def open(cls, extent_name: str) -> ExtentMeta:
         name = extent_name + META_SUFFIX
         memory = _open(name)
         try:
@@ -217,13 +230,13 @@ class ExtentMeta:
         off = self._offset(i)
         self.memory[off] = FREE
         covered = _RECORD_FIELDS.pack(parent is not None, page_index, parent or 0, key, local.ljust(16, b"\0")) + tokens
-        self.memory[off + 16:off + self._size] = covered
+        self.memory[off + 16 : off + self._size] = covered
         self.memory[off] = PUBLISHED
         return covered
 
     def seal(self, i: int, checksum: int) -> None:
         off = self._offset(i)
-        self.memory[off + 8:off + 16] = _CHECKSUM.pack(checksum)
+        self.memory[off + 8 : off + 16] = _CHECKSUM.pack(checksum)
         self.memory[off] = SEALED
 
     def clear(self, i: int) -> None:
@@ -231,20 +244,28 @@ class ExtentMeta:
 
     def covered(self, i: int) -> bytes:
         off = self._offset(i)
-        return self.memory[off + 16:off + self._size]
+        return self.memory[off + 16 : off + self._size]
 
     def states(self) -> np.ndarray:
         """The state byte of every record: uint8 [num_pages]."""
         raw = np.frombuffer(self.memory, dtype=np.uint8, count=self.header.num_pages * self._size, offset=HEADER_BYTES)
-        return raw[::self._size].copy()
+        return raw[:: self._size].copy()
 
     def record(self, i: int) -> Record:
         off = self._offset(i)
         (checksum,) = _CHECKSUM.unpack_from(self.memory, off + 8)
-        covered = self.memory[off + 16:off + self._size]
+        covered = self.memory[off + 16 : off + self._size]
         has_parent, page_index, parent, key, local = _RECORD_FIELDS.unpack_from(covered)
-        return Record(i, checksum, covered, parent if has_parent else None, page_index, key,
-                      local if any(local) else b"", covered[_RECORD_FIELDS.size:])
+        return Record(
+            i,
+            checksum,
+            covered,
+            parent if has_parent else None,
+            page_index,
+            key,
+            local if any(local) else b"",
+            covered[_RECORD_FIELDS.size :],
+        )
 
     def close(self, unlink: bool) -> None:
         self.memory.close()

@@ -8,6 +8,7 @@ walk, as ``kvd stats``) and waits for the answer; a scrape never touches the cor
 structures from another thread. A loop that does not answer within ``SCRAPE_TIMEOUT``
 fails the scrape rather than serve stale values.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,8 @@ import threading
 from prometheus_client import CollectorRegistry, Histogram, Info, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvd import __version__, stats as stats_mod
+from kvd import __version__
+from kvd import stats as stats_mod
 from kvd.stats import Stats
 from kvd.tenants import Tenants
 
@@ -79,23 +81,37 @@ class _StatsCollector:
                 yield metric
         yield GaugeMetricFamily("kvd_sessions", "Open client sessions", value=every.totals.sessions)
         yield GaugeMetricFamily("kvd_host_budget_bytes", "Host byte budget for pages", value=every.host_bytes)
-        yield GaugeMetricFamily("kvd_host_bytes_used", "Budget bytes in pages holding KV (private, shared, cached)",
-                                value=every.host_bytes_used)
-        yield GaugeMetricFamily("kvd_host_bytes_free", "Budget bytes free: free pages of extents and budget not yet "
-                                "made into extents", value=every.host_bytes_free)
+        yield GaugeMetricFamily(
+            "kvd_host_bytes_used",
+            "Budget bytes in pages holding KV (private, shared, cached)",
+            value=every.host_bytes_used,
+        )
+        yield GaugeMetricFamily(
+            "kvd_host_bytes_free",
+            "Budget bytes free: free pages of extents and budget not yet made into extents",
+            value=every.host_bytes_free,
+        )
         yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=every.arena_bytes)
-        yield CounterMetricFamily("kvd_shm_refusals", "Extents /dev/shm could not hold (calls refused)",
-                                  value=every.shm_refusals)
+        yield CounterMetricFamily(
+            "kvd_shm_refusals", "Extents /dev/shm could not hold (calls refused)", value=every.shm_refusals
+        )
         recovery = every.recovery
-        yield GaugeMetricFamily("kvd_recovery_recovered_pages", "Published pages the daemon's start recovered",
-                                value=recovery.recovered_pages)
-        dropped = GaugeMetricFamily("kvd_recovery_dropped_pages", "Published pages the daemon's start dropped",
-                                    labels=["reason"])
+        yield GaugeMetricFamily(
+            "kvd_recovery_recovered_pages",
+            "Published pages the daemon's start recovered",
+            value=recovery.recovered_pages,
+        )
+        dropped = GaugeMetricFamily(
+            "kvd_recovery_dropped_pages", "Published pages the daemon's start dropped", labels=["reason"]
+        )
         for reason, pages in recovery.dropped_pages.items():
             dropped.add_metric([reason], pages)
         yield dropped
-        yield GaugeMetricFamily("kvd_recovery_incomplete_extents", "Extents a crash left incomplete, dropped at start",
-                                value=recovery.incomplete_extents)
+        yield GaugeMetricFamily(
+            "kvd_recovery_incomplete_extents",
+            "Extents a crash left incomplete, dropped at start",
+            value=recovery.incomplete_extents,
+        )
 
 
 class MetricsExporter:
@@ -106,9 +122,13 @@ class MetricsExporter:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         PlatformCollector(registry=self.registry)  # python_info
         Info("kvd_build", "The running kvd's version", registry=self.registry).info(  # kvd_build_info
-            {"version": __version__, "python": platform.python_version()})
+            {"version": __version__, "python": platform.python_version()}
+        )
         self._latency = Histogram(
-            "kvd_request_seconds", "Latency of gRPC calls inside the daemon", ["method"], registry=self.registry,
+            "kvd_request_seconds",
+            "Latency of gRPC calls inside the daemon",
+            ["method"],
+            registry=self.registry,
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0),
         )
         self._server = None

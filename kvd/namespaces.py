@@ -13,6 +13,7 @@ at most ``MAX_NAMESPACES`` namespaces per tenant (each tenant has its own manife
 manifest always fits its segment: no namespace, and no client, can exhaust the space that
 the others' registrations need (checked at import below).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,15 +27,16 @@ from kvd.wire.layout import LayoutError, PageLayout
 
 SUPPORTED_ATTENTION = ("gqa", "sliding", "gqa+sliding")
 
-MAX_MODEL_CHARS = 1024       # a model id or local path
-MAX_REVISION_CHARS = 256     # a git sha, tag or branch
-MAX_EXTRA_ENTRIES = 32       # extra identity the engine names (quantisation, rope scaling, ...)
-MAX_EXTRA_CHARS = 256        # each extra name and value
-MAX_IDENTITY_BYTES = 4096    # the identity's JSON entry in the manifest (non-ASCII text is escaped)
-MAX_NAMESPACES = 128         # per tenant
+MAX_MODEL_CHARS = 1024  # a model id or local path
+MAX_REVISION_CHARS = 256  # a git sha, tag or branch
+MAX_EXTRA_ENTRIES = 32  # extra identity the engine names (quantisation, rope scaling, ...)
+MAX_EXTRA_CHARS = 256  # each extra name and value
+MAX_IDENTITY_BYTES = 4096  # the identity's JSON entry in the manifest (non-ASCII text is escaped)
+MAX_NAMESPACES = 128  # per tenant
 
-assert MANIFEST_ENVELOPE_BYTES + MAX_NAMESPACES * (MAX_IDENTITY_BYTES + 1) <= MANIFEST_BYTES, \
+assert MANIFEST_ENVELOPE_BYTES + MAX_NAMESPACES * (MAX_IDENTITY_BYTES + 1) <= MANIFEST_BYTES, (
     "the manifest segment cannot hold MAX_NAMESPACES identities of MAX_IDENTITY_BYTES"
+)
 
 
 def _check_chars(what: str, text: str, limit: int) -> None:
@@ -193,10 +195,14 @@ def identity_doc(identity: NamespaceIdentity) -> dict:
     """A JSON-able form of an identity, for the shared-memory manifest (kvd/meta.py)."""
     lay = identity.layout
     return {
-        "model": identity.model, "revision": identity.revision,
+        "model": identity.model,
+        "revision": identity.revision,
         "layout": [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype],
-        "tp_rank": identity.tp_rank, "tp_size": identity.tp_size, "attention": identity.attention,
-        "vocab_size": identity.vocab_size, "extra": [list(pair) for pair in identity.extra],
+        "tp_rank": identity.tp_rank,
+        "tp_size": identity.tp_size,
+        "attention": identity.attention,
+        "vocab_size": identity.vocab_size,
+        "extra": [list(pair) for pair in identity.extra],
     }
 
 
@@ -204,7 +210,12 @@ def identity_from_doc(doc: dict) -> NamespaceIdentity:
     """The inverse of identity_doc; raises InvalidArgument, KeyError or TypeError on a bad doc."""
     num_layers, num_kv_heads, head_dim, page_size, dtype = doc["layout"]
     return NamespaceIdentity(
-        model=doc["model"], layout=make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype),
-        revision=doc["revision"], tp_rank=doc["tp_rank"], tp_size=doc["tp_size"], attention=doc["attention"],
-        vocab_size=doc["vocab_size"], extra=tuple((str(k), str(v)) for k, v in doc["extra"]),
+        model=doc["model"],
+        layout=make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype),
+        revision=doc["revision"],
+        tp_rank=doc["tp_rank"],
+        tp_size=doc["tp_size"],
+        attention=doc["attention"],
+        vocab_size=doc["vocab_size"],
+        extra=tuple((str(k), str(v)) for k, v in doc["extra"]),
     )

@@ -10,6 +10,7 @@ references plus pins. Its state follows from the count and from whether it was p
 CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
 eviction policy's (kvd/eviction.py), not this module's.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -29,7 +30,7 @@ class _Page:
     refcount: int = 0
     pins: int = 0
     content: PageContent | None = None  # set while PUBLISHED or CACHED
-    indexed: bool = False               # the index maps content.key to this page
+    indexed: bool = False  # the index maps content.key to this page
 
 
 @dataclass
@@ -85,7 +86,9 @@ class PagePool:
         restored = set()
         for content in contents:
             p = self._pages[content.page]
-            assert p.state is PageState.FREE and p.namespace == namespace, f"page {content.page} restored while {p.state.value}"
+            assert p.state is PageState.FREE and p.namespace == namespace, (
+                f"page {content.page} restored while {p.state.value}"
+            )
             p.state, p.content, p.indexed = PageState.CACHED, content, True
             pages.cached.add(content.page)
             restored.add(content.page)
@@ -148,8 +151,8 @@ class PagePool:
         if not count:  # most decode steps fit in the tail page
             return []
         free, pages_of, free_state, private = self._ns(namespace).free, self._pages, PageState.FREE, PageState.PRIVATE
-        taken = free[len(free) - count:][::-1]
-        del free[len(free) - count:]
+        taken = free[len(free) - count :][::-1]
+        del free[len(free) - count :]
         extents = []
         for page in taken:
             p = pages_of[page]
@@ -186,12 +189,16 @@ class PagePool:
         self.counters(namespace).refcount_increments += len(pages)
 
     def _revive(self, page: PageId, p: _Page, namespace: NamespaceId) -> None:
-        assert p.namespace == namespace, f"page {page} of namespace {p.namespace} acquired with pages of namespace {namespace}"
+        assert p.namespace == namespace, (
+            f"page {page} of namespace {p.namespace} acquired with pages of namespace {namespace}"
+        )
         if p.state is PageState.CACHED:
             self._by_namespace[p.namespace].cached.remove(page)
             p.state = PageState.PUBLISHED
             self._extent_in_use[p.extent] += 1
-        assert p.state is PageState.PUBLISHED, f"page {page} acquired while {p.state.value}; only published pages are shared"
+        assert p.state is PageState.PUBLISHED, (
+            f"page {page} acquired while {p.state.value}; only published pages are shared"
+        )
 
     def release(self, page: PageId, pin: bool = False) -> None:
         """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
@@ -225,7 +232,9 @@ class PagePool:
     @staticmethod
     def _refuse_release(page: PageId, p: _Page, namespace: NamespaceId, pin: bool) -> None:
         """Names the broken invariant of a release that must not happen."""
-        assert p.namespace == namespace, f"page {page} of namespace {p.namespace} released with pages of namespace {namespace}"
+        assert p.namespace == namespace, (
+            f"page {page} of namespace {p.namespace} released with pages of namespace {namespace}"
+        )
         assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
         assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
 

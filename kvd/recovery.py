@@ -25,6 +25,7 @@ The ``RecoveryReport`` is kept for ``kvd stats``, metrics and ``kvd verify``.
 This module only reads and checks segments; what it verified reaches the manager through
 one call, ``KVCacheManager.restore``, which owns the pool, index, checksums and counters.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,14 @@ from kvd.arena import SHM_DIR, Extent, ExtentPlan, ShmFull, daemon_segments, lef
 from kvd.errors import KVDError
 from kvd.index import PageContent
 from kvd.meta import (
-    META_SUFFIX, PUBLISHED, ExtentMeta, MetaError, manifest_name, page_checksum, read_manifest, unlink_quietly,
+    META_SUFFIX,
+    PUBLISHED,
+    ExtentMeta,
+    MetaError,
+    manifest_name,
+    page_checksum,
+    read_manifest,
+    unlink_quietly,
 )
 from kvd.namespaces import NamespaceIdentity, NamespaceRegistry, identity_from_doc
 from kvd.types import NamespaceId, PageId, PageKey
@@ -61,12 +69,12 @@ class RecoveryReport:
 
     extents: int = 0
     recovered_pages: int = 0
-    resealed_pages: int = 0       # of recovered_pages: published but not sealed when the daemon died
-    corrupted_pages: int = 0      # failed their checksum
-    orphaned_pages: int = 0       # verified, but their parent did not come back
-    mismatch_pages: int = 0       # published pages of segments another configuration left
-    incomplete_pages: int = 0     # published pages of incomplete extents
-    incomplete_extents: int = 0   # extents a crash left half created or half deleted
+    resealed_pages: int = 0  # of recovered_pages: published but not sealed when the daemon died
+    corrupted_pages: int = 0  # failed their checksum
+    orphaned_pages: int = 0  # verified, but their parent did not come back
+    mismatch_pages: int = 0  # published pages of segments another configuration left
+    incomplete_pages: int = 0  # published pages of incomplete extents
+    incomplete_extents: int = 0  # extents a crash left half created or half deleted
     verified_bytes: int = 0
     seconds: float = 0.0
     discarded: str | None = None  # why the previous daemon's segments were deleted
@@ -80,14 +88,18 @@ class RecoveryReport:
 
     @property
     def dropped_pages(self) -> dict[str, int]:
-        return {"corrupted": self.corrupted_pages, "orphaned": self.orphaned_pages,
-                "mismatch": self.mismatch_pages, "incomplete_extent": self.incomplete_pages}
+        return {
+            "corrupted": self.corrupted_pages,
+            "orphaned": self.orphaned_pages,
+            "mismatch": self.mismatch_pages,
+            "incomplete_extent": self.incomplete_pages,
+        }
 
     def as_dict(self) -> dict:
         return {**asdict(self), "discarded": self.discarded or "", "dropped_pages": self.dropped_pages}
 
     @classmethod
-    def combined(cls, reports: list["RecoveryReport"]) -> "RecoveryReport":
+    def combined(cls, reports: list[RecoveryReport]) -> RecoveryReport:
         """Several tenants' reports as one daemon's: counts summed, reasons for discarding joined."""
         counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(cls) if f.name != "discarded"}
         return cls(**counts, discarded="; ".join(r.discarded for r in reports if r.discarded) or None)
@@ -108,10 +120,10 @@ class Recovered:
     """What a warm restart verified, for ``KVCacheManager.restore``."""
 
     namespaces: list[tuple[NamespaceIdentity, NamespaceId]]  # with the ids they had
-    extents: list[Extent] = field(default_factory=list)      # attached, not yet adopted
+    extents: list[Extent] = field(default_factory=list)  # attached, not yet adopted
     pages: list[tuple[int, PageContent]] = field(default_factory=list)  # (chain page index, content), parents first
     checksums: dict[PageId, int] = field(default_factory=dict)
-    corrupted: dict[NamespaceId, int] = field(default_factory=dict)   # failed their checksum, per namespace
+    corrupted: dict[NamespaceId, int] = field(default_factory=dict)  # failed their checksum, per namespace
 
 
 def recover(manager) -> RecoveryReport:
@@ -135,8 +147,12 @@ def _recover(arena) -> tuple[RecoveryReport, Recovered | None]:
             meta.close(unlink=False)
         lost = _published_left(prefix)
         unlink_segments(daemon_segments(prefix))
-        log.warning("warm restart: discarding the %d shared-memory segments a previous daemon left "
-                    "(%d published pages): %s", len(segments), lost, e)
+        log.warning(
+            "warm restart: discarding the %d shared-memory segments a previous daemon left (%d published pages): %s",
+            len(segments),
+            lost,
+            e,
+        )
         return RecoveryReport(mismatch_pages=lost, discarded=str(e), seconds=time.perf_counter() - start), None
     report, recovered = _adopt(arena, found, start)
     rate = f", {report.ms_per_gib:.0f} ms per GiB" if report.ms_per_gib is not None else ""
@@ -144,8 +160,14 @@ def _recover(arena) -> tuple[RecoveryReport, Recovered | None]:
         "warm restart: recovered %d published pages from %d extents in %.1f ms (%d bytes verified%s, "
         "%d sealed now); %d failed their checksum, %d dropped with a missing parent, "
         "%d incomplete extents dropped",
-        report.recovered_pages, report.extents, report.seconds * 1e3, report.verified_bytes, rate,
-        report.resealed_pages, report.corrupted_pages, report.orphaned_pages,
+        report.recovered_pages,
+        report.extents,
+        report.seconds * 1e3,
+        report.verified_bytes,
+        rate,
+        report.resealed_pages,
+        report.corrupted_pages,
+        report.orphaned_pages,
         report.incomplete_extents,
     )
     return report, recovered
@@ -187,8 +209,10 @@ def _check(arena, prefix: str, segments: list[str], opened: list[ExtentMeta]) ->
         raise Mismatch(f"the extent size changed from {old_extent} to {arena.extent_bytes} bytes")
     found = _Found(registry)
     data = set(leftover_segments(prefix))
-    names = sorted(data | {s[:-len(META_SUFFIX)] for s in segments if s.endswith(META_SUFFIX)},
-                   key=lambda n: int(n.rsplit("-", 1)[1]))
+    names = sorted(
+        data | {s[: -len(META_SUFFIX)] for s in segments if s.endswith(META_SUFFIX)},
+        key=lambda n: int(n.rsplit("-", 1)[1]),
+    )
     for name in names:
         try:
             meta = ExtentMeta.open(name)
@@ -239,8 +263,15 @@ def _adopt(arena, found: _Found, start: float) -> tuple[RecoveryReport, Recovere
     resealed: set[PageId] = set()
     for meta in sorted(found.metas, key=lambda m: m.header.first_page):
         h = meta.header
-        plan = ExtentPlan(meta.name[:-len(META_SUFFIX)], NamespaceId(h.namespace), PageId(h.first_page),
-                          h.num_pages, h.page_bytes, h.page_size, h.root)
+        plan = ExtentPlan(
+            meta.name[: -len(META_SUFFIX)],
+            NamespaceId(h.namespace),
+            PageId(h.first_page),
+            h.num_pages,
+            h.page_bytes,
+            h.page_size,
+            h.root,
+        )
         try:
             extent = arena.attach(plan, meta)
         except ShmFull as e:  # never map memory the tmpfs cannot back
@@ -264,11 +295,15 @@ def _adopt(arena, found: _Found, start: float) -> tuple[RecoveryReport, Recovere
             candidates.append((record.page_index, page, record, plan.namespace, meta, slot, checksum))
     orphaned = _chain(candidates, recovered)
     return RecoveryReport(
-        extents=len(recovered.extents), recovered_pages=len(recovered.pages),
+        extents=len(recovered.extents),
+        recovered_pages=len(recovered.pages),
         resealed_pages=len(resealed & recovered.checksums.keys()),
-        corrupted_pages=sum(recovered.corrupted.values()), orphaned_pages=orphaned,
-        incomplete_pages=found.incomplete_pages, incomplete_extents=found.incomplete_extents,
-        verified_bytes=verified, seconds=time.perf_counter() - start,
+        corrupted_pages=sum(recovered.corrupted.values()),
+        orphaned_pages=orphaned,
+        incomplete_pages=found.incomplete_pages,
+        incomplete_extents=found.incomplete_extents,
+        verified_bytes=verified,
+        seconds=time.perf_counter() - start,
     ), recovered
 
 

@@ -3,6 +3,7 @@
 The manager validates a whole request with these functions before it changes anything,
 so bad input raises ``InvalidArgument`` and loses nothing.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -93,9 +94,9 @@ class PublishResult:
 @dataclass(frozen=True)
 class ResetResult:
     dropped_pages: int  # cached pages dropped from the index and freed
-    kept_pages: int     # published pages a sequence or pin still references: untouched
+    kept_pages: int  # published pages a sequence or pin still references: untouched
 
-    def __add__(self, other: "ResetResult") -> "ResetResult":
+    def __add__(self, other: ResetResult) -> ResetResult:
         return ResetResult(self.dropped_pages + other.dropped_pages, self.kept_pages + other.kept_pages)
 
 
@@ -133,7 +134,9 @@ def check_call(limits: Limits, sequences) -> None:
     costs at most one pass over the keys the limit allows."""
     tokens = sum(len(s.tokens) for s in sequences) // TOKEN_BYTES
     if tokens > limits.max_call_tokens:
-        raise InvalidArgument(f"one call holds {tokens} tokens, over the limit of {limits.max_call_tokens}; split the batch")
+        raise InvalidArgument(
+            f"one call holds {tokens} tokens, over the limit of {limits.max_call_tokens}; split the batch"
+        )
     keys = sum(len(s.extra_keys) for s in sequences)
     if keys > limits.max_call_extra_keys:
         raise InvalidArgument(
@@ -149,18 +152,18 @@ def check_call(limits: Limits, sequences) -> None:
 def check_batch(limits: Limits, seq_ids: list[str], unique: bool = True) -> None:
     """Batch size, sequence ids, and (for batches that create or change sequences) no id twice."""
     if len(seq_ids) > limits.max_batch_sequences:
-        raise InvalidArgument(
-            f"batch of {len(seq_ids)} sequences is over the limit of {limits.max_batch_sequences}"
-        )
+        raise InvalidArgument(f"batch of {len(seq_ids)} sequences is over the limit of {limits.max_batch_sequences}")
     for s in seq_ids:
         check_seq_id(limits, s)
     if unique and len(set(seq_ids)) != len(seq_ids):
         dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
         raise InvalidArgument(f"sequence {dup!r} appears twice in one batch")
 
+
 def check_seq_id(limits: Limits, seq_id: str) -> None:
     if not seq_id or len(seq_id) > limits.max_seq_id_chars:
         raise InvalidArgument(f"sequence id must have 1 to {limits.max_seq_id_chars} characters, got {seq_id!r:.300}")
+
 
 def check_tokens(limits: Limits, ns: Namespace, tokens: bytes, what: str) -> bytes:
     """Packed int32 token ids within the namespace's vocabulary; returns them as bytes."""
@@ -181,15 +184,18 @@ def check_tokens(limits: Limits, ns: Namespace, tokens: bytes, what: str) -> byt
         raise InvalidArgument(f"{what}: token id {int(ids[bad[0]])} at position {int(bad[0])} is out of range {limit}")
     return bytes(tokens)
 
+
 def check_token_lists(limits: Limits, ns: Namespace, given: list[tuple[str, bytes]]) -> None:
     """``check_tokens`` for the (seq_id, token ids) of several sequences, in one pass over all
     ids when they are fine (a decode step gives one id per sequence); errors name the sequence."""
     max_bytes = limits.max_tokens_per_sequence * TOKEN_BYTES
-    if all(not len(t) % TOKEN_BYTES and len(t) <= max_bytes for _, t in given) and \
-            _in_vocabulary(ns, b"".join(t for _, t in given)):
+    if all(not len(t) % TOKEN_BYTES and len(t) <= max_bytes for _, t in given) and _in_vocabulary(
+        ns, b"".join(t for _, t in given)
+    ):
         return
     for seq_id, tokens in given:
         check_tokens(limits, ns, tokens, f"sequence {seq_id!r}")
+
 
 def _in_vocabulary(ns: Namespace, tokens: bytes) -> bool:
     """Whether every packed id lies in [0, vocab_size) (in [0, 2^31) without a vocabulary)."""
@@ -199,6 +205,7 @@ def _in_vocabulary(ns: Namespace, tokens: bytes) -> bool:
         return not ids or (min(ids) >= 0 and (not vocab or max(ids) < vocab))
     ids = token_array(tokens)
     return bool(ids.min() >= 0 and (not vocab or ids.max() < vocab))
+
 
 def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedRequest:
     """Validates one sequence request and builds its chain spec; raises InvalidArgument."""
@@ -229,8 +236,10 @@ def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedReques
             )
     return PreparedRequest(r, tokens, num_tokens, chain_spec(ns.root, ns.page_size, list(r.extra_keys)))
 
-def extend_items(seq_ids: list[str], num_tokens: list[int], token_id_counts: list[int],
-                 token_ids: bytes) -> list[tuple[str, int, bytes | None]]:
+
+def extend_items(
+    seq_ids: list[str], num_tokens: list[int], token_id_counts: list[int], token_ids: bytes
+) -> list[tuple[str, int, bytes | None]]:
     """The items of an extend request that arrives as columns, one entry per sequence:
     (seq_id, num_tokens, its token ids or None). ``token_ids`` holds the given ids one
     sequence after another, ``token_id_counts[i]`` of them for sequence i. Raises
@@ -253,7 +262,7 @@ def extend_items(seq_ids: list[str], num_tokens: list[int], token_id_counts: lis
             f"but token_ids holds {len(token_ids) // TOKEN_BYTES}"
         )
     tokens = [
-        token_ids[(end - count) * TOKEN_BYTES:end * TOKEN_BYTES] if count else None
+        token_ids[(end - count) * TOKEN_BYTES : end * TOKEN_BYTES] if count else None
         for count, end in zip(token_id_counts, ends)
     ]
     return list(zip(seq_ids, num_tokens, tokens))

@@ -12,6 +12,7 @@ When a namespace needs more free pages than it has, room is made in this order:
 not enough, so a call that cannot fit fails before evicting anything. The manager decides
 what a request needs; this module decides what to give up for it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,16 +33,23 @@ log = logging.getLogger(__name__)
 
 
 class Room:
-    def __init__(self, arena: Arena, pool: PagePool, index: PrefixIndex, supply: ExtentSupply,
-                 sequences: SequenceTable, settle_seals: Callable[[], None],
-                 evict_held: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        pool: PagePool,
+        index: PrefixIndex,
+        supply: ExtentSupply,
+        sequences: SequenceTable,
+        settle_seals: Callable[[], None],
+        evict_held: Callable[[Sequence], None],
+    ) -> None:
         self.arena = arena
         self.pool = pool
         self.index = index
         self.supply = supply
         self.sequences = sequences
         self._settle_seals = settle_seals  # waits for checksums still reading pages
-        self._evict_held = evict_held      # ON_HOLD → EVICTED: drops its pages, tells its owner
+        self._evict_held = evict_held  # ON_HOLD → EVICTED: drops its pages, tells its owner
 
     def ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """Makes ``need`` pages free in the namespace, or raises before evicting anything.
@@ -55,11 +63,13 @@ class Room:
         if counters.evicted_pages > evicted_before or held_evicted:
             log.info(
                 "namespace %d: evicted %d cached pages and %d on-hold sequences to make room for %d pages",
-                ns.id, counters.evicted_pages - evicted_before, held_evicted, need,
+                ns.id,
+                counters.evicted_pages - evicted_before,
+                held_evicted,
+                need,
             )
 
-    def check(self, ns: Namespace, need: int, protect: Sequence | None = None,
-              held: Iterable[PageId] = ()) -> None:
+    def check(self, ns: Namespace, need: int, protect: Sequence | None = None, held: Iterable[PageId] = ()) -> None:
         """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired
         (read only when the free pages do not suffice)."""
         self.supply.adopt_built()
@@ -71,7 +81,8 @@ class Room:
             self.pool.free_count(ns.id)
             + self.supply.building_pages(ns.id)
             + self.arena.creatable_pages(ns.page_bytes)
-            + self.pool.cached_count(ns.id) - held_cached
+            + self.pool.cached_count(ns.id)
+            - held_cached
             + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
             + self._freeable_on_hold(ns, protect, held)
         )
@@ -117,10 +128,7 @@ class Room:
 
     def _reclaimable(self, ns: Namespace) -> list[Extent]:
         """Other namespaces' extents holding no referenced page: their budget can move."""
-        return [
-            e for e in self.arena.extents()
-            if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0
-        ]
+        return [e for e in self.arena.extents() if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0]
 
     def _reclaim(self, extent: Extent) -> None:
         self._settle_seals()  # the sealer may still read this extent's pages

@@ -10,6 +10,7 @@ indexer state, checkpoints) is per sequence and a fork copies it.
                                  +-> EVICTED (all its pages released: private ones freed, published
                                      ones cached unless shared; aux kept; re-enters by allocating again)
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -37,9 +38,9 @@ class Sequence:
     chain: ChainSpec
     pages: list[PageId]
     num_tokens: int
-    tokens: bytearray            # known token ids, little-endian int32, a prefix of the sequence
-    keys: list[PageKey]          # keys of the published pages, in order
-    shared_prefix_tokens: int    # tokens covered by prefix hits when it was allocated
+    tokens: bytearray  # known token ids, little-endian int32, a prefix of the sequence
+    keys: list[PageKey]  # keys of the published pages, in order
+    shared_prefix_tokens: int  # tokens covered by prefix hits when it was allocated
     state: SequenceState = SequenceState.PREFILLED
     aux: bytes = b""
 
@@ -53,7 +54,7 @@ class Sequence:
 
     @property
     def private_pages(self) -> list[PageId]:
-        return self.pages[self.num_published:]
+        return self.pages[self.num_published :]
 
     @property
     def known_tokens(self) -> int:
@@ -101,9 +102,7 @@ class SequenceTable:
     def check_transition(seq: Sequence, state: SequenceState) -> None:
         """Raises unless the life cycle allows `seq` to go to `state`."""
         if state not in TRANSITIONS[seq.state]:
-            raise FailedPrecondition(
-                f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}"
-            )
+            raise FailedPrecondition(f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}")
 
     def set_state(self, seq: Sequence, state: SequenceState) -> None:
         self.check_transition(seq, state)

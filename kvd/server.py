@@ -9,6 +9,7 @@ finish, then the arena is unmapped and unlinked. A daemon that dies instead (``k
 a crash) leaves its extents and their metadata; the next one on the same socket
 re-attaches them and serves the published pages again (warm restart, kvd/recovery.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -115,8 +116,9 @@ def _new_manager(config: ServeConfig, budget: int, prefix: str, group: int | Non
     return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
 
 
-def _recovered_manager(config: ServeConfig, budget: int, prefix: str, group: int | None = None,
-                       meta_mode: int = 0o660) -> KVCacheManager:
+def _recovered_manager(
+    config: ServeConfig, budget: int, prefix: str, group: int | None = None, meta_mode: int = 0o660
+) -> KVCacheManager:
     """A manager holding what a killed daemon on this socket left (kvd/recovery.py), or an empty one."""
     manager = _new_manager(config, budget, prefix, group, meta_mode)
     try:
@@ -135,7 +137,9 @@ def _tenants(config: ServeConfig) -> Tenants:
         return Tenants({IMPLICIT: _recovered_manager(config, config.host_bytes, config.shm_prefix)})
     managers = {}
     for t in config.tenants:  # metadata holds token ids: only the daemon reads it
-        managers[t.name] = _recovered_manager(config, t.host_bytes, tenant_prefix(config.shm_prefix, t.name), t.group, 0o600)
+        managers[t.name] = _recovered_manager(
+            config, t.host_bytes, tenant_prefix(config.shm_prefix, t.name), t.group, 0o600
+        )
     return Tenants(managers, config.tenants)
 
 
@@ -148,7 +152,10 @@ def _check_shm_room(tenants: Tenants) -> None:
         log.warning(
             "%s has %d bytes free but the host budget needs %d more; calls beyond what fits will be refused "
             "with RESOURCE_EXHAUSTED. Give %s more room (docker run --shm-size) or lower --host-bytes",
-            SHM_DIR, free, needed, SHM_DIR,
+            SHM_DIR,
+            free,
+            needed,
+            SHM_DIR,
         )
 
 
@@ -176,7 +183,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server,
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
     )
     if metrics is not None:  # before the socket: a busy port must not leave a half-started daemon
         try:
@@ -229,9 +237,13 @@ async def run(config: ServeConfig, metrics=None) -> None:
     sweeper = asyncio.create_task(sweep_pins())
     log.info(
         "kvd %s serving on %s (host budget %d bytes, prefix reuse %s%s; metrics %s) after %.0f ms",
-        __version__, config.socket, config.host_bytes, "on" if config.enable_prefix_reuse else "off",
+        __version__,
+        config.socket,
+        config.host_bytes,
+        "on" if config.enable_prefix_reuse else "off",
         f", tenants {', '.join(t.name for t in config.tenants)}" if config.tenants else "",
-        f"on http://{config.metrics_host}:{config.metrics_port}/metrics" if metrics is not None
+        f"on http://{config.metrics_host}:{config.metrics_port}/metrics"
+        if metrics is not None
         else "off (--metrics-port)",
         (time.perf_counter() - started) * 1e3,
     )

@@ -6,24 +6,30 @@ answer (``self.tenants.manager_for``), given the tenant whose socket the call ca
 per socket, see ``on_socket``). Conversions are the small functions at the top; the
 one table ``STATUS_FOR`` maps each core error class to its gRPC status.
 """
+
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import secrets
-import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
-
 from google.protobuf.message import DecodeError
 
-from kvd import invariants, shape, stats as stats_mod
+from kvd import invariants, shape
+from kvd import stats as stats_mod
 from kvd.errors import (
-    FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    KVDError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
 )
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
@@ -67,6 +73,7 @@ MAX_STATUS_CHARS = 512
 
 # ---- conversions ---------------------------------------------------------------------
 
+
 def _extra_keys(keys) -> tuple[ExtraKey, ...]:
     return tuple(ExtraKey(k.kind, k.value, k.offset, max(1, k.length)) for k in keys)
 
@@ -107,16 +114,14 @@ def _seq_state(value: int) -> SequenceState:
     try:
         return SequenceState(value)
     except ValueError:
-        raise InvalidArgument(
-            f"unknown sequence state {value}; use one of {[s.name for s in SequenceState]}"
-        ) from None
+        raise InvalidArgument(f"unknown sequence state {value}; use one of {[s.name for s in SequenceState]}") from None
 
 
 def status_message(text: str) -> str:
     if len(text) <= MAX_STATUS_CHARS:
         return text
     tail = f"... ({len(text)} characters)"
-    return text[:MAX_STATUS_CHARS - len(tail)] + tail
+    return text[: MAX_STATUS_CHARS - len(tail)] + tail
 
 
 def _page_stats(s: PageStats) -> pb.PageStats:
@@ -125,14 +130,21 @@ def _page_stats(s: PageStats) -> pb.PageStats:
 
 def _namespace_stats(s: Stats, tenant: str = "") -> list[pb.NamespaceStats]:
     return [
-        pb.NamespaceStats(namespace_id=n.namespace_id, model=n.model, page_bytes=n.page_bytes,
-                          pages=_page_stats(n.pages), tenant=tenant)
+        pb.NamespaceStats(
+            namespace_id=n.namespace_id,
+            model=n.model,
+            page_bytes=n.page_bytes,
+            pages=_page_stats(n.pages),
+            tenant=tenant,
+        )
         for n in s.namespaces
     ]
 
 
 def recovery_stats(r: RecoveryReport) -> pb.RecoveryStats:
-    return pb.RecoveryStats(**{k: v for k, v in r.as_dict().items() if k not in ("dropped_pages", "extents", "verified_bytes")})
+    return pb.RecoveryStats(
+        **{k: v for k, v in r.as_dict().items() if k not in ("dropped_pages", "extents", "verified_bytes")}
+    )
 
 
 def stats_reply(s: Stats) -> pb.StatsReply:
@@ -195,6 +207,7 @@ def _parser(message_type):
         except DecodeError as e:
             log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
             return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
+
     return parse
 
 
@@ -205,7 +218,7 @@ def _parsed(request):
     return request
 
 
-def add_to_server(servicer: "KvdServicer", server: grpc.aio.Server) -> None:
+def add_to_server(servicer: KvdServicer, server: grpc.aio.Server) -> None:
     """Registers the servicer as the generated ``add_KVDServicer_to_server`` does, with
     parsers that turn bad bytes into ``Refused`` (methods come from the proto's
     descriptor, so a method added there is served the same way)."""
@@ -222,12 +235,13 @@ def add_to_server(servicer: "KvdServicer", server: grpc.aio.Server) -> None:
 
 # ---- the servicer --------------------------------------------------------------------
 
+
 def _unary(method):
     """Runs a sync core call; maps core errors to statuses and reports latency."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: "KvdServicer", request, context: grpc.aio.ServicerContext):
+    async def wrapper(self: KvdServicer, request, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         if self.streams.stopping:
             code, message = grpc.StatusCode.UNAVAILABLE, "kvd is stopping; reconnect once it is back"
@@ -270,7 +284,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         # them, the main socket serves none (admin calls and Ping only).
         self.socket_tenant: str | None = None if self.tenants.isolated else IMPLICIT
 
-    def on_socket(self, tenant: str) -> "KvdServicer":
+    def on_socket(self, tenant: str) -> KvdServicer:
         """This daemon's servicer for the socket of ``tenant``: the only one its sessions
         may be opened and used on."""
         bound = copy.copy(self)  # shares the tenants, streams and instance id
@@ -299,10 +313,14 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         )
         self.streams.events[session.id] = events
         try:
-            yield pb.SessionEvent(opened=pb.SessionOpened(
-                session=session.id, prefix_reuse=m.prefix_reuse, host_bytes=m.arena.budget_bytes,
-                daemon_instance=self.instance,
-            ))
+            yield pb.SessionEvent(
+                opened=pb.SessionOpened(
+                    session=session.id,
+                    prefix_reuse=m.prefix_reuse,
+                    host_bytes=m.arena.budget_bytes,
+                    daemon_instance=self.instance,
+                )
+            )
             while (event := await events.get()) is not None:
                 yield event
         finally:
@@ -327,10 +345,12 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def DescribeExtents(self, r):
         m = self._manager_of(r.session)
         m.sessions.get(r.session)
-        return pb.DescribeExtentsReply(extents=[
-            pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
-            for e in m.extents(r.namespace_id)
-        ])
+        return pb.DescribeExtentsReply(
+            extents=[
+                pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
+                for e in m.extents(r.namespace_id)
+            ]
+        )
 
     @_unary
     def AllocateWithPrefix(self, r):
@@ -344,21 +364,30 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         m = self._manager_of(r.session)
         check_call(m.limits, r.sequences)  # before building a core object per sequence and key
         results = m.lookup(r.session, r.namespace_id, _requests(r.sequences))
-        return pb.LookupReply(results=[
-            pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
-            for x in results
-        ])
+        return pb.LookupReply(
+            results=[
+                pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
+                for x in results
+            ]
+        )
 
     @_unary
     def Publish(self, r):
-        results = self._manager_of(r.session).publish(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
-        return pb.PublishReply(results=[
-            pb.PublishResult(
-                seq_id=x.seq_id, published_pages=x.published_pages,
-                rebinds=[pb.Rebind(position=b.position, old_page=b.old_page, new_page=b.new_page) for b in x.rebinds],
-            )
-            for x in results
-        ])
+        results = self._manager_of(r.session).publish(
+            r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items]
+        )
+        return pb.PublishReply(
+            results=[
+                pb.PublishResult(
+                    seq_id=x.seq_id,
+                    published_pages=x.published_pages,
+                    rebinds=[
+                        pb.Rebind(position=b.position, old_page=b.old_page, new_page=b.new_page) for b in x.rebinds
+                    ],
+                )
+                for x in results
+            ]
+        )
 
     @_unary
     def Extend(self, r):
@@ -373,11 +402,15 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Fork(self, r):
-        return pb.ForkReply(sequence=_plan(self._manager_of(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)))
+        return pb.ForkReply(
+            sequence=_plan(self._manager_of(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id))
+        )
 
     @_unary
     def Release(self, r):
-        return pb.ReleaseReply(released_pages=self._manager_of(r.session).release(r.session, r.namespace_id, list(r.seq_ids)))
+        return pb.ReleaseReply(
+            released_pages=self._manager_of(r.session).release(r.session, r.namespace_id, list(r.seq_ids))
+        )
 
     @_unary
     def SetState(self, r):
@@ -386,7 +419,9 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def SetStates(self, r):
-        previous = self._manager_of(r.session).set_states(r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state))
+        previous = self._manager_of(r.session).set_states(
+            r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state)
+        )
         return pb.SetStatesReply(previous=[p.value for p in previous])
 
     @_unary
@@ -400,7 +435,9 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Pin(self, r):
-        pin = self._manager_of(r.session).pin(r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds)
+        pin = self._manager_of(r.session).pin(
+            r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds
+        )
         return pb.PinReply(pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens)
 
     @_unary
@@ -428,19 +465,22 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self.tenants.check_admin(r.ticket)
         if not self.tenants.isolated:
             return pb.CheckInvariantsReply(violations=invariants.violations(self.tenants.managers()[0]))
-        return pb.CheckInvariantsReply(violations=[
-            f"tenant {name}: {v}" for name, m in self.tenants.items() for v in invariants.violations(m)
-        ])
+        return pb.CheckInvariantsReply(
+            violations=[f"tenant {name}: {v}" for name, m in self.tenants.items() for v in invariants.violations(m)]
+        )
 
     @_unary
     def VerifyPages(self, r):
         self.tenants.check_admin(r.ticket)
         results = [m.integrity.verify() for m in self.tenants.managers()]
         return pb.VerifyPagesReply(
-            checked_pages=sum(v.checked_pages for v in results), checked_bytes=sum(v.checked_bytes for v in results),
-            corrupted_pages=sum(v.corrupted_pages for v in results), seconds=sum(v.seconds for v in results),
-            recovery=recovery_stats(RecoveryReport.combined(
-                [m.last_recovery or RecoveryReport() for m in self.tenants.managers()])),
+            checked_pages=sum(v.checked_pages for v in results),
+            checked_bytes=sum(v.checked_bytes for v in results),
+            corrupted_pages=sum(v.corrupted_pages for v in results),
+            seconds=sum(v.seconds for v in results),
+            recovery=recovery_stats(
+                RecoveryReport.combined([m.last_recovery or RecoveryReport() for m in self.tenants.managers()])
+            ),
         )
 
     @_unary
@@ -454,7 +494,9 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             self.tenants.check_admin(r.ticket)
             managers = self.tenants.managers()
             if self.tenants.isolated and namespace is not None:
-                raise InvalidArgument("namespace ids are per tenant: reset one namespace through a session of its tenant")
+                raise InvalidArgument(
+                    "namespace ids are per tenant: reset one namespace through a session of its tenant"
+                )
         result = sum((m.reset_prefix_cache(namespace) for m in managers), ResetResult(0, 0))
         return pb.ResetPrefixCacheReply(dropped_pages=result.dropped_pages, kept_pages=result.kept_pages)
 

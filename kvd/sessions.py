@@ -4,13 +4,14 @@ A session owns the sequences it allocated and the pins it took. It lives exactly
 long as the client's OpenSession stream; when that ends for any reason the manager
 drops everything the session owned. Session tokens are random and unguessable.
 """
+
 from __future__ import annotations
 
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvd.errors import NotFound, PermissionDenied
 from kvd.types import NamespaceId, PageId, PinId, SeqId, SessionId
@@ -84,6 +85,8 @@ class SessionRegistry:
 
     def expired_pins(self, now: float) -> list[Pin]:
         return [
-            pin for s in self._sessions.values() for pin in s.pins.values()
+            pin
+            for s in self._sessions.values()
+            for pin in s.pins.values()
             if pin.expires_at is not None and pin.expires_at <= now
         ]

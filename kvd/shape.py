@@ -10,6 +10,7 @@ nested messages that hold repeated fields (a sequence's extra keys, an identity'
 It stops as soon as the count passes the budget, so refusing a request costs about what
 was read up to the limit, and no object is built for an element.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
 @dataclass(frozen=True)
 class _Field:
-    packed: bool        # a repeated number: a length-delimited run counts one per byte
+    packed: bool  # a repeated number: a length-delimited run counts one per byte
     nested: str | None  # the message type to descend into (one that holds repeated fields), or None
 
 
@@ -39,9 +40,12 @@ def _build() -> dict[str, dict[int, _Field]]:
     deep = {d.full_name for d in types if any(f.is_repeated for f in d.fields)}
     return {
         d.full_name: {
-            f.number: _Field(f.is_repeated and f.type not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES,
-                                                             FieldDescriptor.TYPE_MESSAGE),
-                             f.message_type.full_name if f.message_type and f.message_type.full_name in deep else None)
+            f.number: _Field(
+                f.is_repeated
+                and f.type
+                not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE),
+                f.message_type.full_name if f.message_type and f.message_type.full_name in deep else None,
+            )
             for f in d.fields
         }
         for d in types

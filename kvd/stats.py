@@ -5,6 +5,7 @@ Prometheus metrics): logical pages count every sequence's page-table entries, ph
 pages count the distinct pages those entries point at, so ``host_pages_saved`` is what
 sharing saves against keeping each sequence's KV separately.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -13,10 +14,23 @@ from kvd.recovery import RecoveryReport
 from kvd.types import PageState
 
 STAT_FIELDS = (
-    "logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages",
-    "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved",
-    "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens",
-    "evicted_pages", "corrupted_pages", "sessions", "sequences",
+    "logical_pages",
+    "physical_pages",
+    "shared_pages",
+    "private_pages",
+    "cached_pages",
+    "pinned_pages",
+    "free_pages",
+    "host_pages_saved",
+    "host_bytes_saved",
+    "refcount_increments",
+    "refcount_decrements",
+    "lookup_tokens",
+    "hit_tokens",
+    "evicted_pages",
+    "corrupted_pages",
+    "sessions",
+    "sequences",
 )
 
 
@@ -24,11 +38,11 @@ STAT_FIELDS = (
 class PageStats:
     logical_pages: int = 0
     physical_pages: int = 0
-    shared_pages: int = 0      # published pages with at least one reference
+    shared_pages: int = 0  # published pages with at least one reference
     private_pages: int = 0
     cached_pages: int = 0
     pinned_pages: int = 0
-    free_pages: int = 0        # free pages in extents created so far
+    free_pages: int = 0  # free pages in extents created so far
     host_pages_saved: int = 0
     host_bytes_saved: int = 0
     refcount_increments: int = 0
@@ -36,11 +50,11 @@ class PageStats:
     lookup_tokens: int = 0
     hit_tokens: int = 0
     evicted_pages: int = 0
-    corrupted_pages: int = 0   # published pages dropped because their bytes failed the checksum
+    corrupted_pages: int = 0  # published pages dropped because their bytes failed the checksum
     sessions: int = 0
     sequences: int = 0
 
-    def add(self, other: "PageStats") -> None:
+    def add(self, other: PageStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -111,7 +125,7 @@ def collect(manager) -> Stats:
     for session in manager.sessions:
         for pin in session.pins.values():
             holders[pin.namespace].add(session.id)
-    for _page, state, refcount, pins, ns_id in manager.pool.pages():
+    for _page, state, _refcount, pins, ns_id in manager.pool.pages():
         s = per_ns[ns_id]
         if state is PageState.PRIVATE:
             s.private_pages += 1
@@ -136,8 +150,17 @@ def collect(manager) -> Stats:
         totals.add(s)
         namespaces.append(NamespaceStats(ns.id, ns.identity.model, ns.page_bytes, s))
     totals.sessions = len(manager.sessions)
-    return Stats(totals, namespaces, arena.budget_bytes, arena.reserved_bytes, manager.prefix_reuse, used, free,
-                 arena.shm_refusals, manager.last_recovery or RecoveryReport())
+    return Stats(
+        totals,
+        namespaces,
+        arena.budget_bytes,
+        arena.reserved_bytes,
+        manager.prefix_reuse,
+        used,
+        free,
+        arena.shm_refusals,
+        manager.last_recovery or RecoveryReport(),
+    )
 
 
 def combined(parts: list[Stats]) -> Stats:

@@ -5,6 +5,7 @@ runs at ~0.5 GB/s. When a namespace's free pages run low, the next extent is bui
 worker thread and adopted on the event loop at the next call; a request that needs room
 before then takes the build in flight, or builds one itself.
 """
+
 from __future__ import annotations
 
 import logging

@@ -36,13 +36,14 @@ ticket, which only the daemon's own uid and root get.
 Without tenants there is one implicit tenant, no handshake and no ticket: every session
 reaches the single manager.
 """
+
 from __future__ import annotations
 
 import os
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from kvd.config import TenantConfig
 from kvd.errors import NotFound, PermissionDenied
@@ -113,8 +114,13 @@ class TicketBook:
 class Tenants:
     """The managers of a daemon by tenant, and which tenant each open session belongs to."""
 
-    def __init__(self, managers: dict[str, KVCacheManager], configs: tuple[TenantConfig, ...] = (),
-                 admin_uids: frozenset[int] | None = None, tickets: TicketBook | None = None) -> None:
+    def __init__(
+        self,
+        managers: dict[str, KVCacheManager],
+        configs: tuple[TenantConfig, ...] = (),
+        admin_uids: frozenset[int] | None = None,
+        tickets: TicketBook | None = None,
+    ) -> None:
         assert configs or list(managers) == [IMPLICIT], "a daemon without tenants has exactly the implicit one"
         assert not configs or set(managers) == {t.name for t in configs}, "one manager per configured tenant"
         self._managers = managers
@@ -156,8 +162,9 @@ class Tenants:
             )
         return self.tickets.issue(peer, tenant, admin)
 
-    def open_session(self, ticket: str, client_name: str, pid: int,
-                     socket_tenant: str | None) -> tuple[KVCacheManager, Session]:
+    def open_session(
+        self, ticket: str, client_name: str, pid: int, socket_tenant: str | None
+    ) -> tuple[KVCacheManager, Session]:
         """A session of the ticket's tenant; ``socket_tenant``: the tenant whose socket the
         call came in on (None: the main socket of a daemon with tenants, which holds none)."""
         if not self.isolated:

@@ -1,4 +1,5 @@
 """Typed identities shared by the daemon's modules."""
+
 from __future__ import annotations
 
 import enum
@@ -18,7 +19,6 @@ class PageState(enum.Enum):
     """Life cycle of a host page: FREE → PRIVATE → PUBLISHED → CACHED → FREE."""
 
     FREE = "free"
-    PRIVATE = "private"      # one owner, writable
+    PRIVATE = "private"  # one owner, writable
     PUBLISHED = "published"  # immutable, indexed, refcount ≥ 1
-    CACHED = "cached"        # published, refcount 0, evictable in LRU order
-
+    CACHED = "cached"  # published, refcount 0, evictable in LRU order

@@ -3,6 +3,7 @@
 Each function connects its own session to the daemon, so the tests exercise real
 sessions, real shared memory and real process boundaries.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,8 +43,9 @@ def read_token_kv(client: KVDClient, ns: int, pages: list[int], pos: int) -> flo
     return float(values.flatten()[0])
 
 
-def run_agents(socket: str, agents: list[int], prefix_tokens: int, private_tokens: int,
-               start_barrier, done_barrier, results) -> None:
+def run_agents(
+    socket: str, agents: list[int], prefix_tokens: int, private_tokens: int, start_barrier, done_barrier, results
+) -> None:
     """One engine process: prefills its agents (suffix only on a hit), publishes, checks the
     prefix KV it did not write, then holds its sequences until the test has read the stats."""
     with KVDClient.connect(socket, client_name=f"engine-{agents[0]}") as client:
@@ -66,10 +68,15 @@ def run_agents(socket: str, agents: list[int], prefix_tokens: int, private_token
             for pos in range(0, alloc.num_tokens, 7):
                 if read_token_kv(client, ns, pages, pos) != kv_value(int(req.token_ids[pos]), pos):
                     bad += 1
-        results.put({
-            "agents": agents, "computed": computed, "hit_tokens": sum(a.shared_prefix_tokens for a in allocations),
-            "rebinds": rebinds, "bad_reads": bad,
-        })
+        results.put(
+            {
+                "agents": agents,
+                "computed": computed,
+                "hit_tokens": sum(a.shared_prefix_tokens for a in allocations),
+                "rebinds": rebinds,
+                "bad_reads": bad,
+            }
+        )
         done_barrier.wait()  # the test reads stats while every session still holds its sequences
         done_barrier.wait()
 

@@ -1,4 +1,5 @@
 """Shared fixtures: a real daemon process, a real core over real shared memory."""
+
 from __future__ import annotations
 
 import itertools
@@ -71,8 +72,15 @@ def clean_env(tmp_path, **extra: str) -> dict:
     return env
 
 
-def identity(model: str = "tiny", num_layers: int = 2, num_kv_heads: int = 2, head_dim: int = 8,
-             page_size: int = 4, dtype: str = "float16", **kw) -> NamespaceIdentity:
+def identity(
+    model: str = "tiny",
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    page_size: int = 4,
+    dtype: str = "float16",
+    **kw,
+) -> NamespaceIdentity:
     return NamespaceIdentity(model, make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype), **kw)
 
 

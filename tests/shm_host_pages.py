@@ -1,4 +1,5 @@
 """Host pages over one real posix_ipc segment, for GPU-side tests that need no daemon."""
+
 from __future__ import annotations
 
 import mmap

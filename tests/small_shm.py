@@ -4,6 +4,7 @@ tests/test_crash_safety.py runs this inside a private mount namespace whose /dev
 small tmpfs (``unshare -m``), so daemon and client see the same small /dev/shm. It prints
 one JSON object saying what happened; the test judges it.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ def allocate_and_touch(client: KVDClient, ns: int, seq_id: str, first_token: int
 
 
 def main(workdir: str) -> None:
-    daemon = DaemonProcess.start(f"{workdir}/kvd.sock", "--host-bytes", "64MiB", "--extent-bytes", "4MiB",
-                                 log_path=f"{workdir}/kvd.log")
+    daemon = DaemonProcess.start(
+        f"{workdir}/kvd.sock", "--host-bytes", "64MiB", "--extent-bytes", "4MiB", log_path=f"{workdir}/kvd.log"
+    )
     out: dict = {"allocated": 0}
     try:
         with KVDClient.connect(daemon.socket) as client:

@@ -5,6 +5,7 @@ cannot send: bytes that are no protobuf message at all, identities far larger th
 engine's, and huge requests that will be refused. Each must get a clear status with a
 message, cost the daemon little, log no traceback, and leave the daemon serving others.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,9 @@ import time
 
 import grpc
 import pytest
+from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
 from google.protobuf.message import DecodeError
 
-from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
 from kvd.wire import kvd_pb2 as pb
 
 Code = grpc.StatusCode
@@ -58,7 +59,8 @@ class Raw:
     def open_session(self, name: str):
         """A live session: (its id, the stream to cancel to end it)."""
         stream = self.channel.unary_stream(f"/{SERVICE.full_name}/OpenSession")(
-            pb.OpenSessionRequest(client_name=name, pid=os.getpid()).SerializeToString())
+            pb.OpenSessionRequest(client_name=name, pid=os.getpid()).SerializeToString()
+        )
         return pb.SessionEvent.FromString(next(stream)).opened.session, stream
 
     def sessions(self) -> int:
@@ -67,8 +69,9 @@ class Raw:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("abuse"), "--enable-prefix-reuse", "--host-bytes", "16MiB",
-                     "--extent-bytes", "1MiB")
+    d = start_daemon(
+        tmp_path_factory.mktemp("abuse"), "--enable-prefix-reuse", "--host-bytes", "16MiB", "--extent-bytes", "1MiB"
+    )
     raw = Raw(d.socket)
     try:
         yield d, raw
@@ -88,6 +91,7 @@ def session(daemon):
 
 # ---- 1. bytes that are not a protobuf message -----------------------------------------
 
+
 def _refuses(method, raw: bytes) -> bool:
     """Whether the method's request type refuses ``raw`` (a string field 1 of bytes that are
     not UTF-8 parses fine as a message without that field, Ping's for instance)."""
@@ -98,8 +102,12 @@ def _refuses(method, raw: bytes) -> bool:
         return True
 
 
-@pytest.mark.parametrize("method, garbage", [  # every method, with the garbage its message type refuses
-    (m.name, g) for m in SERVICE.methods for g in GARBAGE if _refuses(m, GARBAGE[g])])
+@pytest.mark.parametrize(
+    "method, garbage",
+    [  # every method, with the garbage its message type refuses
+        (m.name, g) for m in SERVICE.methods for g in GARBAGE if _refuses(m, GARBAGE[g])
+    ],
+)
 def test_unparsable_bytes_get_invalid_argument_without_a_traceback(daemon, method, garbage):
     d, raw = daemon
     log_before = len(d.log())
@@ -114,13 +122,16 @@ def test_unparsable_bytes_get_invalid_argument_without_a_traceback(daemon, metho
 
 # ---- 2. identities: bounded, registered all or nothing, never exhausting the manifest --
 
+
 def layout(page_size: int = 4) -> pb.PageLayout:
     return pb.PageLayout(num_layers=1, num_kv_heads=1, head_dim=64, page_size=page_size, dtype="float16")
 
 
 def register(raw: Raw, session: str, **identity) -> tuple[Code, str]:
-    code, details, _ = raw.call("RegisterNamespace", pb.RegisterNamespaceRequest(
-        session=session, identity=pb.NamespaceIdentity(layout=layout(), **identity)))
+    code, details, _ = raw.call(
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(layout=layout(), **identity)),
+    )
     return code, details
 
 
@@ -130,10 +141,19 @@ def namespace_count(raw: Raw) -> int:
 
 OVERSIZE_IDENTITIES = {
     # name: (identity fields, words the message must hold)
-    "a 70,000-character model name": (dict(model="m" * 70_000), "model name has 70000 characters, over the limit of 1024"),
-    "a 1,000-emoji model name": (dict(model="\U0001F600" * 1000), "over the limit of 4096"),
-    "a 300-character revision": (dict(model="m", revision="r" * 300), "revision has 300 characters, over the limit of 256"),
-    "33 extra entries": (dict(model="m", extra={f"k{i}": "v" for i in range(33)}), "33 extra entries, over the limit of 32"),
+    "a 70,000-character model name": (
+        dict(model="m" * 70_000),
+        "model name has 70000 characters, over the limit of 1024",
+    ),
+    "a 1,000-emoji model name": (dict(model="\U0001f600" * 1000), "over the limit of 4096"),
+    "a 300-character revision": (
+        dict(model="m", revision="r" * 300),
+        "revision has 300 characters, over the limit of 256",
+    ),
+    "33 extra entries": (
+        dict(model="m", extra={f"k{i}": "v" for i in range(33)}),
+        "33 extra entries, over the limit of 32",
+    ),
     "a 100,000-character extra value": (dict(model="m", extra={"quant": "q" * 100_000}), "over the limit of 256"),
     "a 100,000-character extra name": (dict(model="m", extra={"k" * 100_000: "v"}), "over the limit of 256"),
 }
@@ -176,6 +196,7 @@ def test_namespaces_up_to_the_cap_fit_the_manifest_then_resource_exhausted(daemo
 
 # ---- 3. a refusal costs what was read, not what was asked for ---------------------------
 
+
 def repeated(head: pb.LookupRequest, sequence: pb.SequenceRequest, times: int) -> bytes:
     """``head`` with ``sequence`` appended ``times`` times, encoded without building them all."""
     return head.SerializeToString() + pb.LookupRequest(sequences=[sequence]).SerializeToString() * times
@@ -199,26 +220,45 @@ def refused_cheaply(daemon, method: str, raw: bytes, words: str, max_growth_mib:
     print(f"{method} of {len(raw) >> 20} MiB: refused in {took * 1e3:.0f} ms, daemon RSS {grown_mib:+.1f} MiB")
     assert code == Code.INVALID_ARGUMENT and words in details, (code, details)
     assert took < 2.0, f"a {len(raw) >> 20} MiB {method} took {took:.2f} s to refuse"
-    assert grown_mib < max_growth_mib, f"refusing a {len(raw) >> 20} MiB {method} grew the daemon by {grown_mib:.0f} MiB"
+    assert grown_mib < max_growth_mib, (
+        f"refusing a {len(raw) >> 20} MiB {method} grew the daemon by {grown_mib:.0f} MiB"
+    )
 
 
 def test_a_huge_lookup_of_lora_keys_is_refused_at_once(daemon, session):
     d, raw = daemon
-    ns = raw.ok("RegisterNamespace", pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(
-        model="lora-base", layout=layout())), pb.RegisterNamespaceReply).namespace_id
+    ns = raw.ok(
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(model="lora-base", layout=layout())),
+        pb.RegisterNamespaceReply,
+    ).namespace_id
     head = pb.LookupRequest(session=session, namespace_id=ns)
-    bad_first = pb.SequenceRequest(seq_id="q", tokens=(-1).to_bytes(4, "little", signed=True), extra_keys=lora_keys(4096))
+    bad_first = pb.SequenceRequest(
+        seq_id="q", tokens=(-1).to_bytes(4, "little", signed=True), extra_keys=lora_keys(4096)
+    )
     request = repeated(head, bad_first, 1024)  # the issue's 29 MB: 1,024 sequences × 4,096 LoRA keys
     assert len(request) > 25 << 20
     refused_cheaply(daemon, "Lookup", request, "more than 65536 fields and repeated elements")
     refused_cheaply(daemon, "AllocateWithPrefix", request, "more than 65536 fields and repeated elements")
     # Within the wire budget, over a per-call limit: refused before a key becomes an object.
-    refused_cheaply(daemon, "Lookup", repeated(head, pb.SequenceRequest(seq_id="q", extra_keys=lora_keys(512)), 64),
-                    "32768 extra keys, over the limit of 16384")
+    refused_cheaply(
+        daemon,
+        "Lookup",
+        repeated(head, pb.SequenceRequest(seq_id="q", extra_keys=lora_keys(512)), 64),
+        "32768 extra keys, over the limit of 16384",
+    )
     tokens = repeated(head, pb.SequenceRequest(seq_id="q", tokens=bytes(4 << 22)), 3)
-    refused_cheaply(daemon, "Lookup", tokens, "12582912 tokens, over the limit of 8388608",
-                    max_growth_mib=2 * len(tokens) / (1 << 20))  # bytes are parsed: proportional to what was read
+    refused_cheaply(
+        daemon,
+        "Lookup",
+        tokens,
+        "12582912 tokens, over the limit of 8388608",
+        max_growth_mib=2 * len(tokens) / (1 << 20),
+    )  # bytes are parsed: proportional to what was read
     # Still served: a normal lookup, and the largest per-call number of LoRA keys.
-    reply = raw.ok("Lookup", repeated(head, pb.SequenceRequest(seq_id="q", tokens=bytes(64), extra_keys=lora_keys(4)),
-                                      4096), pb.LookupReply)
+    reply = raw.ok(
+        "Lookup",
+        repeated(head, pb.SequenceRequest(seq_id="q", tokens=bytes(64), extra_keys=lora_keys(4)), 4096),
+        pb.LookupReply,
+    )
     assert len(reply.results) == 4096

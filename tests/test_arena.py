@@ -1,12 +1,13 @@
 """The page arena: lazy extents, pre-faulted pages, mlock or one warning."""
+
 from __future__ import annotations
 
 import logging
 import time
 
 from conftest import identity, unique_prefix
-from engine_client import KVDClient
 
+from engine_client import KVDClient
 from kvd.arena import Arena, _MemoryLocker
 
 

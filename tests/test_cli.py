@@ -3,6 +3,7 @@
 Configuration precedence is built-in defaults < TOML file < KVD_* variables < flags; a
 bad setting makes ``kvd serve`` exit 2 with one line naming the setting and its source.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import clean_env, start_daemon
+
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from kvd import config as config_mod
 from kvd.arena import leftover_segments
@@ -32,11 +33,10 @@ PREFIX = list(range(1000, 1016))  # 4 full pages
 SMALL = ("--host-bytes", "64MiB", "--extent-bytes", "4MiB")
 
 
-
-
 def kvd(*args: str, env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def stats_json(socket: str, env: dict, *args: str) -> dict:
@@ -61,6 +61,7 @@ def share_prefix(client: KVDClient) -> int:
 
 # ---- kvd stats -------------------------------------------------------------------------
 
+
 def test_stats_json_fields_and_values(tmp_path):
     env = clean_env(tmp_path)
     daemon = start_daemon(tmp_path, "--enable-prefix-reuse", *SMALL, env=env)
@@ -70,22 +71,47 @@ def test_stats_json_fields_and_values(tmp_path):
         with KVDClient.connect(daemon.socket) as client:
             ns = share_prefix(client)
             stats = stats_json(daemon.socket, env)
-            assert set(stats) == {*STAT_FIELDS, "host_bytes", "host_bytes_used", "host_bytes_free", "arena_bytes",
-                                  "prefix_reuse", "namespaces", "shm_refusals", "recovery"}
+            assert set(stats) == {
+                *STAT_FIELDS,
+                "host_bytes",
+                "host_bytes_used",
+                "host_bytes_free",
+                "arena_bytes",
+                "prefix_reuse",
+                "namespaces",
+                "shm_refusals",
+                "recovery",
+            }
             assert stats["host_bytes_used"] == 5 * PAGE_BYTES  # 4 shared + 1 private page
             assert stats["host_bytes_free"] == (64 << 20) - stats["arena_bytes"] + stats["free_pages"] * PAGE_BYTES
             assert stats["shm_refusals"] == 0
             assert stats["recovery"]["recovered_pages"] == 0 and stats["recovery"]["discarded"] == ""
             assert stats["recovery"]["dropped_pages"] == {
-                "corrupted": 0, "orphaned": 0, "mismatch": 0, "incomplete_extent": 0}
+                "corrupted": 0,
+                "orphaned": 0,
+                "mismatch": 0,
+                "incomplete_extent": 0,
+            }
             [entry] = stats["namespaces"]
             assert set(entry) == {*STAT_FIELDS, "namespace_id", "model", "page_bytes"}
             assert (entry["namespace_id"], entry["model"], entry["page_bytes"]) == (ns, "tiny", PAGE_BYTES)
             expected = {
-                "logical_pages": 9, "physical_pages": 5, "shared_pages": 4, "private_pages": 1,
-                "cached_pages": 0, "pinned_pages": 0, "host_pages_saved": 4, "host_bytes_saved": 4 * PAGE_BYTES,
-                "refcount_increments": 9, "refcount_decrements": 0, "lookup_tokens": 16 + 19, "hit_tokens": 16,
-                "evicted_pages": 0, "corrupted_pages": 0, "sessions": 1, "sequences": 2,
+                "logical_pages": 9,
+                "physical_pages": 5,
+                "shared_pages": 4,
+                "private_pages": 1,
+                "cached_pages": 0,
+                "pinned_pages": 0,
+                "host_pages_saved": 4,
+                "host_bytes_saved": 4 * PAGE_BYTES,
+                "refcount_increments": 9,
+                "refcount_decrements": 0,
+                "lookup_tokens": 16 + 19,
+                "hit_tokens": 16,
+                "evicted_pages": 0,
+                "corrupted_pages": 0,
+                "sessions": 1,
+                "sequences": 2,
             }
             for view in (stats, entry):
                 assert {f: view[f] for f in expected} == expected
@@ -97,10 +123,24 @@ def test_stats_json_fields_and_values(tmp_path):
             pin = client.pin(ns, PREFIX)
             client.release(ns, ["a", "b"])
             stats = stats_json(daemon.socket, env)
-            assert {f: stats[f] for f in ("logical_pages", "physical_pages", "sequences", "pinned_pages",
-                                          "shared_pages", "private_pages")} == {
-                "logical_pages": 0, "physical_pages": 0, "sequences": 0, "pinned_pages": 4,
-                "shared_pages": 4, "private_pages": 0}
+            assert {
+                f: stats[f]
+                for f in (
+                    "logical_pages",
+                    "physical_pages",
+                    "sequences",
+                    "pinned_pages",
+                    "shared_pages",
+                    "private_pages",
+                )
+            } == {
+                "logical_pages": 0,
+                "physical_pages": 0,
+                "sequences": 0,
+                "pinned_pages": 4,
+                "shared_pages": 4,
+                "private_pages": 0,
+            }
             client.unpin(pin.pin_id)
             stats = stats_json(daemon.socket, env)
             assert (stats["cached_pages"], stats["shared_pages"], stats["pinned_pages"]) == (4, 0, 0)
@@ -134,7 +174,9 @@ def test_stats_table_and_watch(tmp_path):
             # --watch redraws the table: two frames, then a change shows up in a later one.
             watcher = subprocess.Popen(
                 [sys.executable, "-m", "kvd.cli", "stats", "--watch", "0.2", "--socket", daemon.socket],
-                stdout=subprocess.PIPE, text=True, env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
             )
             frames: list[str] = []  # complete tables; a frame ends where the next one starts
             buffer: list[str] = []
@@ -144,7 +186,7 @@ def test_stats_table_and_watch(tmp_path):
                     if line.startswith("\033[2J\033[H"):
                         if buffer:
                             frames.append("".join(buffer))
-                        buffer[:] = [line[len("\033[2J\033[H"):]]
+                        buffer[:] = [line[len("\033[2J\033[H") :]]
                     else:
                         buffer.append(line)
 
@@ -188,7 +230,10 @@ def test_stats_piped_into_a_reader_that_stops_ends_quietly(tmp_path):
         for args, lines in ((["--json"], 2), ([], 3)):
             watcher = subprocess.Popen(
                 [sys.executable, "-m", "kvd.cli", "stats", *args, "--watch", "0.05", "--socket", daemon.socket],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
             )
             read = [watcher.stdout.readline() for _ in range(lines)]
             watcher.stdout.close()  # what `head` does once it has its lines
@@ -204,8 +249,10 @@ def test_stats_piped_into_a_reader_that_stops_ends_quietly(tmp_path):
 
 # ---- usage, version and exit codes ---------------------------------------------------
 
+
 def test_version_is_the_packages():
     import kvd as kvd_package
+
     result = kvd("--version", env=dict(os.environ))
     assert (result.returncode, result.stdout.strip()) == (0, f"kvd {kvd_package.__version__}")
 
@@ -236,6 +283,7 @@ def test_no_daemon_is_a_runtime_failure_exit_1(tmp_path):
 
 
 # ---- kvd clean ---------------------------------------------------------------------------
+
 
 def test_clean_refuses_while_running_and_removes_what_a_killed_daemon_left(tmp_path):
     env = clean_env(tmp_path)
@@ -269,18 +317,22 @@ def test_clean_refuses_while_running_and_removes_what_a_killed_daemon_left(tmp_p
 
 # ---- configuration -----------------------------------------------------------------------
 
+
 def write_config(tmp_path, text: str, name: str = "kvd.toml") -> pathlib.Path:
     path = tmp_path / name
     path.write_text(text)
     return path
 
 
-@pytest.mark.parametrize("layers, host_bytes, prefix_reuse", [
-    ("file", 32 << 20, True),
-    ("file+env", 48 << 20, False),
-    ("file+env+flag", 16 << 20, True),
-    ("KVD_CONFIG+flag", 32 << 20, False),
-])
+@pytest.mark.parametrize(
+    "layers, host_bytes, prefix_reuse",
+    [
+        ("file", 32 << 20, True),
+        ("file+env", 48 << 20, False),
+        ("file+env+flag", 16 << 20, True),
+        ("KVD_CONFIG+flag", 32 << 20, False),
+    ],
+)
 def test_precedence_defaults_file_env_flags(tmp_path, layers, host_bytes, prefix_reuse):
     socket = str(tmp_path / "kvd.sock")
     config = write_config(tmp_path, f'socket = "{socket}"\nhost_bytes = "32MiB"\nenable_prefix_reuse = true\n')
@@ -322,7 +374,10 @@ BAD_SETTINGS = {
     "size in file": ({"file": 'host_bytes = "lots"\n'}, ["host_bytes", "'lots'", "kvd.toml"]),
     "size in env": ({"env": {"KVD_HOST_BYTES": "-1"}}, ["host_bytes", "from KVD_HOST_BYTES"]),
     "size flag": ({"args": ["--host-bytes", "0"]}, ["host_bytes: must be positive", "from --host-bytes"]),
-    "bool in env": ({"env": {"KVD_ENABLE_PREFIX_REUSE": "maybe"}}, ["expected true or false", "KVD_ENABLE_PREFIX_REUSE"]),
+    "bool in env": (
+        {"env": {"KVD_ENABLE_PREFIX_REUSE": "maybe"}},
+        ["expected true or false", "KVD_ENABLE_PREFIX_REUSE"],
+    ),
     "bool in file": ({"file": 'enable_prefix_reuse = "sometimes"\n'}, ["enable_prefix_reuse", "kvd.toml"]),
     "int in file": ({"file": 'metrics_port = "abc"\n'}, ["metrics_port: cannot use 'abc'", "kvd.toml"]),
     "port range": ({"args": ["--metrics-port", "70000"]}, ["metrics_port", "from --metrics-port"]),

@@ -1,4 +1,5 @@
 """The checked-in wire stubs must match protos/kvd.proto."""
+
 import importlib.util
 import pathlib
 
@@ -15,6 +16,7 @@ def test_stubs_are_generated_from_the_current_proto():
 def test_client_side_imports_no_daemon_module():
     import subprocess
     import sys
+
     code = (
         "import sys, engine_client; "
         "bad = sorted(m for m in sys.modules if m.startswith('kvd') and not m.startswith('kvd.wire') and m != 'kvd'); "
@@ -26,9 +28,9 @@ def test_client_side_imports_no_daemon_module():
 def test_daemon_imports_neither_torch_nor_cupy():
     import subprocess
     import sys
+
     code = (
-        "import sys, kvd.server, kvd.cli, kvd.metrics; "
-        "assert 'torch' not in sys.modules and 'cupy' not in sys.modules"
+        "import sys, kvd.server, kvd.cli, kvd.metrics; assert 'torch' not in sys.modules and 'cupy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -36,6 +38,7 @@ def test_daemon_imports_neither_torch_nor_cupy():
 def _imports(path: pathlib.Path) -> set[str]:
     """Every module a source file imports, at top level or inside a function (read with ast)."""
     import ast
+
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):

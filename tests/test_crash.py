@@ -6,6 +6,7 @@ stays cached for others; what it had not published (a page it was half-way throu
 writing) is freed, never indexed. The client library never unlinks or resizes the
 daemon's shared memory, so the daemon's extents and the pages in them outlive any client.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -13,14 +14,14 @@ import os
 import signal
 import time
 
+import agents
 import numpy as np
 import pytest
+from conftest import wait_until
 
-import agents
 from engine_client import KVDClient, SequenceRequest
 from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
-from conftest import wait_until
 
 SPAWN = multiprocessing.get_context("spawn")
 PAGE = agents.LAYOUT.page_size
@@ -28,6 +29,7 @@ RELEASE_WITHIN = 1.0  # seconds from SIGKILL until the daemon has dropped the se
 
 
 # ---- page contents: each token's K/V is a function of (token id, position) -----------
+
 
 def page_values(tokens: np.ndarray, first_pos: int) -> np.ndarray:
     """K/V values of one full page, [page_size]."""
@@ -42,7 +44,7 @@ def write_page(client: KVDClient, ns: int, page: int, tokens: np.ndarray, first_
 
 def write_all(client: KVDClient, ns: int, pages: list[int], tokens: np.ndarray, start_page: int = 0) -> None:
     for i in range(start_page, len(pages)):
-        write_page(client, ns, pages[i], tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)
+        write_page(client, ns, pages[i], tokens[i * PAGE : (i + 1) * PAGE], i * PAGE)
 
 
 def page_holds(client: KVDClient, ns: int, page: int, tokens: np.ndarray, first_pos: int) -> bool:
@@ -52,6 +54,7 @@ def page_holds(client: KVDClient, ns: int, page: int, tokens: np.ndarray, first_
 
 # ---- victims: engine processes that the tests kill ------------------------------------
 
+
 def allocate_loop(socket: str, tag: int, iterations, ready) -> None:
     """Allocates, publishes and releases without end; counts finished iterations."""
     with KVDClient.connect(socket, client_name=f"looper-{tag}") as client:
@@ -59,8 +62,10 @@ def allocate_loop(socket: str, tag: int, iterations, ready) -> None:
         ready.set()
         i = 0
         while True:
-            batch = [SequenceRequest(f"loop-{tag}-{i}-{j}", agents.prompt(64 + 16 * j, tag * 10 + j, 5 + i % 20))
-                     for j in range(3)]
+            batch = [
+                SequenceRequest(f"loop-{tag}-{i}-{j}", agents.prompt(64 + 16 * j, tag * 10 + j, 5 + i % 20))
+                for j in range(3)
+            ]
             allocs = client.allocate_with_prefix(ns, batch)
             client.publish(ns, [batch[0].seq_id])
             client.extend(ns, batch[1].seq_id, 3)
@@ -85,7 +90,7 @@ def write_forever(socket: str, prompt_pages: int, published_pages: int, ready) -
             for page in alloc.pages[published_pages:]:
                 arr = client.page_array(ns, page)
                 arr[: len(arr) // 2] = junk
-                arr[len(arr) // 2:] = -junk
+                arr[len(arr) // 2 :] = -junk
             junk += 1.0
 
 
@@ -139,7 +144,6 @@ def map_every_extent(socket: str, prompt_tokens: int, ready) -> None:
 # ---- the observer's side --------------------------------------------------------------
 
 
-
 def observer(socket: str) -> KVDClient:
     """A session of the test itself, once it is the only one (the launcher's probe has gone)."""
     client = KVDClient.connect(socket, client_name="observer")
@@ -157,7 +161,8 @@ def kill_and_wait_released(obs: KVDClient, procs) -> float:
         assert p.exitcode == -signal.SIGKILL, f"victim exited with {p.exitcode} before the kill"
     while obs.stats()["sessions"] != 1:
         assert time.monotonic() - killed_at < RELEASE_WITHIN, (
-            f"the killed clients' sessions are still open {RELEASE_WITHIN} s after SIGKILL: {obs.stats()}")
+            f"the killed clients' sessions are still open {RELEASE_WITHIN} s after SIGKILL: {obs.stats()}"
+        )
         time.sleep(0.005)
     return time.monotonic() - killed_at
 
@@ -186,6 +191,7 @@ def finish(procs) -> None:
 
 # ---- tests ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kill_after", [0, 3, 40])
 def test_sigkill_mid_allocation_loop_releases_everything(daemon, kill_after):
     with observer(daemon.socket) as obs:
@@ -195,7 +201,9 @@ def test_sigkill_mid_allocation_loop_releases_everything(daemon, kill_after):
         try:
             for r in readies:
                 assert r.wait(60)
-            wait_until(lambda: all(c.value >= kill_after for c in counters), f"loops did not reach {kill_after}", timeout=60)
+            wait_until(
+                lambda: all(c.value >= kill_after for c in counters), f"loops did not reach {kill_after}", timeout=60
+            )
             assert all(p.is_alive() for p in procs), "a looper died on its own"
             took = kill_and_wait_released(obs, procs)
         finally:
@@ -205,8 +213,10 @@ def test_sigkill_mid_allocation_loop_releases_everything(daemon, kill_after):
         if kill_after:
             assert stats["cached_pages"] > 0, "the loopers' published pages should stay cached"
         # Their sequence ids are free again: nobody owns them any more.
-        [again] = obs.allocate_with_prefix(obs.register_namespace(agents.MODEL, agents.LAYOUT), [
-            SequenceRequest("loop-0-0-0", agents.prompt(64, 0, 5))])
+        [again] = obs.allocate_with_prefix(
+            obs.register_namespace(agents.MODEL, agents.LAYOUT),
+            [SequenceRequest("loop-0-0-0", agents.prompt(64, 0, 5))],
+        )
         assert again.num_tokens == 69
 
 
@@ -228,7 +238,7 @@ def test_sigkill_while_writing_private_pages_never_publishes_them(daemon):
         [hit] = obs.lookup(ns, [SequenceRequest("probe", tokens)])
         assert hit.hit_tokens == published * PAGE, "a page the writer never published was indexed"
         for i, page in enumerate(hit.hit_pages):
-            assert page_holds(obs, ns, page, tokens[i * PAGE:(i + 1) * PAGE], i * PAGE), f"published page {i} changed"
+            assert page_holds(obs, ns, page, tokens[i * PAGE : (i + 1) * PAGE], i * PAGE), f"published page {i} changed"
         # A new engine reuses the published pages and must compute the rest itself.
         [alloc] = obs.allocate_with_prefix(ns, [SequenceRequest("after", tokens)])
         assert alloc.shared_pages == hit.hit_pages and alloc.suffix_start == published * PAGE
@@ -256,7 +266,7 @@ def test_sigkill_between_publish_calls_keeps_exactly_the_published_prefix(daemon
         assert lo <= hits <= hi, f"{hits} pages hit; the publisher had finished {lo} publish calls and begun {hi}"
         assert stats["cached_pages"] == hits, "a page past the published prefix stayed cached"
         for i in (0, hits // 2, hits - 1):
-            assert page_holds(obs, ns, hit.hit_pages[i], tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)
+            assert page_holds(obs, ns, hit.hit_pages[i], tokens[i * PAGE : (i + 1) * PAGE], i * PAGE)
 
 
 def test_sigkill_while_holding_pins_unpins(daemon):

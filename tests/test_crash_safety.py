@@ -1,5 +1,6 @@
 """Crash safety at the dangerous instants (issue 11): a kill -9 while an extent is being
 created, right after a publish returned, and a /dev/shm smaller than the host budget."""
+
 from __future__ import annotations
 
 import json
@@ -10,13 +11,13 @@ import signal
 import subprocess
 import sys
 
+import agents
 import numpy as np
 import pytest
-
-import agents
 from conftest import clean_env
-from engine_client import KVDClient, PageLayout, SequenceRequest
 from test_restart import ARGS, PAGE, assert_prefix_served, publish_prefix
+
+from engine_client import KVDClient, PageLayout, SequenceRequest
 
 
 @pytest.mark.parametrize("step", ["extent-meta", "extent-data"])
@@ -28,7 +29,9 @@ def test_a_kill_while_an_extent_is_created_keeps_the_published_cache(daemon_fact
     ns, tokens, alloc = publish_prefix(client, 40)
     extent_pages = (4 << 20) // agents.LAYOUT.page_bytes
     try:  # runs the first extent low: its successor is built, and the daemon dies building it
-        client.allocate_with_prefix(ns, [SequenceRequest("filler", np.arange(extent_pages * PAGE // 2 + PAGE) + 900_000)])
+        client.allocate_with_prefix(
+            ns, [SequenceRequest("filler", np.arange(extent_pages * PAGE // 2 + PAGE) + 900_000)]
+        )
     except Exception:  # noqa: BLE001 - the daemon may die before it replies
         pass
     assert d.process.wait(timeout=20) == -signal.SIGKILL, d.log()
@@ -74,15 +77,30 @@ def test_a_publish_that_returned_survives_a_kill_right_after_it(daemon_factory):
     print("\n" + next(line for line in d2.log().splitlines() if "warm restart: recovered" in line))
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="a private /dev/shm needs root and unshare (CI runs as root)")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a private /dev/shm needs root and unshare (CI runs as root)",
+)
 def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_daemon(tmp_path):
     """A 64 MiB budget over a 16 MiB /dev/shm: the fourth extent of 4 MiB does not fit."""
-    script = f'mount -t tmpfs -o size=16m kvdtest /dev/shm && exec "$0" "$1" "$2"'
+    script = 'mount -t tmpfs -o size=16m kvdtest /dev/shm && exec "$0" "$1" "$2"'
     result = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable,
-         str(pathlib.Path(__file__).with_name("small_shm.py")), str(tmp_path)],
-        capture_output=True, text=True, timeout=180, env=clean_env(tmp_path),
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            sys.executable,
+            str(pathlib.Path(__file__).with_name("small_shm.py")),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=clean_env(tmp_path),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = json.loads(result.stdout.splitlines()[-1])

@@ -1,5 +1,6 @@
 """`python -m gpu_worker.demo` on a small size: it starts its own daemon, runs three engine
 processes, prints one table and exits 0 when pages were shared and the logits match."""
+
 from __future__ import annotations
 
 import re
@@ -26,7 +27,10 @@ def table_numbers(out: str) -> tuple[int, int, float]:
 def test_demo_module_runs_end_to_end(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gpu_worker.demo", "--engines", "3", "--agents-per-engine", "2", *SMALL],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     logical, physical, delta = table_numbers(proc.stdout)
@@ -38,8 +42,10 @@ def test_demo_module_runs_end_to_end(tmp_path) -> None:
 
 
 def test_demo_uses_a_running_daemon(daemon, capsys) -> None:
-    assert main(["--socket", daemon.socket, "--engines", "2", "--agents-per-engine", "1",
-                 "--family", "gpt_oss", *SMALL]) == 0
+    assert (
+        main(["--socket", daemon.socket, "--engines", "2", "--agents-per-engine", "1", "--family", "gpt_oss", *SMALL])
+        == 0
+    )
     out = capsys.readouterr().out
     logical, physical, delta = table_numbers(out)
     assert physical < logical and delta <= LOGIT_TOLERANCE

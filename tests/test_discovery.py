@@ -3,6 +3,7 @@
 Real `kvd serve` and `kvd stats` processes and a real client; only the environment and
 config file differ between the cases.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import time
 
 import grpc
 import pytest
-
 from conftest import clean_env, remember_socket, remove_shared_memory
+
 from engine_client import KVDClient, KVDError
 from kvd.wire.paths import SYSTEM_SOCKET, find_socket, user_socket
 
@@ -54,8 +55,9 @@ def test_daemon_cli_and_client_meet_without_a_socket_flag(tmp_path, where):
         env = clean_env(tmp_path, KVD_CONFIG=str(config))
     daemon = serve(env, socket, tmp_path)
     try:
-        stats = subprocess.run([sys.executable, "-m", "kvd.cli", "stats", "--json"], env=env,
-                               capture_output=True, text=True, timeout=30)
+        stats = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "stats", "--json"], env=env, capture_output=True, text=True, timeout=30
+        )
         assert stats.returncode == 0, stats.stderr
         assert json.loads(stats.stdout)["sessions"] == 0
         client = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=60)
@@ -91,6 +93,7 @@ def test_connect_without_a_daemon_fails_at_once_naming_what_it_tried(tmp_path, m
 
     stale = tmp_path / "stale.sock"  # a socket file nobody listens on, as a killed daemon leaves
     import socket as socket_mod
+
     with socket_mod.socket(socket_mod.AF_UNIX) as s:
         s.bind(str(stale))
     started = time.monotonic()

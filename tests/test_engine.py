@@ -6,6 +6,7 @@ Logits are compared with transformers' eager implementation on each sequence alo
 reference runner. The GPU pool starts filled with NaN, so any read of a slot that was
 never written shows up in the logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,26 +18,39 @@ from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForC
 
 from engine_client import KVDClient
 from gpu_worker.demo import DemoConfig, run_demo
-from gpu_worker.tiny_model import recompute_logits, tiny_model
 from gpu_worker.engine import Engine, NoRoom, SequenceEvicted
 from gpu_worker.model import ModelRunner
+from gpu_worker.tiny_model import recompute_logits, tiny_model
 from gpu_worker.weights import load_model
 
 PAGE = 4
 VOCAB = 96
 TOL = 1e-4  # max|d| / max|ref|, float32
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=VOCAB, initializer_range=0.1, attn_implementation="eager")
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    initializer_range=0.1,
+    attn_implementation="eager",
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **SMALL)).eval()
     config = GptOssConfig(  # layers: sliding (window 5, shorter than every prompt here), full
-        intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-        swiglu_limit=1.0, max_position_embeddings=131072, **SMALL,
+        intermediate_size=32,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        swiglu_limit=1.0,
+        max_position_embeddings=131072,
+        **SMALL,
     )
     model = GptOssForCausalLM(config)
     with torch.no_grad():
@@ -45,7 +59,7 @@ def hf_model(family: str) -> torch.nn.Module:
     return model.eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def runner(family: str) -> ModelRunner:
     spec, weights = load_model(hf_model(family))
     return ModelRunner(spec, weights)
@@ -108,7 +122,10 @@ def test_mixed_batch_decodes_like_transformers_on_each_sequence(family: str, cli
     }
     results = {r.seq_id: r for r in engine.prefill(list(prompts.items()))}
     assert {s: (r.computed_tokens, r.reused_tokens) for s, r in results.items()} == {
-        "hit": (5, 8), "miss": (9, 0), "twin": (9, 0), "full": (0, 12),
+        "hit": (5, 8),
+        "miss": (9, 0),
+        "twin": (9, 0),
+        "full": (0, 12),
     }
     assert engine.info("twin").host_pages[:2] == engine.info("miss").host_pages[:2]
     assert engine.page_table("twin")[:2] == engine.page_table("miss")[:2]
@@ -255,7 +272,11 @@ def test_no_room_on_the_host_changes_nothing(daemon_factory) -> None:
             engine.decode_step(["a"])
         # The runway page taken for the step went back (to the end of the free list).
         now = engine.pool.snapshot()
-        assert (now.refcounts, now.host_of_gpu, now.cached) == (snapshot.refcounts, snapshot.host_of_gpu, snapshot.cached)
+        assert (now.refcounts, now.host_of_gpu, now.cached) == (
+            snapshot.refcounts,
+            snapshot.host_of_gpu,
+            snapshot.cached,
+        )
         assert sorted(now.free) == sorted(snapshot.free) and engine.info("a") == info
         assert client.stats()["logical_pages"] == daemon_stats["logical_pages"]
         engine.complete(["a"])
@@ -266,8 +287,15 @@ def test_no_room_on_the_host_changes_nothing(daemon_factory) -> None:
 
 
 def test_second_engine_process_hits_the_first_ones_prefix(daemon) -> None:
-    cfg = DemoConfig(engines=2, agents_per_engine=1, prefix_tokens=200, suffix_tokens=10, decode_tokens=3,
-                     family="gpt_oss", page_size=16)
+    cfg = DemoConfig(
+        engines=2,
+        agents_per_engine=1,
+        prefix_tokens=200,
+        suffix_tokens=10,
+        decode_tokens=3,
+        family="gpt_oss",
+        page_size=16,
+    )
     result = run_demo(cfg, socket=daemon.socket)
     first, second = result.reports
     assert (first.reused_tokens, first.computed_tokens) == (0, 210)

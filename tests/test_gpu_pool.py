@@ -1,4 +1,5 @@
 """GpuPagePool refcounts, LRU cache and eviction; PageLoader copies; CPU only unless marked."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +9,7 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from shm_host_pages import ShmHostPages
 
 from engine_client import PageLayout
 from gpu_worker.loader import PageLoader, PageStore, register_chunks, register_host_extents
@@ -20,7 +22,6 @@ from gpu_worker.pool import (
     PoolExhausted,
     PoolInvariantError,
 )
-from shm_host_pages import ShmHostPages
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
 

@@ -10,6 +10,7 @@ One daemon serves the whole module (a tiny host budget, so eviction, extent recl
 RESOURCE_EXHAUSTED happen within a few steps); each hypothesis example opens its own two
 sessions and closes them at the end.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,31 +23,52 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
 )
 
-from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 
 Code = grpc.StatusCode
-ALLOWED = {Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION,
-           Code.RESOURCE_EXHAUSTED}
+ALLOWED = {
+    Code.INVALID_ARGUMENT,
+    Code.NOT_FOUND,
+    Code.PERMISSION_DENIED,
+    Code.FAILED_PRECONDITION,
+    Code.RESOURCE_EXHAUSTED,
+}
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
-HOST_BYTES = 16 << 10     # 32 pages of namespace A: a few sequences fill it
+HOST_BYTES = 16 << 10  # 32 pages of namespace A: a few sequences fill it
 EXTENT_BYTES = 1 << 12
-VOCAB_A = 1000            # namespace A checks ids against its vocabulary; B accepts any id >= 0
+VOCAB_A = 1000  # namespace A checks ids against its vocabulary; B accepts any id >= 0
 PAGE_SIZE = {"A": 4, "B": 8}
-MAX_TOKENS = 1 << 22      # kvd.manager.Limits.max_tokens_per_sequence
+MAX_TOKENS = 1 << 22  # kvd.manager.Limits.max_tokens_per_sequence
 UNKNOWN_NS = 999
 
 # Stats that only calls change (free_pages also moves when a background extent is adopted).
-STATE_FIELDS = ("logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages",
-                "pinned_pages", "sequences", "refcount_increments", "refcount_decrements",
-                "lookup_tokens", "hit_tokens", "evicted_pages")
+STATE_FIELDS = (
+    "logical_pages",
+    "physical_pages",
+    "shared_pages",
+    "private_pages",
+    "cached_pages",
+    "pinned_pages",
+    "sequences",
+    "refcount_increments",
+    "refcount_decrements",
+    "lookup_tokens",
+    "hit_tokens",
+    "evicted_pages",
+)
 
 
 def tok(ids) -> bytes:
@@ -107,19 +129,31 @@ class Env:
 
 
 def register(wire: Wire, session: str, model: str, lay: pb.PageLayout, vocab: int = 0) -> int:
-    return wire.ok("RegisterNamespace", pb.RegisterNamespaceRequest(
-        session=session, identity=pb.NamespaceIdentity(model=model, layout=lay, vocab_size=vocab),
-    )).namespace_id
+    return wire.ok(
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(
+            session=session,
+            identity=pb.NamespaceIdentity(model=model, layout=lay, vocab_size=vocab),
+        ),
+    ).namespace_id
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("hostile"), "--enable-prefix-reuse",
-                     "--host-bytes", str(HOST_BYTES), "--extent-bytes", str(EXTENT_BYTES))
+    d = start_daemon(
+        tmp_path_factory.mktemp("hostile"),
+        "--enable-prefix-reuse",
+        "--host-bytes",
+        str(HOST_BYTES),
+        "--extent-bytes",
+        str(EXTENT_BYTES),
+    )
     wire = Wire(d.socket)
     session, stream = wire.open_session("setup")
-    ns = {"A": register(wire, session, "hostile-a", layout(PAGE_SIZE["A"]), VOCAB_A),
-          "B": register(wire, session, "hostile-b", layout(PAGE_SIZE["B"]))}
+    ns = {
+        "A": register(wire, session, "hostile-a", layout(PAGE_SIZE["A"]), VOCAB_A),
+        "B": register(wire, session, "hostile-b", layout(PAGE_SIZE["B"])),
+    }
     stream.cancel()
     wait_until(lambda: wire.stats().totals.sessions == 0, "the setup session did not end")
     try:
@@ -127,8 +161,6 @@ def env(tmp_path_factory):
     finally:
         wire.close()
         stop_cleanly(d)
-
-
 
 
 def assert_healthy(env: Env) -> pb.StatsReply:
@@ -154,13 +186,18 @@ def refused(env: Env, method: str, request, codes: set) -> Outcome:
 
 # ---- deterministic cases: exact status for each kind of bad input ---------------------
 
+
 @pytest.fixture
 def two_sessions(env):
     """Two live sessions; 'mine' (4 tokens + 2, ns A) belongs to the first. Closed after."""
     a, stream_a = env.wire.open_session("hostile-a")
     b, stream_b = env.wire.open_session("hostile-b")
-    env.wire.ok("AllocateWithPrefix", pb.AllocateRequest(session=a, namespace_id=env.ns["A"], sequences=[
-        pb.SequenceRequest(seq_id="mine", tokens=tok(range(6)))]))
+    env.wire.ok(
+        "AllocateWithPrefix",
+        pb.AllocateRequest(
+            session=a, namespace_id=env.ns["A"], sequences=[pb.SequenceRequest(seq_id="mine", tokens=tok(range(6)))]
+        ),
+    )
     yield a, b
     stream_a.cancel()
     stream_b.cancel()
@@ -172,116 +209,295 @@ def _alloc(session, ns, *seqs):
     return "AllocateWithPrefix", pb.AllocateRequest(session=session, namespace_id=ns, sequences=list(seqs))
 
 
-def _seq(seq_id="x", tokens=tok([1, 2, 3]), extra=()):
+def _seq(seq_id="x", tokens=None, extra=()):
+    tokens = tok([1, 2, 3]) if tokens is None else tokens
     return pb.SequenceRequest(seq_id=seq_id, tokens=tokens, extra_keys=list(extra))
 
 
 def _extend(session, ns, seq_ids, num_tokens, counts=None, token_ids=b""):
     """An ExtendRequest from its columns; ``counts`` defaults to no ids for any sequence."""
     return "Extend", pb.ExtendRequest(
-        session=session, namespace_id=ns, seq_ids=seq_ids, num_tokens=num_tokens,
-        token_id_counts=[0] * len(seq_ids) if counts is None else counts, token_ids=token_ids,
+        session=session,
+        namespace_id=ns,
+        seq_ids=seq_ids,
+        num_tokens=num_tokens,
+        token_id_counts=[0] * len(seq_ids) if counts is None else counts,
+        token_ids=token_ids,
     )
 
 
 BAD_CASES = {
     # name: (build(env, a, b) -> (method, request), code)
-    "tokens not a multiple of 4": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=b"\x01\x00\x00")), Code.INVALID_ARGUMENT),
+    "tokens not a multiple of 4": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=b"\x01\x00\x00")),
+        Code.INVALID_ARGUMENT,
+    ),
     "negative token id": (lambda e, a, b: _alloc(a, e.ns["B"], _seq(tokens=tok([5, -1]))), Code.INVALID_ARGUMENT),
     "int32 min token id": (lambda e, a, b: _alloc(a, e.ns["B"], _seq(tokens=tok([-(1 << 31)]))), Code.INVALID_ARGUMENT),
     "token id = vocab": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=tok([VOCAB_A]))), Code.INVALID_ARGUMENT),
-    "token id = 2^31-1 over vocab": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=tok([(1 << 31) - 1]))), Code.INVALID_ARGUMENT),
-    "more tokens than the limit": (lambda e, a, b: _alloc(a, e.ns["B"], _seq(tokens=bytes(4 * (MAX_TOKENS + 1)))), Code.INVALID_ARGUMENT),
-    "more tokens than the budget": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=bytes(4 * 100_000))), Code.RESOURCE_EXHAUSTED),
+    "token id = 2^31-1 over vocab": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=tok([(1 << 31) - 1]))),
+        Code.INVALID_ARGUMENT,
+    ),
+    "more tokens than the limit": (
+        lambda e, a, b: _alloc(a, e.ns["B"], _seq(tokens=bytes(4 * (MAX_TOKENS + 1)))),
+        Code.INVALID_ARGUMENT,
+    ),
+    "more tokens than the budget": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(tokens=bytes(4 * 100_000))),
+        Code.RESOURCE_EXHAUSTED,
+    ),
     "empty seq id": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(seq_id="")), Code.INVALID_ARGUMENT),
     "10K-char seq id": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(seq_id="x" * 10_000)), Code.INVALID_ARGUMENT),
-    "10K-emoji seq id": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(seq_id="\U0001F600" * 10_000)), Code.INVALID_ARGUMENT),
+    "10K-emoji seq id": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(seq_id="\U0001f600" * 10_000)),
+        Code.INVALID_ARGUMENT,
+    ),
     # Calls on one named sequence echo its id in NOT_FOUND: the message must still arrive.
-    "10K-char id: set_state": (lambda e, a, b: ("SetState", pb.SetStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="x" * 10_000, state=pb.ON_HOLD)), Code.NOT_FOUND),
-    "10K-char id: set aux": (lambda e, a, b: ("SetAuxState", pb.SetAuxStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="x" * 10_000, data=b"x")), Code.NOT_FOUND),
-    "10K-emoji id: get aux": (lambda e, a, b: ("GetAuxState", pb.GetAuxStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="\U0001F600" * 10_000)), Code.NOT_FOUND),
-    "10K-emoji id: fork source": (lambda e, a, b: ("Fork", pb.ForkRequest(
-        session=a, namespace_id=e.ns["A"], src_seq_id="\U0001F600" * 10_000, dst_seq_id="f")), Code.NOT_FOUND),
+    "10K-char id: set_state": (
+        lambda e, a, b: (
+            "SetState",
+            pb.SetStateRequest(session=a, namespace_id=e.ns["A"], seq_id="x" * 10_000, state=pb.ON_HOLD),
+        ),
+        Code.NOT_FOUND,
+    ),
+    "10K-char id: set aux": (
+        lambda e, a, b: (
+            "SetAuxState",
+            pb.SetAuxStateRequest(session=a, namespace_id=e.ns["A"], seq_id="x" * 10_000, data=b"x"),
+        ),
+        Code.NOT_FOUND,
+    ),
+    "10K-emoji id: get aux": (
+        lambda e, a, b: (
+            "GetAuxState",
+            pb.GetAuxStateRequest(session=a, namespace_id=e.ns["A"], seq_id="\U0001f600" * 10_000),
+        ),
+        Code.NOT_FOUND,
+    ),
+    "10K-emoji id: fork source": (
+        lambda e, a, b: (
+            "Fork",
+            pb.ForkRequest(session=a, namespace_id=e.ns["A"], src_seq_id="\U0001f600" * 10_000, dst_seq_id="f"),
+        ),
+        Code.NOT_FOUND,
+    ),
     "duplicate seq ids": (lambda e, a, b: _alloc(a, e.ns["A"], _seq("d"), _seq("d")), Code.INVALID_ARGUMENT),
     "huge batch": (lambda e, a, b: _alloc(a, e.ns["A"], *[_seq(f"s{i}") for i in range(5000)]), Code.INVALID_ARGUMENT),
     "unknown namespace": (lambda e, a, b: _alloc(a, UNKNOWN_NS, _seq()), Code.NOT_FOUND),
     "namespace 0": (lambda e, a, b: _alloc(a, 0, _seq()), Code.NOT_FOUND),
     "unknown session": (lambda e, a, b: _alloc(secrets.token_hex(16), e.ns["A"], _seq()), Code.NOT_FOUND),
     "empty session": (lambda e, a, b: _alloc("", e.ns["A"], _seq()), Code.NOT_FOUND),
-    "extra key kind 0": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=0, value=b"v")])), Code.INVALID_ARGUMENT),
-    "extra key kind 9": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=9, value=b"v")])), Code.INVALID_ARGUMENT),
-    "empty LoRA value": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=pb.ExtraKey.LORA)])), Code.INVALID_ARGUMENT),
-    "multimodal item past the prompt": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[
-        pb.ExtraKey(kind=pb.ExtraKey.MULTIMODAL, value=b"img", offset=2, length=2)])), Code.INVALID_ARGUMENT),
-    "multimodal offset near 2^32": (lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[
-        pb.ExtraKey(kind=pb.ExtraKey.MULTIMODAL, value=b"img", offset=(1 << 32) - 1, length=(1 << 32) - 1)])), Code.INVALID_ARGUMENT),
-    "another session's sequence: allocate": (lambda e, a, b: _alloc(b, e.ns["A"], _seq("mine")), Code.PERMISSION_DENIED),
-    "another session's sequence: release": (lambda e, a, b: ("Release", pb.ReleaseRequest(
-        session=b, namespace_id=e.ns["A"], seq_ids=["mine"])), Code.PERMISSION_DENIED),
-    "another session's sequence: extend": (lambda e, a, b: _extend(b, e.ns["A"], ["mine"], [1]), Code.PERMISSION_DENIED),
-    "another session's sequence: publish": (lambda e, a, b: ("Publish", pb.PublishRequest(
-        session=b, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine")])), Code.PERMISSION_DENIED),
-    "another session's sequence: fork": (lambda e, a, b: ("Fork", pb.ForkRequest(
-        session=b, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="theirs")), Code.PERMISSION_DENIED),
-    "fork onto another session's sequence": (lambda e, a, b: ("Fork", pb.ForkRequest(
-        session=a, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="mine")), Code.FAILED_PRECONDITION),
-    "another session's sequence: set_state": (lambda e, a, b: ("SetState", pb.SetStateRequest(
-        session=b, namespace_id=e.ns["A"], seq_id="mine", state=pb.IN_DECODE)), Code.PERMISSION_DENIED),
-    "another session's sequence: aux": (lambda e, a, b: ("GetAuxState", pb.GetAuxStateRequest(
-        session=b, namespace_id=e.ns["A"], seq_id="mine")), Code.PERMISSION_DENIED),
-    "another session's sequence: set aux": (lambda e, a, b: ("SetAuxState", pb.SetAuxStateRequest(
-        session=b, namespace_id=e.ns["A"], seq_id="mine", data=b"x")), Code.PERMISSION_DENIED),
-    "SequenceState 0": (lambda e, a, b: ("SetState", pb.SetStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="mine", state=0)), Code.INVALID_ARGUMENT),
-    "SequenceState 7": (lambda e, a, b: ("SetState", pb.SetStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="mine", state=7)), Code.INVALID_ARGUMENT),
-    "SequenceState 99": (lambda e, a, b: ("SetState", pb.SetStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="mine", state=99)), Code.INVALID_ARGUMENT),
-    "PREFILLED -> EVICTED": (lambda e, a, b: ("SetState", pb.SetStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="mine", state=pb.EVICTED)), Code.FAILED_PRECONDITION),
+    "extra key kind 0": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=0, value=b"v")])),
+        Code.INVALID_ARGUMENT,
+    ),
+    "extra key kind 9": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=9, value=b"v")])),
+        Code.INVALID_ARGUMENT,
+    ),
+    "empty LoRA value": (
+        lambda e, a, b: _alloc(a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=pb.ExtraKey.LORA)])),
+        Code.INVALID_ARGUMENT,
+    ),
+    "multimodal item past the prompt": (
+        lambda e, a, b: _alloc(
+            a, e.ns["A"], _seq(extra=[pb.ExtraKey(kind=pb.ExtraKey.MULTIMODAL, value=b"img", offset=2, length=2)])
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "multimodal offset near 2^32": (
+        lambda e, a, b: _alloc(
+            a,
+            e.ns["A"],
+            _seq(
+                extra=[
+                    pb.ExtraKey(kind=pb.ExtraKey.MULTIMODAL, value=b"img", offset=(1 << 32) - 1, length=(1 << 32) - 1)
+                ]
+            ),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "another session's sequence: allocate": (
+        lambda e, a, b: _alloc(b, e.ns["A"], _seq("mine")),
+        Code.PERMISSION_DENIED,
+    ),
+    "another session's sequence: release": (
+        lambda e, a, b: ("Release", pb.ReleaseRequest(session=b, namespace_id=e.ns["A"], seq_ids=["mine"])),
+        Code.PERMISSION_DENIED,
+    ),
+    "another session's sequence: extend": (
+        lambda e, a, b: _extend(b, e.ns["A"], ["mine"], [1]),
+        Code.PERMISSION_DENIED,
+    ),
+    "another session's sequence: publish": (
+        lambda e, a, b: (
+            "Publish",
+            pb.PublishRequest(session=b, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine")]),
+        ),
+        Code.PERMISSION_DENIED,
+    ),
+    "another session's sequence: fork": (
+        lambda e, a, b: (
+            "Fork",
+            pb.ForkRequest(session=b, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="theirs"),
+        ),
+        Code.PERMISSION_DENIED,
+    ),
+    "fork onto another session's sequence": (
+        lambda e, a, b: (
+            "Fork",
+            pb.ForkRequest(session=a, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="mine"),
+        ),
+        Code.FAILED_PRECONDITION,
+    ),
+    "another session's sequence: set_state": (
+        lambda e, a, b: (
+            "SetState",
+            pb.SetStateRequest(session=b, namespace_id=e.ns["A"], seq_id="mine", state=pb.IN_DECODE),
+        ),
+        Code.PERMISSION_DENIED,
+    ),
+    "another session's sequence: aux": (
+        lambda e, a, b: ("GetAuxState", pb.GetAuxStateRequest(session=b, namespace_id=e.ns["A"], seq_id="mine")),
+        Code.PERMISSION_DENIED,
+    ),
+    "another session's sequence: set aux": (
+        lambda e, a, b: (
+            "SetAuxState",
+            pb.SetAuxStateRequest(session=b, namespace_id=e.ns["A"], seq_id="mine", data=b"x"),
+        ),
+        Code.PERMISSION_DENIED,
+    ),
+    "SequenceState 0": (
+        lambda e, a, b: ("SetState", pb.SetStateRequest(session=a, namespace_id=e.ns["A"], seq_id="mine", state=0)),
+        Code.INVALID_ARGUMENT,
+    ),
+    "SequenceState 7": (
+        lambda e, a, b: ("SetState", pb.SetStateRequest(session=a, namespace_id=e.ns["A"], seq_id="mine", state=7)),
+        Code.INVALID_ARGUMENT,
+    ),
+    "SequenceState 99": (
+        lambda e, a, b: ("SetState", pb.SetStateRequest(session=a, namespace_id=e.ns["A"], seq_id="mine", state=99)),
+        Code.INVALID_ARGUMENT,
+    ),
+    "PREFILLED -> EVICTED": (
+        lambda e, a, b: (
+            "SetState",
+            pb.SetStateRequest(session=a, namespace_id=e.ns["A"], seq_id="mine", state=pb.EVICTED),
+        ),
+        Code.FAILED_PRECONDITION,
+    ),
     "extend by 0": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [0]), Code.INVALID_ARGUMENT),
     "extend by 2^32-1": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [(1 << 32) - 1]), Code.INVALID_ARGUMENT),
-    "extend ids of the wrong count": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [3], [1], tok([1])), Code.INVALID_ARGUMENT),
-    "extend with odd token bytes": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [1], [0], b"\x01"), Code.INVALID_ARGUMENT),
-    "extend with ids over vocab": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [1], [1], tok([VOCAB_A])), Code.INVALID_ARGUMENT),
+    "extend ids of the wrong count": (
+        lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [3], [1], tok([1])),
+        Code.INVALID_ARGUMENT,
+    ),
+    "extend with odd token bytes": (
+        lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [1], [0], b"\x01"),
+        Code.INVALID_ARGUMENT,
+    ),
+    "extend with ids over vocab": (
+        lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [1], [1], tok([VOCAB_A])),
+        Code.INVALID_ARGUMENT,
+    ),
     "extend past the budget": (lambda e, a, b: _extend(a, e.ns["A"], ["mine"], [100_000]), Code.RESOURCE_EXHAUSTED),
-    "publish a partial page": (lambda e, a, b: ("Publish", pb.PublishRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine", num_tokens=3)])), Code.INVALID_ARGUMENT),
-    "publish 2^32-4 tokens": (lambda e, a, b: ("Publish", pb.PublishRequest(
-        session=a, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine", num_tokens=(1 << 32) - 4)])), Code.INVALID_ARGUMENT),
-    "unknown sequence": (lambda e, a, b: ("Release", pb.ReleaseRequest(
-        session=a, namespace_id=e.ns["A"], seq_ids=["never"])), Code.NOT_FOUND),
-    "release twice in one batch": (lambda e, a, b: ("Release", pb.ReleaseRequest(
-        session=a, namespace_id=e.ns["A"], seq_ids=["mine", "mine"])), Code.INVALID_ARGUMENT),
-    "right id, wrong namespace": (lambda e, a, b: ("Release", pb.ReleaseRequest(
-        session=a, namespace_id=e.ns["B"], seq_ids=["mine"])), Code.NOT_FOUND),
-    "fork into an empty id": (lambda e, a, b: ("Fork", pb.ForkRequest(
-        session=a, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="")), Code.INVALID_ARGUMENT),
-    "fork into a 10K-char id": (lambda e, a, b: ("Fork", pb.ForkRequest(
-        session=a, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="y" * 10_000)), Code.INVALID_ARGUMENT),
-    "pin with negative ttl": (lambda e, a, b: ("Pin", pb.PinRequest(
-        session=a, namespace_id=e.ns["A"], tokens=tok(range(8)), ttl_seconds=-1)), Code.INVALID_ARGUMENT),
-    "pin with NaN ttl": (lambda e, a, b: ("Pin", pb.PinRequest(
-        session=a, namespace_id=e.ns["A"], tokens=tok(range(8)), ttl_seconds=math.nan)), Code.INVALID_ARGUMENT),
-    "pin with infinite ttl": (lambda e, a, b: ("Pin", pb.PinRequest(
-        session=a, namespace_id=e.ns["A"], tokens=tok(range(8)), ttl_seconds=math.inf)), Code.INVALID_ARGUMENT),
-    "pin with odd token bytes": (lambda e, a, b: ("Pin", pb.PinRequest(
-        session=a, namespace_id=e.ns["A"], tokens=b"\x00" * 5)), Code.INVALID_ARGUMENT),
-    "unpin an unknown pin": (lambda e, a, b: ("Unpin", pb.UnpinRequest(session=a, pin_id=(1 << 64) - 1)), Code.NOT_FOUND),
-    "unpin with an unknown session": (lambda e, a, b: ("Unpin", pb.UnpinRequest(session="nope", pin_id=1)), Code.NOT_FOUND),
-    "extents of an unknown namespace": (lambda e, a, b: ("DescribeExtents", pb.DescribeExtentsRequest(
-        session=a, namespace_id=UNKNOWN_NS)), Code.NOT_FOUND),
-    "extents with an unknown session": (lambda e, a, b: ("DescribeExtents", pb.DescribeExtentsRequest(
-        session="", namespace_id=e.ns["A"])), Code.NOT_FOUND),
-    "lookup with a 10K-char id": (lambda e, a, b: ("Lookup", pb.LookupRequest(
-        session=a, namespace_id=e.ns["A"], sequences=[_seq("z" * 10_000)])), Code.INVALID_ARGUMENT),
-    "lookup with ids over vocab": (lambda e, a, b: ("Lookup", pb.LookupRequest(
-        session=a, namespace_id=e.ns["A"], sequences=[_seq(tokens=tok([1, 5000]))])), Code.INVALID_ARGUMENT),
-    "aux over the limit": (lambda e, a, b: ("SetAuxState", pb.SetAuxStateRequest(
-        session=a, namespace_id=e.ns["A"], seq_id="mine", data=bytes((64 << 20) + 1))), Code.INVALID_ARGUMENT),
+    "publish a partial page": (
+        lambda e, a, b: (
+            "Publish",
+            pb.PublishRequest(session=a, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine", num_tokens=3)]),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "publish 2^32-4 tokens": (
+        lambda e, a, b: (
+            "Publish",
+            pb.PublishRequest(
+                session=a, namespace_id=e.ns["A"], items=[pb.PublishItem(seq_id="mine", num_tokens=(1 << 32) - 4)]
+            ),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "unknown sequence": (
+        lambda e, a, b: ("Release", pb.ReleaseRequest(session=a, namespace_id=e.ns["A"], seq_ids=["never"])),
+        Code.NOT_FOUND,
+    ),
+    "release twice in one batch": (
+        lambda e, a, b: ("Release", pb.ReleaseRequest(session=a, namespace_id=e.ns["A"], seq_ids=["mine", "mine"])),
+        Code.INVALID_ARGUMENT,
+    ),
+    "right id, wrong namespace": (
+        lambda e, a, b: ("Release", pb.ReleaseRequest(session=a, namespace_id=e.ns["B"], seq_ids=["mine"])),
+        Code.NOT_FOUND,
+    ),
+    "fork into an empty id": (
+        lambda e, a, b: ("Fork", pb.ForkRequest(session=a, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="")),
+        Code.INVALID_ARGUMENT,
+    ),
+    "fork into a 10K-char id": (
+        lambda e, a, b: (
+            "Fork",
+            pb.ForkRequest(session=a, namespace_id=e.ns["A"], src_seq_id="mine", dst_seq_id="y" * 10_000),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "pin with negative ttl": (
+        lambda e, a, b: ("Pin", pb.PinRequest(session=a, namespace_id=e.ns["A"], tokens=tok(range(8)), ttl_seconds=-1)),
+        Code.INVALID_ARGUMENT,
+    ),
+    "pin with NaN ttl": (
+        lambda e, a, b: (
+            "Pin",
+            pb.PinRequest(session=a, namespace_id=e.ns["A"], tokens=tok(range(8)), ttl_seconds=math.nan),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "pin with infinite ttl": (
+        lambda e, a, b: (
+            "Pin",
+            pb.PinRequest(session=a, namespace_id=e.ns["A"], tokens=tok(range(8)), ttl_seconds=math.inf),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "pin with odd token bytes": (
+        lambda e, a, b: ("Pin", pb.PinRequest(session=a, namespace_id=e.ns["A"], tokens=b"\x00" * 5)),
+        Code.INVALID_ARGUMENT,
+    ),
+    "unpin an unknown pin": (
+        lambda e, a, b: ("Unpin", pb.UnpinRequest(session=a, pin_id=(1 << 64) - 1)),
+        Code.NOT_FOUND,
+    ),
+    "unpin with an unknown session": (
+        lambda e, a, b: ("Unpin", pb.UnpinRequest(session="nope", pin_id=1)),
+        Code.NOT_FOUND,
+    ),
+    "extents of an unknown namespace": (
+        lambda e, a, b: ("DescribeExtents", pb.DescribeExtentsRequest(session=a, namespace_id=UNKNOWN_NS)),
+        Code.NOT_FOUND,
+    ),
+    "extents with an unknown session": (
+        lambda e, a, b: ("DescribeExtents", pb.DescribeExtentsRequest(session="", namespace_id=e.ns["A"])),
+        Code.NOT_FOUND,
+    ),
+    "lookup with a 10K-char id": (
+        lambda e, a, b: ("Lookup", pb.LookupRequest(session=a, namespace_id=e.ns["A"], sequences=[_seq("z" * 10_000)])),
+        Code.INVALID_ARGUMENT,
+    ),
+    "lookup with ids over vocab": (
+        lambda e, a, b: (
+            "Lookup",
+            pb.LookupRequest(session=a, namespace_id=e.ns["A"], sequences=[_seq(tokens=tok([1, 5000]))]),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
+    "aux over the limit": (
+        lambda e, a, b: (
+            "SetAuxState",
+            pb.SetAuxStateRequest(session=a, namespace_id=e.ns["A"], seq_id="mine", data=bytes((64 << 20) + 1)),
+        ),
+        Code.INVALID_ARGUMENT,
+    ),
 }
 
 
@@ -298,12 +514,28 @@ BAD_EXTEND_BATCHES = {
     "a count missing": (["mine", "other"], [1, 1], [0], b"", "2 seq_ids, 2 num_tokens and 1 token_id_counts"),
     "a num_tokens too many": (["mine"], [1, 1], [0], b"", "1 seq_ids, 2 num_tokens and 1 token_id_counts"),
     "ids not whole int32": (["mine"], [1], [1], tok([6]) + b"\x01", "token_ids has 5 bytes, not a multiple of 4"),
-    "fewer ids than counted": (["mine", "other"], [1, 1], [1, 1], tok([6]), "add up to 2 token ids but token_ids holds 1"),
+    "fewer ids than counted": (
+        ["mine", "other"],
+        [1, 1],
+        [1, 1],
+        tok([6]),
+        "add up to 2 token ids but token_ids holds 1",
+    ),
     "more ids than counted": (["mine"], [1], [0], tok([6]), "add up to 0 token ids but token_ids holds 1"),
-    "count neither 0 nor num_tokens": (["mine", "other"], [1, 3], [1, 1], tok([6, 13]),
-                                       "sequence 'other': 1 token ids given for 3 new tokens"),
-    "an id over the vocabulary": (["mine", "other"], [1, 1], [1, 1], tok([6, VOCAB_A]),
-                                  f"sequence 'other': token id {VOCAB_A} at position 0 is out of range [0, {VOCAB_A})"),
+    "count neither 0 nor num_tokens": (
+        ["mine", "other"],
+        [1, 3],
+        [1, 1],
+        tok([6, 13]),
+        "sequence 'other': 1 token ids given for 3 new tokens",
+    ),
+    "an id over the vocabulary": (
+        ["mine", "other"],
+        [1, 1],
+        [1, 1],
+        tok([6, VOCAB_A]),
+        f"sequence 'other': token id {VOCAB_A} at position 0 is out of range [0, {VOCAB_A})",
+    ),
 }
 
 
@@ -325,8 +557,12 @@ def test_pin_of_another_session_is_permission_denied(env, two_sessions):
     ns = env.ns["A"]
     prompt = tok(range(100, 108))
     env.wire.ok("AllocateWithPrefix", pb.AllocateRequest(session=a, namespace_id=ns, sequences=[_seq("p", prompt)]))
-    assert env.wire.ok("Publish", pb.PublishRequest(session=a, namespace_id=ns, items=[
-        pb.PublishItem(seq_id="p")])).results[0].published_pages == 2
+    assert (
+        env.wire.ok("Publish", pb.PublishRequest(session=a, namespace_id=ns, items=[pb.PublishItem(seq_id="p")]))
+        .results[0]
+        .published_pages
+        == 2
+    )
     pin = env.wire.ok("Pin", pb.PinRequest(session=a, namespace_id=ns, tokens=prompt))
     assert pin.pinned_pages == 2
     refused(env, "Unpin", pb.UnpinRequest(session=b, pin_id=pin.pin_id), {Code.PERMISSION_DENIED})
@@ -360,8 +596,9 @@ BAD_IDENTITIES = {
     "unsupported attention": pb.NamespaceIdentity(model="m", layout=layout(4), attention="mla"),
     # page_bytes = 4 * 2 * (2^32-1)^4: more than the uint64 the reply (and every later
     # GetStats) must carry it in.
-    "page bytes beyond uint64": pb.NamespaceIdentity(model="m", layout=layout(
-        M32, num_layers=M32, num_kv_heads=M32, head_dim=M32, dtype="float32")),
+    "page bytes beyond uint64": pb.NamespaceIdentity(
+        model="m", layout=layout(M32, num_layers=M32, num_kv_heads=M32, head_dim=M32, dtype="float32")
+    ),
 }
 
 
@@ -370,27 +607,42 @@ def test_bad_namespace_identity_is_invalid_argument(env, case):
     session, stream = env.wire.open_session("identity")
     try:
         before = len(env.wire.stats().namespaces)
-        refused(env, "RegisterNamespace", pb.RegisterNamespaceRequest(session=session, identity=BAD_IDENTITIES[case]),
-                {Code.INVALID_ARGUMENT})
+        refused(
+            env,
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(session=session, identity=BAD_IDENTITIES[case]),
+            {Code.INVALID_ARGUMENT},
+        )
         assert len(env.wire.stats().namespaces) == before, "a refused identity was registered"
     finally:
         stream.cancel()
     wait_until(lambda: env.wire.stats().totals.sessions == 0, "the session did not end")
-    refused(env, "RegisterNamespace", pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(
-        model="m", layout=layout(4))), {Code.NOT_FOUND})  # a closed session is unknown
-
-
+    refused(
+        env,
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(session=session, identity=pb.NamespaceIdentity(model="m", layout=layout(4))),
+        {Code.NOT_FOUND},
+    )  # a closed session is unknown
 
 
 def test_multimodal_extra_keys_cannot_amplify_daemon_memory(env):
     session, stream = env.wire.open_session("amplifier")
     try:
-        ns = register(env.wire, session, "hostile-mm", layout(1, head_dim=256, dtype="uint8"))  # 1-token pages of 512 bytes
+        ns = register(
+            env.wire, session, "hostile-mm", layout(1, head_dim=256, dtype="uint8")
+        )  # 1-token pages of 512 bytes
         n = 256 << 10
-        request = pb.LookupRequest(session=session, namespace_id=ns, sequences=[pb.SequenceRequest(
-            seq_id="mm", tokens=bytes(4 * n),
-            extra_keys=[pb.ExtraKey(kind=pb.ExtraKey.MULTIMODAL, value=b"v" * 1024, offset=0, length=n)],
-        )])
+        request = pb.LookupRequest(
+            session=session,
+            namespace_id=ns,
+            sequences=[
+                pb.SequenceRequest(
+                    seq_id="mm",
+                    tokens=bytes(4 * n),
+                    extra_keys=[pb.ExtraKey(kind=pb.ExtraKey.MULTIMODAL, value=b"v" * 1024, offset=0, length=n)],
+                )
+            ],
+        )
         pid = env.daemon.process.pid
         before = vm_kib(pid, "VmHWM")
         started = time.perf_counter()
@@ -411,17 +663,33 @@ BAD_SEQ_IDS = ["", "q" * 10_000, "\u00e9" * 5_000]
 BASES = [list(range(100, 132)), list(range(100, 112)) + list(range(500, 520)), list(range(900, 932))]
 
 seq_ids = st.integers(0, 26).map(lambda i: SEQ_IDS[i % 4] if i < 24 else BAD_SEQ_IDS[i - 24])
-sessions = st.integers(0, 19)    # 0-8: first, 9-17: second, 18: unknown token, 19: a closed session's token
+sessions = st.integers(0, 19)  # 0-8: first, 9-17: second, 18: unknown token, 19: a closed session's token
 namespaces = st.integers(0, 19)  # 0-11: A, 12-18: B, 19: unknown
 # Token payloads: (kind, ids). Kinds other than "ok" are malformed (or, for "vocab", malformed in A).
-valid_ids = st.builds(lambda b, k, tail: BASES[b][:k] + tail,
-                      st.integers(0, 2), st.integers(0, 32), st.lists(st.integers(0, 999), max_size=6))
-token_payloads = st.tuples(
-    st.sampled_from(["ok"] * 15 + ["odd", "neg", "vocab", "big", "huge"]), valid_ids)
-extra_keys = st.integers(0, 3).flatmap(lambda i: st.just([]) if i else st.lists(st.builds(
-    lambda kind, value, offset, length: pb.ExtraKey(kind=kind, value=value, offset=offset, length=length),
-    st.sampled_from([1, 2, 3, 1, 2, 3, 0, 9]), st.binary(max_size=8), st.integers(0, 40), st.integers(0, 8),
-), min_size=1, max_size=2))
+valid_ids = st.builds(
+    lambda b, k, tail: BASES[b][:k] + tail,
+    st.integers(0, 2),
+    st.integers(0, 32),
+    st.lists(st.integers(0, 999), max_size=6),
+)
+token_payloads = st.tuples(st.sampled_from(["ok"] * 15 + ["odd", "neg", "vocab", "big", "huge"]), valid_ids)
+extra_keys = st.integers(0, 3).flatmap(
+    lambda i: (
+        st.just([])
+        if i
+        else st.lists(
+            st.builds(
+                lambda kind, value, offset, length: pb.ExtraKey(kind=kind, value=value, offset=offset, length=length),
+                st.sampled_from([1, 2, 3, 1, 2, 3, 0, 9]),
+                st.binary(max_size=8),
+                st.integers(0, 40),
+                st.integers(0, 8),
+            ),
+            min_size=1,
+            max_size=2,
+        )
+    )
+)
 states = st.sampled_from([0, 1, 2, 3, 4, 5, 7, 99])
 ttls = st.sampled_from([0.0, 1e9, -1.0, math.nan, math.inf])
 
@@ -530,7 +798,9 @@ class HostileMachine(RuleBasedStateMachine):
 
     # ---- checking -----------------------------------------------------------------------
 
-    def send(self, method: str, request, issues: set, touches_sequences: bool = True, maybe: frozenset = frozenset()) -> Outcome:
+    def send(
+        self, method: str, request, issues: set, touches_sequences: bool = True, maybe: frozenset = frozenset()
+    ) -> Outcome:
         """Sends one call. ``issues``: codes it must fail with (empty: it may succeed).
         ``maybe``: further codes the daemon may report first for what the model does not
         track (sequence lengths); a call on sequences may also meet FAILED_PRECONDITION."""
@@ -563,7 +833,11 @@ class HostileMachine(RuleBasedStateMachine):
 
     # ---- rules --------------------------------------------------------------------------
 
-    @rule(sess=sessions, ns=namespaces, seqs=st.lists(st.tuples(seq_ids, token_payloads, extra_keys), min_size=1, max_size=2))
+    @rule(
+        sess=sessions,
+        ns=namespaces,
+        seqs=st.lists(st.tuples(seq_ids, token_payloads, extra_keys), min_size=1, max_size=2),
+    )
     def allocate(self, sess, ns, seqs):
         token, s, issues = self.session(sess)
         ns_id, ns_key, ns_issues = self.namespace(ns)
@@ -583,7 +857,9 @@ class HostileMachine(RuleBasedStateMachine):
             issues.add(Code.INVALID_ARGUMENT)
         if ns_key and pages > HOST_BYTES // (PAGE_SIZE[ns_key] * 32):  # more pages than the whole budget
             issues.add(Code.RESOURCE_EXHAUSTED)
-        out = self.send("AllocateWithPrefix", pb.AllocateRequest(session=token, namespace_id=ns_id, sequences=requests), issues)
+        out = self.send(
+            "AllocateWithPrefix", pb.AllocateRequest(session=token, namespace_id=ns_id, sequences=requests), issues
+        )
         if out.code is None:
             ps = PAGE_SIZE[ns_key]
             for req, alloc in zip(requests, out.reply.sequences, strict=True):
@@ -601,8 +877,15 @@ class HostileMachine(RuleBasedStateMachine):
         token = self.sessions[s][0]
         holder = self.owner.get((ns, seq_id))
         issues = {Code.PERMISSION_DENIED} if holder is not None and holder != s else set()
-        out = self.send("AllocateWithPrefix", pb.AllocateRequest(session=token, namespace_id=self.env.ns[ns], sequences=[
-            pb.SequenceRequest(seq_id=seq_id, tokens=tok(ids))]), issues)
+        out = self.send(
+            "AllocateWithPrefix",
+            pb.AllocateRequest(
+                session=token,
+                namespace_id=self.env.ns[ns],
+                sequences=[pb.SequenceRequest(seq_id=seq_id, tokens=tok(ids))],
+            ),
+            issues,
+        )
         if out.code is None:
             self.owner[(ns, seq_id)] = s
 
@@ -614,7 +897,11 @@ class HostileMachine(RuleBasedStateMachine):
         (ns_key, seq_id), s = sorted(self.owner.items())[pick % len(self.owner)]
         token, ns_id = self.sessions[s][0], self.env.ns[ns_key]
         if publish:
-            self.send("Publish", pb.PublishRequest(session=token, namespace_id=ns_id, items=[pb.PublishItem(seq_id=seq_id)]), set())
+            self.send(
+                "Publish",
+                pb.PublishRequest(session=token, namespace_id=ns_id, items=[pb.PublishItem(seq_id=seq_id)]),
+                set(),
+            )
         else:
             self.send(*_extend(token, ns_id, [seq_id], [n], [n], tok(range(n))), set())
 
@@ -622,7 +909,11 @@ class HostileMachine(RuleBasedStateMachine):
     allocate_valid_2 = allocate_valid
     allocate_valid_3 = allocate_valid
 
-    @rule(sess=sessions, ns=namespaces, seqs=st.lists(st.tuples(seq_ids, token_payloads, extra_keys), min_size=1, max_size=2))
+    @rule(
+        sess=sessions,
+        ns=namespaces,
+        seqs=st.lists(st.tuples(seq_ids, token_payloads, extra_keys), min_size=1, max_size=2),
+    )
     def lookup(self, sess, ns, seqs):
         token, s, issues = self.session(sess)
         ns_id, ns_key, ns_issues = self.namespace(ns)
@@ -633,7 +924,9 @@ class HostileMachine(RuleBasedStateMachine):
             if bad or seq_id in BAD_SEQ_IDS or any(extra_key_bad(k, len(data) // 4) for k in extras):
                 issues.add(Code.INVALID_ARGUMENT)
             requests.append(pb.SequenceRequest(seq_id=seq_id, tokens=data, extra_keys=extras))
-        out = self.send("Lookup", pb.LookupRequest(session=token, namespace_id=ns_id, sequences=requests), issues, False)
+        out = self.send(
+            "Lookup", pb.LookupRequest(session=token, namespace_id=ns_id, sequences=requests), issues, False
+        )
         if out.code is None:
             for req, r in zip(requests, out.reply.results, strict=True):
                 hits = np.frombuffer(r.hit_pages, "<u4")
@@ -649,8 +942,11 @@ class HostileMachine(RuleBasedStateMachine):
         sequence, sometimes anything at all."""
         mode = data.draw(st.integers(0, 7), label="target mode")
         pick = data.draw(st.integers(0, 63), label="existing sequence")
-        choice = (data.draw(sessions, label="session"), data.draw(namespaces, label="namespace"),
-                  data.draw(seq_ids, label="seq id"))
+        choice = (
+            data.draw(sessions, label="session"),
+            data.draw(namespaces, label="namespace"),
+            data.draw(seq_ids, label="seq id"),
+        )
         if self.owner and mode < 6:
             (ns_key, seq_id), holder = sorted(self.owner.items())[pick % len(self.owner)]
             s = holder if mode < 5 else 1 - holder
@@ -682,15 +978,29 @@ class HostileMachine(RuleBasedStateMachine):
         if len(set(ids)) < len(ids):
             issues.add(Code.INVALID_ARGUMENT)
         # A count over the sequence's length is INVALID_ARGUMENT; the model does not track lengths.
-        maybe = frozenset({Code.INVALID_ARGUMENT} if any(counts[:len(ids)]) else ())
-        out = self.send("Publish", pb.PublishRequest(session=token, namespace_id=ns_id, items=[
-            pb.PublishItem(seq_id=i, num_tokens=n) for i, n in zip(ids, counts)]), issues, maybe=maybe)
+        maybe = frozenset({Code.INVALID_ARGUMENT} if any(counts[: len(ids)]) else ())
+        out = self.send(
+            "Publish",
+            pb.PublishRequest(
+                session=token,
+                namespace_id=ns_id,
+                items=[pb.PublishItem(seq_id=i, num_tokens=n) for i, n in zip(ids, counts)],
+            ),
+            issues,
+            maybe=maybe,
+        )
         if out.code is None:
             assert [r.seq_id for r in out.reply.results] == ids
 
-    @rule(data=st.data(), items=st.lists(st.tuples(
-        st.sampled_from([1, 3, 4, 9, 1, 3, 4, 9, 0, M32]), st.booleans(), token_payloads), min_size=2, max_size=2),
-          columns=st.sampled_from(["ok"] * 9 + ["short num_tokens", "short counts", "ids past the counts"]))
+    @rule(
+        data=st.data(),
+        items=st.lists(
+            st.tuples(st.sampled_from([1, 3, 4, 9, 1, 3, 4, 9, 0, M32]), st.booleans(), token_payloads),
+            min_size=2,
+            max_size=2,
+        ),
+        columns=st.sampled_from(["ok"] * 9 + ["short num_tokens", "short counts", "ids past the counts"]),
+    )
     def extend(self, data, items, columns):
         token, s, ns_id, ns_key, first, issues = self.target(data)
         ids = [first] + self.more_ids(data, ns_key)
@@ -729,7 +1039,9 @@ class HostileMachine(RuleBasedStateMachine):
             issues.add(Code.INVALID_ARGUMENT)
         elif ns_key and (ns_key, dst) in self.owner:
             issues.add(Code.FAILED_PRECONDITION)
-        out = self.send("Fork", pb.ForkRequest(session=token, namespace_id=ns_id, src_seq_id=src, dst_seq_id=dst), issues)
+        out = self.send(
+            "Fork", pb.ForkRequest(session=token, namespace_id=ns_id, src_seq_id=src, dst_seq_id=dst), issues
+        )
         if out.code is None:
             assert out.reply.sequence.seq_id == dst
             self.owner[(ns_key, dst)] = s
@@ -753,7 +1065,9 @@ class HostileMachine(RuleBasedStateMachine):
         token, s, ns_id, ns_key, seq_id, issues = self.target(data)
         if state not in range(1, 6):
             issues.add(Code.INVALID_ARGUMENT)
-        out = self.send("SetState", pb.SetStateRequest(session=token, namespace_id=ns_id, seq_id=seq_id, state=state), issues)
+        out = self.send(
+            "SetState", pb.SetStateRequest(session=token, namespace_id=ns_id, seq_id=seq_id, state=state), issues
+        )
         if out.code is None:
             assert out.reply.previous in range(1, 6)
             if state == pb.COMPLETED:
@@ -765,7 +1079,11 @@ class HostileMachine(RuleBasedStateMachine):
         if get:
             self.send("GetAuxState", pb.GetAuxStateRequest(session=token, namespace_id=ns_id, seq_id=seq_id), issues)
         else:
-            self.send("SetAuxState", pb.SetAuxStateRequest(session=token, namespace_id=ns_id, seq_id=seq_id, data=blob), issues)
+            self.send(
+                "SetAuxState",
+                pb.SetAuxStateRequest(session=token, namespace_id=ns_id, seq_id=seq_id, data=blob),
+                issues,
+            )
 
     @rule(sess=sessions, ns=namespaces, payload=token_payloads, extras=extra_keys, ttl=ttls)
     def pin(self, sess, ns, payload, extras, ttl):
@@ -775,8 +1093,12 @@ class HostileMachine(RuleBasedStateMachine):
         data, bad = token_bytes(*payload, ns_key)
         if bad or any(extra_key_bad(k, len(data) // 4) for k in extras) or not (0 <= ttl < math.inf):
             issues.add(Code.INVALID_ARGUMENT)
-        out = self.send("Pin", pb.PinRequest(session=token, namespace_id=ns_id, tokens=data, extra_keys=extras,
-                                             ttl_seconds=ttl), issues, False)
+        out = self.send(
+            "Pin",
+            pb.PinRequest(session=token, namespace_id=ns_id, tokens=data, extra_keys=extras, ttl_seconds=ttl),
+            issues,
+            False,
+        )
         if out.code is None:
             assert out.reply.pinned_tokens == out.reply.pinned_pages * PAGE_SIZE[ns_key]
             self.pins[s].append(out.reply.pin_id)
@@ -800,8 +1122,9 @@ class HostileMachine(RuleBasedStateMachine):
     def describe_extents(self, sess, ns):
         token, s, issues = self.session(sess)
         ns_id, ns_key, ns_issues = self.namespace(ns)
-        out = self.send("DescribeExtents", pb.DescribeExtentsRequest(session=token, namespace_id=ns_id),
-                        issues | ns_issues, False)
+        out = self.send(
+            "DescribeExtents", pb.DescribeExtentsRequest(session=token, namespace_id=ns_id), issues | ns_issues, False
+        )
         if out.code is None:
             for e in out.reply.extents:
                 assert e.num_pages > 0 and os.path.exists("/dev/shm" + e.shm_name), e
@@ -809,8 +1132,11 @@ class HostileMachine(RuleBasedStateMachine):
     @rule(sess=sessions, n=st.sampled_from([4097, 5000]))
     def huge_batch(self, sess, n):
         token, s, issues = self.session(sess)
-        self.send("Release", pb.ReleaseRequest(session=token, namespace_id=self.env.ns["A"],
-                                               seq_ids=[f"h{i}" for i in range(n)]), issues | {Code.INVALID_ARGUMENT})
+        self.send(
+            "Release",
+            pb.ReleaseRequest(session=token, namespace_id=self.env.ns["A"], seq_ids=[f"h{i}" for i in range(n)]),
+            issues | {Code.INVALID_ARGUMENT},
+        )
 
     @rule(which=st.integers(0, 1))
     def reconnect(self, which):
@@ -827,10 +1153,15 @@ class HostileMachine(RuleBasedStateMachine):
 
 def test_random_interleavings_of_hostile_calls_across_two_sessions(env):
     HostileMachine.env = env
-    run_state_machine_as_test(HostileMachine, settings=settings(
-        max_examples=100, stateful_step_count=25, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-    ))
+    run_state_machine_as_test(
+        HostileMachine,
+        settings=settings(
+            max_examples=100,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+        ),
+    )
     seen = HostileMachine.outcomes
     totals = env.wire.stats().totals
     print("\nhostile calls by outcome:", dict(sorted(seen.items())))

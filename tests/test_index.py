@@ -1,4 +1,5 @@
 """Chained page keys and the prefix index: what enters a key, and what a hit must match."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ def chain_keys(spec: ChainSpec, ids: list[int], page_size: int = PAGE_SIZE) -> l
     """Keys of every full page of a prompt, computed independently of the manager."""
     keys, parent = [], spec.root
     for i in range(len(ids) // page_size):
-        parent = page_key(parent, i, toks(ids[i * page_size:(i + 1) * page_size]), spec.local_bytes(i))
+        parent = page_key(parent, i, toks(ids[i * page_size : (i + 1) * page_size]), spec.local_bytes(i))
         keys.append(parent)
     return keys
 
@@ -69,6 +70,7 @@ def hits(m, sid, ns, ids, extra=()) -> list[PageId]:
 
 # ---- chained keys -------------------------------------------------------------------
 
+
 def test_key_depends_on_page_index_parent_tokens_and_local_bytes():
     tokens = toks([1, 2, 3, 4])
     base = page_key(ROOT, 0, tokens, b"")
@@ -83,7 +85,7 @@ def test_key_depends_on_page_index_parent_tokens_and_local_bytes():
 def test_same_page_tokens_under_another_parent_is_a_different_page(core):
     m, sid, ns = core
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
-    allocate_and_publish(m, sid, ns, "ab", a + b)          # pages 0, 1
+    allocate_and_publish(m, sid, ns, "ab", a + b)  # pages 0, 1
     assert hits(m, sid, ns, a + b) == [0, 1]
     # b's tokens behind another first page: no hit, the chain stops at page 0.
     assert hits(m, sid, ns, c + b) == []
@@ -112,6 +114,7 @@ def test_publishing_a_page_under_another_parent_does_not_dedup(core):
 
 
 # ---- extra keys ---------------------------------------------------------------------
+
 
 def test_extra_keys_are_tagged_so_a_lora_name_never_equals_a_salt():
     plain = chain_spec(ROOT, PAGE_SIZE, [])
@@ -174,10 +177,10 @@ def test_multimodal_item_enters_every_page_it_overlaps_and_only_those(offset, le
 def test_multimodal_hits_stop_at_the_first_page_with_another_image(core):
     m, sid, ns = core
     ids = list(range(100, 116))
-    allocate_and_publish(m, sid, ns, "img1", ids, [image(b"h1", 5, 6)])   # pages 0..3
+    allocate_and_publish(m, sid, ns, "img1", ids, [image(b"h1", 5, 6)])  # pages 0..3
     assert hits(m, sid, ns, ids, [image(b"h1", 5, 6)]) == [0, 1, 2, 3]
-    assert hits(m, sid, ns, ids, [image(b"h2", 5, 6)]) == [0]             # page 1 holds the image
-    assert hits(m, sid, ns, ids, [image(b"h1", 6, 5)]) == [0]             # same image, other place
+    assert hits(m, sid, ns, ids, [image(b"h2", 5, 6)]) == [0]  # page 1 holds the image
+    assert hits(m, sid, ns, ids, [image(b"h1", 6, 5)]) == [0]  # same image, other place
     assert hits(m, sid, ns, ids) == [0]
 
 
@@ -190,19 +193,20 @@ def test_multimodal_item_outside_the_prompt_is_rejected(core):
 
 # ---- collisions ---------------------------------------------------------------------
 
+
 def test_a_forced_hash_collision_costs_a_miss_never_a_wrong_hit(core, monkeypatch):
     m, sid, ns = core
     constant = lambda *args: PageKey(b"\0" * 16)  # noqa: E731
-    monkeypatch.setattr(kvd.index, "page_key", constant)       # matching
-    monkeypatch.setattr(kvd.manager, "page_key", constant, raising=False)   # publishing
+    monkeypatch.setattr(kvd.index, "page_key", constant)  # matching
+    monkeypatch.setattr(kvd.manager, "page_key", constant, raising=False)  # publishing
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]
     plan = allocate_and_publish(m, sid, ns, "ab", a + b)
     assert plan.pages == [0, 1]
     # page 1 collides with page 0: published (immutable) but left out of the index
     assert m.pool.state(1) is PageState.PUBLISHED and not m.pool.is_indexed(1)
     assert len(m.index) == 1 and m.index.get(PageKey(b"\0" * 16)) == 0
-    assert hits(m, sid, ns, b + a) == []          # same key as page 0, other tokens: miss
-    assert hits(m, sid, ns, a + b) == [0]         # page 1's key leads to page 0: parent differs, miss
+    assert hits(m, sid, ns, b + a) == []  # same key as page 0, other tokens: miss
+    assert hits(m, sid, ns, a + b) == [0]  # page 1's key leads to page 0: parent differs, miss
     # dedup on publish is confirmed too: a colliding page is never rebound to other content
     m.allocate(sid, ns, [SequenceRequest("ba", toks(b + a))])
     [result] = m.publish(sid, ns, [("ba", 0)])
@@ -217,11 +221,11 @@ def test_a_forced_hash_collision_costs_a_miss_never_a_wrong_hit(core, monkeypatc
 
 def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
     m, sid, ns = core
-    allocate_and_publish(m, sid, ns, "a", [1, 2, 3, 4])   # page 0
+    allocate_and_publish(m, sid, ns, "a", [1, 2, 3, 4])  # page 0
     wanted = [9, 9, 9, 9]
     key = chain_keys(chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, []), wanted)[0]
     planted = dataclasses.replace(m.pool.content(PageId(0)), page=PageId(99), key=key)
-    m.index.insert(planted, 0)                              # a collision planted in the index
+    m.index.insert(planted, 0)  # a collision planted in the index
     try:
         assert hits(m, sid, ns, wanted) == []
         plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))])[0]
@@ -253,6 +257,7 @@ def test_prefix_index_rejects_a_second_page_under_one_key():
 
 # ---- tokens only --------------------------------------------------------------------
 
+
 def test_keys_and_stored_content_are_token_ids_only(core):
     m, sid, ns = core
     # a request carries token ids; there is no field for text
@@ -270,13 +275,14 @@ def test_keys_and_stored_content_are_token_ids_only(core):
 
 # ---- runs: following published chains in bulk ---------------------------------------
 
+
 def walked(m, ns, ids, extra=()) -> list[PageId]:
     """The hits of a prompt found one page at a time (hash, look up, confirm), as the
     index's docstring defines a hit; runs must find exactly these."""
     spec = chain_spec(m.namespaces.get(ns).root, PAGE_SIZE, list(extra))
     pages, parent_key, parent = [], spec.root, None
     for i in range(len(ids) // PAGE_SIZE):
-        page_tokens, local = toks(ids[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]), spec.local_bytes(i)
+        page_tokens, local = toks(ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]), spec.local_bytes(i)
         key = page_key(parent_key, i, page_tokens, local)
         content = m.index.lookup(key)
         if content is None or not content.matches(page_tokens, parent, spec.local_digest(i) if local else b""):
@@ -288,14 +294,14 @@ def walked(m, ns, ids, extra=()) -> list[PageId]:
 
 def test_a_branch_starts_a_new_run_and_a_prompt_crossing_both_hits_every_page(core):
     m, sid, ns = core
-    trunk = list(range(100, 140))                           # 10 pages
-    branch = trunk[:24] + list(range(500, 516))             # leaves the trunk at page 6
+    trunk = list(range(100, 140))  # 10 pages
+    branch = trunk[:24] + list(range(500, 516))  # leaves the trunk at page 6
     a = allocate_and_publish(m, sid, ns, "trunk", trunk).pages
     b = allocate_and_publish(m, sid, ns, "branch", branch).pages
     assert b[:6] == a[:6] and set(b[6:]).isdisjoint(a)
     assert hits(m, sid, ns, trunk) == a
-    assert hits(m, sid, ns, branch + [7] * 4) == b          # and its own next page misses
-    assert hits(m, sid, ns, trunk[:22]) == a[:5]            # a partial page never hits
+    assert hits(m, sid, ns, branch + [7] * 4) == b  # and its own next page misses
+    assert hits(m, sid, ns, trunk[:22]) == a[:5]  # a partial page never hits
     assert hits(m, sid, ns, trunk[:20] + [0] * 20) == a[:5]
     assert invariants.violations(m) == []
 
@@ -309,8 +315,8 @@ def test_a_prompt_leaving_a_run_inside_a_page_hits_the_pages_before_it(make_mana
     ids = list(range(1, pages * PAGE_SIZE + 1))
     published = allocate_and_publish(m, sid, ns, "a", ids).pages
     at = (pages * 2 // 3) * PAGE_SIZE + (0 if diverge == "first token" else PAGE_SIZE - 1)
-    other = ids[:at] + [0] + ids[at + 1:]
-    assert hits(m, sid, ns, other) == walked(m, ns, other) == published[:at // PAGE_SIZE]
+    other = ids[:at] + [0] + ids[at + 1 :]
+    assert hits(m, sid, ns, other) == walked(m, ns, other) == published[: at // PAGE_SIZE]
     assert hits(m, sid, ns, ids) == published
 
 
@@ -321,21 +327,21 @@ def test_a_sequence_that_continues_a_run_extends_it(core):
     m.allocate(sid, ns, [SequenceRequest("a", toks(ids[:8]))])
     m.publish(sid, ns, [("a", 0)])
     for step in range(8, 24, 4):
-        m.extend(sid, ns, [("a", 4, toks(ids[step:step + 4]))])
+        m.extend(sid, ns, [("a", 4, toks(ids[step : step + 4]))])
         m.publish(sid, ns, [("a", 0)])
-    pages = allocate_and_publish(m, sid, ns, "b", ids).pages   # hits 6 pages, publishes 2 more
+    pages = allocate_and_publish(m, sid, ns, "b", ids).pages  # hits 6 pages, publishes 2 more
     assert hits(m, sid, ns, ids) == walked(m, ns, ids) == pages
     assert invariants.violations(m) == []
 
 
 def test_evicting_a_run_tail_cuts_the_run_and_republishing_grows_it_again(make_manager):
-    m = make_manager(budget_bytes=8 * 512, extent_bytes=8 * 512)   # 8 pages of 512 bytes
+    m = make_manager(budget_bytes=8 * 512, extent_bytes=8 * 512)  # 8 pages of 512 bytes
     sid = m.open_session("test", 1).id
     ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
-    ids = list(range(300, 324))                             # 6 pages
+    ids = list(range(300, 324))  # 6 pages
     allocate_and_publish(m, sid, ns, "a", ids)
-    m.release(sid, ns, ["a"])                               # all 6 cached; the tail goes first
-    m.allocate(sid, ns, [SequenceRequest("other", toks(range(900, 912)))])   # needs 3 pages: evicts 1
+    m.release(sid, ns, ["a"])  # all 6 cached; the tail goes first
+    m.allocate(sid, ns, [SequenceRequest("other", toks(range(900, 912)))])  # needs 3 pages: evicts 1
     assert len(hits(m, sid, ns, ids)) == 5 and invariants.violations(m) == []
     m.release(sid, ns, ["other"])
     again = allocate_and_publish(m, sid, ns, "a2", ids).pages
@@ -345,7 +351,7 @@ def test_evicting_a_run_tail_cuts_the_run_and_republishing_grows_it_again(make_m
 
 def test_a_page_dropped_from_the_middle_of_a_run_ends_every_hit_there(core):
     m, sid, ns = core
-    ids = list(range(400, 432))                             # 8 pages
+    ids = list(range(400, 432))  # 8 pages
     pages = allocate_and_publish(m, sid, ns, "a", ids).pages
     m.integrity.drop_corrupted(pages[3])
     assert hits(m, sid, ns, ids) == walked(m, ns, ids) == pages[:3]
@@ -354,10 +360,10 @@ def test_a_page_dropped_from_the_middle_of_a_run_ends_every_hit_there(core):
 
 def test_a_run_stops_at_a_page_with_other_local_bytes(core):
     m, sid, ns = core
-    ids = list(range(600, 640))                             # 10 pages, an image in page 5
+    ids = list(range(600, 640))  # 10 pages, an image in page 5
     with_image = allocate_and_publish(m, sid, ns, "img", ids, [image(b"h1", 21, 2)]).pages
     assert hits(m, sid, ns, ids, [image(b"h1", 21, 2)]) == with_image
-    assert hits(m, sid, ns, ids) == with_image[:5]          # no image: page 5 differs
+    assert hits(m, sid, ns, ids) == with_image[:5]  # no image: page 5 differs
     plain = allocate_and_publish(m, sid, ns, "plain", ids).pages
     assert plain[:5] == with_image[:5] and set(plain[5:]).isdisjoint(with_image)
     assert hits(m, sid, ns, ids) == plain
@@ -369,8 +375,13 @@ _family = st.tuples(st.integers(0, 2), st.integers(0, 40), st.lists(st.integers(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=st.lists(st.tuples(st.sampled_from(["publish", "release", "drop", "probe"]), _family,
-                                st.booleans()), min_size=1, max_size=25))
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["publish", "release", "drop", "probe"]), _family, st.booleans()),
+        min_size=1,
+        max_size=25,
+    )
+)
 def test_runs_find_exactly_the_pages_a_per_page_walk_finds(make_manager, steps):
     """Random trees of prompts (3 families, branching anywhere, some with an image), releases
     that let LRU eviction cut runs, pages dropped as corrupted: after every step the index's
@@ -391,8 +402,11 @@ def test_runs_find_exactly_the_pages_a_per_page_walk_finds(make_manager, steps):
         elif op == "release" and live:
             m.release(sid, ns, [live.pop(cut % len(live))])
         elif op == "drop":
-            published = [page for page, state, *_ in m.pool.pages() if state in (PageState.PUBLISHED, PageState.CACHED)
-                         and m.pool.is_indexed(page)]
+            published = [
+                page
+                for page, state, *_ in m.pool.pages()
+                if state in (PageState.PUBLISHED, PageState.CACHED) and m.pool.is_indexed(page)
+            ]
             if published:
                 m.integrity.drop_corrupted(published[cut % len(published)])
         assert hits(m, sid, ns, ids, extra) == walked(m, ns, ids, extra)

@@ -1,4 +1,5 @@
 """A real `kvd serve` process with real engine processes sharing real shared memory."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -6,10 +7,10 @@ import os
 import signal
 import time
 
+import agents
 import numpy as np
 import pytest
 
-import agents
 from engine_client import ExtendItem, KVDClient, KVDError, SequenceRequest
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -141,19 +142,40 @@ def test_sigkill_of_a_client_releases_its_references_within_a_second(daemon):
 
 def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(daemon):
     import grpc
+
     with KVDClient.connect(daemon.socket) as a, KVDClient.connect(daemon.socket) as b:
         ns = a.register_namespace(agents.MODEL, agents.LAYOUT, vocab_size=50000)
         b.register_namespace(agents.MODEL, agents.LAYOUT, vocab_size=50000)
         a.allocate_with_prefix(ns, [SequenceRequest("mine", agents.prompt(20, 0, 0))])
         before = a.stats()
         cases = [
-            (lambda: a.allocate_with_prefix(ns + 7, [SequenceRequest("x", [1])]), grpc.StatusCode.NOT_FOUND, "namespace"),
+            (
+                lambda: a.allocate_with_prefix(ns + 7, [SequenceRequest("x", [1])]),
+                grpc.StatusCode.NOT_FOUND,
+                "namespace",
+            ),
             (lambda: a.release(ns, ["nope"]), grpc.StatusCode.NOT_FOUND, "'nope'"),
             (lambda: b.release(ns, ["mine"]), grpc.StatusCode.PERMISSION_DENIED, "another session"),
-            (lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", b"\x01\x00\x00")]), grpc.StatusCode.INVALID_ARGUMENT, "multiple of 4"),
-            (lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", [1, 60000])]), grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
-            (lambda: a.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", [1]) for i in range(5000)]), grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
-            (lambda: a.publish(ns, ["mine"], num_tokens={"mine": 20}), grpc.StatusCode.INVALID_ARGUMENT, "only full pages"),
+            (
+                lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", b"\x01\x00\x00")]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "multiple of 4",
+            ),
+            (
+                lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", [1, 60000])]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "out of range",
+            ),
+            (
+                lambda: a.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", [1]) for i in range(5000)]),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "over the limit",
+            ),
+            (
+                lambda: a.publish(ns, ["mine"], num_tokens={"mine": 20}),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "only full pages",
+            ),
             (lambda: a.page(ns, 10**9), grpc.StatusCode.NOT_FOUND, "not a page"),
             (lambda: a.set_state(ns, "mine", "EVICTED"), grpc.StatusCode.FAILED_PRECONDITION, "PREFILLED to EVICTED"),
             (lambda: a.set_states(ns, ["mine", "nope"], "IN_DECODE"), grpc.StatusCode.NOT_FOUND, "'nope'"),
@@ -178,18 +200,32 @@ def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
     """One decode batch gives ids for some sequences (a list, a numpy array, bytes) and not for
     others: each grows, and only the pages whose ids are all known can be published and hit."""
     import grpc
+
     page = agents.LAYOUT.page_size
     with KVDClient.connect(daemon.socket) as client:
         ns = client.register_namespace(agents.MODEL, agents.LAYOUT)
         prompts = {s: agents.prompt(0, i, page - 1).tolist() for i, s in enumerate("abcd")}  # a token short of a page
         client.allocate_with_prefix(ns, [SequenceRequest(s, p) for s, p in prompts.items()])
-        new_ids = {"a": [40001], "c": np.array([40002, 40003]), "d": np.arange(41000, 41000 + page + 1, dtype="<i4").tobytes()}
-        results = client.extend_batch(ns, [
-            ExtendItem("a", 1, new_ids["a"]), ExtendItem("b", 1), ExtendItem("c", 2, new_ids["c"]),
-            ExtendItem("d", page + 1, new_ids["d"]),
-        ])
-        assert [(r.seq_id, r.num_tokens, len(r.new_pages)) for r in results] == \
-               [("a", page, 0), ("b", page, 0), ("c", page + 1, 1), ("d", 2 * page, 1)]
+        new_ids = {
+            "a": [40001],
+            "c": np.array([40002, 40003]),
+            "d": np.arange(41000, 41000 + page + 1, dtype="<i4").tobytes(),
+        }
+        results = client.extend_batch(
+            ns,
+            [
+                ExtendItem("a", 1, new_ids["a"]),
+                ExtendItem("b", 1),
+                ExtendItem("c", 2, new_ids["c"]),
+                ExtendItem("d", page + 1, new_ids["d"]),
+            ],
+        )
+        assert [(r.seq_id, r.num_tokens, len(r.new_pages)) for r in results] == [
+            ("a", page, 0),
+            ("b", page, 0),
+            ("c", page + 1, 1),
+            ("d", 2 * page, 1),
+        ]
         assert len({p for r in results for p in r.new_pages}) == 2
         # b's new id was never given: its first page cannot be published, and ids cannot follow the gap.
         published = client.publish(ns, list("abcd"))
@@ -199,8 +235,10 @@ def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "never given" in e.value.message
         # The recorded ids are the given ones, in order: the published pages hit.
         full = {
-            "a": prompts["a"] + new_ids["a"], "b": prompts["b"] + [7],
-            "c": prompts["c"] + new_ids["c"].tolist(), "d": prompts["d"] + np.frombuffer(new_ids["d"], "<i4").tolist(),
+            "a": prompts["a"] + new_ids["a"],
+            "b": prompts["b"] + [7],
+            "c": prompts["c"] + new_ids["c"].tolist(),
+            "d": prompts["d"] + np.frombuffer(new_ids["d"], "<i4").tolist(),
         }
         hits = client.lookup(ns, [SequenceRequest(f"{s}2", ids) for s, ids in full.items()])
         assert [h.hit_tokens for h in hits] == [page, 0, page, 2 * page]
@@ -212,25 +250,33 @@ def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
             client.extend_batch(ns, [ExtendItem("a", 1, [40006]), ExtendItem("c", 2, [40007])])
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "sequence 'c': 1 token ids given for 2 new tokens" in e.value.message
-        assert [r.num_tokens for r in client.extend_batch(ns, [ExtendItem("a", 1), ExtendItem("c", 1)])] == [page + 2, page + 3]
+        assert [r.num_tokens for r in client.extend_batch(ns, [ExtendItem("a", 1), ExtendItem("c", 1)])] == [
+            page + 2,
+            page + 3,
+        ]
         assert client.check_invariants() == []
 
 
 def test_budget_exhaustion_is_resource_exhausted_and_rolls_back(daemon_factory):
     import grpc
+
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "256KiB")
     with KVDClient.connect(d.socket) as client:
         ns = client.register_namespace(agents.MODEL, agents.LAYOUT)  # 2 KiB pages: 512 fit
         client.allocate_with_prefix(ns, [SequenceRequest("a", agents.prompt(16 * 300, 0, 0))])
         before = client.stats()
         with pytest.raises(KVDError) as e:
-            client.allocate_with_prefix(ns, [
-                SequenceRequest("b", agents.prompt(16 * 100, 1, 0)),
-                SequenceRequest("c", agents.prompt(16 * 200, 2, 0)),
-            ])
+            client.allocate_with_prefix(
+                ns,
+                [
+                    SequenceRequest("b", agents.prompt(16 * 100, 1, 0)),
+                    SequenceRequest("c", agents.prompt(16 * 200, 2, 0)),
+                ],
+            )
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "host budget" in e.value.message
         after = client.stats()
-        assert {k: after[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")} == \
-               {k: before[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")}
+        assert {k: after[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")} == {
+            k: before[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")
+        }
         assert after["arena_bytes"] <= after["host_bytes"]
         assert client.check_invariants() == []

@@ -8,6 +8,7 @@ percentiles and throughput (``pytest -s``). The second squeezes clients into a 4
 budget: the daemon must evict, refuse with RESOURCE_EXHAUSTED when nothing more can be
 freed, never reserve more than its budget, and keep its resident memory near the budget.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -15,15 +16,15 @@ import os
 import threading
 import time
 
+import agents
 import grpc
 import numpy as np
 import pytest
+from conftest import vm_kib, wait_until
 
-import agents
 from engine_client import KVDClient, KVDError, SequenceRequest
 from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
-from conftest import wait_until, vm_kib
 
 SPAWN = multiprocessing.get_context("spawn")
 LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB
@@ -37,6 +38,7 @@ MAX_LIVE = 6  # sequences one client keeps at a time
 
 # ---- K/V contents: a token's K/V is a function of (token id, position) ------------------
 
+
 def kv_values(tokens: np.ndarray, first_pos: int) -> np.ndarray:
     return ((tokens.astype(np.int64) * 7 + first_pos + np.arange(len(tokens))) % 1000).astype(np.float16)
 
@@ -48,7 +50,9 @@ def write_tokens(client, ns, pages, tokens, start: int, end: int) -> None:
         i, slot = divmod(pos, PAGE)
         stop = min(end, (i + 1) * PAGE)
         # page: [num_layers, 2, page_size, num_kv_heads, head_dim]
-        client.page_array(ns, pages[i])[:, :, slot:slot + stop - pos] = kv_values(tokens[pos:stop], pos)[None, None, :, None, None]
+        client.page_array(ns, pages[i])[:, :, slot : slot + stop - pos] = kv_values(tokens[pos:stop], pos)[
+            None, None, :, None, None
+        ]
         pos = stop
 
 
@@ -58,7 +62,7 @@ def bad_tokens(client, ns, pages, tokens, start: int, end: int) -> int:
     while pos < end:
         i, slot = divmod(pos, PAGE)
         stop = min(end, (i + 1) * PAGE)
-        got = client.page_array(ns, pages[i])[:, :, slot:slot + stop - pos]
+        got = client.page_array(ns, pages[i])[:, :, slot : slot + stop - pos]
         want = kv_values(tokens[pos:stop], pos)[None, None, :, None, None]
         bad += int((got != want).any(axis=(0, 1, 3, 4)).sum())
         pos = stop
@@ -72,6 +76,7 @@ class Seq:
 
 
 # ---- the load client ------------------------------------------------------------------
+
 
 def load_client(socket: str, worker: int, ops: int, start_barrier, results) -> None:
     rng = np.random.default_rng(1000 + worker)
@@ -143,8 +148,11 @@ def load_client(socket: str, worker: int, ops: int, start_barrier, results) -> N
                 live[copy.seq_id] = copy
                 bad += bad_tokens(client, ns, copy.pages, copy.tokens, 0, len(copy.tokens))
             elif op == "state":
-                nxt = {"PREFILLED": ["IN_DECODE", "ON_HOLD"], "IN_DECODE": ["ON_HOLD", "COMPLETED"],
-                       "ON_HOLD": ["IN_DECODE", "COMPLETED"]}[seq.state]
+                nxt = {
+                    "PREFILLED": ["IN_DECODE", "ON_HOLD"],
+                    "IN_DECODE": ["ON_HOLD", "COMPLETED"],
+                    "ON_HOLD": ["IN_DECODE", "COMPLETED"],
+                }[seq.state]
                 target = nxt[int(rng.integers(len(nxt)))]
                 timed("set_state", client.set_state, ns, seq.seq_id, target)
                 seq.state = target
@@ -163,8 +171,17 @@ def load_client(socket: str, worker: int, ops: int, start_barrier, results) -> N
         finished = time.monotonic()
         for seq in live.values():
             bad += bad_tokens(client, ns, seq.pages, seq.tokens, 0, len(seq.tokens))
-        results.put({"worker": worker, "latencies": latencies, "errors": errors, "bad": bad,
-                     "started": started, "finished": finished, "left": len(live) + len(pins)})
+        results.put(
+            {
+                "worker": worker,
+                "latencies": latencies,
+                "errors": errors,
+                "bad": bad,
+                "started": started,
+                "finished": finished,
+                "left": len(live) + len(pins),
+            }
+        )
     # Closing the session drops what is still live: the daemon must clean up after it.
 
 
@@ -172,15 +189,15 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) * 1e3
 
 
-
-
 def test_sixteen_clients_mixed_load_leaves_only_free_and_cached_pages(daemon):
     with KVDClient.connect(daemon.socket, client_name="observer") as observer:
         wait_until(lambda: observer.stats()["sessions"] == 1, "the launcher's session did not end", timeout=5)
         start = SPAWN.Barrier(NUM_CLIENTS + 1)
         results = SPAWN.Queue()
-        procs = [SPAWN.Process(target=load_client, args=(daemon.socket, w, OPS_PER_CLIENT, start, results))
-                 for w in range(NUM_CLIENTS)]
+        procs = [
+            SPAWN.Process(target=load_client, args=(daemon.socket, w, OPS_PER_CLIENT, start, results))
+            for w in range(NUM_CLIENTS)
+        ]
         for p in procs:
             p.start()
         during: list[str] = []  # invariants checked while the clients run
@@ -217,12 +234,16 @@ def test_sixteen_clients_mixed_load_leaves_only_free_and_cached_pages(daemon):
     for o in outs:
         for name, v in o["latencies"].items():
             by_op.setdefault(name, []).extend(v)
-    print(f"\n{NUM_CLIENTS} clients, {len(latencies)} calls in {wall:.2f} s: {len(latencies) / wall:.0f} calls/s, "
-          f"p50 {percentile(latencies, 50):.2f} ms, p99 {percentile(latencies, 99):.2f} ms")
+    print(
+        f"\n{NUM_CLIENTS} clients, {len(latencies)} calls in {wall:.2f} s: {len(latencies) / wall:.0f} calls/s, "
+        f"p50 {percentile(latencies, 50):.2f} ms, p99 {percentile(latencies, 99):.2f} ms"
+    )
     for name, v in sorted(by_op.items()):
         print(f"  {name:<10} {len(v):5d} calls  p50 {percentile(v, 50):6.2f} ms  p99 {percentile(v, 99):6.2f} ms")
-    print(f"  hit tokens {stats['hit_tokens']} of {stats['lookup_tokens']}, cached pages {stats['cached_pages']}, "
-          f"{len(checks)} invariant checks during the run")
+    print(
+        f"  hit tokens {stats['hit_tokens']} of {stats['lookup_tokens']}, cached pages {stats['cached_pages']}, "
+        f"{len(checks)} invariant checks during the run"
+    )
 
     errors = {k: n for o in outs for k, n in o["errors"].items()}
     assert errors == {}, f"calls failed under load: {errors}"
@@ -240,10 +261,10 @@ def test_sixteen_clients_mixed_load_leaves_only_free_and_cached_pages(daemon):
 
 # ---- pressure: a budget smaller than the working set --------------------------------
 
-BUDGET = 4 << 20         # 2048 pages of 2 KiB
-PROMPT_PAGES = 300       # one client prompt
-HOG_PAGES = 1500         # more than is left when others hold a few prompts
-RSS_SLACK = 200 << 20    # interpreter, grpc, numpy and metadata beside the faulted extents
+BUDGET = 4 << 20  # 2048 pages of 2 KiB
+PROMPT_PAGES = 300  # one client prompt
+HOG_PAGES = 1500  # more than is left when others hold a few prompts
+RSS_SLACK = 200 << 20  # interpreter, grpc, numpy and metadata beside the faulted extents
 PRESSURE_CLIENTS = 4
 PRESSURE_ROUNDS = 12
 
@@ -275,8 +296,9 @@ def pressure_client(socket: str, worker: int, rounds: int, results) -> None:
                 client.release(ns, [seq_id])
             if r % 4 == 3:
                 try:
-                    client.allocate_with_prefix(ns, [SequenceRequest(
-                        f"hog{worker}-{r}", np.arange(HOG_PAGES * PAGE, dtype=np.int32) + 7)])
+                    client.allocate_with_prefix(
+                        ns, [SequenceRequest(f"hog{worker}-{r}", np.arange(HOG_PAGES * PAGE, dtype=np.int32) + 7)]
+                    )
                     client.release(ns, [f"hog{worker}-{r}"])
                     counts["hog_ok"] += 1
                 except KVDError as e:
@@ -289,8 +311,6 @@ def pressure_client(socket: str, worker: int, rounds: int, results) -> None:
         results.put({"worker": worker, "counts": counts, "other": other})
 
 
-
-
 def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(daemon_factory):
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", str(BUDGET), "--extent-bytes", "512KiB")
     pid = d.process.pid
@@ -300,10 +320,13 @@ def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(da
     stop = threading.Event()
 
     with KVDClient.connect(d.socket, client_name="observer") as observer:
+
         def sample() -> None:
             while not stop.is_set():
                 s = observer.stats()
-                shm = sum(os.stat(SHM_DIR + n).st_size for n in leftover_segments(prefix) if os.path.exists(SHM_DIR + n))
+                shm = sum(
+                    os.stat(SHM_DIR + n).st_size for n in leftover_segments(prefix) if os.path.exists(SHM_DIR + n)
+                )
                 samples["arena"] = max(samples["arena"], s["arena_bytes"])
                 samples["shm"] = max(samples["shm"], shm)
                 samples["rss"] = max(samples["rss"], vm_kib(pid, "VmRSS") << 10)
@@ -316,8 +339,10 @@ def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(da
         held = np.arange(700 * PAGE, dtype=np.int32) + 900_000
         observer.allocate_with_prefix(ns, [SequenceRequest("held", held)])
         results = SPAWN.Queue()
-        procs = [SPAWN.Process(target=pressure_client, args=(d.socket, w, PRESSURE_ROUNDS, results))
-                 for w in range(PRESSURE_CLIENTS)]
+        procs = [
+            SPAWN.Process(target=pressure_client, args=(d.socket, w, PRESSURE_ROUNDS, results))
+            for w in range(PRESSURE_CLIENTS)
+        ]
         for p in procs:
             p.start()
         try:
@@ -345,9 +370,11 @@ def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(da
         hwm = vm_kib(pid, "VmHWM") << 10
 
     counts = {k: sum(o["counts"][k] for o in outs) for k in outs[0]["counts"]}
-    print(f"\npressure: {counts}, evicted pages {stats['evicted_pages']}, arena peak {samples['arena'] >> 10} KiB "
-          f"of {BUDGET >> 10} KiB, /dev/shm peak {samples['shm'] >> 10} KiB, daemon RSS {baseline_rss >> 20} MiB "
-          f"at start, peak {samples['rss'] >> 20} MiB sampled, {hwm >> 20} MiB high-water mark")
+    print(
+        f"\npressure: {counts}, evicted pages {stats['evicted_pages']}, arena peak {samples['arena'] >> 10} KiB "
+        f"of {BUDGET >> 10} KiB, /dev/shm peak {samples['shm'] >> 10} KiB, daemon RSS {baseline_rss >> 20} MiB "
+        f"at start, peak {samples['rss'] >> 20} MiB sampled, {hwm >> 20} MiB high-water mark"
+    )
     assert [o["other"] for o in outs] == [[]] * len(outs), "a refusal other than RESOURCE_EXHAUSTED"
     assert violations == []
     assert stats["evicted_pages"] > 0, "the working set exceeds the budget, yet nothing was evicted"
@@ -374,7 +401,9 @@ def test_on_hold_sequence_with_published_pages_is_evicted_under_pressure(daemon_
         assert client.publish(ns, ["paused"])[0].published_pages == 300
         client.set_state(ns, "paused", "ON_HOLD")
         # 212 pages are free; evicting 'paused' frees its 300 published pages (no one else holds them).
-        [alloc] = client.allocate_with_prefix(ns, [SequenceRequest("next", np.arange(300 * PAGE, dtype=np.int32) + 50_000)])
+        [alloc] = client.allocate_with_prefix(
+            ns, [SequenceRequest("next", np.arange(300 * PAGE, dtype=np.int32) + 50_000)]
+        )
         assert len(alloc.private_pages) == 300
         assert wait_until(lambda: client.take_evicted(), "no eviction event", timeout=2) == {(ns, "paused")}
         assert client.check_invariants() == []

@@ -5,6 +5,7 @@ tokens exercise full pages, partial tails and chains. Budgets given in pages mak
 eviction and exhaustion exact; a single extent holds the whole budget, so pages are
 handed out in id order 0, 1, 2, ... and ids can be asserted.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,6 +26,7 @@ PAGE_BYTES = 512
 
 
 # ---- factories ----------------------------------------------------------------------
+
 
 def toks(ids) -> bytes:
     return np.asarray(list(ids), dtype="<i4").tobytes()
@@ -55,8 +57,17 @@ def snapshot(m) -> dict:
         "lru": {ns.id: m.pool.lru_order(ns.id) for ns in namespaces},
         "index": sorted(m.index.items()),
         "sequences": sorted(
-            (s.namespace, s.seq_id, s.session, s.state, list(s.pages), s.num_tokens, bytes(s.tokens),
-             list(s.keys), s.aux)
+            (
+                s.namespace,
+                s.seq_id,
+                s.session,
+                s.state,
+                list(s.pages),
+                s.num_tokens,
+                bytes(s.tokens),
+                list(s.keys),
+                s.aux,
+            )
             for s in m.sequences
         ),
         "sessions": sorted((s.id, sorted(s.sequences), sorted(s.pins)) for s in m.sessions),
@@ -111,6 +122,7 @@ class Core:
 
 # ---- allocate_with_prefix -----------------------------------------------------------
 
+
 def test_fresh_prompt_gets_private_pages_in_free_list_order(make_manager):
     c = Core(make_manager)
     plan = c.alloc1("a", prompt(0, 10))
@@ -139,7 +151,7 @@ def test_partial_last_page_is_always_private(make_manager):
     c = Core(make_manager)
     a = prompt(0, 10)
     c.alloc1("a", a)
-    assert c.publish("a")[0].published_pages == 2   # page 2 holds 2 tokens: stays private
+    assert c.publish("a")[0].published_pages == 2  # page 2 holds 2 tokens: stays private
     assert c.m.pool.state(2) is PageState.PRIVATE
     with pytest.raises(InvalidArgument, match="only full pages"):
         c.publish("a", num_tokens=10)
@@ -180,11 +192,11 @@ def test_hits_are_pinned_before_room_is_made(make_manager):
 def test_batch_that_does_not_fit_changes_nothing(make_manager):
     c = Core(make_manager, pages=6)
     a, b = prompt(0, 8), prompt(100, 4)
-    c.alloc(req("a", a), req("b", b))          # pages 0, 1 | 2
+    c.alloc(req("a", a), req("b", b))  # pages 0, 1 | 2
     c.publish("a", "b")
     c.release("a", "b")
     assert c.lru() == [1, 0, 2]
-    c.alloc1("live", prompt(200, 6))           # pages 3, 4; free: 5
+    c.alloc1("live", prompt(200, 6))  # pages 3, 4; free: 5
     before = snapshot(c.m)
     # 2 hits on the oldest cached pages, then 1 + 3 pages needed: 1 free + 1 cached is too little
     with pytest.raises(ResourceExhausted, match="needs 4 more pages"):
@@ -195,11 +207,17 @@ def test_batch_that_does_not_fit_changes_nothing(make_manager):
 
 OK = req("ok", [1, 2])
 BAD_BATCHES = {  # (batch, error, message); vocab_size 100, at most 2 sequences per batch
-    "ragged token bytes": ([OK, SequenceRequest("bad", b"\x01\x00\x00\x00\x02")], InvalidArgument,
-                           "not a multiple of 4"),
+    "ragged token bytes": (
+        [OK, SequenceRequest("bad", b"\x01\x00\x00\x00\x02")],
+        InvalidArgument,
+        "not a multiple of 4",
+    ),
     "negative token id": ([OK, req("bad", [1, -3])], InvalidArgument, "token id -3 at position 1"),
-    "token id at vocab_size": ([OK, req("bad", [99, 100])], InvalidArgument,
-                               r"token id 100 at position 1 is out of range \[0, 100\)"),
+    "token id at vocab_size": (
+        [OK, req("bad", [99, 100])],
+        InvalidArgument,
+        r"token id 100 at position 1 is out of range \[0, 100\)",
+    ),
     "duplicate seq id": ([OK, req("ok", [3])], InvalidArgument, "appears twice"),
     "empty seq id": ([OK, req("", [3])], InvalidArgument, "1 to 256 characters"),
     "oversize batch": ([req(f"s{i}", [i]) for i in range(3)], InvalidArgument, "batch of 3 sequences"),
@@ -236,6 +254,7 @@ def test_unknown_namespace_or_session_is_not_found(make_manager):
 
 # ---- refcounts ----------------------------------------------------------------------
 
+
 def test_acquire_and_release_are_symmetric(make_manager):
     c = Core(make_manager)
     a = prompt(0, 8)
@@ -270,7 +289,7 @@ def test_release_batch_is_validated_whole(make_manager):
     with pytest.raises(InvalidArgument, match="appears twice"):
         c.release("b", "b")
     with pytest.raises(NotFound):
-        c.release("b", "gone")      # the known id stays alive
+        c.release("b", "gone")  # the known id stays alive
     assert snapshot(c.m) == before
 
 
@@ -288,16 +307,17 @@ def test_pool_asserts_on_a_release_at_refcount_zero(make_manager):
 
 # ---- eviction -----------------------------------------------------------------------
 
+
 def test_cached_pages_are_evicted_in_lru_order_tail_first(make_manager):
     c = Core(make_manager, pages=8)
     a, b = prompt(0, 12), prompt(100, 8)
-    c.alloc(req("a", a), req("b", b))        # a: 0 1 2, b: 3 4
+    c.alloc(req("a", a), req("b", b))  # a: 0 1 2, b: 3 4
     c.publish("a", "b")
     c.release("a")
-    assert c.lru() == [2, 1, 0]               # a chain's tail goes first
+    assert c.lru() == [2, 1, 0]  # a chain's tail goes first
     c.release("b")
     assert c.lru() == [2, 1, 0, 4, 3]
-    plan = c.alloc1("c", prompt(200, 20))     # 5 pages: 3 free, then evict 2 and 1
+    plan = c.alloc1("c", prompt(200, 20))  # 5 pages: 3 free, then evict 2 and 1
     assert plan.private_pages == [1, 2, 5, 6, 7]
     assert c.lru() == [0, 4, 3]
     assert c.m.pool.counters(c.ns).evicted_pages == 2
@@ -312,13 +332,13 @@ def test_hit_pages_move_to_the_mru_end(make_manager):
     c.publish("a", "b")
     c.release("a", "b")
     assert c.lru() == [2, 1, 0, 4, 3]
-    c.alloc1("d", a[:4] + [9])                # hits page 0
+    c.alloc1("d", a[:4] + [9])  # hits page 0
     c.release("d")
     assert c.lru() == [2, 1, 4, 3, 0]
-    c.alloc1("f", a)                          # hits the whole chain 0, 1, 2
-    c.release("f")                            # released tail first: 2 is evicted before its parents
+    c.alloc1("f", a)  # hits the whole chain 0, 1, 2
+    c.release("f")  # released tail first: 2 is evicted before its parents
     assert c.lru() == [4, 3, 2, 1, 0]
-    c.alloc1("e", prompt(300, 20))            # 3 free pages, then evicts 4 and 3
+    c.alloc1("e", prompt(300, 20))  # 3 free pages, then evicts 4 and 3
     assert c.lru() == [2, 1, 0]
     check(c.m)
 
@@ -326,12 +346,12 @@ def test_hit_pages_move_to_the_mru_end(make_manager):
 def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manager):
     c = Core(make_manager, pages=4)
     a = prompt(0, 6)
-    c.alloc1("a", a)                          # pages 0 (full) and 1 (partial)
+    c.alloc1("a", a)  # pages 0 (full) and 1 (partial)
     c.publish("a")
     c.m.set_aux(c.sid, c.ns, "a", b"state")
     c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
-    c.alloc1("busy", prompt(100, 4))          # page 2; a live PREFILLED sequence is never evicted
-    plan = c.alloc1("b", prompt(200, 8))      # 2 pages: free 3, then a's private page 1
+    c.alloc1("busy", prompt(100, 4))  # page 2; a live PREFILLED sequence is never evicted
+    plan = c.alloc1("b", prompt(200, 8))  # 2 pages: free 3, then a's private page 1
     assert plan.private_pages == [1, 3]
     assert c.seq("a").state is SequenceState.EVICTED and c.seq("a").pages == []
     assert c.evicted == [(c.ns, ["a"])]
@@ -342,7 +362,7 @@ def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manag
         c.m.extend(c.sid, c.ns, [("a", 1, None)])
     check(c.m)
     c.release("b")
-    again = c.alloc1("a", a)                  # re-entry: the prefix page still hits
+    again = c.alloc1("a", a)  # re-entry: the prefix page still hits
     assert (again.shared_pages, again.shared_prefix_tokens, again.suffix_start) == ([0], 4, 4)
     assert c.seq("a").state is SequenceState.PREFILLED
     check(c.m)
@@ -350,7 +370,7 @@ def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manag
 
 def test_cached_pages_go_before_on_hold_sequences(make_manager):
     c = Core(make_manager, pages=4)
-    c.alloc(req("a", prompt(0, 6)), req("old", prompt(100, 8)))   # a: 0 1, old: 2 3
+    c.alloc(req("a", prompt(0, 6)), req("old", prompt(100, 8)))  # a: 0 1, old: 2 3
     c.publish("old")
     c.release("old")
     c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
@@ -361,10 +381,10 @@ def test_cached_pages_go_before_on_hold_sequences(make_manager):
 
 def test_oldest_on_hold_sequence_goes_first(make_manager):
     c = Core(make_manager, pages=4)
-    c.alloc(req("x", [1]), req("y", [2]), req("z", [3]))           # 0 | 1 | 2
+    c.alloc(req("x", [1]), req("y", [2]), req("z", [3]))  # 0 | 1 | 2
     for s in ("y", "x", "z"):
         c.m.set_state(c.sid, c.ns, s, SequenceState.ON_HOLD)
-    c.alloc1("b", prompt(200, 8))                                     # free 3, then y's page
+    c.alloc1("b", prompt(200, 8))  # free 3, then y's page
     assert c.evicted == [(c.ns, ["y"])]
     assert [c.seq(s).state for s in "xyz"] == [SequenceState.ON_HOLD, SequenceState.EVICTED, SequenceState.ON_HOLD]
     check(c.m)
@@ -395,10 +415,10 @@ def test_reentry_is_only_for_the_owner(make_manager):
 def test_a_namespace_reclaims_another_namespaces_unreferenced_extent(make_manager):
     m = make_manager(budget_bytes=8 * PAGE_BYTES, extent_bytes=8 * PAGE_BYTES)
     sid = m.open_session("test", 1).id
-    small = m.register_namespace(identity(page_size=4)).id    # 512-byte pages
+    small = m.register_namespace(identity(page_size=4)).id  # 512-byte pages
     m.allocate(sid, small, [req("a", prompt(0, 8)), req("p", prompt(50, 8))])
     m.publish(sid, small, [("a", 0)])
-    big = m.register_namespace(identity(page_size=16)).id     # 2048-byte pages
+    big = m.register_namespace(identity(page_size=16)).id  # 2048-byte pages
     # the small namespace's extent holds the whole budget and a referenced page
     with pytest.raises(ResourceExhausted):
         m.allocate(sid, big, [req("b", prompt(0, 16))])
@@ -413,6 +433,7 @@ def test_a_namespace_reclaims_another_namespaces_unreferenced_extent(make_manage
 
 
 # ---- dedup on publish ---------------------------------------------------------------
+
 
 def test_publish_dedups_identical_prompts_allocated_before_either_published(make_manager):
     c = Core(make_manager)
@@ -434,7 +455,7 @@ def test_publish_dedups_identical_prompts_allocated_before_either_published(make
 def test_publish_dedups_against_a_cached_page(make_manager):
     c = Core(make_manager)
     a = prompt(0, 4)
-    c.alloc(req("x", a), req("y", a))          # 0 | 1
+    c.alloc(req("x", a), req("y", a))  # 0 | 1
     c.publish("x")
     c.release("x")
     assert c.lru() == [0]
@@ -460,9 +481,10 @@ def test_publish_rejects_bad_counts_and_changes_nothing(make_manager):
 
 # ---- fork ---------------------------------------------------------------------------
 
+
 def test_fork_shares_published_pages_and_copies_the_tail(make_manager):
     c = Core(make_manager)
-    c.alloc1("a", prompt(0, 10))               # 0 1 | 2
+    c.alloc1("a", prompt(0, 10))  # 0 1 | 2
     c.publish("a")
     pattern = np.arange(PAGE_BYTES, dtype=np.uint32).astype(np.uint8)
     c.m.arena.page_bytes_view(2)[:] = pattern
@@ -493,8 +515,12 @@ def test_fork_errors_change_nothing(make_manager):
     c.alloc(req("a", prompt(0, 6)), req("b", [1]))
     c.alloc(req("theirs", [1]), sid=other)
     before = snapshot(c.m)
-    for src, dst, error in [("a", "b", FailedPrecondition), ("a", "theirs", FailedPrecondition),
-                            ("zz", "c", NotFound), ("a", "", InvalidArgument)]:
+    for src, dst, error in [
+        ("a", "b", FailedPrecondition),
+        ("a", "theirs", FailedPrecondition),
+        ("zz", "c", NotFound),
+        ("a", "", InvalidArgument),
+    ]:
         with pytest.raises(error):
             c.m.fork(c.sid, c.ns, src, dst)
     with pytest.raises(PermissionDenied):
@@ -504,8 +530,8 @@ def test_fork_errors_change_nothing(make_manager):
 
 def test_fork_of_an_on_hold_sequence_evicts_others_not_it(make_manager):
     c = Core(make_manager, pages=4)
-    c.alloc(req("a", prompt(0, 6)), req("h", prompt(100, 8)))   # a: 0 1, h: 2 3
-    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)          # a is the oldest on hold
+    c.alloc(req("a", prompt(0, 6)), req("h", prompt(100, 8)))  # a: 0 1, h: 2 3
+    c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)  # a is the oldest on hold
     c.m.set_state(c.sid, c.ns, "h", SequenceState.ON_HOLD)
     c.m.arena.page_bytes_view(0)[:] = 8
     c.m.arena.page_bytes_view(1)[:] = 9
@@ -519,7 +545,7 @@ def test_fork_of_an_on_hold_sequence_evicts_others_not_it(make_manager):
 
 def test_fork_of_an_on_hold_sequence_never_evicts_it(make_manager):
     c = Core(make_manager, pages=3)
-    c.alloc(req("a", prompt(0, 6)), req("busy", [1]))   # a: 0 1, busy: 2
+    c.alloc(req("a", prompt(0, 6)), req("busy", [1]))  # a: 0 1, busy: 2
     c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
     before = snapshot(c.m)
     with pytest.raises(ResourceExhausted):
@@ -528,6 +554,7 @@ def test_fork_of_an_on_hold_sequence_never_evicts_it(make_manager):
 
 
 # ---- extend -------------------------------------------------------------------------
+
 
 def test_extend_adds_private_pages_only(make_manager):
     c = Core(make_manager)
@@ -546,7 +573,7 @@ def test_extend_is_all_or_nothing(make_manager):
     c.m.set_state(c.sid, c.ns, "h", SequenceState.ON_HOLD)
     before = snapshot(c.m)
     bad = [
-        ([("a", 4, None), ("b", 5, None)], ResourceExhausted),   # 1 + 2 pages, only 1 free + h's page
+        ([("a", 4, None), ("b", 5, None)], ResourceExhausted),  # 1 + 2 pages, only 1 free + h's page
         ([("a", 1, None), ("h", 1, None)], FailedPrecondition),
         ([("a", 1, None), ("b", 0, None)], InvalidArgument),
         ([("a", 1, None), ("b", 2, toks([1]))], InvalidArgument),
@@ -558,7 +585,7 @@ def test_extend_is_all_or_nothing(make_manager):
         with pytest.raises(error):
             c.m.extend(c.sid, c.ns, items)
         assert snapshot(c.m) == before, items
-    results = c.m.extend(c.sid, c.ns, [("a", 4, None), ("b", 1, None)])   # 2 pages: free 3, evict h
+    results = c.m.extend(c.sid, c.ns, [("a", 4, None), ("b", 1, None)])  # 2 pages: free 3, evict h
     assert [r.new_pages for r in results] == [[2], [3]]
     assert c.evicted == [(c.ns, ["h"])]
     check(c.m)
@@ -586,7 +613,7 @@ def test_token_ids_cannot_follow_a_gap(make_manager):
     with pytest.raises(FailedPrecondition, match="unknown"):
         c.publish("a", num_tokens=8)
     assert snapshot(c.m) == before
-    assert c.publish("a")[0].published_pages == 1   # only the pages whose ids are known
+    assert c.publish("a")[0].published_pages == 1  # only the pages whose ids are known
     check(c.m)
 
 
@@ -609,7 +636,13 @@ PATH_TO = {
 def test_the_full_life_cycle(make_manager):
     c = Core(make_manager)
     c.alloc1("a", prompt(0, 6))
-    chain = [SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.EVICTED]
+    chain = [
+        SequenceState.IN_DECODE,
+        SequenceState.ON_HOLD,
+        SequenceState.IN_DECODE,
+        SequenceState.ON_HOLD,
+        SequenceState.EVICTED,
+    ]
     previous = SequenceState.PREFILLED
     for state in chain:
         assert c.m.set_state(c.sid, c.ns, "a", state) is previous
@@ -686,6 +719,7 @@ def test_set_states_moves_a_batch_or_nothing(make_manager):
 
 # ---- pins ---------------------------------------------------------------------------
 
+
 def pinned(c, ids, ttl=0.0, sid=None):
     return c.m.pin(sid or c.sid, c.ns, toks(ids), (), ttl)
 
@@ -711,7 +745,7 @@ def test_a_pinned_prefix_survives_pressure_with_no_sequence_on_it(make_manager):
     with pytest.raises(NotFound, match="pin"):
         c.m.unpin(c.sid, pin.pin_id)
     c.release("b")
-    c.alloc1("c", prompt(200, 16))            # now the prefix goes
+    c.alloc1("c", prompt(200, 16))  # now the prefix goes
     assert c.lookup(a) == []
     check(c.m)
 
@@ -769,10 +803,11 @@ def test_pin_errors(make_manager):
     with pytest.raises(InvalidArgument):
         pinned(c, [-1])
     assert snapshot(c.m) == before
-    assert pinned(c, prompt(50, 4)).pages == []   # nothing cached: an empty pin
+    assert pinned(c, prompt(50, 4)).pages == []  # nothing cached: an empty pin
 
 
 # ---- prefix reuse off ---------------------------------------------------------------
+
 
 def test_without_prefix_reuse_nothing_is_shared(make_manager):
     c = Core(make_manager, prefix_reuse=False)
@@ -799,33 +834,60 @@ def test_without_prefix_reuse_nothing_is_shared(make_manager):
 
 # ---- stats --------------------------------------------------------------------------
 
+
 def test_stats_in_a_small_scenario(make_manager):
     assert stats.STAT_FIELDS == (
-        "logical_pages", "physical_pages", "shared_pages", "private_pages", "cached_pages",
-        "pinned_pages", "free_pages", "host_pages_saved", "host_bytes_saved",
-        "refcount_increments", "refcount_decrements", "lookup_tokens", "hit_tokens",
-        "evicted_pages", "corrupted_pages", "sessions", "sequences",
+        "logical_pages",
+        "physical_pages",
+        "shared_pages",
+        "private_pages",
+        "cached_pages",
+        "pinned_pages",
+        "free_pages",
+        "host_pages_saved",
+        "host_bytes_saved",
+        "refcount_increments",
+        "refcount_decrements",
+        "lookup_tokens",
+        "hit_tokens",
+        "evicted_pages",
+        "corrupted_pages",
+        "sessions",
+        "sequences",
     )
     c = Core(make_manager, pages=64)
     c.m.open_session("idle", 2)
     a = prompt(0, 10)
-    c.alloc1("a", a)                  # 0 1 2
+    c.alloc1("a", a)  # 0 1 2
     c.publish("a")
-    c.alloc1("b", a)                  # 0 1 | 3
-    pinned(c, a[:4])                  # page 0
-    c.alloc1("c", prompt(100, 4))     # 4
+    c.alloc1("b", a)  # 0 1 | 3
+    pinned(c, a[:4])  # page 0
+    c.alloc1("c", prompt(100, 4))  # 4
     c.publish("c")
-    c.release("c")                    # 4 cached
+    c.release("c")  # 4 cached
     expected = dict(
-        logical_pages=6, physical_pages=4, shared_pages=2, private_pages=2, cached_pages=1,
-        pinned_pages=1, free_pages=59, host_pages_saved=2, host_bytes_saved=2 * PAGE_BYTES,
-        refcount_increments=8, refcount_decrements=1, lookup_tokens=24, hit_tokens=8,
-        evicted_pages=0, corrupted_pages=0, sessions=2, sequences=2,
+        logical_pages=6,
+        physical_pages=4,
+        shared_pages=2,
+        private_pages=2,
+        cached_pages=1,
+        pinned_pages=1,
+        free_pages=59,
+        host_pages_saved=2,
+        host_bytes_saved=2 * PAGE_BYTES,
+        refcount_increments=8,
+        refcount_decrements=1,
+        lookup_tokens=24,
+        hit_tokens=8,
+        evicted_pages=0,
+        corrupted_pages=0,
+        sessions=2,
+        sequences=2,
     )
     s = stats.collect(c.m)
     assert s.totals.as_dict() == expected
     [ns] = s.namespaces
-    assert ns.pages.as_dict() == {**expected, "sessions": 1}   # the idle session holds nothing here
+    assert ns.pages.as_dict() == {**expected, "sessions": 1}  # the idle session holds nothing here
     assert (ns.namespace_id, ns.model, ns.page_bytes) == (c.ns, "tiny", PAGE_BYTES)
     assert (s.host_bytes, s.arena_bytes, s.prefix_reuse) == (64 * PAGE_BYTES, 64 * PAGE_BYTES, True)
     assert list(s.as_dict())[:17] == list(stats.STAT_FIELDS)
@@ -833,6 +895,7 @@ def test_stats_in_a_small_scenario(make_manager):
 
 
 # ---- background extent builds -------------------------------------------------------
+
 
 def no_space(plan):
     """Stands in for Arena.build when /dev/shm is full."""
@@ -844,14 +907,14 @@ def test_a_failed_background_build_returns_its_budget(make_manager):
     sid = m.open_session("test", 1).id
     build = m.arena.build
     m.arena.build = no_space
-    ns = m.register_namespace(identity()).id          # provisions its first extent in the background
+    ns = m.register_namespace(identity()).id  # provisions its first extent in the background
     futures.wait([future for _plan, future in m.supply._building.values()])
     with pytest.raises(OSError, match="No space left"):  # the build on the request path fails too
         m.allocate(sid, ns, [req("a", [1])])
     assert m.arena.reserved_bytes == 0 and m.arena.extents() == []
-    m.arena.build = build                              # the disk has room again
+    m.arena.build = build  # the disk has room again
     plans = m.allocate(sid, ns, [req("a", prompt(0, 16))])
-    assert len(plans[0].private_pages) == 4             # the whole budget is usable
+    assert len(plans[0].private_pages) == 4  # the whole budget is usable
     assert m.arena.reserved_bytes == m.arena.budget_bytes
     check(m)
 
@@ -860,28 +923,30 @@ def test_close_survives_a_failed_background_build(make_manager):
     m = make_manager(budget_bytes=8 * PAGE_BYTES, extent_bytes=2 * PAGE_BYTES)
     sid = m.open_session("test", 1).id
     ns = m.register_namespace(identity()).id
-    m.allocate(sid, ns, [req("a", prompt(0, 8))])      # fills extent 0; extent 1 is built behind
+    m.allocate(sid, ns, [req("a", prompt(0, 8))])  # fills extent 0; extent 1 is built behind
     settle(m)
     m.arena.build = no_space
-    m.allocate(sid, ns, [req("b", prompt(100, 8))])    # fills extent 1; extent 2's build fails behind
+    m.allocate(sid, ns, [req("b", prompt(100, 8))])  # fills extent 1; extent 2's build fails behind
     futures.wait([future for _plan, future in m.supply._building.values()])
-    m.close()                                          # still unmaps and unlinks every extent
+    m.close()  # still unmaps and unlinks every extent
     assert m.arena.extents() == [] and leftover_segments(m.arena.name_prefix) == []
 
 
 # ---- the invariant checker ----------------------------------------------------------
 
+
 def test_invariant_checker_finds_corruption(make_manager):
     c = Core(make_manager)
-    c.alloc1("a", prompt(0, 8))                # 0 1
+    c.alloc1("a", prompt(0, 8))  # 0 1
     c.publish("a")
     check(c.m)
     pool, index = c.m.pool, c.m.index
-    free = pool._by_namespace[c.ns].free       # corrupt the core directly, then restore it
+    free = pool._by_namespace[c.ns].free  # corrupt the core directly, then restore it
     i = free.index(5)
-    free[i] = 0                                # a published page listed as free, page 5 lost
-    assert invariants.violations(c.m) == [f"namespace {c.ns}: free list holds pages [0] it should not, misses [5] "
-                                          "and lists 0 pages twice"]
+    free[i] = 0  # a published page listed as free, page 5 lost
+    assert invariants.violations(c.m) == [
+        f"namespace {c.ns}: free list holds pages [0] it should not, misses [5] and lists 0 pages twice"
+    ]
     free[i] = 5
     content = pool.content(1)
     index.remove(content)

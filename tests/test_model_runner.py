@@ -5,6 +5,7 @@ on paged KV: suffix-only prefill over a prefix cached by an earlier prefill, ful
 greedy decode steps and mixed batches. The pool starts filled with NaN, so any read of a
 slot that was never written shows up in the logits.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,14 @@ def _build_hf(family: str) -> torch.nn.Module:
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **SMALL))
     if family == "llama3_rope_tied":
-        rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=16)
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        )
         config = LlamaConfig(intermediate_size=128, rope_parameters=rope, tie_word_embeddings=True, **SMALL)
         return LlamaForCausalLM(config)
     if family == "qwen2":
@@ -59,8 +66,14 @@ def _build_hf(family: str) -> torch.nn.Module:
         return MistralForCausalLM(MistralConfig(intermediate_size=128, sliding_window=5, **SMALL))
     assert family == "gpt_oss"
     config = GptOssConfig(
-        intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-        swiglu_limit=1.0, max_position_embeddings=131072, **SMALL,
+        intermediate_size=32,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        swiglu_limit=1.0,
+        max_position_embeddings=131072,
+        **SMALL,
     )  # layer_types default to sliding, full; swiglu_limit 1.0 makes the clamp bite
     model = GptOssForCausalLM(config)
     with torch.no_grad():
@@ -69,12 +82,12 @@ def _build_hf(family: str) -> torch.nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return _build_hf(family).to(dtype).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def runner(family: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
     spec, weights = load_model(hf_model(family))
     return ModelRunner(spec, weights, device="cpu", dtype=dtype)
@@ -190,8 +203,12 @@ def test_mixed_batch_of_hits_misses_and_full_hits(family: str) -> None:
     }
     shared_tokens = {"hit": 8, "miss": 0, "full": 12, "one": 4}
     requests = [
-        PrefillRequest(tables[name], shared_tokens[name], prompts[name][shared_tokens[name]:],
-                       full_hit_last_token=prompts[name][-1] if name == "full" else None)
+        PrefillRequest(
+            tables[name],
+            shared_tokens[name],
+            prompts[name][shared_tokens[name] :],
+            full_hit_last_token=prompts[name][-1] if name == "full" else None,
+        )
         for name in prompts
     ]
     out = r.prefill(requests, pool, all_logits=True)
@@ -199,9 +216,9 @@ def test_mixed_batch_of_hits_misses_and_full_hits(family: str) -> None:
     for i, name in enumerate(prompts):
         ref = hf_logits(family, prompts[name])
         assert_close(out.last_logits[i], ref[-1])
-        assert_close(out.token_logits[i], ref[-len(out.token_logits[i]):])
+        assert_close(out.token_logits[i], ref[-len(out.token_logits[i]) :])
 
-    for step in range(2):  # mixed decode batch, "full" decodes into its private tail page
+    for _ in range(2):  # mixed decode batch, "full" decodes into its private tail page
         for name in prompts:
             prompts[name].append(int(hf_logits(family, prompts[name])[-1].argmax()))
         got = r.decode([DecodeRequest(tables[n], len(prompts[n]) - 1, prompts[n][-1]) for n in prompts], pool)
@@ -286,8 +303,8 @@ def test_paged_attention_matches_dense_and_reads_only_window_pages(window: int |
     for table, (start, n) in zip(tables, seqs):
         kv = pool[table, 1]  # [pages, 2, page, kv_heads, d]
         k, v = (kv[:, i].reshape(-1, kv_heads, d)[: start + n] for i in (0, 1))
-        ref = dense_attention(q[row:row + n], k, v, torch.arange(start, start + n), window, sinks, 0.3)
-        torch.testing.assert_close(out[row:row + n], ref, rtol=1e-5, atol=1e-5)
+        ref = dense_attention(q[row : row + n], k, v, torch.arange(start, start + n), window, sinks, 0.3)
+        torch.testing.assert_close(out[row : row + n], ref, rtol=1e-5, atol=1e-5)
         row += n
     if window is not None:
         poisoned = pool.clone()
@@ -300,9 +317,17 @@ def test_paged_attention_matches_dense_and_reads_only_window_pages(window: int |
 
 
 DEEPSEEK_V3 = dict(
-    model_type="deepseek_v3", hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
-    num_hidden_layers=61, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
-    vocab_size=129280, intermediate_size=18432,
+    model_type="deepseek_v3",
+    hidden_size=7168,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    num_hidden_layers=61,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    vocab_size=129280,
+    intermediate_size=18432,
 )
 
 
@@ -311,11 +336,18 @@ DEEPSEEK_V3 = dict(
     [
         (DEEPSEEK_V3, "kv_lora_rank"),
         ({**DEEPSEEK_V3, "model_type": "llama"}, "MLA"),  # an MLA config is refused whatever its type says
-        ({**DEEPSEEK_V3, "model_type": "deepseek_v32", "kv_lora_rank": None, "q_lora_rank": None,
-          "index_topk": 2048}, "indexer"),
+        (
+            {
+                **DEEPSEEK_V3,
+                "model_type": "deepseek_v32",
+                "kv_lora_rank": None,
+                "q_lora_rank": None,
+                "index_topk": 2048,
+            },
+            "indexer",
+        ),
         ({"model_type": "mamba", "hidden_size": 64}, "'mamba' is not supported"),
-        ({**LlamaConfig(**SMALL).to_dict(), "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
-         "dynamic"),
+        ({**LlamaConfig(**SMALL).to_dict(), "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({**GptOssConfig(**SMALL).to_dict(), "quantization_config": {"quant_method": "mxfp4"}}, "quantised"),
     ],
 )
@@ -326,12 +358,28 @@ def test_unsupported_configs_raise(config: dict, words: str) -> None:
 
 def test_gpt_oss_config_json_in_the_older_rope_scaling_format() -> None:
     config = {  # the shape of openai/gpt-oss-20b's config.json, sizes shrunk
-        "model_type": "gpt_oss", "hidden_size": 64, "head_dim": 16, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 32, "vocab_size": 96,
-        "num_local_experts": 4, "experts_per_token": 2, "num_experts_per_tok": 2, "sliding_window": 128,
-        "rope_theta": 150000, "max_position_embeddings": 131072,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "model_type": "gpt_oss",
+        "hidden_size": 64,
+        "head_dim": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "intermediate_size": 32,
+        "vocab_size": 96,
+        "num_local_experts": 4,
+        "experts_per_token": 2,
+        "num_experts_per_tok": 2,
+        "sliding_window": 128,
+        "rope_theta": 150000,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
     }
     spec = parse_config(config)
     assert spec.layers == (LayerAttention("sliding", 128), LayerAttention("full")) * 2

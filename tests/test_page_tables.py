@@ -1,4 +1,5 @@
 """GpuPageTables over a CPU pool and real shared-memory host pages."""
+
 from __future__ import annotations
 
 import hashlib
@@ -57,7 +58,7 @@ def test_shared_prefix_is_loaded_once_and_shared_by_every_row() -> None:
     assert torch.equal(tables[:, :PREFIX], tables[:1, :PREFIX].expand(BATCH, PREFIX))
     assert [len(t) for t in plan.tables] == [PREFIX + PRIVATE + 1] * BATCH
     for table, row in zip(plan.rows, rows().values()):  # host-backed entries first, then the runway
-        assert table[:PREFIX + PRIVATE] == tuple(pool.copy_of(h) for h in row.pages)
+        assert table[: PREFIX + PRIVATE] == tuple(pool.copy_of(h) for h in row.pages)
         assert pool.copy_of(table[-1]) is None
     assert plan.logical_pages == BATCH * (PREFIX + PRIVATE + 1)
     assert plan.physical_pages == PREFIX + BATCH * (PRIVATE + 1)
@@ -127,8 +128,10 @@ def test_failed_extension_changes_nothing() -> None:
     batch = rows()
     first = planned(planner.map(batch))
     before = pool.snapshot()
-    grown = {s: HostRow(r.shared, r.private + tuple(HostPageId(500 + 10 * i + j) for j in range(2)))
-             for i, (s, r) in enumerate(batch.items())}
+    grown = {
+        s: HostRow(r.shared, r.private + tuple(HostPageId(500 + 10 * i + j) for j in range(2)))
+        for i, (s, r) in enumerate(batch.items())
+    }
     result = planner.map(grown, runway_pages=1)
     assert result == PoolExhausted(needed=16, available=80 - first.physical_pages)
     assert pool.snapshot() == before
@@ -213,7 +216,7 @@ def test_shared_pages_stay_byte_identical_over_many_decode_steps(host: ShmHostPa
         plan = planned(planner.map(batch, runway_pages=2))
         assert plan.loads == ()
         for i, s in enumerate(plan.seq_ids):
-            runway = plan.tables[i][len(batch[s].pages):]
+            runway = plan.tables[i][len(batch[s].pages) :]
             pool.kv[runway.long(), :, :, step % LAYOUT.page_size] = float(step + i)
     for p in range(PREFIX):
         assert digest(pool.kv[shared_gpu[p]]) == digest(host.page(HostPageId(p)))

@@ -4,6 +4,7 @@ The example must show a real prefix hit on a fresh daemon, so this runs the firs
 ``python`` block under "Using the client" unchanged in a fresh process that finds the
 daemon through ``KVD_SOCKET`` (the README's "Finding the daemon"), and checks what it prints.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -18,18 +19,24 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 def client_example() -> str:
     text = README.read_text()
-    section = text[text.index("## Using the client"):]
+    section = text[text.index("## Using the client") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_readme_client_example_shows_a_hit_on_a_fresh_daemon(daemon_factory, tmp_path):
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB")
-    run = subprocess.run([sys.executable, "-c", client_example()], capture_output=True, text=True, timeout=120,
-                         env=clean_env(tmp_path, KVD_SOCKET=d.socket))
+    run = subprocess.run(
+        [sys.executable, "-c", client_example()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(tmp_path, KVD_SOCKET=d.socket),
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines == [f"agent-{i} reuses 4992 tokens, computes 108" for i in (1, 2, 3)] + [
-        "host pages: 340 physical for 1276 logical"], run.stdout
+        "host pages: 340 physical for 1276 logical"
+    ], run.stdout
     assert "torch" not in client_example(), "the example runs with numpy alone"
 
 
@@ -42,13 +49,14 @@ def test_readme_numbers_match_the_example():
 def test_make_says_what_it_does_while_it_installs(tmp_path):
     """`make demo` on a fresh clone: every slow step is announced before it runs."""
     root = README.parent
-    run = subprocess.run(["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=root, capture_output=True,
-                         text=True, timeout=60)
+    run = subprocess.run(
+        ["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=root, capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     for i, line in enumerate(lines):
         if "pip install" in line and "--quiet" in line and "echo" not in line:
-            assert any("echo" in earlier for earlier in lines[max(0, i - 3):i]), f"silent: {line}"
+            assert any("echo" in earlier for earlier in lines[max(0, i - 3) : i]), f"silent: {line}"
     assert any("kvd command is" in line for line in lines)
 
 

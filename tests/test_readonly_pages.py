@@ -1,16 +1,17 @@
 """Published pages cannot be written through the client API (issue 11): one engine's stray
 write must not corrupt every engine's KV."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
 
+import agents
 import grpc
 import numpy as np
 import pytest
 
-import agents
 from engine_client import KVDClient, SequenceRequest
 from engine_client.types import KVDError
 
@@ -23,7 +24,7 @@ def test_only_private_pages_of_ones_own_live_sequences_are_writable(daemon):
         assert other.register_namespace(agents.MODEL, agents.LAYOUT) == ns
         tokens = np.arange(3 * PAGE + 5)
         [a] = c.allocate_with_prefix(ns, [SequenceRequest("a", tokens)])
-        for page in a.pages:                                   # private: written as before
+        for page in a.pages:  # private: written as before
             c.page_array(ns, page)[...] = 7
             c.page(ns, page, writable=True)[0, 0, 0, 0, 0] = 8
         assert not other.page_array(ns, a.pages[0]).flags.writeable, "another client's private page"
@@ -37,12 +38,12 @@ def test_only_private_pages_of_ones_own_live_sequences_are_writable(daemon):
             with pytest.raises(KVDError) as e:
                 c.page(ns, page, writable=True)
             assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "immutable" in str(e.value)
-        c.page_array(ns, tail)[...] = 1                        # the partial tail stays private
+        c.page_array(ns, tail)[...] = 1  # the partial tail stays private
         [ext] = [c.extend(ns, "a", PAGE)]
-        c.page_array(ns, ext.new_pages[0])[...] = 2            # and so do pages from extend
+        c.page_array(ns, ext.new_pages[0])[...] = 2  # and so do pages from extend
         [fork] = [c.fork(ns, "a", "b")]
         assert fork.shared_pages == published
-        c.page_array(ns, fork.private_pages[0])[...] = 3       # and a fork's copies
+        c.page_array(ns, fork.private_pages[0])[...] = 3  # and a fork's copies
         assert not c.page_array(ns, fork.shared_pages[0]).flags.writeable
         c.release(ns, ["a"])
         assert not c.page_array(ns, tail).flags.writeable, "a released sequence's pages are not ours any more"
@@ -70,8 +71,13 @@ def test_a_torch_write_to_a_published_page_faults_only_the_writer(daemon):
                 view.fill_(0.0)  # an engine bug: writing a shared prefix page
                 print("wrote", flush=True)
         """)
-        run = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, timeout=60,
-                             cwd=str(__import__("pathlib").Path(__file__).parent))
+        run = subprocess.run(
+            [sys.executable, "-c", writer],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=str(__import__("pathlib").Path(__file__).parent),
+        )
         assert run.returncode == -11 and "read 5.0" in run.stdout and "wrote" not in run.stdout, run
         assert all((c.page_array(ns, p) == 5.0).all() for p in a.pages)
         assert c.verify_pages()["corrupted_pages"] == 0 and c.check_invariants() == []

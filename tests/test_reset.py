@@ -1,15 +1,16 @@
 """Runtime reset of the prefix cache (issue 11): cached pages go, pages in use stay."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import agents
 import grpc
 import numpy as np
 import pytest
 
-import agents
 from engine_client import KVDClient, SequenceRequest
 from engine_client.types import KVDError
 
@@ -25,8 +26,12 @@ def test_reset_drops_cached_pages_and_leaves_pages_in_use(daemon):
         ns = c.register_namespace(agents.MODEL, agents.LAYOUT)
         other = c.register_namespace("another-model", agents.LAYOUT)
         held, cached, pinned, elsewhere = prompt(1, 4), prompt(2, 5), prompt(3, 3), prompt(4, 2)
-        for seq_id, tokens, space in (("held", held, ns), ("cached", cached, ns), ("pinned", pinned, ns),
-                                      ("elsewhere", elsewhere, other)):
+        for seq_id, tokens, space in (
+            ("held", held, ns),
+            ("cached", cached, ns),
+            ("pinned", pinned, ns),
+            ("elsewhere", elsewhere, other),
+        ):
             c.allocate_with_prefix(space, [SequenceRequest(seq_id, tokens)])
             c.publish(space, [seq_id])
         c.release(ns, ["cached", "pinned"])
@@ -35,9 +40,15 @@ def test_reset_drops_cached_pages_and_leaves_pages_in_use(daemon):
         assert pin.pinned_pages == 3 and c.stats()["cached_pages"] == 5 + 2
 
         assert c.reset_prefix_cache(ns) == {"dropped_pages": 5, "kept_pages": 4 + 3}
-        hits = {name: c.lookup(space, [SequenceRequest("probe", tokens)])[0].hit_pages
-                for name, tokens, space in (("held", held, ns), ("cached", cached, ns), ("pinned", pinned, ns),
-                                            ("elsewhere", elsewhere, other))}
+        hits = {
+            name: c.lookup(space, [SequenceRequest("probe", tokens)])[0].hit_pages
+            for name, tokens, space in (
+                ("held", held, ns),
+                ("cached", cached, ns),
+                ("pinned", pinned, ns),
+                ("elsewhere", elsewhere, other),
+            )
+        }
         assert [len(hits[n]) for n in ("held", "cached", "pinned", "elsewhere")] == [4, 0, 3, 2]
         assert c.check_invariants() == []
 
@@ -59,9 +70,13 @@ def test_kvd_reset_cli(daemon):
         c.allocate_with_prefix(ns, [SequenceRequest("s", prompt(1, 3))])
         c.publish(ns, ["s"])
         c.release(ns, ["s"])
-        run = subprocess.run([sys.executable, "-m", "kvd.cli", "reset", "--socket", daemon.socket,
-                              "--namespace", str(ns), "--json"], capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "reset", "--socket", daemon.socket, "--namespace", str(ns), "--json"],
+            capture_output=True,
+            text=True,
+        )
         assert run.returncode == 0 and json.loads(run.stdout) == {"dropped_pages": 3, "kept_pages": 0}, run
-        run = subprocess.run([sys.executable, "-m", "kvd.cli", "reset", "--socket", daemon.socket],
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "reset", "--socket", daemon.socket], capture_output=True, text=True
+        )
         assert run.returncode == 0 and "dropped 0 cached pages" in run.stdout, run

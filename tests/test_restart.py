@@ -1,25 +1,26 @@
 """Warm restart and page integrity: a daemon killed with SIGKILL comes back with its
 published pages, verified against their checksums; corrupted pages are never served."""
+
 from __future__ import annotations
 
 import re
 import signal
 import time
 
+import agents
 import numpy as np
 import pytest
-
-import agents
 from conftest import raw_page
+
 from engine_client import KVDClient, SequenceRequest
 from engine_client.types import KVDError
-from kvd import recovery
+from kvd import invariants, recovery
 from kvd.arena import SHM_DIR, Arena, daemon_segments
 from kvd.config import ServeConfig
-from kvd.manager import KVCacheManager, SequenceRequest as CoreRequest
+from kvd.manager import KVCacheManager
+from kvd.manager import SequenceRequest as CoreRequest
 from kvd.meta import manifest_name
 from kvd.namespaces import NamespaceIdentity, make_layout
-from kvd import invariants
 
 PAGE = agents.LAYOUT.page_size
 ARGS = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
@@ -32,11 +33,13 @@ def page_values(tokens: np.ndarray, first_pos: int) -> np.ndarray:
 def write_all(client: KVDClient, ns: int, pages: list[int], tokens: np.ndarray) -> None:
     for i, page in enumerate(pages):
         # page: [num_layers, 2, page_size, num_kv_heads, head_dim]
-        client.page_array(ns, page)[...] = page_values(tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)[None, None, :, None, None]
+        client.page_array(ns, page)[...] = page_values(tokens[i * PAGE : (i + 1) * PAGE], i * PAGE)[
+            None, None, :, None, None
+        ]
 
 
 def holds(client: KVDClient, ns: int, page: int, tokens: np.ndarray, i: int) -> bool:
-    want = page_values(tokens[i * PAGE:(i + 1) * PAGE], i * PAGE)[None, None, :, None, None]
+    want = page_values(tokens[i * PAGE : (i + 1) * PAGE], i * PAGE)[None, None, :, None, None]
     return bool((client.page_array(ns, page) == want).all())
 
 
@@ -126,13 +129,16 @@ def test_recovery_cost_per_gib(tmp_path):
             assert hits.hit_pages == plan.pages
             # recovery re-inserts pages in chain order, so the chain comes back as one run
             assert {id(run) for run, _ in second.index._runs.values()} == {id(second.index._runs[plan.pages[0]][0])}
-            print(f"\nrecovered {report.verified_bytes >> 20} MiB in {report.seconds * 1e3:.1f} ms: "
-                  f"{report.ms_per_gib:.0f} ms per GiB")
+            print(
+                f"\nrecovered {report.verified_bytes >> 20} MiB in {report.seconds * 1e3:.1f} ms: "
+                f"{report.ms_per_gib:.0f} ms per GiB"
+            )
         finally:
             second.close()
     finally:
         for name in daemon_segments(prefix):
             import posix_ipc
+
             posix_ipc.unlink_shared_memory(name)
 
 
@@ -153,7 +159,12 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
         stats = c.stats()
         assert (stats["corrupted_pages"], stats["cached_pages"]) == (1, 5)
         assert stats["recovery"]["recovered_pages"] == 5
-        assert stats["recovery"]["dropped_pages"] == {"corrupted": 1, "orphaned": 2, "mismatch": 0, "incomplete_extent": 0}
+        assert stats["recovery"]["dropped_pages"] == {
+            "corrupted": 1,
+            "orphaned": 2,
+            "mismatch": 0,
+            "incomplete_extent": 0,
+        }
         assert c.check_invariants() == []
     assert "failed their checksum" in d2.log() and "1 failed their checksum, 2 dropped" in d2.log()
 
@@ -161,20 +172,20 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
 def test_verify_drops_pages_whose_bytes_changed(daemon):
     with KVDClient.connect(daemon.socket) as c:
         ns, tokens, alloc = publish_prefix(c, 6)
-        c.release(ns, ["base"])                                   # all six cached
-        [held] = c.allocate_with_prefix(ns, [SequenceRequest("held", tokens[:6 * PAGE])])
+        c.release(ns, ["base"])  # all six cached
+        [held] = c.allocate_with_prefix(ns, [SequenceRequest("held", tokens[: 6 * PAGE])])
         assert held.shared_pages == alloc.pages[:6]
         c.release(ns, ["held"])
-        [held] = c.allocate_with_prefix(ns, [SequenceRequest("held", tokens[:2 * PAGE])])  # references pages 0, 1
-        raw_page(c, ns, alloc.pages[4])[...] = 0                  # a cached page scribbled on
-        raw_page(c, ns, alloc.pages[1])[1, 1, 1, 1, 1] = 3        # a referenced page scribbled on
+        [held] = c.allocate_with_prefix(ns, [SequenceRequest("held", tokens[: 2 * PAGE])])  # references pages 0, 1
+        raw_page(c, ns, alloc.pages[4])[...] = 0  # a cached page scribbled on
+        raw_page(c, ns, alloc.pages[1])[1, 1, 1, 1, 1] = 3  # a referenced page scribbled on
         result = c.verify_pages()
         assert (result["checked_pages"], result["corrupted_pages"]) == (6, 2)
         stats = c.stats()
         assert stats["corrupted_pages"] == 2
         assert c.lookup(ns, [SequenceRequest("probe", tokens)])[0].hit_pages == alloc.pages[:1]
         assert c.check_invariants() == []
-        c.release(ns, ["held"])                                   # the corrupted page is freed, never cached
+        c.release(ns, ["held"])  # the corrupted page is freed, never cached
         stats = c.stats()
         assert stats["cached_pages"] == 6 - 2 and stats["shared_pages"] == 0
         assert c.verify_pages()["corrupted_pages"] == 0
@@ -184,14 +195,17 @@ def test_verify_drops_pages_whose_bytes_changed(daemon):
 def test_kvd_verify_cli(daemon):
     import subprocess
     import sys
+
     with KVDClient.connect(daemon.socket) as c:
         ns, _, alloc = publish_prefix(c, 3)
-        clean = subprocess.run([sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket],
-                               capture_output=True, text=True)
+        clean = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket], capture_output=True, text=True
+        )
         assert clean.returncode == 0 and "verified 3 published pages" in clean.stdout, clean
         raw_page(c, ns, alloc.pages[2])[...] = 1
-        bad = subprocess.run([sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket],
-                             capture_output=True, text=True)
+        bad = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "verify", "--socket", daemon.socket], capture_output=True, text=True
+        )
         assert bad.returncode == 1 and "1 corrupted pages dropped" in bad.stdout, bad
 
 
@@ -200,11 +214,18 @@ def _garbage_manifest(socket: str) -> None:
         f.write(b"not a manifest at all")
 
 
-@pytest.mark.parametrize("change, args, reason", [
-    ("budget", ("--enable-prefix-reuse", "--host-bytes", "32MiB", "--extent-bytes", "4MiB"), "host budget shrank"),
-    ("extent size", ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "2MiB"), "extent size changed"),
-    ("manifest", ARGS, "magic"),
-])
+@pytest.mark.parametrize(
+    "change, args, reason",
+    [
+        ("budget", ("--enable-prefix-reuse", "--host-bytes", "32MiB", "--extent-bytes", "4MiB"), "host budget shrank"),
+        (
+            "extent size",
+            ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "2MiB"),
+            "extent size changed",
+        ),
+        ("manifest", ARGS, "magic"),
+    ],
+)
 def test_a_restart_that_does_not_match_starts_empty(daemon_factory, change, args, reason):
     d = daemon_factory(*ARGS)
     with KVDClient.connect(d.socket) as client:

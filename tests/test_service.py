@@ -3,6 +3,7 @@
 Every test runs a real ``kvd serve`` process; the unit-file tests need systemd's tools
 and skip without them.
 """
+
 from __future__ import annotations
 
 import ctypes.util
@@ -24,13 +25,14 @@ import uuid
 
 import grpc
 import pytest
+from conftest import clean_env, remember_socket, start_daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import clean_env, remember_socket, start_daemon
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
-from kvd import __version__, config as config_mod
+from kvd import __version__
+from kvd import config as config_mod
 from kvd.arena import leftover_segments
 from kvd.stats import STAT_FIELDS
 from kvd.wire import kvd_pb2 as pb
@@ -43,8 +45,6 @@ SYSUSERS = ROOT / "systemd" / "kvd.sysusers"
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
 PREFIX = list(range(1000, 1016))  # 4 full pages
-
-
 
 
 def shm_prefix(socket: str) -> str:
@@ -80,7 +80,9 @@ def spawn(tmp_path, *args: str, env: dict, prefix: list[str] = (), name: str = "
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [*prefix, sys.executable, "-m", "kvd.cli", "serve", "--socket", socket, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     return process, socket, log_path
 
@@ -105,6 +107,7 @@ def free_port() -> int:
 
 
 # ---- the unit file and its companions ------------------------------------------------
+
 
 def unit_settings(text: str) -> dict[str, list[str]]:
     """Key → values, in order, of a unit file (comments and sections dropped)."""
@@ -149,8 +152,9 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     # verify insists that ExecStart's binary exists: point it at this checkout's kvd.
     unit = tmp_path / "kvd.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/kvd", f"{sys.executable} -m kvd.cli"))
-    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "kvd.service" not in result.stderr, result.stderr  # no warnings about our unit
 
@@ -158,8 +162,13 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
 @pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers is not installed")
 def test_sysusers_file_creates_a_system_user_and_group(tmp_path):
     (tmp_path / "etc").mkdir()
-    result = subprocess.run(["systemd-sysusers", f"--root={tmp_path}", "-"], input=SYSUSERS.read_text(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-sysusers", f"--root={tmp_path}", "-"],
+        input=SYSUSERS.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     [user] = [line.split(":") for line in (tmp_path / "etc/passwd").read_text().splitlines() if line.startswith("kvd:")]
     [group] = [line.split(":") for line in (tmp_path / "etc/group").read_text().splitlines() if line.startswith("kvd:")]
@@ -170,12 +179,13 @@ def test_sysusers_file_creates_a_system_user_and_group(tmp_path):
 
 # A stand-in for systemd's SystemCallFilter= and MemoryDenyWriteExecute=: the same seccomp
 # rules, built with libseccomp from the unit file, then exec of the command.
-SECCOMP_EXEC = r'''
+SECCOMP_EXEC = r"""
 import ctypes, ctypes.util, errno, mmap, os, re, subprocess, sys
 
 unit, argv = open(sys.argv[1]).read(), sys.argv[2:]
 groups, current = {}, None
-for line in subprocess.run(["systemd-analyze", "syscall-filter"], capture_output=True, text=True, check=True).stdout.splitlines():
+listing = subprocess.run(["systemd-analyze", "syscall-filter"], capture_output=True, text=True, check=True).stdout
+for line in listing.splitlines():
     if line.startswith("@"):
         current = groups.setdefault(line.split()[0], [])
     elif current is not None and line.strip() and not line.strip().startswith("#"):
@@ -192,7 +202,8 @@ lib = ctypes.CDLL(ctypes.util.find_library("seccomp"))
 lib.seccomp_init.restype = ctypes.c_void_p
 lib.seccomp_init.argtypes = [ctypes.c_uint32]
 lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(Cmp)]
+lib.seccomp_rule_add_array.argtypes = [
+    ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(Cmp)]
 lib.seccomp_load.argtypes = [ctypes.c_void_p]
 
 if re.search(r"^MemoryDenyWriteExecute=yes", unit, re.M):
@@ -215,7 +226,7 @@ if allowed is not None:
             lib.seccomp_rule_add_array(ctx, ALLOW, nr, 0, None)
     assert lib.seccomp_load(ctx) == 0
 os.execv(argv[0], argv)
-'''
+"""
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -225,9 +236,17 @@ def test_daemon_works_under_the_units_syscall_filter_and_memory_deny_write_execu
     wrapper = tmp_path / "seccomp_exec.py"
     wrapper.write_text(SECCOMP_EXEC)
     check = subprocess.run(
-        [sys.executable, str(wrapper), str(UNIT), sys.executable, "-c",
-         "import mmap\ntry:\n mmap.mmap(-1, 4096, prot=7)\nexcept PermissionError:\n print('denied')"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(wrapper),
+            str(UNIT),
+            sys.executable,
+            "-c",
+            "import mmap\ntry:\n mmap.mmap(-1, 4096, prot=7)\nexcept PermissionError:\n print('denied')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     if check.returncode != 0:
         pytest.skip(f"cannot install seccomp filters here: {check.stderr.strip()[-300:]}")
@@ -235,8 +254,16 @@ def test_daemon_works_under_the_units_syscall_filter_and_memory_deny_write_execu
 
     port = free_port()
     process, socket, log_path = spawn(
-        tmp_path, "--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB",
-        "--metrics-port", str(port), env=clean_env(tmp_path), prefix=[sys.executable, str(wrapper), str(UNIT)],
+        tmp_path,
+        "--enable-prefix-reuse",
+        "--host-bytes",
+        "64MiB",
+        "--extent-bytes",
+        "4MiB",
+        "--metrics-port",
+        str(port),
+        env=clean_env(tmp_path),
+        prefix=[sys.executable, str(wrapper), str(UNIT)],
     )
     try:
         wait_until_answers(process, socket, log_path)
@@ -253,8 +280,13 @@ def test_daemon_works_under_the_units_syscall_filter_and_memory_deny_write_execu
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0, log_path.read_text()
     assert leftover_segments(shm_prefix(socket)), "a graceful stop keeps the extents for a warm restart"
-    subprocess.run([sys.executable, "-m", "kvd.cli", "clean", "--socket", socket], env=clean_env(tmp_path),
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "clean", "--socket", socket],
+        env=clean_env(tmp_path),
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert leftover_segments(shm_prefix(socket)) == []
     log = log_path.read_text()
     assert "Traceback" not in log and "ERROR" not in log, log
@@ -263,6 +295,7 @@ def test_daemon_works_under_the_units_syscall_filter_and_memory_deny_write_execu
 
 
 # ---- readiness and stop ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("abstract", [False, True], ids=["path", "abstract"])
 def test_notify_ready_only_once_the_socket_answers_and_stopping_on_sigterm(tmp_path, abstract):
@@ -295,8 +328,15 @@ def test_notify_ready_only_once_the_socket_answers_and_stopping_on_sigterm(tmp_p
 
 
 def test_sigterm_lets_calls_finish_refuses_new_ones_and_cleans_up(tmp_path):
-    daemon = start_daemon(tmp_path, "--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB",
-                          env=clean_env(tmp_path, KVD_SHUTDOWN_GRACE_SECONDS="1"))
+    daemon = start_daemon(
+        tmp_path,
+        "--enable-prefix-reuse",
+        "--host-bytes",
+        "64MiB",
+        "--extent-bytes",
+        "4MiB",
+        env=clean_env(tmp_path, KVD_SHUTDOWN_GRACE_SECONDS="1"),
+    )
     prefix = shm_prefix(daemon.socket)
     threads, clients = 8, []
     ok_calls = [0] * threads
@@ -383,15 +423,19 @@ def test_daemon_starts_fast(tmp_path):
 
 
 def test_second_daemon_on_the_same_socket_fails_and_leaves_the_first_running(tmp_path):
-    first = start_daemon(tmp_path, "--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB",
-                         env=clean_env(tmp_path))
+    first = start_daemon(
+        tmp_path, "--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB", env=clean_env(tmp_path)
+    )
     try:
         with KVDClient.connect(first.socket) as client:
             ns, shared = share_prefix(client)
             extents = leftover_segments(shm_prefix(first.socket))
             second = subprocess.run(
                 [sys.executable, "-m", "kvd.cli", "serve", "--socket", first.socket],
-                capture_output=True, text=True, timeout=30, env=clean_env(tmp_path),
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=clean_env(tmp_path),
             )
             assert second.returncode == 1
             assert f"a daemon already serves {first.socket}" in second.stderr
@@ -407,6 +451,7 @@ def test_second_daemon_on_the_same_socket_fails_and_leaves_the_first_running(tmp
 
 # ---- health, reflection, metrics, logs --------------------------------------------------
 
+
 def test_health_and_reflection_over_the_unix_socket(daemon):
     with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -418,12 +463,14 @@ def test_health_and_reflection_over_the_unix_socket(daemon):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-        [listing] = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                 timeout=5)
+        [listing] = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
         names = {s.name for s in listing.list_services_response.service}
         assert {"kvd.v1.KVD", "grpc.health.v1.Health"} <= names
         [symbol] = reflect.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvd.v1.KVD")]), timeout=5)
+            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvd.v1.KVD")]), timeout=5
+        )
         assert symbol.file_descriptor_response.file_descriptor_proto, "kvd.v1.KVD's descriptor is served"
 
 
@@ -433,7 +480,8 @@ def metric_samples(port: int) -> dict[tuple, float]:
         text = reply.read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
     }
 
 
@@ -445,8 +493,16 @@ def stat_sample(samples: dict, field: str, namespace: str, model: str = "all") -
 
 def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
     port = free_port()
-    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB",
-                            "--metrics-port", str(port), env=clean_env(tmp_path))
+    daemon = daemon_factory(
+        "--enable-prefix-reuse",
+        "--host-bytes",
+        "64MiB",
+        "--extent-bytes",
+        "4MiB",
+        "--metrics-port",
+        str(port),
+        env=clean_env(tmp_path),
+    )
     with KVDClient.connect(daemon.socket) as client:
         ns, _ = share_prefix(client)
         stats = json_stats(daemon.socket)
@@ -458,7 +514,9 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
         per_ns = {f: stat_sample(samples, f, str(ns), model="tiny") for f in expected}  # labelled by id and model
         assert per_ns == {f: stats["namespaces"][0][f] for f in expected}
         assert (samples[("kvd_host_bytes_used", ())], samples[("kvd_host_bytes_free", ())]) == (
-            stats["host_bytes_used"], stats["host_bytes_free"])
+            stats["host_bytes_used"],
+            stats["host_bytes_free"],
+        )
         assert samples[("kvd_build_info", (("python", platform.python_version()), ("version", __version__)))] == 1
         assert samples[("process_resident_memory_bytes", ())] > 0 and ("process_cpu_seconds_total", ()) in samples
         client.allocate_with_prefix(ns, [SequenceRequest("more", PREFIX + [5, 6])])
@@ -469,7 +527,9 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
         assert samples[("kvd_host_budget_bytes", ())] == 64 << 20
         assert samples[("kvd_shm_refusals_total", ())] == stats["shm_refusals"] == 0
         assert samples[("kvd_recovery_recovered_pages", ())] == 0
-        assert {samples[("kvd_recovery_dropped_pages", (("reason", r),))] for r in stats["recovery"]["dropped_pages"]} == {0}
+        assert {
+            samples[("kvd_recovery_dropped_pages", (("reason", r),))] for r in stats["recovery"]["dropped_pages"]
+        } == {0}
         # Call latency, by method: the scenario made exactly two allocations and one publish.
         assert samples[("kvd_request_seconds_count", (("method", "AllocateWithPrefix"),))] == 2
         assert samples[("kvd_request_seconds_count", (("method", "Publish"),))] == 1
@@ -477,8 +537,12 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
 
 
 def json_stats(socket: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "kvd.cli", "stats", "--json", "--socket", socket],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "stats", "--json", "--socket", socket],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -527,8 +591,9 @@ os._exit(1)  # no close(): as a crash
 def test_a_crashed_clients_session_is_logged_apart_from_a_clean_close(daemon):
     with KVDClient.connect(daemon.socket, client_name="tidy") as client:
         tidy = client.session[:8]
-    crashed = subprocess.run([sys.executable, "-c", CRASHING_CLIENT, daemon.socket],
-                             capture_output=True, text=True, timeout=60)
+    crashed = subprocess.run(
+        [sys.executable, "-c", CRASHING_CLIENT, daemon.socket], capture_output=True, text=True, timeout=60
+    )
     crasher = crashed.stdout.strip()
     assert len(crasher) == 8, crashed.stderr
     deadline = time.monotonic() + 10

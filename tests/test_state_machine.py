@@ -9,6 +9,7 @@ and which pins each session holds. A call the model says must fail raises exactl
 error class and changes nothing; ResourceExhausted is the one outcome the model does not
 predict, and it too must change nothing.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,7 +21,12 @@ import pytest
 from conftest import identity
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 from test_manager import snapshot, toks
 
@@ -29,7 +35,7 @@ from kvd.errors import FailedPrecondition, InvalidArgument, KVDError, NotFound, 
 from kvd.manager import SequenceRequest
 from kvd.types import PageState, SequenceState
 
-PAGE_SIZES = (4, 8)                     # namespace 0: 512-byte pages, namespace 1: 1024-byte pages
+PAGE_SIZES = (4, 8)  # namespace 0: 512-byte pages, namespace 1: 1024-byte pages
 PAGE_BYTES = (512, 1024)
 BUDGET = 12 * 512
 EXTENT = 4 * 512
@@ -44,11 +50,11 @@ VALID = {
 }
 
 prompt_parts = st.tuples(
-    st.sampled_from([0, 0, 0, 1]),          # mostly one shared prefix, so hits happen
+    st.sampled_from([0, 0, 0, 1]),  # mostly one shared prefix, so hits happen
     st.sampled_from([8, 12, 16, 24]) | st.integers(0, 24),
     st.lists(st.integers(0, 3), max_size=5),
 )
-prompts = prompt_parts.map(lambda parts: PREFIXES[parts[0]][:parts[1]] + parts[2])
+prompts = prompt_parts.map(lambda parts: PREFIXES[parts[0]][: parts[1]] + parts[2])
 sessions = st.integers(0, 1)
 namespaces = st.integers(0, 1)
 seq_ids = st.sampled_from(SEQ_IDS)
@@ -59,14 +65,14 @@ class ModelSeq:
     session: str
     state: SequenceState
     num_tokens: int
-    tokens: tuple[int, ...]   # known token ids
+    tokens: tuple[int, ...]  # known token ids
     aux: bytes
 
 
 @dataclass(frozen=True)
 class ModelPin:
     session: str
-    ttl: float                # 0: until unpinned
+    ttl: float  # 0: until unpinned
 
 
 class CoreMachine(RuleBasedStateMachine):
@@ -83,7 +89,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.sids.append("")
             self.open.append(False)
             self._open(i)
-        self.seqs: dict[tuple[int, str], ModelSeq] = {}   # (namespace index, seq id)
+        self.seqs: dict[tuple[int, str], ModelSeq] = {}  # (namespace index, seq id)
         self.pins: dict[int, ModelPin] = {}
         self.writes = 0
 
@@ -142,7 +148,7 @@ class CoreMachine(RuleBasedStateMachine):
             if seq.namespace != self.ns[n]:
                 continue
             k = min(seq.num_published, len(tokens) // ps)
-            while k > best and bytes(seq.tokens[:k * ps * 4]) != raw[:k * ps * 4]:
+            while k > best and bytes(seq.tokens[: k * ps * 4]) != raw[: k * ps * 4]:
                 k -= 1
             best = max(best, k)
         return best
@@ -153,7 +159,7 @@ class CoreMachine(RuleBasedStateMachine):
         parent = None
         for i, page in enumerate(pages):
             content = self.m.pool.content(page)
-            assert content is not None and content.tokens == toks(tokens[i * ps:(i + 1) * ps]), f"wrong hit {page}"
+            assert content is not None and content.tokens == toks(tokens[i * ps : (i + 1) * ps]), f"wrong hit {page}"
             assert content.parent == parent, f"hit {page} follows page {content.parent}, not {parent}"
             parent = page
 
@@ -169,15 +175,21 @@ class CoreMachine(RuleBasedStateMachine):
 
     # ---- rules --------------------------------------------------------------------
 
-    @initialize(n=namespaces, batch=st.lists(st.tuples(seq_ids, prompts), min_size=1, max_size=2,
-                                               unique_by=lambda r: r[0]))
+    @initialize(
+        n=namespaces, batch=st.lists(st.tuples(seq_ids, prompts), min_size=1, max_size=2, unique_by=lambda r: r[0])
+    )
     def seed(self, n, batch):
         """Starts every run with a few live sequences in each session."""
         for i in range(2):
             self.allocate(i, (n + i) % 2, [(s, p[:12]) for s, p in batch], bad=2, then_publish=True)
 
-    @rule(i=sessions, n=namespaces, bad=st.integers(0, 11), then_publish=st.booleans(),
-          batch=st.lists(st.tuples(seq_ids, prompts), min_size=1, max_size=3, unique_by=lambda r: r[0]))
+    @rule(
+        i=sessions,
+        n=namespaces,
+        bad=st.integers(0, 11),
+        then_publish=st.booleans(),
+        batch=st.lists(st.tuples(seq_ids, prompts), min_size=1, max_size=3, unique_by=lambda r: r[0]),
+    )
     def allocate(self, i, n, batch, bad, then_publish=False):
         if bad == 1:  # a duplicate id
             batch = batch + batch[:1]
@@ -218,15 +230,21 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(i=sessions, n=namespaces, share=st.sampled_from([0.25, 0.5, 0.75, 1.0]), hold=st.booleans())
     def pressure(self, i, n, share, hold):
         """A large unrelated prompt: evicts what the policy allows (LRU, reclaim, on-hold), then goes."""
-        running = [s for (m, s), ms in sorted(self.seqs.items()) if m == n and ms.session == self.sids[i]
-                   and ms.state in (SequenceState.PREFILLED, SequenceState.IN_DECODE)]
+        running = [
+            s
+            for (m, s), ms in sorted(self.seqs.items())
+            if m == n and ms.session == self.sids[i] and ms.state in (SequenceState.PREFILLED, SequenceState.IN_DECODE)
+        ]
         if hold and running:  # the scheduler parks a sequence first
             self.m.set_state(self.sids[i], self.ns[n], running[0], SequenceState.ON_HOLD)
             self.seqs[(n, running[0])] = replace(self.seqs[(n, running[0])], state=SequenceState.ON_HOLD)
         pages = max(1, int(share * BUDGET // PAGE_BYTES[n]))
         tokens = toks(range(500, 500 + pages * PAGE_SIZES[n]))
-        plans = self.call(lambda: self.m.allocate(self.sids[i], self.ns[n], [SequenceRequest("big", tokens)]),
-                          self.session_error(i), may_exhaust=True)
+        plans = self.call(
+            lambda: self.m.allocate(self.sids[i], self.ns[n], [SequenceRequest("big", tokens)]),
+            self.session_error(i),
+            may_exhaust=True,
+        )
         if plans is not None:
             assert plans[0].shared_pages == [] and len(plans[0].private_pages) == pages
             self.fresh_private(plans[0].private_pages)
@@ -236,8 +254,9 @@ class CoreMachine(RuleBasedStateMachine):
     def lookup(self, i, n, p):
         least = self.must_hit(n, p)
         before = snapshot(self.m)
-        result = self.call(lambda: self.m.lookup(self.sids[i], self.ns[n], [SequenceRequest("probe", toks(p))]),
-                           self.session_error(i))
+        result = self.call(
+            lambda: self.m.lookup(self.sids[i], self.ns[n], [SequenceRequest("probe", toks(p))]), self.session_error(i)
+        )
         if result is not None:
             assert snapshot(self.m) == before, "lookup changed state"
             assert len(result[0].hit_pages) >= least
@@ -294,7 +313,7 @@ class CoreMachine(RuleBasedStateMachine):
         results = self.call(lambda: self.m.extend(self.sids[i], self.ns[n], call_items), expected, may_exhaust=True)
         if results is None:
             return
-        for (s, k, given), result in zip(items, results):
+        for (s, k, _given), result in zip(items, results):
             ms = self.seqs[(n, s)]
             ms = replace(ms, num_tokens=ms.num_tokens + k, tokens=ms.tokens + tuple(new_tokens.get(s, ())))
             self.seqs[(n, s)] = ms
@@ -318,7 +337,7 @@ class CoreMachine(RuleBasedStateMachine):
         for mine, theirs in zip(plan.private_pages, source.private_pages):
             assert np.array_equal(self.m.arena.page_bytes_view(mine), self.m.arena.page_bytes_view(theirs))
         self.seqs[(n, dst)] = replace(self.seqs[(n, src)], state=SequenceState.PREFILLED)
-        self.write(plan.private_pages)   # dst diverges; src's pages must not change
+        self.write(plan.private_pages)  # dst diverges; src's pages must not change
 
     @rule(data=st.data(), more=st.lists(seq_ids, max_size=1))
     def release(self, data, more):
@@ -422,8 +441,9 @@ class CoreMachine(RuleBasedStateMachine):
         seen = {}
         for seq in self.m.sequences:
             n = self.ns.index(seq.namespace)
-            seen[(n, seq.seq_id)] = ModelSeq(seq.session, seq.state, seq.num_tokens,
-                                             tuple(np.frombuffer(bytes(seq.tokens), "<i4").tolist()), seq.aux)
+            seen[(n, seq.seq_id)] = ModelSeq(
+                seq.session, seq.state, seq.num_tokens, tuple(np.frombuffer(bytes(seq.tokens), "<i4").tolist()), seq.aux
+            )
             assert len(seq.pages) == -(-seq.num_tokens // PAGE_SIZES[n])
             # published pages hold the sequence's own tokens, chained (invariant 6)
             self.check_hits(n, list(np.frombuffer(bytes(seq.tokens), "<i4")), seq.shared_pages)
@@ -438,8 +458,10 @@ class CoreMachine(RuleBasedStateMachine):
         for ns_id in self.ns:
             # publish dedups: no two published pages hold the same content (physical == ideal)
             contents = [
-                (c.tokens, c.parent, c.local) for p, s, _, _, n in self.m.pool.pages()
-                if n == ns_id and s in (PageState.PUBLISHED, PageState.CACHED) for c in [self.m.pool.content(p)]
+                (c.tokens, c.parent, c.local)
+                for p, s, _, _, n in self.m.pool.pages()
+                if n == ns_id and s in (PageState.PUBLISHED, PageState.CACHED)
+                for c in [self.m.pool.content(p)]
             ]
             assert len(set(contents)) == len(contents), "two published pages hold the same content"
         totals = stats.collect(self.m).totals
@@ -453,9 +475,14 @@ class CoreMachine(RuleBasedStateMachine):
 def test_core_state_machine(make_manager):
     CoreMachine.make_manager = staticmethod(make_manager)
     try:
-        run_state_machine_as_test(CoreMachine, settings=settings(
-            max_examples=60, stateful_step_count=30, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-        ))
+        run_state_machine_as_test(
+            CoreMachine,
+            settings=settings(
+                max_examples=60,
+                stateful_step_count=30,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            ),
+        )
     finally:
         CoreMachine.make_manager = None

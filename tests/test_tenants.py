@@ -1,5 +1,6 @@
 """Tenant isolation: config parsing, the ticket handshake, routing, and isolation between
 two real OS users (root only; skipped elsewhere with the reason)."""
+
 from __future__ import annotations
 
 import errno
@@ -15,22 +16,21 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import grpc
 import pytest
-
 from conftest import start_daemon
 from test_service import free_port, metric_samples
+
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
-from kvd.wire.admin import fetch_stats, reset_prefix_cache
-from kvd.wire.auth import admit, fetch_ticket
 from kvd import config as config_mod
 from kvd.config import ConfigError
 from kvd.errors import NotFound, PermissionDenied
 from kvd.tenants import IMPLICIT, Peer, Tenants, TicketBook, tenant_prefix
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
+from kvd.wire.admin import fetch_stats, reset_prefix_cache
+from kvd.wire.auth import admit, fetch_ticket
 from kvd.wire.paths import auth_socket, tenant_socket
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,9 +47,12 @@ def load_toml(tmp_path, text: str, **flags) -> config_mod.ServeConfig:
 
 # ---- configuration -------------------------------------------------------------------
 
+
 def test_tenants_parse(tmp_path):
     root_group = grp.getgrgid(0).gr_name
-    cfg = load_toml(tmp_path, f"""
+    cfg = load_toml(
+        tmp_path,
+        f"""
         host_bytes = "4GiB"
         [tenants.alpha]
         uids = [1001, 1002]
@@ -58,28 +61,46 @@ def test_tenants_parse(tmp_path):
         [tenants.beta]
         gids = [2001]
         host_bytes = 1000000
-    """)
+    """,
+    )
     alpha, beta = cfg.tenants
-    assert (alpha.name, alpha.uids, alpha.gids, alpha.host_bytes, alpha.group) == ("alpha", (1001, 1002), (), 2 << 30, 0)
+    assert (alpha.name, alpha.uids, alpha.gids, alpha.host_bytes, alpha.group) == (
+        "alpha",
+        (1001, 1002),
+        (),
+        2 << 30,
+        0,
+    )
     assert (beta.name, beta.uids, beta.gids, beta.host_bytes, beta.group) == ("beta", (), (2001,), 1000000, None)
     assert load_toml(tmp_path, "host_bytes = '1GiB'").tenants == ()
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[tenants.a]\nuids = [1]\n", "tenants.a: host_bytes (the tenant's budget"),
-    ("[tenants.a]\nhost_bytes = '1MiB'\n", "tenants.a: give uids or gids"),
-    ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\nquota = 3\n", "tenants.a: unknown setting 'quota'"),
-    ("[tenants.'a-b']\nuids = [1]\nhost_bytes = '1MiB'\n", "tenants.a-b: a tenant name is 1-32 letters"),
-    ("[tenants.a]\nuids = 1\nhost_bytes = '1MiB'\n", "tenants.a.uids: expected a list of non-negative integer ids"),
-    ("[tenants.a]\nuids = [-1]\nhost_bytes = '1MiB'\n", "tenants.a.uids: expected a list"),
-    ("[tenants.a]\nuids = [1]\nhost_bytes = 'lots'\n", "tenants.a.host_bytes: cannot read 'lots'"),
-    ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\ngroup = 'no-such-group-kvd'\n", "no group named 'no-such-group-kvd'"),
-    ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\n[tenants.b]\nuids = [1]\nhost_bytes = '1MiB'\n",
-     "tenants: uid 1 belongs to both 'a' and 'b'"),
-    ("host_bytes = '1MiB'\n[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\n[tenants.b]\nuids = [2]\nhost_bytes = '1MiB'\n",
-     "add up to 2097152 bytes, over the daemon's host_bytes of 1048576"),
-    ("tenants = 3\n", "tenants: expected one [tenants.NAME] table"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[tenants.a]\nuids = [1]\n", "tenants.a: host_bytes (the tenant's budget"),
+        ("[tenants.a]\nhost_bytes = '1MiB'\n", "tenants.a: give uids or gids"),
+        ("[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\nquota = 3\n", "tenants.a: unknown setting 'quota'"),
+        ("[tenants.'a-b']\nuids = [1]\nhost_bytes = '1MiB'\n", "tenants.a-b: a tenant name is 1-32 letters"),
+        ("[tenants.a]\nuids = 1\nhost_bytes = '1MiB'\n", "tenants.a.uids: expected a list of non-negative integer ids"),
+        ("[tenants.a]\nuids = [-1]\nhost_bytes = '1MiB'\n", "tenants.a.uids: expected a list"),
+        ("[tenants.a]\nuids = [1]\nhost_bytes = 'lots'\n", "tenants.a.host_bytes: cannot read 'lots'"),
+        (
+            "[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\ngroup = 'no-such-group-kvd'\n",
+            "no group named 'no-such-group-kvd'",
+        ),
+        (
+            "[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\n[tenants.b]\nuids = [1]\nhost_bytes = '1MiB'\n",
+            "tenants: uid 1 belongs to both 'a' and 'b'",
+        ),
+        (
+            "host_bytes = '1MiB'\n[tenants.a]\nuids = [1]\nhost_bytes = '1MiB'\n"
+            "[tenants.b]\nuids = [2]\nhost_bytes = '1MiB'\n",
+            "add up to 2097152 bytes, over the daemon's host_bytes of 1048576",
+        ),
+        ("tenants = 3\n", "tenants: expected one [tenants.NAME] table"),
+    ],
+)
 def test_bad_tenant_configs_say_what_is_wrong(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         load_toml(tmp_path, text)
@@ -88,6 +109,7 @@ def test_bad_tenant_configs_say_what_is_wrong(tmp_path, text, message):
 
 
 # ---- tickets and routing, without a process boundary ---------------------------------
+
 
 class Clock:
     def __init__(self) -> None:
@@ -119,7 +141,9 @@ def test_tickets_are_single_use_and_expire():
 
 def alpha_beta(make_manager, tmp_path) -> Tenants:
     """Tenants alpha (uid 1001) and beta (gid 2002) over two real managers; admin: root."""
-    cfg = load_toml(tmp_path, """
+    cfg = load_toml(
+        tmp_path,
+        """
         host_bytes = "64MiB"
         [tenants.alpha]
         uids = [1001]
@@ -127,7 +151,8 @@ def alpha_beta(make_manager, tmp_path) -> Tenants:
         [tenants.beta]
         gids = [2002]
         host_bytes = "1MiB"
-    """)
+    """,
+    )
     return Tenants({"alpha": make_manager(), "beta": make_manager()}, cfg.tenants, admin_uids=frozenset({0}))
 
 
@@ -136,7 +161,7 @@ def test_routing_by_uid_then_gid(make_manager, tmp_path):
     alpha, beta = tenants.managers()
     assert tenants.tenant_of(Peer(1, 1001, 2002)) == "alpha"  # a uid wins over a gid
     assert tenants.tenant_of(Peer(1, 5, 2002)) == "beta"
-    assert tenants.tenant_of(Peer(1, 5, 7, groups=(9, 2002))) == "beta"   # a supplementary group
+    assert tenants.tenant_of(Peer(1, 5, 7, groups=(9, 2002))) == "beta"  # a supplementary group
     assert tenants.tenant_of(Peer(1, 1001, 7, groups=(2002,))) == "alpha"  # the uid still wins
     with pytest.raises(PermissionDenied, match="uid 5 \\(gid 7\\) belongs to no tenant"):
         tenants.handshake(Peer(1, 5, 7))
@@ -175,7 +200,9 @@ def test_a_session_is_valid_only_on_its_tenants_socket(make_manager, tmp_path):
 
 
 def test_a_peer_in_groups_of_two_tenants_must_be_listed_by_uid(make_manager, tmp_path):
-    cfg = load_toml(tmp_path, """
+    cfg = load_toml(
+        tmp_path,
+        """
         host_bytes = "64MiB"
         [tenants.alpha]
         gids = [2001]
@@ -183,7 +210,8 @@ def test_a_peer_in_groups_of_two_tenants_must_be_listed_by_uid(make_manager, tmp
         [tenants.beta]
         gids = [2002]
         host_bytes = "1MiB"
-    """)
+    """,
+    )
     tenants = Tenants({"alpha": make_manager(), "beta": make_manager()}, cfg.tenants, admin_uids=frozenset({0}))
     assert tenants.tenant_of(Peer(1, 5, 2001, groups=(2002,))) == "alpha"  # the primary gid decides
     with pytest.raises(PermissionDenied, match="uid 5 is in groups of tenants alpha, beta; list the uid"):
@@ -200,6 +228,7 @@ def test_implicit_tenant_needs_no_ticket(make_manager):
 
 # ---- a real daemon, one OS user: routing by the current uid --------------------------
 
+
 def tenant_daemon(start, tmp_path, toml: str, name: str = "kvd"):
     """``start``: the daemon_factory fixture, or conftest.start_daemon bound to a directory."""
     path = tmp_path / f"{name}.toml"
@@ -210,7 +239,10 @@ def tenant_daemon(start, tmp_path, toml: str, name: str = "kvd"):
 
 
 def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
-    d = tenant_daemon(daemon_factory, tmp_path, f"""
+    d = tenant_daemon(
+        daemon_factory,
+        tmp_path,
+        f"""
         host_bytes = "1MiB"
         [tenants.mine]
         uids = [{os.getuid()}]
@@ -218,7 +250,8 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
         [tenants.other]
         uids = [{OTHER_UID}]
         host_bytes = "128KiB"
-    """)
+    """,
+    )
     assert stat.S_IMODE(os.stat(auth_socket(d.socket)).st_mode) == 0o660
     with KVDClient.connect(d.socket) as kvd:
         assert kvd.host_bytes == 64 << 10  # the tenant's budget, not the daemon's
@@ -250,7 +283,10 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
 
 def test_metrics_of_a_daemon_with_tenants_are_labelled_by_tenant(daemon_factory, tmp_path):
     port = free_port()
-    d = tenant_daemon(daemon_factory, tmp_path, f"""
+    d = tenant_daemon(
+        daemon_factory,
+        tmp_path,
+        f"""
         host_bytes = "1MiB"
         metrics_port = {port}
         [tenants.mine]
@@ -259,7 +295,8 @@ def test_metrics_of_a_daemon_with_tenants_are_labelled_by_tenant(daemon_factory,
         [tenants.other]
         uids = [{OTHER_UID}]
         host_bytes = "128KiB"
-    """)
+    """,
+    )
     with KVDClient.connect(d.socket) as kvd:
         ns = kvd.register_namespace("tiny", LAYOUT)
         kvd.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX + [1])])
@@ -271,27 +308,37 @@ def test_metrics_of_a_daemon_with_tenants_are_labelled_by_tenant(daemon_factory,
         samples = metric_samples(port)  # live values
     for field in ("logical_pages", "physical_pages", "host_pages_saved", "hit_tokens"):
         for tenant, namespace, model, value in (
-            ("mine", "all", "all", mine[field]), ("mine", str(ns), "tiny", mine["namespaces"][0][field]),
-            ("other", "all", "all", 0), ("all", "all", "all", every[field]),
+            ("mine", "all", "all", mine[field]),
+            ("mine", str(ns), "tiny", mine["namespaces"][0][field]),
+            ("other", "all", "all", 0),
+            ("all", "all", "all", every[field]),
         ):
             labels = (("model", model), ("namespace", namespace), ("tenant", tenant))
-            assert samples.get((f"kvd_{field}", labels), samples.get((f"kvd_{field}_total", labels))) == value, \
-                (field, tenant, namespace)
+            assert samples.get((f"kvd_{field}", labels), samples.get((f"kvd_{field}_total", labels))) == value, (
+                field,
+                tenant,
+                namespace,
+            )
     assert samples[("kvd_host_budget_bytes", ())] == (64 + 128) << 10
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="setting a client's supplementary groups needs root")
 def test_a_supplementary_group_routes_to_its_tenant(daemon_factory, tmp_path):
-    d = tenant_daemon(daemon_factory, tmp_path, f"""
+    d = tenant_daemon(
+        daemon_factory,
+        tmp_path,
+        f"""
         host_bytes = "1MiB"
         [tenants.by_group]
         gids = [{OTHER_UID}]
         host_bytes = "96KiB"
-    """)
+    """,
+    )
     probe = "import sys; from engine_client import KVDClient; print(KVDClient.connect(sys.argv[1]).host_bytes)"
     for groups, expected in (([OTHER_UID], 96 << 10), ([], None)):
-        r = subprocess.run([sys.executable, "-c", probe, d.socket], extra_groups=groups,
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-c", probe, d.socket], extra_groups=groups, capture_output=True, text=True, timeout=60
+        )
         if expected is None:  # root without the group: an admin of no tenant
             assert r.returncode != 0 and "belongs to no tenant" in r.stderr
         else:
@@ -299,16 +346,22 @@ def test_a_supplementary_group_routes_to_its_tenant(daemon_factory, tmp_path):
 
 
 def test_tickets_through_the_daemon(daemon_factory, tmp_path):
-    d = tenant_daemon(daemon_factory, tmp_path, f"""
+    d = tenant_daemon(
+        daemon_factory,
+        tmp_path,
+        f"""
         [tenants.mine]
         uids = [{os.getuid()}]
         host_bytes = "64KiB"
-    """)
+    """,
+    )
     admission = admit(d.socket)
     assert admission.session_socket == tenant_socket(d.socket, "mine")
     assert stat.S_IMODE(os.stat(admission.session_socket).st_mode) == 0o660  # no group: as the main socket
-    with grpc.insecure_channel(f"unix:{d.socket}") as main, \
-            grpc.insecure_channel(f"unix:{admission.session_socket}") as own:
+    with (
+        grpc.insecure_channel(f"unix:{d.socket}") as main,
+        grpc.insecure_channel(f"unix:{admission.session_socket}") as own,
+    ):
 
         def open_with(channel, ticket: str) -> pb.SessionEvent:
             stub = kvd_pb2_grpc.KVDStub(channel)
@@ -334,11 +387,15 @@ def test_tickets_through_the_daemon(daemon_factory, tmp_path):
 
 
 def test_uid_of_no_tenant_is_refused(daemon_factory, tmp_path):
-    d = tenant_daemon(daemon_factory, tmp_path, f"""
+    d = tenant_daemon(
+        daemon_factory,
+        tmp_path,
+        f"""
         [tenants.other]
         uids = [{OTHER_UID}]
         host_bytes = "64KiB"
-    """)
+    """,
+    )
     with pytest.raises(KVDError) as e:
         KVDClient.connect(d.socket, timeout=5)
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
@@ -348,7 +405,7 @@ def test_uid_of_no_tenant_is_refused(daemon_factory, tmp_path):
 
 # ---- two real OS users ---------------------------------------------------------------
 
-CLIENT = '''
+CLIENT = """
 import json, sys, posix_ipc
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
 op, socket, foreign = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -387,7 +444,7 @@ with KVDClient.connect(socket) as kvd:
     except KVDError as e:
         out["admin"] = e.code.name
 print(json.dumps(out))
-'''
+"""
 
 
 def user_env(**extra: str) -> dict:
@@ -419,15 +476,25 @@ def two_users():
             subprocess.run(["userdel", name], capture_output=True)  # left by a run that was killed
             subprocess.run(["groupdel", name], capture_output=True)
             subprocess.run(["groupadd", name], check=True, capture_output=True)
-            subprocess.run(["useradd", "-M", "-N", "-g", name, "-s", "/usr/sbin/nologin", name], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["useradd", "-M", "-N", "-g", name, "-s", "/usr/sbin/nologin", name], check=True, capture_output=True
+            )
             made.append(name)
         users = [(pwd.getpwnam(n).pw_uid, grp.getgrnam(n).gr_gid) for n in made]
         # Where this host still keeps the users from the interpreter or the checkout (a
         # mount option, a security module), the isolation test cannot run at all.
         uid, gid = users[0]
-        probe = subprocess.run([sys.executable, "-c", "import engine_client"], user=uid, group=gid, extra_groups=[],
-                               cwd=str(ROOT), capture_output=True, text=True, timeout=60, env=user_env())
+        probe = subprocess.run(
+            [sys.executable, "-c", "import engine_client"],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            cwd=str(ROOT),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=user_env(),
+        )
         if probe.returncode != 0:
             pytest.skip(f"a new OS user cannot run this checkout's python here: {probe.stderr.strip()[-300:]}")
         yield users
@@ -447,7 +514,10 @@ class TwoTenants:
     def __init__(self, users, work: pathlib.Path) -> None:
         (self.ua, self.ga), (self.ub, self.gb) = users
         self.work = work
-        self.daemon = tenant_daemon(functools.partial(start_daemon, work), work, f"""
+        self.daemon = tenant_daemon(
+            functools.partial(start_daemon, work),
+            work,
+            f"""
             host_bytes = "1MiB"
             socket_mode = "0666"
             [tenants.alpha]
@@ -458,7 +528,8 @@ class TwoTenants:
             uids = [{self.ub}]
             host_bytes = "64KiB"
             group = "kvdtb"
-        """)
+        """,
+        )
 
     def script(self, name: str, text: str) -> str:
         path = self.work / name
@@ -467,9 +538,18 @@ class TwoTenants:
         return str(path)
 
     def popen(self, uid: int, gid: int, script: str, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, script, *args], user=uid, group=gid, extra_groups=[],
-                                cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=user_env(HOME=str(self.work)))
+        return subprocess.Popen(
+            [sys.executable, script, *args],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            cwd=str(ROOT),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=user_env(HOME=str(self.work)),
+        )
 
     def run(self, uid: int, gid: int, script: str, *args: str) -> dict:
         out, err = self.popen(uid, gid, script, *args).communicate(timeout=60)
@@ -501,12 +581,12 @@ def test_two_os_users_are_isolated(two_tenants):
         assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (t.ga, 0o660)
     b = t.run(t.ub, t.gb, client, "fill", socket, *a["extents"])
     assert b["hit_tokens"] == 0 and b["pinned"] == 0  # A's published prefix is invisible to B
-    assert b["mapped"] == []                           # and the OS refuses to map A's extents
-    assert b["admin"] == "PERMISSION_DENIED"           # only the daemon's uid or root sees every tenant
+    assert b["mapped"] == []  # and the OS refuses to map A's extents
+    assert b["admin"] == "PERMISSION_DENIED"  # only the daemon's uid or root sees every tenant
     assert b["stats"]["host_bytes"] == 64 << 10 and b["stats"]["evicted_pages"] > 0
     assert b["stats"]["lookup_tokens"] == 2 * (64 << 10) // 512 * 4  # B's counters only: A's lookups absent
     again = t.run(t.ua, t.ga, client, "lookup", socket)
-    assert again["hit_tokens"] == 16                   # B's pressure evicted nothing of A's
+    assert again["hit_tokens"] == 16  # B's pressure evicted nothing of A's
     assert again["stats"]["evicted_pages"] == 0 and again["stats"]["lookup_tokens"] == 16
     every = fetch_stats(socket)
     assert sorted(n["tenant"] for n in every["namespaces"]) == ["alpha", "beta"]
@@ -515,7 +595,7 @@ def test_two_os_users_are_isolated(two_tenants):
 # Tenant A's engine: a sequence with aux state and a pin; prints what a leak would give
 # away (its session id, namespace, pin), waits while B uses them, then checks that nothing
 # changed and that its session still works.
-VICTIM = '''
+VICTIM = """
 import json, sys
 from engine_client import KVDClient, PageLayout, SequenceRequest
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
@@ -535,11 +615,11 @@ with KVDClient.connect(sys.argv[1]) as kvd:
     kvd.unpin(pin.pin_id)
     out["released"] = kvd.release(ns, ["a"])
 print(json.dumps(out))
-'''
+"""
 
 # Tenant B's process holding A's leaked session id: every call that names a session, on
 # the main socket and on B's own; A's socket itself the kernel refuses to B.
-THIEF = '''
+THIEF = """
 import json, os, socket as socket_mod, sys
 import grpc
 from kvd.wire.auth import admit
@@ -586,7 +666,7 @@ with socket_mod.socket(socket_mod.AF_UNIX) as sock:
     except OSError as e:
         out["their_socket"] = os.strerror(e.errno)
 print(json.dumps(out))
-'''
+"""
 
 
 def test_a_session_id_is_useless_to_a_process_of_another_tenant(two_tenants):
@@ -595,8 +675,15 @@ def test_a_session_id_is_useless_to_a_process_of_another_tenant(two_tenants):
     try:
         leaked = victim.stdout.readline()
         assert leaked, victim.stderr.read()
-        thief = t.run(t.ub, t.gb, t.script("thief.py", THIEF), socket, tenant_socket(socket, "beta"),
-                      tenant_socket(socket, "alpha"), leaked)
+        thief = t.run(
+            t.ub,
+            t.gb,
+            t.script("thief.py", THIEF),
+            socket,
+            tenant_socket(socket, "beta"),
+            tenant_socket(socket, "alpha"),
+            leaked,
+        )
         victim.stdin.write("done\n")
         victim.stdin.flush()
         out, err = victim.communicate(timeout=60)

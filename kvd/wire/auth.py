@@ -8,6 +8,7 @@ ticket, redeemed once by ``OpenSession`` (or an admin call), carries that identi
 The answer also names the tenant, whose own socket is where the session must live: only
 there are its session ids valid (kvd/tenants.py).
 """
+
 from __future__ import annotations
 
 import errno
@@ -27,7 +28,7 @@ MAX_ANSWER = 4096
 class Admission:
     """What the handshake gave this process."""
 
-    ticket: str          # single-use; "" from a daemon without tenants
+    ticket: str  # single-use; "" from a daemon without tenants
     session_socket: str  # where to open a session: the tenant's socket, else the daemon's own
 
 

@@ -5,6 +5,7 @@ page ids (engine_client/), the daemon checks and stores packed token ids and pac
 ids (kvd/). Short lists (a decode step) go through ``struct``, which is cheaper than numpy
 for a few values; long ones through numpy.
 """
+
 from __future__ import annotations
 
 import struct
@@ -12,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-TOKEN_BYTES = 4    # a token id: little-endian int32
+TOKEN_BYTES = 4  # a token id: little-endian int32
 PAGE_ID_BYTES = 4  # a page id: little-endian uint32
 TOKEN_DTYPE = "<i4"
-_SMALL = 256       # up to this many values, struct beats numpy
+_SMALL = 256  # up to this many values, struct beats numpy
 
 
 def pack_tokens(token_ids) -> bytes:

@@ -2,6 +2,7 @@
 
 The daemon and the client library both use these, so the two sides cannot drift apart.
 """
+
 from __future__ import annotations
 
 import enum

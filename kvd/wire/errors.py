@@ -3,6 +3,7 @@ admin calls of ``kvd stats`` / ``verify`` / ``reset`` raise it (``engine_client.
 is this class). The daemon's own core errors are kvd/errors.py; kvd/service.py maps them
 to the gRPC status this error carries.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -17,5 +18,5 @@ class KVDError(Exception):
         self.message = message
 
     @classmethod
-    def from_rpc(cls, e: grpc.RpcError) -> "KVDError":
+    def from_rpc(cls, e: grpc.RpcError) -> KVDError:
         return cls(e.code(), e.details() or "")

@@ -10,6 +10,7 @@ multiples of ``page_bytes`` inside their shared-memory extent. Host pages, GPU p
 pages and the model runner all use this shape, so copies between them are plain
 contiguous copies.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,9 +46,7 @@ class PageLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise LayoutError(f"page layout {field} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPE_ITEMSIZE:
-            raise LayoutError(
-                f"page layout dtype {self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}"
-            )
+            raise LayoutError(f"page layout dtype {self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:

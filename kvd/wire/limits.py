@@ -5,4 +5,5 @@ request is received and parsed whole before any check runs. The largest legitima
 request is a 64 MiB aux state (kvd.requests.Limits.max_aux_bytes) or a call of 8M token
 ids (32 MiB, Limits.max_call_tokens); 96 MiB holds either with room for the rest.
 """
+
 MAX_MESSAGE_BYTES = 96 << 20

@@ -13,6 +13,7 @@ Daemon (``kvd serve``), CLI (``kvd stats``, ``verify``, ``clean``) and client
 The daemon reads its whole configuration in the same order (kvd/config.py), so a daemon
 and a client given the same environment always meet.
 """
+
 from __future__ import annotations
 
 import os
