@@ -16,6 +16,7 @@ import sys
 import time
 
 from kvd import config as config_mod
+from kvd.wire.paths import DEFAULT_CONFIG_FILE
 
 
 def _serve(args) -> int:
@@ -193,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
         )
         sp.add_argument(
             "--config",
-            help=f"TOML config file (default: $KVD_CONFIG, else {config_mod.DEFAULT_CONFIG_FILE} if present)",
+            help=f"TOML config file (default: $KVD_CONFIG, else {DEFAULT_CONFIG_FILE} if present)",
         )
 
     s = sub.add_parser("serve", help="run the daemon")

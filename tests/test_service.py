@@ -37,6 +37,7 @@ from kvd.arena import leftover_segments
 from kvd.stats import STAT_FIELDS
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
+from kvd.wire.paths import DEFAULT_CONFIG_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "kvd.service"
@@ -135,7 +136,7 @@ def test_unit_file_agrees_with_the_shipped_config_and_user():
     # ExecStart reads the shipped config at the place kvd looks by default.
     exec_start = one["ExecStart"].split()
     assert exec_start[1] == "serve"
-    assert exec_start[exec_start.index("--config") + 1] == config_mod.DEFAULT_CONFIG_FILE
+    assert exec_start[exec_start.index("--config") + 1] == DEFAULT_CONFIG_FILE
     # The socket lives in the unit's RuntimeDirectory, and the grace period fits in TimeoutStopSec.
     shipped = config_mod.load({}, environ={}, config_file=str(SHIPPED_CONFIG))
     assert os.path.dirname(shipped.socket) == f"/run/{one['RuntimeDirectory']}"
