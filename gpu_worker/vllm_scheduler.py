@@ -53,14 +53,14 @@ def kvd_extra_keys(request) -> tuple[ExtraKey, ...]:
 def cacheable_tokens(request, block_size: int) -> tuple[list[int], tuple[ExtraKey, ...]]:
     """The prompt's full blocks that kvd may hold, and their extra keys.
 
-    A multimodal item that runs past the last full block cuts the prefix before the block
-    where it starts: its pages would otherwise be keyed without it."""
+    A multimodal item that straddles the end cuts the prefix before the block where it
+    starts (its pages would otherwise be keyed without it), until no item straddles it."""
     tokens = request.prompt_token_ids or []
     end = len(tokens) // block_size * block_size
     keys = kvd_extra_keys(request)
-    for k in keys:
-        if k.kind == ExtraKind.MULTIMODAL and k.offset + k.length > end:
-            end = min(end, k.offset // block_size * block_size)
+    items = [k for k in keys if k.kind == ExtraKind.MULTIMODAL]
+    while straddling := [k for k in items if k.offset < end < k.offset + k.length]:
+        end = min(k.offset for k in straddling) // block_size * block_size
     kept = tuple(k for k in keys if k.kind != ExtraKind.MULTIMODAL or k.offset + k.length <= end)
     return list(tokens[:end]), kept
 

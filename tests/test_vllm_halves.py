@@ -241,3 +241,21 @@ def test_a_hung_daemon_costs_one_timeout_then_kvd_is_skipped_until_it_answers(da
     finally:
         os.kill(daemon.process.pid, signal.SIGCONT)
     assert wait_until(lambda: scheduler.link.attempt("probe", lambda kvd, ns: kvd.session), "a new session", timeout=10)
+
+
+def test_a_multimodal_item_across_the_cacheable_end_cuts_the_prefix_before_it():
+    """Pages are keyed with every item they overlap: a prefix that would end inside an item
+    ends before the block where that item starts (and so before any item that then straddles)."""
+    from gpu_worker.vllm_scheduler import cacheable_tokens
+
+    def image(offset, length):
+        return SimpleNamespace(identifier=f"img{offset}", mm_position=SimpleNamespace(offset=offset, length=length))
+
+    r = request("mm", tokens(10 * BLOCK + 5))
+    r.mm_features = [image(60, 10), image(75, 300)]  # the second runs past the last full block (320)
+    kept_tokens, keys = cacheable_tokens(r, BLOCK)
+    assert len(kept_tokens) == 32, "the cut at block 2 (64) lands inside the first item: cut before it too"
+    assert keys == ()
+    r.mm_features = [image(10, 10), image(100, 300)]
+    kept_tokens, keys = cacheable_tokens(r, BLOCK)
+    assert len(kept_tokens) == 96 and [k.offset for k in keys] == [10]
