@@ -6,7 +6,9 @@ at them: ``KVD_CRASH_AT=STEP[:N]`` in the daemon's environment kills it (SIGKILL
 
 - ``extent-meta``: an extent's metadata segment exists, its data segment does not yet;
 - ``extent-data``: the data segment is created, reserved and pre-faulted, and the extent
-  is not yet adopted (its pages were never handed out).
+  is not yet adopted (its pages were never handed out);
+- ``publish-recorded``: a publish wrote its pages' records (state PUBLISHED) and has not
+  handed them to the sealer, so none has a checksum yet.
 
 The variable is read once, at import; unset (always, in production) a crash point costs
 one dictionary lookup.
@@ -18,7 +20,7 @@ import os
 import signal
 import threading
 
-STEPS = ("extent-meta", "extent-data")
+STEPS = ("extent-meta", "extent-data", "publish-recorded")
 
 
 def _parse(value: str) -> tuple[str, int] | None:

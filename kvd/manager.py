@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvd import crashpoints
 from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.eviction import release_order, restore_order
@@ -308,6 +309,7 @@ class KVCacheManager:
             before = seq.num_published
             rebinds = [r for i in range(before, upto) if (r := self._publish_page(ns, seq, i))]
             results.append(PublishResult(seq.seq_id, seq.num_published - before, rebinds))
+        crashpoints.reached("publish-recorded")
         self.integrity.submit()
         return results
 
