@@ -207,26 +207,33 @@ def test_cpu_backend_pages_live_in_a_namespace_of_their_own(setup):
 
 
 def test_one_physical_copy_while_all_engines_run(setup):
+    """Each engine's scheduler pins the 38 blocks it loads (37 shared + one of its own) while
+    its request runs: whatever overlaps, kvd holds the shared ones once."""
     engines = [setup["engines"][n] for n in "abc"]
     for engine in engines:
         engine.forget_local_cache()
-    for engine, name in zip(engines, "abc"):
-        engine.send("generate", [{"tokens": prompt(name)}], 300)
-    seen = []
-
     blocks = len(prompt("a")) // BLOCK
+    seen = []
+    with KVDClient.connect(setup["socket"], client_name="test") as kvd:  # one session, polled cheaply
+        for engine, name in zip(engines, "abc"):
+            engine.send("generate", [{"tokens": prompt(name)}], 300)
+        try:
 
-    def all_running():  # each engine's scheduler pins the 38 blocks it loads
-        stats = kvd_stats(setup["socket"])
-        seen.append((stats["sequences"], stats["logical_pages"], stats["physical_pages"]))
-        return stats["sequences"] == 3 and stats["logical_pages"] == 3 * blocks and stats
+            def overlap():
+                stats = kvd.stats()
+                seen.append((stats["sequences"], stats["logical_pages"], stats["physical_pages"]))
+                return stats["sequences"] >= 2
 
-    stats = wait_until(all_running, "three engines' requests in kvd at once", timeout=60)
-    for engine, name in zip(engines, "abc"):
-        tokens, hits = engine.receive()
+            wait_until(overlap, "two engines' requests in kvd at once", timeout=60)
+        finally:  # every reply is read, so the next test starts in step
+            replies = [engine.receive() for engine in engines]
+    for (tokens, hits), name in zip(replies, "abc"):
         assert hits == loadable(name)
         assert tokens[0] == setup["baseline"][name]
-    assert stats["physical_pages"] == blocks + 2, f"(sequences, logical, physical) seen: {seen}"
+    for sequences, logical, physical in seen:
+        assert logical == sequences * blocks, seen
+        assert physical == (blocks - 1 + sequences if sequences else 0), f"(sequences, logical, physical): {seen}"
+    assert max(s for s, _, _ in seen) >= 2
 
 
 def test_cache_salt_keeps_requests_apart(setup):
