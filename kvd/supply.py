@@ -60,8 +60,7 @@ class ExtentSupply:
         """Adds one extent's pages to the namespace now: the build in flight, else a new one.
         False when the budget holds no further extent, or /dev/shm refused it (``Arena.shm_refused``)."""
         building = self._building.pop(ns.id, None)
-        if building is not None:
-            self._take(*building)
+        if building is not None and self._take(*building):
             return True
         plan = self.arena.plan(ns.id, ns.page_bytes, ns.page_size, ns.root)
         if plan is None:
@@ -82,20 +81,21 @@ class ExtentSupply:
         self.settle()
         self._builder.shutdown()
 
-    def _take(self, plan: ExtentPlan, future: Future) -> None:
-        """Adopts a background build, or returns the budget of one that failed."""
+    def _take(self, plan: ExtentPlan, future: Future) -> bool:
+        """Adopts a background build (True), or returns the budget of one that failed (False)."""
         try:
             extent = future.result()
         except ShmFull as e:
             self.arena.cancel(plan)
             self.arena.shm_refused(e)
-            return
+            return False
         except Exception:
             # The next build runs on the request path (add_extent) and reports the error there.
             self.arena.cancel(plan)
             log.exception("building extent %s in the background failed; its budget is returned", plan.name)
-            return
+            return False
         self._adopt(extent)
+        return True
 
     def _adopt(self, extent: Extent) -> None:
         self.arena.shm_accepted()
