@@ -157,7 +157,7 @@ def setup(tmp_path_factory):
         names = sorted(SUFFIX)
         tokens, _ = engines["baseline"].generate([{"tokens": prompt(n)} for n in names], max_tokens=300)
         baseline = dict(zip(names, tokens))
-        yield {
+        state = {
             "daemon": daemon,
             "socket": socket,
             "engines": engines,
@@ -165,6 +165,8 @@ def setup(tmp_path_factory):
             "model": model,
             "workdir": workdir,
         }
+        yield state
+        daemon = state["daemon"]  # a test may have restarted it
     finally:
         for engine in engines.values():
             engine.stop()
