@@ -112,11 +112,7 @@ class KVDLink:
         if self._connecting is not None and not self._connecting.is_alive():
             self._connecting.join()
             self._connecting = None
-            outcome, self._outcome = self._outcome, None
-            if isinstance(outcome, str):
-                self._schedule_retry(time.monotonic(), outcome)
-            elif outcome is not None:
-                self._adopt(*outcome)
+            if self._take_outcome():
                 return True
         now = time.monotonic()
         if self._connecting is not None or now < self._next_try:
@@ -124,18 +120,19 @@ class KVDLink:
         if not self._ever_tried:
             self._ever_tried = True
             self._connect()
-            return self._ensure_connected_after_first()
+            return self._take_outcome()
         self._connecting = threading.Thread(target=self._connect, name="kvd-link-connect", daemon=True)
         self._connecting.start()
         return False
 
-    def _ensure_connected_after_first(self) -> bool:
+    def _take_outcome(self) -> bool:
+        """Adopts what the last connect left (True), or schedules the next try (False)."""
         outcome, self._outcome = self._outcome, None
-        if isinstance(outcome, str):
-            self._schedule_retry(time.monotonic(), outcome)
-            return False
-        self._adopt(*outcome)
-        return True
+        if isinstance(outcome, tuple):
+            self._adopt(*outcome)
+            return True
+        self._schedule_retry(time.monotonic(), outcome or "no connect finished")
+        return False
 
     def _connect(self) -> None:
         """Opens a session and registers the namespace; leaves (client, namespace id) or why not in `_outcome`."""

@@ -25,7 +25,6 @@ the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `cli
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -38,8 +37,6 @@ from gpu_worker.kvd_link import KVDLink, NamespaceSpec
 from gpu_worker.vllm_plans import KVDConnectorMetadata
 from gpu_worker.vllm_scheduler import KVDSchedulerSide
 from gpu_worker.vllm_worker import KVDWorkerSide
-
-log = logging.getLogger(__name__)
 
 
 def namespace_spec(vllm_config, kv_cache_config) -> tuple[NamespaceSpec, list[str]]:

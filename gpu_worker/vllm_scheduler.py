@@ -23,7 +23,6 @@ left alone.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_events import BlockStored
@@ -32,8 +31,6 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.kvd_link import KVDLink
 from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
-
-log = logging.getLogger(__name__)
 
 
 def kvd_extra_keys(request) -> tuple[ExtraKey, ...]:
