@@ -231,6 +231,10 @@ class KVDClient:
         self._closed = True
         self._stream.cancel()
         self._channel.close()
+        if self._watcher is not threading.current_thread():
+            # A process that exits while this thread is still inside gRPC's C++ core can
+            # abort ("terminate called without an active exception"): let it leave first.
+            self._watcher.join(timeout=self.call_timeout or 2.0)
 
     def __enter__(self) -> KVDClient:
         return self
