@@ -32,6 +32,7 @@ import numpy as np
 
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
+from engine_client.token_buffer import MIN_TOKENS, ClientTokenBuffer
 from engine_client.types import (
     ExtendItem,
     ExtendResult,
@@ -49,7 +50,7 @@ from engine_client.types import (
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import admit, fetch_ticket
-from kvd.wire.codec import pack_tokens, unpack_pages
+from kvd.wire.codec import TOKEN_BYTES, pack_tokens, unpack_pages
 from kvd.wire.layout import PageLayout
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket
@@ -69,6 +70,12 @@ def _requests(requests) -> list[pb.SequenceRequest]:
         pb.SequenceRequest(seq_id=r.seq_id, tokens=pack_tokens(r.token_ids), extra_keys=_extra_keys(r.extra_keys))
         for r in requests
     ]
+
+
+def _num_tokens(token_ids) -> int:
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        return len(token_ids) // TOKEN_BYTES
+    return len(token_ids)
 
 
 def _allocation(msg: pb.SequenceAllocation) -> SequenceAllocation:
@@ -119,6 +126,7 @@ class KVDClient:
         self._reconnected = False
         self._closed = False
         self.call_timeout: float | None = None  # seconds per call (DEADLINE_EXCEEDED past it); None waits
+        self._token_lock = threading.Lock()  # one call at a time writes the token buffer
         self._attach(channel, stub, stream, opened)
 
     def _attach(self, channel, stub, stream, opened: pb.SessionOpened) -> None:
@@ -129,6 +137,7 @@ class KVDClient:
         self.prefix_reuse = opened.prefix_reuse
         self.host_bytes = opened.host_bytes
         self.daemon_instance = opened.daemon_instance  # differs after a daemon restart
+        self._token_buffer: ClientTokenBuffer | None = None  # the session's (engine_client/token_buffer.py)
         self.session_lost = threading.Event()  # one per session: set when this session ends
         self._watcher = threading.Thread(
             target=self._watch_session, args=(stream, self.session_lost), name="kvd-session", daemon=True
@@ -415,14 +424,7 @@ class KVDClient:
     def allocate_with_prefix(self, ns: int, requests: list[SequenceRequest]) -> list[SequenceAllocation]:
         """Pins the longest full-page prefix hit of each request and allocates private pages
         for the rest, in one atomic step; the whole batch or nothing."""
-        reply = self._call(
-            "AllocateWithPrefix",
-            pb.AllocateRequest(
-                session=self.session,
-                namespace_id=ns,
-                sequences=_requests(requests),
-            ),
-        )
+        reply = self._sequences_call("AllocateWithPrefix", pb.AllocateRequest, ns, requests)
         allocations = [_allocation(s) for s in reply.sequences]
         with self._lock:
             for a in allocations:
@@ -432,11 +434,41 @@ class KVDClient:
 
     allocate_pages_for_sequences_with_prefix = allocate_with_prefix
 
+    def _sequences_call(self, method: str, message, ns: int, requests: list[SequenceRequest]):
+        """An Allocate or Lookup call. One of ``MIN_TOKENS`` ids or more passes them through the
+        session's token buffer when no other thread's call holds it; any other goes inline."""
+        total = sum(_num_tokens(r.token_ids) for r in requests)
+        if total >= MIN_TOKENS and self._token_lock.acquire(blocking=False):
+            try:
+                buffer = self._token_buffer_for(total)
+                if buffer is not None:
+                    spans = buffer.spans(ClientTokenBuffer.arrays([r.token_ids for r in requests]))
+                    sequences = [
+                        pb.SequenceRequest(seq_id=r.seq_id, tokens_at=span, extra_keys=_extra_keys(r.extra_keys))
+                        for r, span in zip(requests, spans)
+                    ]
+                    return self._call(method, message(session=self.session, namespace_id=ns, sequences=sequences))
+            finally:
+                self._token_lock.release()
+        return self._call(method, message(session=self.session, namespace_id=ns, sequences=_requests(requests)))
+
+    def _token_buffer_for(self, num_tokens: int) -> ClientTokenBuffer | None:
+        """The session's token buffer, opened or grown to hold ``num_tokens`` ids; None when
+        the daemon refuses one (the call then goes inline, and the daemon says what is wrong)."""
+        if self._token_buffer is None or self._token_buffer.size < num_tokens * TOKEN_BYTES:
+            try:
+                reply = self._call(
+                    "OpenTokenBuffer",
+                    pb.OpenTokenBufferRequest(session=self.session, size_bytes=ClientTokenBuffer.size_for(num_tokens)),
+                )
+            except KVDError:
+                return None
+            self._token_buffer = ClientTokenBuffer(reply.shm_name, reply.size_bytes)
+        return self._token_buffer
+
     def lookup(self, ns: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The prefix hits allocate_with_prefix would find now, without pinning anything."""
-        reply = self._call(
-            "Lookup", pb.LookupRequest(session=self.session, namespace_id=ns, sequences=_requests(requests))
-        )
+        reply = self._sequences_call("Lookup", pb.LookupRequest, ns, requests)
         return [LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens) for r in reply.results]
 
     def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:

@@ -48,6 +48,7 @@ from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Pin, Session, SessionRegistry
 from kvd.supply import ExtentSupply
+from kvd.token_buffers import TokenBuffer
 from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceState, SessionId
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class KVCacheManager:
             self._drop(self.sequences.find(*key))
         for pin in list(session.pins.values()):
             self._unpin(session, pin)
+        if session.token_buffer is not None:
+            session.token_buffer.close()
         self.sessions.remove(session)
         name = session.client_name or "?"
         if session.closed_by_client:
@@ -124,6 +127,26 @@ class KVCacheManager:
                 session.pid,
                 *held,
             )
+
+    def open_token_buffer(self, session_id: str, size: int) -> TokenBuffer:
+        """A new token buffer for the session, replacing its earlier one (kvd/token_buffers.py);
+        at most the bytes of the largest call's token ids."""
+        session = self.sessions.get(session_id)
+        most = self.limits.max_call_tokens * TOKEN_BYTES
+        if not 0 < size <= most:
+            raise InvalidArgument(f"a token buffer holds 1 to {most} bytes (the largest call's token ids), not {size}")
+        buffer = TokenBuffer.create(self.arena.name_prefix, size, self.arena.group)
+        if session.token_buffer is not None:
+            session.token_buffer.close()
+        session.token_buffer = buffer
+        return buffer
+
+    def token_buffer(self, session_id: str) -> TokenBuffer:
+        """The session's token buffer; FailedPrecondition when it opened none."""
+        buffer = self.sessions.get(session_id).token_buffer
+        if buffer is None:
+            raise FailedPrecondition("a token span names the session's token buffer, but it opened none")
+        return buffer
 
     # ---- namespaces ---------------------------------------------------------------
 

@@ -127,12 +127,14 @@ class PreparedRequest:
     hit_keys: list[PageKey] = field(default_factory=list)
 
 
-def check_call(limits: Limits, sequences) -> None:
+def check_call(limits: Limits, sequences, tokens: int | None = None) -> None:
     """Sizes of a whole Allocate or Lookup call, read from the proto messages or
     SequenceRequests (anything with ``tokens`` and ``extra_keys``) before anything is built
     from them: token ids, extra keys and their bytes, in that order, so a refusal
-    costs at most one pass over the keys the limit allows."""
-    tokens = sum(len(s.tokens) for s in sequences) // TOKEN_BYTES
+    costs at most one pass over the keys the limit allows. ``tokens``: the call's token
+    ids when some lie in a token buffer (counted from their spans, before any is copied)."""
+    if tokens is None:
+        tokens = sum(len(s.tokens) for s in sequences) // TOKEN_BYTES
     if tokens > limits.max_call_tokens:
         raise InvalidArgument(
             f"one call holds {tokens} tokens, over the limit of {limits.max_call_tokens}; split the batch"

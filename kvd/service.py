@@ -38,10 +38,11 @@ from kvd.recovery import RecoveryReport
 from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, check_call, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import IMPLICIT, Tenants
+from kvd.token_buffers import TokenBuffer
 from kvd.types import SequenceState
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
-from kvd.wire.codec import pack_pages
+from kvd.wire.codec import TOKEN_BYTES, pack_pages
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,26 @@ def _extra_keys(keys) -> tuple[ExtraKey, ...]:
     return tuple(ExtraKey(k.kind, k.value, k.offset, max(1, k.length)) for k in keys)
 
 
-def _requests(sequences) -> list[SequenceRequest]:
-    return [SequenceRequest(s.seq_id, s.tokens, _extra_keys(s.extra_keys)) for s in sequences]
+def _call_tokens(sequences) -> int:
+    """Token ids of an Allocate or Lookup call, inline and in token-buffer spans alike."""
+    return sum(len(s.tokens) // TOKEN_BYTES + s.tokens_at.num_tokens for s in sequences)
+
+
+def _requests(sequences, buffer: Callable[[], TokenBuffer]) -> list[SequenceRequest]:
+    """Core requests; ids given as a span are copied out of the session's ``buffer()``
+    here, before the core checks them (kvd/token_buffers.py)."""
+    return [
+        SequenceRequest(
+            s.seq_id, _span_tokens(s, buffer) if s.HasField("tokens_at") else s.tokens, _extra_keys(s.extra_keys)
+        )
+        for s in sequences
+    ]
+
+
+def _span_tokens(s, buffer: Callable[[], TokenBuffer]) -> bytes:
+    if s.tokens:
+        raise InvalidArgument(f"sequence {s.seq_id!r:.300}: token ids given both inline and as a token-buffer span")
+    return buffer().read(s.tokens_at.offset, s.tokens_at.num_tokens, f"sequence {s.seq_id!r:.300}")
 
 
 def _identity(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
@@ -353,17 +372,26 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         )
 
     @_unary
+    def OpenTokenBuffer(self, r):
+        buffer = self._manager_of(r.session).open_token_buffer(r.session, r.size_bytes)
+        return pb.OpenTokenBufferReply(shm_name=buffer.name, size_bytes=buffer.size)
+
+    def _core_requests(self, m: KVCacheManager, r) -> list[SequenceRequest]:
+        """An Allocate or Lookup call's sequences, sizes checked before a core object per
+        sequence and key is built, or a token id is copied out of the token buffer."""
+        check_call(m.limits, r.sequences, _call_tokens(r.sequences))
+        return _requests(r.sequences, functools.partial(m.token_buffer, r.session))
+
+    @_unary
     def AllocateWithPrefix(self, r):
         m = self._manager_of(r.session)
-        check_call(m.limits, r.sequences)  # before building a core object per sequence and key
-        plans = m.allocate(r.session, r.namespace_id, _requests(r.sequences))
+        plans = m.allocate(r.session, r.namespace_id, self._core_requests(m, r))
         return pb.AllocateReply(sequences=[_plan(p) for p in plans])
 
     @_unary
     def Lookup(self, r):
         m = self._manager_of(r.session)
-        check_call(m.limits, r.sequences)  # before building a core object per sequence and key
-        results = m.lookup(r.session, r.namespace_id, _requests(r.sequences))
+        results = m.lookup(r.session, r.namespace_id, self._core_requests(m, r))
         return pb.LookupReply(
             results=[
                 pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.errors import NotFound, PermissionDenied
+from kvd.token_buffers import TokenBuffer
 from kvd.types import NamespaceId, PageId, PinId, SeqId, SessionId
 
 
@@ -45,6 +46,7 @@ class Session:
     pins: dict[PinId, Pin] = field(default_factory=dict)
     listener: EvictionListener | None = None
     closed_by_client: bool = False  # CloseSession was called: the stream's end is no crash
+    token_buffer: TokenBuffer | None = None  # OpenTokenBuffer: token ids of large calls (kvd/token_buffers.py)
 
 
 class SessionRegistry:

@@ -28,12 +28,20 @@ def pack_tokens(token_ids) -> bytes:
             return struct.pack(f"<{len(token_ids)}i", *token_ids)
         except struct.error:
             pass  # not all int32: numpy below says which way
+    return token_ids_array(token_ids).tobytes()
+
+
+def token_ids_array(token_ids) -> np.ndarray:
+    """Token ids (a sequence of ints or an integer array) as an int32 array, without a copy
+    when they are one; TypeError or ValueError for ids that are not int32."""
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        return np.frombuffer(token_ids, dtype=TOKEN_DTYPE)
     arr = np.asarray(token_ids)
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
         raise ValueError("token ids must fit in int32")
-    return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
+    return arr.astype(TOKEN_DTYPE, copy=False).reshape(-1)
 
 
 def unpack_tokens(data: bytes) -> tuple[int, ...]:

@@ -177,15 +177,41 @@ class ExtraKey(_message.Message):
     length: int
     def __init__(self, kind: _Optional[_Union[ExtraKey.Kind, str]] = ..., value: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
+class OpenTokenBufferRequest(_message.Message):
+    __slots__ = ("session", "size_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    size_bytes: int
+    def __init__(self, session: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenTokenBufferReply(_message.Message):
+    __slots__ = ("shm_name", "size_bytes")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    size_bytes: int
+    def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class TokenSpan(_message.Message):
+    __slots__ = ("offset", "num_tokens")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    num_tokens: int
+    def __init__(self, offset: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class SequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "tokens", "extra_keys")
+    __slots__ = ("seq_id", "tokens", "extra_keys", "tokens_at")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_AT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tokens: bytes
     extra_keys: _containers.RepeatedCompositeFieldContainer[ExtraKey]
-    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ...) -> None: ...
+    tokens_at: TokenSpan
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ..., tokens_at: _Optional[_Union[TokenSpan, _Mapping]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "sequences")

@@ -54,6 +54,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.DescribeExtentsRequest.SerializeToString,
                 response_deserializer=kvd__pb2.DescribeExtentsReply.FromString,
                 _registered_method=True)
+        self.OpenTokenBuffer = channel.unary_unary(
+                '/kvd.v1.KVD/OpenTokenBuffer',
+                request_serializer=kvd__pb2.OpenTokenBufferRequest.SerializeToString,
+                response_deserializer=kvd__pb2.OpenTokenBufferReply.FromString,
+                _registered_method=True)
         self.AllocateWithPrefix = channel.unary_unary(
                 '/kvd.v1.KVD/AllocateWithPrefix',
                 request_serializer=kvd__pb2.AllocateRequest.SerializeToString,
@@ -171,6 +176,15 @@ class KVDServicer:
 
     def DescribeExtents(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenTokenBuffer(self, request, context):
+        """A shared-memory segment of this session's own for the token ids of its large
+        Allocate and Lookup calls (TokenSpan): they then skip the socket. Replaces the
+        session's earlier one.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -307,6 +321,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.DescribeExtents,
                     request_deserializer=kvd__pb2.DescribeExtentsRequest.FromString,
                     response_serializer=kvd__pb2.DescribeExtentsReply.SerializeToString,
+            ),
+            'OpenTokenBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTokenBuffer,
+                    request_deserializer=kvd__pb2.OpenTokenBufferRequest.FromString,
+                    response_serializer=kvd__pb2.OpenTokenBufferReply.SerializeToString,
             ),
             'AllocateWithPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocateWithPrefix,
@@ -502,6 +521,33 @@ class KVD:
             '/kvd.v1.KVD/DescribeExtents',
             kvd__pb2.DescribeExtentsRequest.SerializeToString,
             kvd__pb2.DescribeExtentsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTokenBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/OpenTokenBuffer',
+            kvd__pb2.OpenTokenBufferRequest.SerializeToString,
+            kvd__pb2.OpenTokenBufferReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,89 @@
+"""A session's token buffer: shared memory through which its large calls pass token ids.
+
+A 50K-token prompt is 200 KB of token ids; through gRPC they are packed, copied into the
+message, framed, copied out of it and parsed, which costs more than the daemon's whole
+work on a hit. So a client may ask for a segment of its own (``OpenTokenBuffer``), write
+the ids there and name only where they lie (a ``TokenSpan``: byte offset and count).
+
+Why it is safe:
+- Only the session's client knows the segment's random name; the first call that names a
+  span of it unlinks the name (``seal``), and from then on no other process can open it.
+  Mode 0660 and the tenant's group, as the page extents (kvd/arena.py).
+- ``read`` checks the span against the buffer, then copies the ids out; every check of
+  the ids (vocabulary, hits against stored ids) runs on that copy, so a client that
+  rewrites its buffer meanwhile changes only what it asked for, never what was checked.
+- The segment is reserved in /dev/shm when created (``posix_fallocate``), so a full
+  /dev/shm refuses the buffer and never raises SIGBUS on a write; it is not part of the
+  host budget, but one buffer per session is at most ``Limits.max_call_tokens`` ids.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+
+import posix_ipc
+
+from kvd.errors import InvalidArgument, ResourceExhausted
+from kvd.wire.codec import TOKEN_BYTES
+
+NAME_INFIX = "tok-"  # "{arena prefix}-tok-{random}": never a page extent's name (digits)
+
+
+class TokenBuffer:
+    def __init__(self, name: str, memory: mmap.mmap) -> None:
+        self.name = name
+        self.size = len(memory)
+        self._memory = memory
+        self._view = memoryview(memory)
+        self._linked = True
+
+    @classmethod
+    def create(cls, name_prefix: str, size: int, group: int | None) -> TokenBuffer:
+        """A new segment of ``size`` bytes, reserved in /dev/shm; raises ResourceExhausted
+        when /dev/shm cannot hold it."""
+        name = f"/{name_prefix.lstrip('/')}-{NAME_INFIX}{secrets.token_hex(16)}"
+        shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o660, size=size)
+        try:
+            os.fchmod(shm.fd, 0o660)  # whatever the umask: the client maps it read-write
+            if group is not None:
+                os.fchown(shm.fd, -1, group)
+            os.posix_fallocate(shm.fd, 0, size)
+            memory = mmap.mmap(shm.fd, size)
+        except OSError as e:
+            posix_ipc.unlink_shared_memory(name)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ResourceExhausted(f"/dev/shm cannot hold a token buffer of {size} bytes") from None
+            raise
+        finally:
+            shm.close_fd()
+        return cls(name, memory)
+
+    def read(self, offset: int, num_tokens: int, what: str) -> bytes:
+        """A copy of ``num_tokens`` packed ids from byte ``offset``; InvalidArgument when the
+        span does not lie inside the buffer."""
+        end = offset + num_tokens * TOKEN_BYTES
+        if offset % TOKEN_BYTES or end > self.size:
+            raise InvalidArgument(
+                f"{what}: {num_tokens} token ids at byte offset {offset} do not lie in the session's token "
+                f"buffer of {self.size} bytes (offsets are multiples of {TOKEN_BYTES})"
+            )
+        self.seal()
+        return bytes(self._view[offset:end])
+
+    def seal(self) -> None:
+        """Unlinks the name: the client mapped the segment (it names a span of it), and
+        nobody else may open it from now on."""
+        if self._linked:
+            self._linked = False
+            try:
+                posix_ipc.unlink_shared_memory(self.name)
+            except posix_ipc.ExistentialError:
+                pass  # `kvd clean` or the client took it already: our map stays valid
+
+    def close(self) -> None:
+        self.seal()
+        self._view.release()
+        self._memory.close()
