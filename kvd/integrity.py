@@ -55,6 +55,11 @@ def _hash_all(jobs: list[SealJob]) -> list[int]:
     return [page_checksum(job.covered, job.view) for job in jobs]
 
 
+# Pages per batch the sealer hands back: recording a batch's checksums runs on the event
+# loop (~3 µs a page), so a 3,125-page publish comes back in ~0.4 ms pieces, not one 10 ms one.
+SEAL_BATCH = 128
+
+
 class Sealer:
     """One background thread that computes checksums of freshly published pages."""
 
@@ -65,20 +70,22 @@ class Sealer:
         self.notify: Callable[[], None] | None = None
 
     def submit(self, jobs: list[SealJob]) -> None:
-        if not jobs:
-            return
-        future = self._executor.submit(_hash_all, jobs)
-        self._pending.append((jobs, future))
-        if self.notify is not None:
-            future.add_done_callback(lambda _: self.notify())
+        for start in range(0, len(jobs), SEAL_BATCH):
+            batch = jobs[start : start + SEAL_BATCH]
+            future = self._executor.submit(_hash_all, batch)
+            self._pending.append((batch, future))
+            if self.notify is not None:
+                future.add_done_callback(lambda _: self.notify())
 
     def finished(self, wait: bool = False):
-        """(job, checksum) of every finished batch; with ``wait``, of every batch."""
-        still = []
+        """(job, checksum) of one finished batch (each batch notifies once, so every one is
+        taken); with ``wait``, of every batch."""
+        still, taken = [], False
         for jobs, future in self._pending:
-            if not wait and not future.done():
+            if not wait and (taken or not future.done()):
                 still.append((jobs, future))
                 continue
+            taken = True
             try:
                 checksums = future.result()
             except Exception:  # noqa: BLE001 - logged; the pages stay unsealed, never wrong

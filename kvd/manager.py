@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvd import crashpoints
 from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.eviction import release_order, restore_order
-from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
+from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex
 from kvd.integrity import Integrity
 from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.pool import PagePool
+from kvd.publishing import PublishJob
 from kvd.requests import (
     TOKEN_BYTES,
     ExtendResult,
@@ -34,7 +34,6 @@ from kvd.requests import (
     LookupResult,
     PinResult,
     PublishResult,
-    Rebind,
     ResetResult,
     SequencePlan,
     SequenceRequest,
@@ -298,10 +297,16 @@ class KVCacheManager:
         return results
 
     def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
+        """``publish_job`` done at once (in-process callers)."""
+        return self.publish_job(session_id, namespace_id, items).run()
+
+    def publish_job(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> PublishJob:
         """Makes full private pages immutable and shareable; dedups against equal published pages.
 
         ``items`` holds (seq_id, num_tokens); num_tokens 0 publishes every full page whose
         token ids are known, otherwise exactly the pages covering the first num_tokens.
+        The whole request is checked here, before any page changes; the returned job
+        publishes in steps (kvd/publishing.py), so the loop serves other calls meanwhile.
         """
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
@@ -323,18 +328,8 @@ class KVCacheManager:
                         "pass them to extend() to publish their pages"
                     )
                 upto = num_tokens // ns.page_size
-            targets.append((seq, upto))
-        results = []
-        for seq, upto in targets:
-            if not self.prefix_reuse:
-                results.append(PublishResult(seq.seq_id, 0, []))
-                continue
-            before = seq.num_published
-            rebinds = [r for i in range(before, upto) if (r := self._publish_page(ns, seq, i))]
-            results.append(PublishResult(seq.seq_id, seq.num_published - before, rebinds))
-        crashpoints.reached("publish-recorded")
-        self.integrity.submit()
-        return results
+            targets.append((seq, upto if self.prefix_reuse else 0))
+        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, targets)
 
     def extend(
         self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]
@@ -527,37 +522,13 @@ class KVCacheManager:
             )
         return seq
 
-    # ---- internals: matching and publishing ---------------------------------------
+    # ---- internals: matching ---------------------------------------------------
 
     def _match(
         self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int
     ) -> tuple[list[PageId], list[PageKey]]:
         """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
         return self.index.match(chain, tokens, ns.page_size * TOKEN_BYTES, full_pages)
-
-    def _publish_page(self, ns: Namespace, seq: Sequence, i: int) -> Rebind | None:
-        step = ns.page_size * TOKEN_BYTES
-        page = seq.pages[i]
-        page_tokens = bytes(seq.tokens[i * step : (i + 1) * step])
-        local = seq.chain.local_bytes(i)
-        parent_key, parent = (seq.keys[i - 1], seq.pages[i - 1]) if i else (seq.chain.root, None)
-        key = page_key(parent_key, i, page_tokens, local)
-        seq.keys.append(key)
-        local = seq.chain.local_digest(i)
-        existing = self.index.lookup(key)
-        if existing is not None and existing.matches(page_tokens, parent, local):
-            self.pool.acquire(existing.page)
-            seq.pages[i] = existing.page
-            self.pool.release(page)
-            return Rebind(i, page, existing.page)
-        # On a (verified) hash collision the page is published but left out of the index.
-        content = PageContent(page, key, page_tokens, parent, local)
-        indexed = existing is None
-        self.pool.publish(page, content, indexed)
-        if indexed:
-            self.index.insert(content, i)
-        self.integrity.describe(content, i)
-        return None
 
     # ---- internals: sequence bookkeeping ------------------------------------------
 

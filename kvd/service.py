@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import inspect
 import logging
 import secrets
 import time
@@ -256,8 +257,10 @@ def add_to_server(servicer: KvdServicer, server: grpc.aio.Server) -> None:
 
 
 def _unary(method):
-    """Runs a sync core call; maps core errors to statuses and reports latency."""
+    """Runs a core call; maps core errors to statuses and reports latency. A coroutine
+    method (a call done in steps that yield the loop, such as Publish) is awaited."""
     name = method.__name__
+    stepped = inspect.iscoroutinefunction(method)
 
     @functools.wraps(method)
     async def wrapper(self: KvdServicer, request, context: grpc.aio.ServicerContext):
@@ -267,7 +270,8 @@ def _unary(method):
         else:
             code, message = grpc.StatusCode.OK, ""
             try:
-                return method(self, _parsed(request))
+                reply = method(self, _parsed(request))
+                return (await reply) if stepped else reply
             except KVDError as e:
                 code, message = status_for(e), status_message(str(e))
             finally:
@@ -400,10 +404,13 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         )
 
     @_unary
-    def Publish(self, r):
-        results = self._manager_of(r.session).publish(
+    async def Publish(self, r):
+        job = self._manager_of(r.session).publish_job(
             r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items]
         )
+        while not job.step():
+            await asyncio.sleep(0)  # other calls run between the steps (kvd/publishing.py)
+        results = job.results()
         return pb.PublishReply(
             results=[
                 pb.PublishResult(

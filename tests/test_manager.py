@@ -18,7 +18,8 @@ from conftest import identity
 from kvd import invariants, stats
 from kvd.arena import leftover_segments
 from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from kvd.manager import Limits, PublishResult, Rebind, SequenceRequest
+from kvd.manager import Limits, PublishResult, SequenceRequest
+from kvd.requests import Rebind
 from kvd.types import PageState, SequenceState
 
 PAGE_SIZE = 4
