@@ -142,6 +142,7 @@ def _reset(args) -> int:
 
 
 def _clean(args) -> int:
+    from kvd import token_buffers
     from kvd.arena import daemon_segments, leftover_segments, unlink_segments
 
     cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
@@ -162,6 +163,7 @@ def _clean(args) -> int:
     try:
         for prefix in prefixes:
             unlink_segments(daemon_segments(prefix))  # extents, their metadata, the manifest
+            unlink_segments(token_buffers.leftovers(prefix))
     except PermissionError:
         print(
             f"kvd clean: not allowed to remove the extents of {cfg.socket}; run it as the daemon's user",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,7 @@ from kvd.requests import (
     Limits,
     LookupResult,
     PinResult,
+    PreparedRequest,
     PublishResult,
     ResetResult,
     SequencePlan,
@@ -232,22 +235,7 @@ class KVCacheManager:
         """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
-        check_call(self.limits, requests)
-        check_batch(self.limits, [r.seq_id for r in requests])
-        prepared = [prepare(self.limits, ns, r) for r in requests]
-        for p in prepared:
-            p.reentry = self.sequences.find(ns.id, p.request.seq_id)
-            if p.reentry is not None:
-                self.sequences.owned(ns.id, p.request.seq_id, session.id)
-                if p.reentry.state is not SequenceState.EVICTED:
-                    raise FailedPrecondition(
-                        f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
-                        "release it or use another id"
-                    )
-        if self.prefix_reuse:
-            for p in prepared:
-                p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
-        need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
+        prepared, need = self._prepare_allocation(session, ns, requests)
         # Raise before pinning anything: a failed batch leaves counters and LRU order alone.
         self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
@@ -282,6 +270,46 @@ class KVCacheManager:
             plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
         self.supply.provision(ns)
         return plans
+
+    def room_for_allocate(
+        self, session_id: str, namespace_id: int, requests: list[SequenceRequest]
+    ) -> Iterator[Future | None]:
+        """Frees the pages ``allocate(requests)`` will need, in parts between which the caller
+        lets the loop serve other calls (``Room.steps``: a Future is an extent being built, to
+        await; None, go on). The request is checked as ``allocate`` checks it first, so one it
+        would refuse evicts nothing; ``allocate`` then makes whatever room is still missing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        if self.pool.free_count(ns.id) >= sum(-(-len(r.tokens) // TOKEN_BYTES // ns.page_size) for r in requests):
+            return  # room even if nothing hits: no need to check and match twice
+        prepared, need = self._prepare_allocation(session, ns, requests)
+        if self.pool.free_count(ns.id) >= need:
+            return
+        self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
+        yield from self.room.steps(ns, need)
+
+    def _prepare_allocation(
+        self, session: Session, ns: Namespace, requests: list[SequenceRequest]
+    ) -> tuple[list[PreparedRequest], int]:
+        """Each request checked and matched, and the pages the batch needs beyond its hits;
+        raises before anything changes."""
+        check_call(self.limits, requests)
+        check_batch(self.limits, [r.seq_id for r in requests])
+        prepared = [prepare(self.limits, ns, r) for r in requests]
+        for p in prepared:
+            p.reentry = self.sequences.find(ns.id, p.request.seq_id)
+            if p.reentry is not None:
+                self.sequences.owned(ns.id, p.request.seq_id, session.id)
+                if p.reentry.state is not SequenceState.EVICTED:
+                    raise FailedPrecondition(
+                        f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
+                        "release it or use another id"
+                    )
+        if self.prefix_reuse:
+            for p in prepared:
+                p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
+        need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
+        return prepared, need
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The same matching as allocate, without pinning or allocating anything."""

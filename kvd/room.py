@@ -16,8 +16,10 @@ what a request needs; this module decides what to give up for it.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 
 from kvd.arena import Arena, Extent
 from kvd.errors import ResourceExhausted
@@ -30,6 +32,8 @@ from kvd.supply import ExtentSupply
 from kvd.types import PageId, PageState
 
 log = logging.getLogger(__name__)
+
+STEP_SECONDS = 0.0002  # evicting in ``steps``: loop time per step (~40 pages)
 
 
 class Room:
@@ -68,6 +72,36 @@ class Room:
                 held_evicted,
                 need,
             )
+
+    def steps(self, ns: Namespace, need: int, seconds: float = STEP_SECONDS) -> Iterator[Future | None]:
+        """Makes ``need`` pages free as ``ensure_free`` would, in parts between which the
+        caller lets the event loop serve other calls: yields a Future while an extent is
+        built in the background (await it), None after evicting cached pages for about
+        ``seconds`` (yield the loop, then go on). Stops early when what is left needs more
+        than new extents and cached pages (reclaiming, on-hold sequences): ``ensure_free``
+        does that, and whatever other calls took meanwhile, when the caller's call runs."""
+        evicted = 0
+        while True:
+            self.supply.adopt_built()  # a build that finished counts before another starts
+            if self.pool.free_count(ns.id) >= need:
+                break
+            build = self.supply.build_ahead(ns)
+            if build is not None:
+                yield build
+                if build.exception() is not None:
+                    break  # ensure_free builds on the request path and reports the error
+                continue
+            if not self.pool.cached_count(ns.id):
+                break
+            deadline = time.perf_counter() + seconds
+            while self.pool.free_count(ns.id) < need and self.pool.cached_count(ns.id):
+                self.index.remove(self.pool.evict_next(ns.id))
+                evicted += 1
+                if time.perf_counter() > deadline:
+                    break
+            yield None
+        if evicted:
+            log.info("namespace %d: evicted %d cached pages to make room for %d pages", ns.id, evicted, need)
 
     def check(self, ns: Namespace, need: int, protect: Sequence | None = None, held: Iterable[PageId] = ()) -> None:
         """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired

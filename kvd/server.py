@@ -26,7 +26,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__, handshake, recovery
+from kvd import __version__, handshake, recovery, token_buffers
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
@@ -122,6 +122,7 @@ def _recovered_manager(
     config: ServeConfig, budget: int, prefix: str, group: int | None = None, meta_mode: int = 0o660
 ) -> KVCacheManager:
     """A manager holding what a killed daemon on this socket left (kvd/recovery.py), or an empty one."""
+    unlink_segments(token_buffers.leftovers(prefix))
     manager = _new_manager(config, budget, prefix, group, meta_mode)
     try:
         recovery.recover(manager)

@@ -256,6 +256,19 @@ def add_to_server(servicer: KvdServicer, server: grpc.aio.Server) -> None:
 # ---- the servicer --------------------------------------------------------------------
 
 
+# Between two steps of a long call (a Publish, an Allocate's eviction) the loop turns this
+# many times. A waiting call needs several turns to finish (its request, its handler, its
+# reply: each a completion of grpc's queue), and each turn ran another step first: beside
+# back-to-back 50K-token publishes, an empty round trip took 2 ms (p50) with one turn
+# after 0.2 ms steps, 0.9 ms with six. When nothing else waits a turn costs ~10 µs.
+TURNS_BETWEEN_STEPS = 6
+
+
+async def _let_others_run() -> None:
+    for _ in range(TURNS_BETWEEN_STEPS):
+        await asyncio.sleep(0)
+
+
 def _unary(method):
     """Runs a core call; maps core errors to statuses and reports latency. A coroutine
     method (a call done in steps that yield the loop, such as Publish) is awaited."""
@@ -387,9 +400,15 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         return _requests(r.sequences, functools.partial(m.token_buffer, r.session))
 
     @_unary
-    def AllocateWithPrefix(self, r):
+    async def AllocateWithPrefix(self, r):
         m = self._manager_of(r.session)
-        plans = m.allocate(r.session, r.namespace_id, self._core_requests(m, r))
+        requests = self._core_requests(m, r)
+        for build in m.room_for_allocate(r.session, r.namespace_id, requests):
+            # other calls run while pages are evicted or an extent is built (kvd/room.py)
+            if build is not None:
+                await asyncio.wrap_future(build)
+            await _let_others_run()
+        plans = m.allocate(r.session, r.namespace_id, requests)
         return pb.AllocateReply(sequences=[_plan(p) for p in plans])
 
     @_unary
@@ -409,7 +428,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items]
         )
         while not job.step():
-            await asyncio.sleep(0)  # other calls run between the steps (kvd/publishing.py)
+            await _let_others_run()  # between the steps (kvd/publishing.py)
         results = job.results()
         return pb.PublishReply(
             results=[

@@ -43,6 +43,18 @@ class ExtentSupply:
         if plan is not None:
             self._building[ns.id] = (plan, self._builder.submit(self.arena.build, plan))
 
+    def build_ahead(self, ns: Namespace) -> Future | None:
+        """The namespace's extent being built in the background, started now if none is;
+        None when the budget holds no further extent (for a caller that waits for it
+        without holding the event loop, ``Room.steps``)."""
+        self.adopt_built()
+        if ns.id not in self._building:
+            plan = self.arena.plan(ns.id, ns.page_bytes, ns.page_size, ns.root)
+            if plan is None:
+                return None
+            self._building[ns.id] = (plan, self._builder.submit(self.arena.build, plan))
+        return self._building[ns.id][1]
+
     def adopt_built(self) -> None:
         """Adopts every background build that has finished."""
         for ns_id, (plan, future) in list(self._building.items()):

@@ -30,6 +30,17 @@ from kvd.errors import InvalidArgument, ResourceExhausted
 from kvd.wire.codec import TOKEN_BYTES
 
 NAME_INFIX = "tok-"  # "{arena prefix}-tok-{random}": never a page extent's name (digits)
+SHM_DIR = "/dev/shm"
+
+
+def leftovers(name_prefix: str) -> list[str]:
+    """Token buffers of this prefix that still have a name: a killed daemon's, opened and
+    never used. No process needs them; ``kvd serve`` and ``kvd clean`` unlink them."""
+    base = f"{name_prefix.lstrip('/')}-{NAME_INFIX}"
+    try:
+        return ["/" + n for n in os.listdir(SHM_DIR) if n.startswith(base)]
+    except FileNotFoundError:
+        return []
 
 
 class TokenBuffer:

@@ -480,6 +480,44 @@ def test_publish_rejects_bad_counts_and_changes_nothing(make_manager):
     check(c.m)
 
 
+def test_publish_in_steps_leaves_a_consistent_state_between_steps(make_manager):
+    """A publish job (what the servicer runs, yielding the loop between steps) publishes in
+    position order; between steps the state is that of a shorter publish, and other calls
+    may run: a second publish of the same sequence shares the work, a release ends it."""
+    c = Core(make_manager)
+    c.alloc1("a", prompt(0, 40))  # 10 pages
+    c.alloc1("b", prompt(100, 40))
+    first = c.m.publish_job(c.sid, c.ns, [("a", 0)])
+    assert not first.step(0)  # a step publishes one page at least, here exactly one
+    assert c.seq("a").num_published == 1
+    check(c.m)
+    second = c.m.publish_job(c.sid, c.ns, [("a", 0), ("b", 0)])
+    assert not second.step(0) and not second.step(0)  # takes a's pages 2 and 3
+    assert c.seq("a").num_published == 3
+    check(c.m)
+    c.release("b")  # between steps: b goes before the job reaches it
+    while not first.step(0):
+        check(c.m)
+    assert first.results()[0].published_pages == 8
+    assert second.run() == [PublishResult("a", 2, []), PublishResult("b", 0, [])]
+    assert c.seq("a").num_published == 10
+    assert c.lookup(prompt(0, 40)) == c.seq("a").pages
+    check(c.m)
+
+
+def test_publish_job_skips_a_sequence_released_between_steps(make_manager):
+    c = Core(make_manager)
+    c.alloc1("a", prompt(0, 40))
+    job = c.m.publish_job(c.sid, c.ns, [("a", 0)])
+    job.step(0)
+    c.release("a")
+    c.alloc1("a", prompt(0, 40))  # the same id again: a new sequence, not the job's
+    assert job.run() == [PublishResult("a", 1, [])]
+    assert c.seq("a").num_published == 1  # the new sequence's hit on the one page published
+    assert c.seq("a").shared_prefix_tokens == PAGE_SIZE
+    check(c.m)
+
+
 # ---- fork ---------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import threading
 
 import grpc
@@ -50,7 +51,9 @@ class Raw:
                 identity=pb.NamespaceIdentity(
                     model="tokens",
                     vocab_size=VOCAB,
-                    layout=pb.PageLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=PAGE_SIZE, dtype="float16"),
+                    layout=pb.PageLayout(
+                        num_layers=1, num_kv_heads=1, head_dim=8, page_size=PAGE_SIZE, dtype="float16"
+                    ),
                 ),
             )
         ).namespace_id
@@ -85,7 +88,8 @@ class Raw:
 
 
 def span(seq_id: str, offset: int, num_tokens: int, tokens: bytes = b"") -> pb.SequenceRequest:
-    return pb.SequenceRequest(seq_id=seq_id, tokens=tokens, tokens_at=pb.TokenSpan(offset=offset, num_tokens=num_tokens))
+    at = pb.TokenSpan(offset=offset, num_tokens=num_tokens)
+    return pb.SequenceRequest(seq_id=seq_id, tokens=tokens, tokens_at=at)
 
 
 @pytest.fixture
@@ -210,3 +214,16 @@ def test_a_buffer_rewritten_during_calls_is_checked_on_the_daemons_copy(raw):
         writer.join()
     assert sum(outcomes.values()) == 60
     assert not r.stub.CheckInvariants(pb.CheckInvariantsRequest()).violations
+
+
+def test_a_killed_daemons_unused_buffer_is_removed_by_the_next_start(daemon_factory):
+    args = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+    d = daemon_factory(*args)
+    r = Raw(d.socket, "raw")
+    r.open_buffer(4096)  # never used: its name stays until the session ends
+    assert len(token_segments(d.socket)) == 1
+    d.stop(signal.SIGKILL)
+    r.close()
+    assert len(token_segments(d.socket)) == 1, "a killed daemon leaves it"
+    d2 = daemon_factory(*args)
+    assert token_segments(d2.socket) == []
