@@ -38,11 +38,10 @@ def violations(manager) -> list[str]:
                 found.append(f"shared page {page} of sequence {seq.seq_id!r} is {state.value}")
             if i >= seq.num_published and state is not PageState.PRIVATE:
                 found.append(f"private page {page} of sequence {seq.seq_id!r} is {state.value}")
-    for session in manager.sessions:
-        for pin in session.pins.values():
-            for page in pin.pages:
-                expected[page] += 1
-                pinned[page] += 1
+    for pin in manager.pins:
+        for page in pin.pages:
+            expected[page] += 1
+            pinned[page] += 1
     physical = 0
     free_by_ns: dict[int, set] = {}
     cached_by_ns: dict[int, set] = {}
