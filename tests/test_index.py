@@ -358,6 +358,26 @@ def test_a_page_dropped_from_the_middle_of_a_run_ends_every_hit_there(core):
     assert invariants.violations(m) == []
 
 
+@pytest.mark.parametrize("first_holder", ["released", "still running"])
+def test_a_chain_published_again_after_a_drop_hits_to_its_end(core, first_holder):
+    """The pages after a dropped page can no longer be reached; publishing the prompt again
+    replaces them (cached ones are freed, ones in use stay with their holder), so the next
+    request hits all of it, not only up to the dropped page."""
+    m, sid, ns = core
+    ids = list(range(400, 432))  # 8 pages
+    pages = allocate_and_publish(m, sid, ns, "a", ids).pages
+    if first_holder == "released":
+        m.release(sid, ns, ["a"])
+    m.integrity.drop_corrupted(pages[3])
+    allocate_and_publish(m, sid, ns, "b", ids)
+    again = hits(m, sid, ns, ids)
+    assert len(again) == 8 and again == walked(m, ns, ids) and again[:3] == pages[:3]
+    if first_holder == "still running":  # a's pages after the drop: its own, out of the index
+        assert set(again[3:]).isdisjoint(pages) and not any(m.pool.is_indexed(page) for page in pages[3:])
+        assert [m.pool.state(page) for page in pages[3:]] == [PageState.PUBLISHED] * 5
+    assert invariants.violations(m) == []
+
+
 def test_a_run_stops_at_a_page_with_other_local_bytes(core):
     m, sid, ns = core
     ids = list(range(600, 640))  # 10 pages, an image in page 5
