@@ -518,7 +518,9 @@ class KVDClient:
 
     def fork(self, ns: int, src: str, dst: str) -> SequenceAllocation:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
-        reply = self._call("Fork", pb.ForkRequest(session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst))
+        reply = self._call(
+            "Fork", pb.ForkRequest(session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst)
+        )
         allocation = _allocation(reply.sequence)
         self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:

@@ -207,7 +207,8 @@ def _check_aux(cfg: ServeConfig) -> None:
     if cfg.aux_bytes_per_sequence > min(cfg.aux_bytes, MAX_AUX_STATE_BYTES):
         raise ConfigError(
             f"aux_bytes_per_sequence: {cfg.aux_bytes_per_sequence} bytes is over aux_bytes ({cfg.aux_bytes}) "
-            f"or the {MAX_AUX_STATE_BYTES} bytes one message can carry"
+            f"or the {MAX_AUX_STATE_BYTES} bytes one message can carry; set it to at most "
+            f"{min(cfg.aux_bytes, MAX_AUX_STATE_BYTES)}"
         )
 
 

@@ -25,6 +25,7 @@ the sequence or sets COMPLETED, which drops it, so COMPLETED has no way out (the
 then unknown). PREFILLED → ON_HOLD parks a prefilled sequence before its first decode
 step (a preempted or disaggregated prefill), evictable like any held one.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

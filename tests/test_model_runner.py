@@ -356,7 +356,13 @@ def test_unsupported_configs_raise(config: dict, words: str) -> None:
         parse_config(config)
 
 
-DEEPSEEK_V32 = {**DEEPSEEK_V3, "model_type": "deepseek_v32", "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}
+DEEPSEEK_V32 = {
+    **DEEPSEEK_V3,
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+}
 DEEPSEEK_V4 = dict(  # the shape of deepseek-ai/DeepSeek-V4-Flash's config.json: no kv_lora_rank, K = V
     model_type="deepseek_v4",
     hidden_size=4096,
@@ -383,13 +389,16 @@ DEEPSEEK_V4 = dict(  # the shape of deepseek-ai/DeepSeek-V4-Flash's config.json:
     [
         (  # DSA = MLA + an indexer: both are named, not just the first found
             DEEPSEEK_V32,
-            ["multi-head latent attention (MLA) (kv_lora_rank)", "indexer (DSA) (index_topk, index_n_heads, index_head_dim)"],
+            [
+                "multi-head latent attention (MLA) (kv_lora_rank)",
+                "indexer (DSA) (index_topk, index_n_heads, index_head_dim)",
+            ],
             [],
         ),
         (  # compressed sparse, shared-KV attention is not MLA
             DEEPSEEK_V4,
             [
-                "compressed sparse attention with one shared K = V head (CSA/HCA) (compress_ratios, compress_rope_theta)",
+                "shared K = V head (CSA/HCA) (compress_ratios, compress_rope_theta)",
                 "indexer (DSA)",
                 "low-rank query projection (q_lora_rank)",
                 "grouped low-rank output projection (o_lora_rank, o_groups)",
