@@ -463,7 +463,7 @@ class KVCacheManager:
                 seq.seq_id,
                 seq.state,
                 seq.num_tokens,
-                min(seq.known_tokens, seq.num_tokens),
+                seq.known_tokens,
                 len(seq.shared_pages),
                 len(seq.private_pages),
                 seq.shared_prefix_tokens,
