@@ -29,6 +29,7 @@ from kvd import __version__, handshake, pins, recovery
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
+from kvd.requests import Limits
 from kvd.service import SERVICE, KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire.limits import MAX_MESSAGE_BYTES
@@ -111,7 +112,12 @@ async def _listen(server: grpc.aio.Server, path: str, mode: int, group: int | No
 
 def _new_manager(config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int) -> KVCacheManager:
     arena = Arena(budget, min(config.extent_bytes, budget), prefix, config.lock_memory, group, meta_mode)
-    return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
+    return KVCacheManager(
+        arena,
+        prefix_reuse=config.enable_prefix_reuse,
+        limits=Limits(max_aux_bytes=config.aux_bytes_per_sequence),
+        aux_budget=config.aux_budget(budget),
+    )
 
 
 def _recovered_manager(

@@ -59,7 +59,7 @@ def core(make_manager):
 
 
 def allocate_and_publish(m, sid, ns, seq_id, ids, extra=()):
-    plan = m.allocate(sid, ns, [SequenceRequest(seq_id, toks(ids), tuple(extra))])[0]
+    plan = m.allocate(sid, ns, [SequenceRequest(seq_id, toks(ids), tuple(extra))]).result[0]
     m.publish(sid, ns, [(seq_id, 0)])
     return plan
 
@@ -144,7 +144,7 @@ def test_lora_and_salt_with_equal_bytes_never_share_pages(core):
     assert hits(m, sid, ns, ids, [salt(b"t1")]) == []
     assert hits(m, sid, ns, ids) == []
     assert hits(m, sid, ns, ids, [lora(b"t2")]) == []
-    plan = m.allocate(sid, ns, [SequenceRequest("salt", toks(ids), (salt(b"t1"),))])[0]
+    plan = m.allocate(sid, ns, [SequenceRequest("salt", toks(ids), (salt(b"t1"),))]).result[0]
     assert plan.shared_pages == [] and plan.private_pages == [2, 3]
     [result] = m.publish(sid, ns, [("salt", 0)])
     assert result.rebinds == [] and result.published_pages == 2
@@ -228,7 +228,7 @@ def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
     m.index.insert(planted, 0)  # a collision planted in the index
     try:
         assert hits(m, sid, ns, wanted) == []
-        plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))])[0]
+        plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))]).result[0]
         assert plan.shared_pages == [] and plan.shared_prefix_tokens == 0
     finally:
         m.index.remove(planted)
