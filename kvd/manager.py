@@ -323,16 +323,27 @@ class KVCacheManager:
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The same matching as allocate, without pinning or allocating anything."""
+        return [x for part in self.lookup_parts(session_id, namespace_id, requests, float("inf")) for x in part]
+
+    def lookup_parts(
+        self, session_id: str, namespace_id: int, requests: list[SequenceRequest], seconds: float
+    ) -> Iterator[list[LookupResult]]:
+        """``lookup``'s results in parts of about ``seconds`` of work each. A lookup changes
+        nothing, so the caller may let other calls run between parts (4,096 sequences with
+        LoRA keys take ~60 ms); each result is what matching found when its part ran."""
         self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         check_call(self.limits, requests)
         check_batch(self.limits, [r.seq_id for r in requests], unique=False)
-        results = []
+        part, deadline = [], time.perf_counter() + seconds
         for r in requests:
             p = prepare(self.limits, ns, r)
             hits = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
-            results.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size))
-        return results
+            part.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size))
+            if time.perf_counter() > deadline:
+                yield part
+                part, deadline = [], time.perf_counter() + seconds
+        yield part
 
     def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
         """``publish_job`` done at once (in-process callers)."""
