@@ -11,14 +11,16 @@ It holds no tensors and writes no page:
    vanished since the lookup goes into the plan as missing, the worker reports it, and
    vLLM recomputes it.
 3. `build_metadata` hands the workers the loads and, for every scheduled request, the
-   full prompt blocks that this step completes; each worker saves them into its own kvd
-   sequence and publishes them (gpu_worker/vllm_worker.py).
+   full blocks that this step completes (prompt blocks, then generated ones, unless
+   `save_generated` is off); each worker saves them into its own kvd sequence and
+   publishes them (gpu_worker/vllm_worker.py). So the next turn of a conversation, whose
+   prompt holds this turn's answer, hits that answer too.
 4. `update_from_workers` turns what the workers published into vLLM KV events.
 5. `finished` releases the pinning sequence and tells the workers to release theirs.
    Published pages stay cached in kvd.
 
-Prompt blocks only: generated tokens are not saved. Requests with prompt embeddings are
-left alone.
+Requests with prompt embeddings are left alone; a request whose cacheable prefix a
+multimodal item cut saves nothing past that cut.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class _Tracked:
 
     request: object
     prompt: PromptKey
+    extends: bool  # blocks past the prompt may be saved (generated tokens)
+    sent: int  # tokens the workers know: the cacheable prompt, then more with each plan
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
     planned: int = 0  # blocks [0, planned) were in a save plan already
     announced: bool = False  # its prompt went to the workers with a plan
@@ -75,9 +79,10 @@ class _Tracked:
 
 
 class KVDSchedulerSide:
-    def __init__(self, link: KVDLink, block_size: int) -> None:
+    def __init__(self, link: KVDLink, block_size: int, save_generated: bool = True) -> None:
         self.link = link
         self.block_size = block_size
+        self.save_generated = save_generated
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
@@ -115,7 +120,8 @@ class KVDSchedulerSide:
         if request.prompt_token_ids is None:
             return
         tokens, keys = cacheable_tokens(request, self.block_size)
-        tracked = _Tracked(request, PromptKey(tokens, keys))
+        whole = len(tokens) == len(request.prompt_token_ids) // self.block_size * self.block_size
+        tracked = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
         self._tracked[req_id] = tracked
         if not num_external_tokens:
             return
@@ -145,7 +151,7 @@ class KVDSchedulerSide:
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
-        """This step's loads (from `allocated`), saves (full prompt blocks it completes) and
+        """This step's loads (from `allocated`), saves (the full blocks it completes) and
         the requests finished since the last step."""
         meta = KVDConnectorMetadata(
             loads=[self._still_pinned(session, plan) for session, plan in self._loads], finished=self._finished
@@ -172,15 +178,21 @@ class KVDSchedulerSide:
             # (or a preempted request starts over); their saves were dropped, plan them again.
             t.planned = min(t.planned, before // self.block_size)
             done = (before + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
-            end = min(done, len(t.prompt.token_ids) // self.block_size, len(t.block_ids))
+            known = len(t.request.all_token_ids) if t.extends else len(t.prompt.token_ids)
+            end = min(done, known // self.block_size, len(t.block_ids))
             if end > t.planned:
                 positions = list(range(t.planned, end))
+                more = list(t.request.all_token_ids[t.sent : end * self.block_size])
                 meta.saves.append(
                     SavePlan(
-                        req_id, positions, [t.block_ids[p] for p in positions], prompt=None if t.announced else t.prompt
+                        req_id,
+                        positions,
+                        [t.block_ids[p] for p in positions],
+                        prompt=None if t.announced else t.prompt,
+                        more_tokens=more,
                     )
                 )
-                t.planned, t.announced = end, True
+                t.planned, t.announced, t.sent = end, True, max(t.sent, end * self.block_size)
         return meta
 
     def update_from_workers(self, worker_meta: KVDWorkerMetadata | None) -> None:
@@ -216,7 +228,7 @@ class KVDSchedulerSide:
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent,
-            token_ids=list(request.prompt_token_ids[first * self.block_size : end * self.block_size]),
+            token_ids=list(request.all_token_ids[first * self.block_size : end * self.block_size]),
             block_size=self.block_size,
             lora_id=lora.lora_int_id if lora else None,
             medium="kvd",
