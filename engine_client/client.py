@@ -606,5 +606,16 @@ class KVDClient:
 
         return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
 
+    def subscribe_events(self, from_seq: int | None = None):
+        """The KV events of this client's tenant as they happen (routers' view of which pages
+        kvd holds): an iterator of ``kvd_pb2.KVEventBatch`` (``seq``, ``ts``, ``events``, each
+        ``stored``, ``removed`` or ``cleared``) over its own stream, which ends with this
+        session; ``cancel()`` it to stop early. ``from_seq`` resumes with the batches the
+        daemon still buffers from that one on: a first ``seq`` above it means some were missed."""
+        request = pb.SubscribeEventsRequest(
+            session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
+        )
+        return self._stub.SubscribeEvents(request)
+
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,9 +150,12 @@ class PrefixIndex:
     belong to no run (nothing reaches it through its parent).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
         self._entries: dict[PageKey, PageContent] = {}
         self._runs: dict[PageId, tuple[_Run, int]] = {}  # page -> its run and position in it
+        # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
+        # a failed checksum): the one place that knows a page stopped being findable.
+        self._on_remove = on_remove
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -188,6 +192,8 @@ class PrefixIndex:
             run, position = place
             for page in run.truncate(position, len(content.tokens))[1:]:
                 del self._runs[page]
+        if self._on_remove is not None:
+            self._on_remove(held)
 
     def match(
         self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int

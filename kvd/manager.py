@@ -7,7 +7,9 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 ``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py;
-what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``.
+what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
+the KV events routers hear in ``EventLog`` (pages indexed here, pages leaving the index
+through the index's own hook).
 A warm restart's findings arrive through ``restore`` (kvd/recovery.py).
 """
 
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 from kvd import crashpoints
 from kvd.arena import Arena, ExtentPlan
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.events import EventLog
 from kvd.eviction import release_order, restore_order
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
@@ -63,14 +66,20 @@ class NamespaceCounters:
 
 
 class KVCacheManager:
-    def __init__(self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None) -> None:
+    def __init__(
+        self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None, events: EventLog | None = None
+    ) -> None:
         self.arena = arena
         self.prefix_reuse = prefix_reuse
         self.limits = limits or Limits()
         self.namespaces = NamespaceRegistry()
+        self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
         self.pool = PagePool(on_unpublish=lambda page: self.integrity.forget(page))
-        self.index = PrefixIndex()
+        # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
+        self.index = PrefixIndex(
+            on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
+        )
         self.integrity = Integrity(arena, self.pool, self.index)
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
@@ -159,7 +168,13 @@ class KVCacheManager:
         by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
         for page_index, content in found.pages:  # parents first
             self.index.insert(content, page_index)
-            by_ns.setdefault(self.pool.namespace_of(content.page), []).append((page_index, content))
+            ns_id = self.pool.namespace_of(content.page)
+            by_ns.setdefault(ns_id, []).append((page_index, content))
+            parent = None if content.parent is None else self.pool.content(content.parent).key
+            # The records keep no extra keys, so recovered pages are announced without a LoRA name.
+            self.events.stored(
+                ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
+            )
         for ns_id, contents in by_ns.items():
             self.pool.restore(ns_id, restore_order(contents))
         for ns_id, corrupted in found.corrupted.items():
@@ -253,6 +268,7 @@ class KVCacheManager:
                 tokens=bytearray(p.tokens),
                 keys=p.hit_keys,
                 shared_prefix_tokens=hit_tokens,
+                extra_keys=p.request.extra_keys,
             )
             self._add(session, seq)
             counters.lookup_tokens += p.num_tokens
@@ -392,6 +408,7 @@ class KVCacheManager:
             keys=list(src.keys),
             shared_prefix_tokens=len(shared) * ns.page_size,
             aux=src.aux,
+            extra_keys=src.extra_keys,
         )
         self._add(session, dst)
         self._aux_bytes += len(dst.aux)
@@ -533,6 +550,7 @@ class KVCacheManager:
         self.pool.publish(page, content, indexed)
         if indexed:
             self.index.insert(content, i)
+            self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
         self.integrity.describe(content, i)
         return None
 
