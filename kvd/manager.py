@@ -166,12 +166,14 @@ class KVCacheManager:
             self.arena.adopt_recovered(extent)
             self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
         by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        keys: dict[PageId, PageKey] = {}
         for page_index, content in found.pages:  # parents first
             self.index.insert(content, page_index)
             ns_id = self.pool.namespace_of(content.page)
             by_ns.setdefault(ns_id, []).append((page_index, content))
-            parent = None if content.parent is None else self.pool.content(content.parent).key
+            keys[content.page] = content.key
             # The records keep no extra keys, so recovered pages are announced without a LoRA name.
+            parent = None if content.parent is None else keys[content.parent]
             self.events.stored(
                 ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
             )

@@ -216,7 +216,12 @@ def test_grpc_stream_carries_the_same_events_and_resumes(daemon_factory):
         [event] = batch.events
         assert event.WhichOneof("event") == "stored"
         stored = event.stored
-        assert (stored.namespace_id, stored.block_size, stored.medium, stored.parent_block_hash) == (ns, PAGE, "CPU", b"")
+        assert (stored.namespace_id, stored.block_size, stored.medium, stored.parent_block_hash) == (
+            ns,
+            PAGE,
+            "CPU",
+            b"",
+        )
         assert np.frombuffer(stored.token_ids, "<i4").tolist() == ids[: 2 * PAGE].tolist()
         c.release(ns, ["a"])
         c.reset_prefix_cache()
@@ -267,4 +272,3 @@ def test_a_busy_endpoint_stops_the_start(daemon_factory, endpoints, tmp_path):
         holder.close(linger=0)
         ctx.term()
     assert not os.path.exists(publish[len("ipc://") :])
-
