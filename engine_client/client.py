@@ -50,6 +50,7 @@ from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import admit, fetch_ticket
 from kvd.wire.codec import pack_tokens, unpack_pages
+from kvd.wire.keys import chain_keys
 from kvd.wire.layout import PageLayout
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket
@@ -177,7 +178,7 @@ class KVDClient:
                 "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity)
             )
             self._namespaces[reply.namespace_id] = Namespace(
-                reply.namespace_id, namespaces[old_id].layout, reply.page_bytes
+                reply.namespace_id, namespaces[old_id].layout, reply.page_bytes, reply.root
             )
             self._registrations[reply.namespace_id] = identity
             self._page_maps[reply.namespace_id] = PageMap(namespaces[old_id].layout)  # extents may be new
@@ -326,13 +327,19 @@ class KVDClient:
         reply = self._call(
             "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg)
         )
-        self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes)
+        self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes, reply.root)
         self._registrations[reply.namespace_id] = identity_msg
         self._page_maps.setdefault(reply.namespace_id, PageMap(layout))
         return reply.namespace_id
 
     def layout(self, ns: int) -> PageLayout:
         return self._namespace(ns).layout
+
+    def page_keys(self, ns: int, token_ids, extra_keys: tuple[ExtraKey, ...] = ()) -> list[bytes]:
+        """The keys the daemon gives the full pages of these tokens once published: the
+        block hashes its KV events (``subscribe_events``) name. Computed here, no call."""
+        namespace = self._namespace(ns)
+        return chain_keys(namespace.root, namespace.layout.page_size, pack_tokens(token_ids), extra_keys)
 
     def _namespace(self, ns: int) -> Namespace:
         try:

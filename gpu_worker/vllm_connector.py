@@ -99,7 +99,13 @@ class KVDConnector(KVConnectorBase_V1):
         spec, layer_names = namespace_spec(vllm_config, kv_cache_config)
         half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         link = KVDLink(extra.get("socket"), f"{extra.get('client_name', 'vllm')}-{half}", spec)
-        self._scheduler = KVDSchedulerSide(link, spec.layout.page_size) if role == KVConnectorRole.SCHEDULER else None
+        # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
+        events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+        self._scheduler = (
+            KVDSchedulerSide(link, spec.layout.page_size, track_removals=events)
+            if role == KVConnectorRole.SCHEDULER
+            else None
+        )
         self._worker = KVDWorkerSide(link, layer_names) if role == KVConnectorRole.WORKER else None
         self._link = link
 
@@ -149,4 +155,6 @@ class KVDConnector(KVConnectorBase_V1):
         return self._worker.load_errors()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._link.close()
