@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import tempfile
 import threading
 
@@ -142,6 +143,7 @@ def test_publish_and_reset_events_decode_with_vllm_gap_free_and_replayable(event
         assert first.parent_block_hash is None
         assert first.token_ids == a[: 3 * PAGE].tolist(), "the full pages' token ids, not the partial tail"
         assert (first.block_size, first.medium, first.lora_name, first.extra_keys) == (PAGE, "CPU", None, None)
+        assert c.page_keys(ns, a) == first.block_hashes, "clients compute the keys events name"
 
         b = np.concatenate([a[: 3 * PAGE], tokens(2, 2)])
         published(c, ns, "b", b)  # hits a's three pages, publishes two more
@@ -152,6 +154,7 @@ def test_publish_and_reset_events_decode_with_vllm_gap_free_and_replayable(event
         salted = (ExtraKey.lora("sql-adapter"), ExtraKey.cache_salt("tenant-salt"))
         published(c, ns, "c", tokens(2, 3), salted)
         third = only(reader.next())
+        assert c.page_keys(ns, tokens(2, 3), salted) == third.block_hashes
         assert third.lora_name == "sql-adapter"
         assert third.extra_keys == [("sql-adapter", "tenant-salt"), ("sql-adapter",)], "vLLM's untagged extra keys"
 
@@ -272,3 +275,24 @@ def test_a_busy_endpoint_stops_the_start(daemon_factory, endpoints, tmp_path):
         holder.close(linger=0)
         ctx.term()
     assert not os.path.exists(publish[len("ipc://") :])
+
+
+def test_a_restarted_daemon_clears_then_announces_what_it_recovered(daemon_factory, endpoints):
+    publish, replay = endpoints
+    args = ("--enable-prefix-reuse", "--events-endpoint", publish, "--events-replay-endpoint", replay)
+    d = daemon_factory(*args)
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(agents.MODEL, agents.LAYOUT)
+        published(c, ns, "a", tokens(3, 1))
+        keys = c.page_keys(ns, tokens(3, 1))
+    d.stop(signal.SIGKILL)
+    d2 = daemon_factory(*args)
+    reader = Subscriber(publish, replay)
+    try:
+        assert isinstance(only(reader.next()), AllBlocksCleared), "whatever the dead daemon announced is void"
+        recovered = only(reader.next())
+        assert (recovered.block_hashes, recovered.parent_block_hash) == (keys, None)
+        assert recovered.token_ids == tokens(3, 1).tolist()
+    finally:
+        reader.close()
+    assert d2.process.poll() is None

@@ -265,6 +265,7 @@ def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored
     """take_events: BlockStored for what the workers published, then BlockRemoved for the
     same vLLM hashes once kvd evicts those pages (heard on kvd's event stream)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
     page_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # LAYOUT: layers, K/V, slots, heads, head_dim, float32
     budget = str(16 * page_bytes)
     daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget, "--extent-bytes", budget)
