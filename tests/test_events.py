@@ -296,3 +296,34 @@ def test_a_restarted_daemon_clears_then_announces_what_it_recovered(daemon_facto
     finally:
         reader.close()
     assert d2.process.poll() is None
+
+
+def test_extra_keys_are_the_ones_vllm_publishes():
+    """kvd's per-page extra keys equal vLLM's own for the same request, block by block."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    from kvd.events import event_extras
+    from kvd.index import ExtraKey as CoreKey
+    from kvd.wire.enums import ExtraKind
+
+    def image(name: str, offset: int, length: int):
+        return SimpleNamespace(identifier=name, mm_position=SimpleNamespace(offset=offset, length=length))
+
+    request = SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="sql", lora_path="/adapters/sql"),
+        mm_features=[image("img-a", 5, 20), image("img-b", 40, 3)],
+        cache_salt="salt",
+        prompt_embeds=None,
+    )
+    ours = (
+        CoreKey(ExtraKind.LORA, b"sql"),
+        CoreKey(ExtraKind.MULTIMODAL, b"img-a", 5, 20),
+        CoreKey(ExtraKind.MULTIMODAL, b"img-b", 40, 3),
+        CoreKey(ExtraKind.CACHE_SALT, b"salt"),
+    )
+    mm_index = 0
+    for block in range(4):
+        theirs, mm_index = generate_block_hash_extra_keys(request, block * PAGE, (block + 1) * PAGE, mm_index)
+        assert event_extras(ours, block, PAGE) == to_event_extra_keys([theirs])[0], f"block {block}"
