@@ -327,3 +327,22 @@ def test_extra_keys_are_the_ones_vllm_publishes():
     for block in range(4):
         theirs, mm_index = generate_block_hash_extra_keys(request, block * PAGE, (block + 1) * PAGE, mm_index)
         assert event_extras(ours, block, PAGE) == to_event_extra_keys([theirs])[0], f"block {block}"
+
+
+def test_with_tenants_a_session_streams_its_own_tenants_events_on_its_own_socket(daemon_factory, tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        f'host_bytes = "1MiB"\n[tenants.mine]\nuids = [{os.getuid()}]\nhost_bytes = "256KiB"\n'
+        f'[tenants.other]\nuids = [{os.getuid() + 4242}]\nhost_bytes = "256KiB"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") and k != "NOTIFY_SOCKET"}
+    d = daemon_factory("--enable-prefix-reuse", "--extent-bytes", "16KiB", env={**env, "KVD_CONFIG": str(path)})
+    with KVDClient.connect(d.socket) as c:  # a session of tenant "mine", on <socket>.t-mine
+        stream = c.subscribe_events()
+        published(c, c.register_namespace(agents.MODEL, agents.LAYOUT), "a", tokens(1, 1))
+        assert next(stream).events[0].stored.block_hashes
+        stream.cancel()
+        with grpc.insecure_channel(f"unix:{d.socket}") as channel:  # the main socket serves no tenant's session
+            with pytest.raises(grpc.RpcError) as e:
+                next(kvd_pb2_grpc.KVDStub(channel).SubscribeEvents(pb.SubscribeEventsRequest(session=c.session)))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
