@@ -6,7 +6,8 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
-``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py;
+``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
+``Counters``; request checks in kvd/requests.py;
 what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
 the KV events routers hear in ``EventLog`` (pages indexed here, pages leaving the index
 through the index's own hook).
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd import crashpoints
 from kvd.arena import Arena, ExtentPlan
+from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
 from kvd.eviction import release_order, restore_order
@@ -29,6 +30,7 @@ from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
 from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
+from kvd.pins import PinTable
 from kvd.pool import PagePool
 from kvd.requests import (
     TOKEN_BYTES,
@@ -49,7 +51,7 @@ from kvd.requests import (
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
-from kvd.sessions import Pin, Session, SessionRegistry
+from kvd.sessions import Session, SessionRegistry
 from kvd.supply import ExtentSupply
 from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceState, SessionId
 
@@ -57,12 +59,6 @@ if TYPE_CHECKING:
     from kvd.recovery import Recovered, RecoveryReport
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class NamespaceCounters:
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -75,15 +71,16 @@ class KVCacheManager:
         self.namespaces = NamespaceRegistry()
         self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
-        self.pool = PagePool(on_unpublish=lambda page: self.integrity.forget(page))
+        self.counters = Counters()
+        self.pool = PagePool(self.counters, on_unpublish=lambda page: self.integrity.forget(page))
         # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
         self.index = PrefixIndex(
             on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
         )
-        self.integrity = Integrity(arena, self.pool, self.index)
+        self.integrity = Integrity(arena, self.pool, self.index, self.counters)
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
-        self.counters: dict[NamespaceId, NamespaceCounters] = {}
+        self.pins = PinTable(self.pool)
         self.supply = ExtentSupply(arena, self.pool)
         self.room = Room(
             arena,
@@ -91,6 +88,7 @@ class KVCacheManager:
             self.index,
             self.supply,
             self.sequences,
+            self.counters,
             settle_seals=lambda: self.integrity.apply(wait=True),
             evict_held=self._evict_held,
         )
@@ -113,11 +111,9 @@ class KVCacheManager:
         """Drops every sequence and pin of the session; the log says why it ended: closed by
         its client, the daemon stopping, or else the client went away without closing it."""
         session = self.sessions.get(session_id)
-        held = (len(session.sequences), len(session.pins))
+        held = (len(session.sequences), self.pins.drop_session(session.id))
         for key in list(session.sequences):
             self._drop(self.sequences.find(*key))
-        for pin in list(session.pins.values()):
-            self._unpin(session, pin)
         self.sessions.remove(session)
         name = session.client_name or "?"
         if session.closed_by_client:
@@ -147,7 +143,6 @@ class KVCacheManager:
             except (MetaError, OSError) as e:
                 raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
             self.namespaces.add(ns)
-            self.counters[ns.id] = NamespaceCounters()
         self.supply.provision(ns)
         return ns
 
@@ -161,7 +156,6 @@ class KVCacheManager:
         for identity, ns_id in found.namespaces:
             got = self.namespaces.register(identity)
             assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
-            self.counters.setdefault(got.id, NamespaceCounters())
         for extent in found.extents:
             self.arena.adopt_recovered(extent)
             self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
@@ -180,7 +174,7 @@ class KVCacheManager:
         for ns_id, contents in by_ns.items():
             self.pool.restore(ns_id, restore_order(contents))
         for ns_id, corrupted in found.corrupted.items():
-            self.pool.counters(ns_id).corrupted_pages += corrupted
+            self.counters.of(ns_id).corrupted_pages += corrupted
         self.integrity.restore(found.checksums)
         self.write_manifest()
 
@@ -254,7 +248,7 @@ class KVCacheManager:
                 self.pool.release_all(release_order(p.hits))
             raise
         plans = []
-        counters = self.counters[ns.id]
+        counters = self.counters.of(ns.id)
         for p in prepared:
             if p.reentry is not None:
                 self._forget(p.reentry)
@@ -495,25 +489,16 @@ class KVCacheManager:
             raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
         p = prepare(self.limits, ns, SequenceRequest("pin", tokens, extra_keys))
         pages = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
-        self.pool.acquire_all(pages, pin=True)
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
-        pin = Pin(self.sessions.new_pin_id(), session.id, ns.id, pages, expires)
-        session.pins[pin.id] = pin
+        pin = self.pins.take(session.id, ns.id, pages, expires)
         return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
 
     def unpin(self, session_id: str, pin_id: int) -> None:
-        session = self.sessions.get(session_id)
-        self._unpin(session, self.sessions.pin_of(session, pin_id))
+        self.pins.drop(self.pins.of(self.sessions.get(session_id).id, pin_id))
 
     def expire_pins(self, now: float) -> int:
-        expired = self.sessions.expired_pins(now)
-        for pin in expired:
-            self._unpin(self.sessions.get(pin.session), pin)
-        return len(expired)
-
-    def _unpin(self, session: Session, pin: Pin) -> None:
-        self.pool.release_all(release_order(pin.pages), pin=True)
-        del session.pins[pin.id]
+        """Drops the pins whose time to live ran out (the daemon's sweep calls this)."""
+        return self.pins.expire(now)
 
     def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
         seq = self.sequences.owned(ns.id, seq_id, session.id)

@@ -25,7 +25,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__, handshake, recovery
+from kvd import __version__, handshake, pins, recovery
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
@@ -50,8 +50,6 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
 ]
-
-PIN_SWEEP_SECONDS = 0.5
 
 
 class StartupError(RuntimeError):
@@ -270,7 +268,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
 
     async def sweep_pins() -> None:
         while True:
-            await asyncio.sleep(PIN_SWEEP_SECONDS)
+            await asyncio.sleep(pins.SWEEP_SECONDS)
             for manager in tenants.managers():
                 manager.expire_pins(time.monotonic())
 

@@ -13,26 +13,6 @@ from dataclasses import asdict, dataclass, field, fields
 from kvd.recovery import RecoveryReport
 from kvd.types import PageState
 
-STAT_FIELDS = (
-    "logical_pages",
-    "physical_pages",
-    "shared_pages",
-    "private_pages",
-    "cached_pages",
-    "pinned_pages",
-    "free_pages",
-    "host_pages_saved",
-    "host_bytes_saved",
-    "refcount_increments",
-    "refcount_decrements",
-    "lookup_tokens",
-    "hit_tokens",
-    "evicted_pages",
-    "corrupted_pages",
-    "sessions",
-    "sequences",
-)
-
 
 @dataclass
 class PageStats:
@@ -60,6 +40,9 @@ class PageStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+STAT_FIELDS = tuple(f.name for f in fields(PageStats))
 
 
 @dataclass
@@ -105,16 +88,7 @@ def collect(manager) -> Stats:
     referenced: dict[int, set] = {}
     holders: dict[int, set] = {}
     for ns in manager.namespaces.all():
-        counters = manager.pool.counters(ns.id)
-        per_ns[ns.id] = PageStats(
-            refcount_increments=counters.refcount_increments,
-            refcount_decrements=counters.refcount_decrements,
-            evicted_pages=counters.evicted_pages,
-            corrupted_pages=counters.corrupted_pages,
-            lookup_tokens=manager.counters[ns.id].lookup_tokens,
-            hit_tokens=manager.counters[ns.id].hit_tokens,
-            free_pages=manager.pool.free_count(ns.id),
-        )
+        per_ns[ns.id] = PageStats(**asdict(manager.counters.of(ns.id)), free_pages=manager.pool.free_count(ns.id))
         referenced[ns.id], holders[ns.id] = set(), set()
     for seq in manager.sequences:
         s = per_ns[seq.namespace]
@@ -122,9 +96,8 @@ def collect(manager) -> Stats:
         s.sequences += 1
         referenced[seq.namespace].update(seq.pages)
         holders[seq.namespace].add(seq.session)
-    for session in manager.sessions:
-        for pin in session.pins.values():
-            holders[pin.namespace].add(session.id)
+    for pin in manager.pins:
+        holders[pin.namespace].add(pin.session)
     for _page, state, _refcount, pins, ns_id in manager.pool.pages():
         s = per_ns[ns_id]
         if state is PageState.PRIVATE:

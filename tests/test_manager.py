@@ -70,8 +70,9 @@ def snapshot(m) -> dict:
             )
             for s in m.sequences
         ),
-        "sessions": sorted((s.id, sorted(s.sequences), sorted(s.pins)) for s in m.sessions),
-        "counters": {ns.id: (m.counters[ns.id].lookup_tokens, m.counters[ns.id].hit_tokens) for ns in namespaces},
+        "sessions": sorted((s.id, sorted(s.sequences)) for s in m.sessions),
+        "pins": sorted((pin.id, pin.session, pin.pages) for pin in m.pins),
+        "counters": {ns.id: (m.counters.of(ns.id).lookup_tokens, m.counters.of(ns.id).hit_tokens) for ns in namespaces},
         "extents": [e.name for e in m.arena.extents()],
         "reserved": m.arena.reserved_bytes,
     }
@@ -266,7 +267,7 @@ def test_acquire_and_release_are_symmetric(make_manager):
     assert c.refcounts([0, 1]) == [2, 2]
     c.release("c", "a")
     assert c.refcounts([0, 1]) == [0, 0] and c.lru() == [1, 0]
-    counters = c.m.pool.counters(c.ns)
+    counters = c.m.counters.of(c.ns)
     # a: 2 allocated, b: 2 hits, c: 2 hits + 1 private
     assert (counters.refcount_increments, counters.refcount_decrements) == (7, 7)
     check(c.m)
@@ -320,7 +321,7 @@ def test_cached_pages_are_evicted_in_lru_order_tail_first(make_manager):
     plan = c.alloc1("c", prompt(200, 20))  # 5 pages: 3 free, then evict 2 and 1
     assert plan.private_pages == [1, 2, 5, 6, 7]
     assert c.lru() == [0, 4, 3]
-    assert c.m.pool.counters(c.ns).evicted_pages == 2
+    assert c.m.counters.of(c.ns).evicted_pages == 2
     assert c.lookup(a) == [0] and c.lookup(b) == [3, 4]
     check(c.m)
 
@@ -427,7 +428,7 @@ def test_a_namespace_reclaims_another_namespaces_unreferenced_extent(make_manage
     plan = m.allocate(sid, big, [req("b", prompt(0, 16))])[0]
     assert m.extents(small) == [] and len(m.extents(big)) == 1
     assert plan.private_pages == [m.extents(big)[0].first_page]
-    assert m.pool.counters(small).evicted_pages == 2 and len(m.index) == 0
+    assert m.counters.of(small).evicted_pages == 2 and len(m.index) == 0
     assert m.lookup(sid, small, [req("a", prompt(0, 8))])[0].hit_pages == []
     check(m)
 
@@ -761,7 +762,7 @@ def test_pins_expire_after_their_ttl(make_manager):
     assert c.m.expire_pins(time.monotonic() + 5) == 0
     assert c.m.expire_pins(time.monotonic() + 11) == 1
     assert c.refcounts([0]) == [1] and c.m.pool.pins(0) == 1
-    assert set(c.m.sessions.get(c.sid).pins) == {forever.pin_id}
+    assert [pin.id for pin in c.m.pins.held_by(c.sid)] == [forever.pin_id]
     with pytest.raises(NotFound):
         c.m.unpin(c.sid, brief.pin_id)
     assert c.m.expire_pins(time.monotonic() + 1e9) == 0
@@ -830,6 +831,33 @@ def test_without_prefix_reuse_nothing_is_shared(make_manager):
     c.release("a", "b", "c", "d")
     assert c.lru() == [] and stats.collect(c.m).totals.free_pages == c.m.extents(c.ns)[0].num_pages
     check(c.m)
+
+
+# ---- the invariant checker ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda c: setattr(c.m.pool._pages[1], "refcount", 2), "page 1 has refcount 2 but 1 references"),
+        (lambda c: setattr(c.m.pool._pages[0], "pins", 0), "page 0 counts 0 pins but 1 pins hold it"),
+        (lambda c: c.seq("b").pages.append(9), "sequence 'b' holds 3 pages for 5 tokens"),
+        (lambda c: setattr(c.m.pool._pages[2], "state", PageState.FREE), "free page 2 has refcount 1"),
+        (lambda c: c.m.pool._by_namespace[c.ns].free.append(1), "free list holds pages [1] it should not"),
+        (lambda c: c.m.index._entries.clear(), "page 0 is marked indexed but the index does not map its key"),
+    ],
+)
+def test_invariant_checker_names_each_broken_rule(make_manager, damage, named):
+    """The checker every other test relies on finds a broken state (it must not pass everything)."""
+    c = Core(make_manager, pages=16)
+    c.alloc1("a", prompt(0, 4))  # page 0
+    c.publish("a")
+    c.alloc1("b", prompt(0, 5))  # hit 0, private 1
+    pinned(c, prompt(0, 4))  # a pin on page 0
+    c.alloc1("c", prompt(50, 2))  # private 2
+    check(c.m)
+    damage(c)
+    assert any(named in problem for problem in invariants.violations(c.m)), invariants.violations(c.m)
 
 
 # ---- stats --------------------------------------------------------------------------

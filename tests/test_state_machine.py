@@ -449,7 +449,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.check_hits(n, list(np.frombuffer(bytes(seq.tokens), "<i4")), seq.shared_pages)
             assert [self.m.pool.content(p).key for p in seq.shared_pages] == seq.keys
         assert seen == self.seqs
-        pins = {pid: ModelPin(s.id, 0) for s in self.m.sessions for pid in s.pins}
+        pins = {pin.id: ModelPin(pin.session, 0) for pin in self.m.pins}
         assert pins.keys() == self.pins.keys()
         assert all(self.pins[p].session == pins[p].session for p in pins)
         assert sorted(s.id for s in self.m.sessions) == sorted(sid for sid, o in zip(self.sids, self.open) if o)
