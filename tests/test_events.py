@@ -346,3 +346,23 @@ def test_with_tenants_a_session_streams_its_own_tenants_events_on_its_own_socket
             with pytest.raises(grpc.RpcError) as e:
                 next(kvd_pb2_grpc.KVDStub(channel).SubscribeEvents(pb.SubscribeEventsRequest(session=c.session)))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_log_records_only_while_someone_listens_and_ends_a_subscriber_that_falls_behind():
+    from kvd.events import EventLog
+
+    log = EventLog(buffer_batches=2)
+    log.removed(1, b"k" * 16)
+    assert log.flush() is None, "no consumer: nothing recorded, nothing numbered"
+    sub = log.subscribe()
+    for i in range(3):
+        log.removed(1, bytes([i]) * 16)
+        log.removed(1, bytes([i + 100]) * 16)
+        batch = log.flush()
+        assert batch.seq == i and len(batch.events) == 1 and len(batch.events[0].keys) == 2, "one event per call"
+    assert sub.overrun and sub.closed, "three batches unread, two allowed"
+    log.detach(sub)
+    late = log.subscribe(from_seq=2)
+    log.cleared()
+    assert log.flush().seq == 4, "the number after an unheard stretch is skipped, so a resumer sees the gap"
+    assert not late.overrun
