@@ -263,18 +263,16 @@ def test_settings(tmp_path):
         config_mod.load({"events_replay_endpoint": "ipc:///tmp/r"}, environ={}, config_file=str(empty))
 
 
-def test_a_busy_endpoint_stops_the_start(daemon_factory, endpoints, tmp_path):
-    publish, _ = endpoints
+def test_a_busy_endpoint_stops_the_start(daemon_factory):
     ctx = zmq.Context()
     holder = ctx.socket(zmq.PUB)
     port = holder.bind_to_random_port("tcp://*")
     try:
-        with pytest.raises(Exception, match="events_endpoint"):
+        with pytest.raises(Exception, match="events_endpoint: cannot open KV events endpoint"):
             daemon_factory("--events-endpoint", f"tcp://*:{port}")
     finally:
         holder.close(linger=0)
         ctx.term()
-    assert not os.path.exists(publish[len("ipc://") :])
 
 
 def test_a_restarted_daemon_clears_then_announces_what_it_recovered(daemon_factory, endpoints):
