@@ -36,6 +36,11 @@ def violations(manager) -> list[str]:
         found.append(
             f"arena holds {manager.arena.reserved_bytes} bytes, over its budget of {manager.arena.budget_bytes}"
         )
+    aux = sum(len(seq.aux) for seq in manager.sequences)
+    if aux != manager.aux_bytes or aux > manager.aux_budget:
+        found.append(
+            f"sequences hold {aux} bytes of aux state, counted as {manager.aux_bytes}, budget {manager.aux_budget}"
+        )
     return found
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvd import crashpoints
 from kvd.arena import Arena, ExtentPlan
+from kvd.config import AUX_BYTES
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
@@ -43,6 +44,8 @@ from kvd.requests import (
     ResetResult,
     SequencePlan,
     SequenceRequest,
+    SequenceStatus,
+    WithEvictions,
     check_batch,
     check_call,
     check_seq_id,
@@ -63,11 +66,20 @@ log = logging.getLogger(__name__)
 
 class KVCacheManager:
     def __init__(
-        self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None, events: EventLog | None = None
+        self,
+        arena: Arena,
+        prefix_reuse: bool,
+        limits: Limits | None = None,
+        aux_budget: int = AUX_BYTES,
+        events: EventLog | None = None,
     ) -> None:
+        """``aux_budget``: bytes of non-KV state all sequences may hold together, on the daemon's
+        heap beside the arena's budget; ``limits.max_aux_bytes`` bounds one sequence's;
+        ``events``: the KV events log of this cache (kvd/events.py)."""
         self.arena = arena
         self.prefix_reuse = prefix_reuse
         self.limits = limits or Limits()
+        self.aux_budget = aux_budget
         self.namespaces = NamespaceRegistry()
         self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
@@ -92,7 +104,8 @@ class KVCacheManager:
             settle_seals=lambda: self.integrity.apply(wait=True),
             evict_held=self._evict_held,
         )
-        self._aux_bytes = 0  # non-KV state of all sequences
+        self.aux_bytes = 0  # non-KV state of all sequences
+        self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
 
     def close(self, unlink: bool = True) -> None:
@@ -217,8 +230,12 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------
 
-    def allocate(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[SequencePlan]:
-        """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
+    def allocate(
+        self, session_id: str, namespace_id: int, requests: list[SequenceRequest]
+    ) -> WithEvictions[list[SequencePlan]]:
+        """Prefix hits pinned and private pages allocated for a batch, all or nothing.
+
+        An EVICTED id re-enters: a new PREFILLED sequence under that id, with its aux state."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         check_call(self.limits, requests)
@@ -242,7 +259,7 @@ class KVCacheManager:
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
             self.pool.acquire_all(p.hits)
         try:
-            self.room.ensure_free(ns, need)
+            self._make_room(ns, need)
         except ResourceExhausted:  # /dev/shm refused an extent the check counted on
             for p in prepared:
                 self.pool.release_all(release_order(p.hits))
@@ -250,7 +267,9 @@ class KVCacheManager:
         plans = []
         counters = self.counters.of(ns.id)
         for p in prepared:
+            aux = b""
             if p.reentry is not None:
+                aux = p.reentry.aux
                 self._forget(p.reentry)
             private = self.pool.allocate(ns.id, -(-p.num_tokens // ns.page_size) - len(p.hits))
             hit_tokens = len(p.hits) * ns.page_size
@@ -265,13 +284,14 @@ class KVCacheManager:
                 keys=p.hit_keys,
                 shared_prefix_tokens=hit_tokens,
                 extra_keys=p.request.extra_keys,
+                aux=aux,
             )
             self._add(session, seq)
             counters.lookup_tokens += p.num_tokens
             counters.hit_tokens += hit_tokens
             plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
         self.supply.provision(ns)
-        return plans
+        return WithEvictions(plans, self._report_evictions(session))
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The same matching as allocate, without pinning or allocating anything."""
@@ -327,7 +347,7 @@ class KVCacheManager:
 
     def extend(
         self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]
-    ) -> list[ExtendResult]:
+    ) -> WithEvictions[list[ExtendResult]]:
         """Room for more tokens (decode), always in private pages; all or nothing.
 
         One call per decode step for the whole batch, so the per-item work stays small: most
@@ -365,7 +385,7 @@ class KVCacheManager:
                         "were never given, so later ids cannot be recorded"
                     )
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
-        self.room.ensure_free(ns, sum(new_pages for _, _, _, new_pages in plans))
+        self._make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
         for seq, total, tokens, new_pages in plans:
             pages = self.pool.allocate(ns.id, new_pages)
@@ -375,9 +395,9 @@ class KVCacheManager:
                 seq.tokens += tokens
             results.append(ExtendResult(seq.seq_id, pages, total))
         self.supply.provision(ns)
-        return results
+        return WithEvictions(results, self._report_evictions(session))
 
-    def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> SequencePlan:
+    def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> WithEvictions[SequencePlan]:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
@@ -388,7 +408,7 @@ class KVCacheManager:
         self._check_aux_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
-        self.room.ensure_free(ns, len(copies), protect=src)
+        self._make_room(ns, len(copies), protect=src)
         self.pool.acquire_all(shared)
         private = self.pool.allocate(ns.id, len(copies))
         for page, dst_page in zip(copies, private):
@@ -407,11 +427,11 @@ class KVCacheManager:
             extra_keys=src.extra_keys,
         )
         self._add(session, dst)
-        self._aux_bytes += len(dst.aux)
         self.supply.provision(ns)
-        return SequencePlan(
+        plan = SequencePlan(
             dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
         )
+        return WithEvictions(plan, self._report_evictions(session))
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns how many page references were released."""
@@ -448,29 +468,49 @@ class KVCacheManager:
         self.sequences.set_state(seq, state)  # raises on an invalid transition
         if state is SequenceState.COMPLETED:
             self._drop(seq)
-        elif state is SequenceState.EVICTED:
-            self._release_pages(seq)
         return previous
 
+    def describe(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> list[SequenceStatus]:
+        """The sequences' states and sizes, read without changing anything; all or nothing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, seq_ids, unique=False)
+        return [
+            SequenceStatus(
+                seq.seq_id,
+                seq.state,
+                seq.num_tokens,
+                seq.known_tokens,
+                len(seq.shared_pages),
+                len(seq.private_pages),
+                seq.shared_prefix_tokens,
+                len(seq.aux),
+            )
+            for seq in (self.sequences.owned(ns.id, s, session.id) for s in seq_ids)
+        ]
+
     def set_aux(self, session_id: str, namespace_id: int, seq_id: str, data: bytes) -> None:
-        """Stores the sequence's non-KV state (never shared; a fork copies it)."""
-        seq = self._live(self.namespaces.get(namespace_id), seq_id, self.sessions.get(session_id))
+        """Stores the sequence's non-KV state (never shared; a fork copies it). It may be set in
+        any state, EVICTED included: it is not KV, and it stays through re-entry.
+
+        Over the per-sequence limit is INVALID_ARGUMENT (it never fits, whatever else is held);
+        over what the shared budget has left is RESOURCE_EXHAUSTED (it fits once others free some)."""
+        session = self.sessions.get(session_id)
+        seq = self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id)
         if len(data) > self.limits.max_aux_bytes:
-            raise InvalidArgument(f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes}")
+            raise InvalidArgument(
+                f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes} bytes per "
+                "sequence (the daemon's aux_bytes_per_sequence)"
+            )
         self._check_aux_room(len(data) - len(seq.aux))
-        self._aux_bytes += len(data) - len(seq.aux)
+        self.aux_bytes += len(data) - len(seq.aux)
         seq.aux = bytes(data)
 
-    @property
-    def aux_budget(self) -> int:
-        """Non-KV state lives on the daemon's heap; it may take a quarter of the host budget."""
-        return self.arena.budget_bytes // 4
-
     def _check_aux_room(self, more: int) -> None:
-        if self._aux_bytes + more > self.aux_budget:
+        if self.aux_bytes + more > self.aux_budget:
             raise ResourceExhausted(
-                f"aux state of all sequences would take {self._aux_bytes + more} bytes, over its budget of "
-                f"{self.aux_budget} bytes (a quarter of the host budget)"
+                f"aux state of all sequences would take {self.aux_bytes + more} bytes, over its budget of "
+                f"{self.aux_budget} bytes (the daemon's aux_bytes; {self.aux_bytes} held now)"
             )
 
     def get_aux(self, session_id: str, namespace_id: int, seq_id: str) -> bytes:
@@ -531,6 +571,12 @@ class KVCacheManager:
             seq.pages[i] = existing.page
             self.pool.release(page)
             return Rebind(i, page, existing.page)
+        if existing is not None and self._unreachable(existing):
+            # The entry's parent left the index (it failed its checksum): no match can reach
+            # the entry any more, so this page, whose parent is indexed, takes its place.
+            self.index.remove(existing)
+            self.pool.unindex(existing.page)
+            existing = None
         # On a (verified) hash collision the page is published but left out of the index.
         content = PageContent(page, key, page_tokens, parent, local)
         indexed = existing is None
@@ -541,26 +587,57 @@ class KVCacheManager:
         self.integrity.describe(content, i)
         return None
 
+    def _unreachable(self, content: PageContent) -> bool:
+        """Whether a match can no longer reach the indexed page: matching walks from the
+        chain's first page through indexed parents only."""
+        parent = content.parent
+        return parent is not None and (parent not in self.pool or not self.pool.is_indexed(parent))
+
     # ---- internals: sequence bookkeeping ------------------------------------------
 
     def _add(self, session: Session, seq: Sequence) -> None:
         self.sequences.add(seq)
         session.sequences.add((seq.namespace, seq.seq_id))
+        self.aux_bytes += len(seq.aux)
+
+    def _make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+        """``Room.ensure_free``; when it fails after evicting (``/dev/shm`` refused an extent it
+        counted on), every owner of what it evicted, the caller too, hears of it on its stream."""
+        try:
+            self.room.ensure_free(ns, need, protect)
+        except ResourceExhausted:
+            self._report_evictions(None)
+            raise
 
     def _evict_held(self, seq: Sequence) -> None:
-        """ON_HOLD → EVICTED under memory pressure: its pages go, its owner hears of it."""
-        self.sequences.set_state(seq, SequenceState.EVICTED)
+        """ON_HOLD → EVICTED under memory pressure: its pages go; the call reports it."""
+        self.sequences.evict(seq)
         self._release_pages(seq)
-        session = self.sessions.get(seq.session)
-        if session.listener is not None:
-            session.listener(seq.namespace, [seq.seq_id])
+        self._evicted_now.append(seq)
+
+    def _report_evictions(self, caller: Session | None) -> list[SeqId]:
+        """Hands out what the current call evicted: the ids of the caller's own sequences are
+        returned for its reply; every other owner hears of its own on its session stream."""
+        evicted, self._evicted_now = self._evicted_now, []
+        own: list[SeqId] = []
+        others: dict[tuple[SessionId, NamespaceId], list[SeqId]] = {}
+        for seq in evicted:
+            if caller is not None and seq.session == caller.id:
+                own.append(seq.seq_id)
+            else:
+                others.setdefault((seq.session, seq.namespace), []).append(seq.seq_id)
+        for (session_id, ns_id), seq_ids in others.items():
+            listener = self.sessions.get(session_id).listener
+            if listener is not None:
+                listener(ns_id, seq_ids)
+        return own
 
     def _release_pages(self, seq: Sequence) -> None:
         self.pool.release_all(release_order(seq.pages))
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
     def _forget(self, seq: Sequence) -> None:
-        self._aux_bytes -= len(seq.aux)
+        self.aux_bytes -= len(seq.aux)
         self.sequences.remove(seq)
         self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
 

@@ -247,7 +247,8 @@ class PagePool:
         return self._evict(page)
 
     def unindex(self, page: PageId) -> None:
-        """Takes a published page out of sharing (it failed its checksum): a CACHED one is
+        """Takes a published page out of sharing (it failed its checksum, or its chain was
+        re-published after its parent did): a CACHED one is
         freed now, a referenced one stays with its holders and is freed, never cached, on
         its last release. The caller removes its index entry."""
         p = self._pages[page]

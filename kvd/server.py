@@ -30,6 +30,7 @@ from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_se
 from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
 from kvd.manager import KVCacheManager
+from kvd.requests import Limits
 from kvd.service import SERVICE, KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire.limits import MAX_MESSAGE_BYTES
@@ -124,7 +125,13 @@ def _new_manager(
     config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int, publisher: Consumer | None
 ) -> KVCacheManager:
     arena = Arena(budget, min(config.extent_bytes, budget), prefix, config.lock_memory, group, meta_mode)
-    return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse, events=_event_log(config, publisher))
+    return KVCacheManager(
+        arena,
+        prefix_reuse=config.enable_prefix_reuse,
+        limits=Limits(max_aux_bytes=config.aux_bytes_per_sequence),
+        aux_budget=config.aux_budget(budget),
+        events=_event_log(config, publisher),
+    )
 
 
 def _recovered_manager(

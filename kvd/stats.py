@@ -62,6 +62,9 @@ class Stats:
     prefix_reuse: bool
     host_bytes_used: int  # in pages that hold KV: private, shared or cached
     host_bytes_free: int  # free pages of created extents + budget not yet made into extents
+    aux_bytes: int  # budget of non-KV state, all sequences together (beside host_bytes)
+    aux_bytes_used: int  # non-KV state the sequences hold now
+    aux_bytes_per_sequence: int  # the most one sequence may hold
     shm_refusals: int = 0  # extents /dev/shm could not hold
     recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
 
@@ -71,6 +74,9 @@ class Stats:
             "host_bytes": self.host_bytes,
             "host_bytes_used": self.host_bytes_used,
             "host_bytes_free": self.host_bytes_free,
+            "aux_bytes": self.aux_bytes,
+            "aux_bytes_used": self.aux_bytes_used,
+            "aux_bytes_per_sequence": self.aux_bytes_per_sequence,
             "arena_bytes": self.arena_bytes,
             "prefix_reuse": self.prefix_reuse,
             "shm_refusals": self.shm_refusals,
@@ -131,6 +137,9 @@ def collect(manager) -> Stats:
         manager.prefix_reuse,
         used,
         free,
+        manager.aux_budget,
+        manager.aux_bytes,
+        manager.limits.max_aux_bytes,
         arena.shm_refusals,
         manager.last_recovery or RecoveryReport(),
     )
@@ -151,4 +160,7 @@ def combined(parts: list[Stats]) -> Stats:
         recovery=RecoveryReport.combined([part.recovery for part in parts]),
         host_bytes_used=sum(part.host_bytes_used for part in parts),
         host_bytes_free=sum(part.host_bytes_free for part in parts),
+        aux_bytes=sum(part.aux_bytes for part in parts),
+        aux_bytes_used=sum(part.aux_bytes_used for part in parts),
+        aux_bytes_per_sequence=max((part.aux_bytes_per_sequence for part in parts), default=0),
     )
