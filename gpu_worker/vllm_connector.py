@@ -101,8 +101,12 @@ class KVDConnector(KVConnectorBase_V1):
         spec, layer_names = namespace_spec(vllm_config, kv_cache_config)
         half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         link = KVDLink(extra.get("socket"), f"{extra.get('client_name', 'vllm')}-{half}", spec)
+        # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
+        events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         self._scheduler = (
-            KVDSchedulerSide(link, spec.layout.page_size, save_generated=extra.get("save_generated", True))
+            KVDSchedulerSide(
+                link, spec.layout.page_size, save_generated=extra.get("save_generated", True), track_removals=events
+            )
             if role == KVConnectorRole.SCHEDULER
             else None
         )
@@ -155,4 +159,6 @@ class KVDConnector(KVConnectorBase_V1):
         return self._worker.load_errors()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._link.close()

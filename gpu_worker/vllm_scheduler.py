@@ -15,7 +15,10 @@ It holds no tensors and writes no page:
    `save_generated` is off); each worker saves them into its own kvd sequence and
    publishes them (gpu_worker/vllm_worker.py). So the next turn of a conversation, whose
    prompt holds this turn's answer, hits that answer too.
-4. `update_from_workers` turns what the workers published into vLLM KV events.
+4. `update_from_workers` turns what the workers published into vLLM KV events
+   (`BlockStored`); with KV events on, it remembers the kvd keys of those blocks, and
+   `take_events` adds `BlockRemoved` for them once kvd evicts or drops them
+   (gpu_worker/kvd_events.py).
 5. `finished` releases the pinning sequence and tells the workers to release theirs.
    Published pages stay cached in kvd.
 
@@ -27,12 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
+from gpu_worker.kvd_events import StoredBlocks
 from gpu_worker.kvd_link import KVDLink
 from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+
+MEDIUM = "kvd"  # the medium of the connector's KV events
 
 
 def kvd_extra_keys(request) -> tuple[ExtraKey, ...]:
@@ -79,16 +85,20 @@ class _Tracked:
 
 
 class KVDSchedulerSide:
-    def __init__(self, link: KVDLink, block_size: int, save_generated: bool = True) -> None:
+    def __init__(
+        self, link: KVDLink, block_size: int, save_generated: bool = True, track_removals: bool = True
+    ) -> None:
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
+        # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
+        self._stored = StoredBlocks(link) if track_removals else None
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, object] = {}  # for events still to come
-        self._events: list[BlockStored] = []
+        self._events: list[KVCacheEvent] = []
 
     # ---- lookup and allocation ----------------------------------------------------
 
@@ -153,6 +163,8 @@ class KVDSchedulerSide:
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
         """This step's loads (from `allocated`), saves (the full blocks it completes) and
         the requests finished since the last step."""
+        if self._stored is not None:
+            self._stored.follow()
         meta = KVDConnectorMetadata(
             loads=[self._still_pinned(session, plan) for session, plan in self._loads], finished=self._finished
         )
@@ -201,7 +213,10 @@ class KVDSchedulerSide:
             t = self._tracked.get(req_id)
             request = t.request if t is not None else self._finished_requests.get(req_id)
             if request is not None:
-                self._events.append(self._stored_event(request, start, end))
+                event = self._stored_event(request, start, end)
+                self._events.append(event)
+                if self._stored is not None:
+                    self._remember(request, end, event.block_hashes)
         self._finished_requests.clear()  # a step's output answers its saves; none come later
 
     def finished(self, request) -> None:
@@ -213,11 +228,26 @@ class KVDSchedulerSide:
             self._finished.add(req_id)
             self._finished_requests[req_id] = request
 
-    def take_events(self) -> list[BlockStored]:
+    def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
+        removed = self._stored.take_removed() if self._stored is not None else []
+        if removed:
+            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
         return events
 
+    def close(self) -> None:
+        if self._stored is not None:
+            self._stored.close()
+
     # ---- helpers --------------------------------------------------------------------
+
+    def _remember(self, request, end: int, hashes: list) -> None:
+        """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes."""
+        _, keys = cacheable_tokens(request, self.block_size)  # blocks past the prompt: no item was cut
+        tokens = list(request.all_token_ids[: end * self.block_size])
+        page_keys = self.link.attempt("page keys", lambda kvd, ns: kvd.page_keys(ns, tokens, keys))
+        if page_keys is not None and len(page_keys) == end:
+            self._stored.remember(page_keys[end - len(hashes) :], hashes)
 
     def _stored_event(self, request, first: int, end: int) -> BlockStored:
         """vLLM's KV event for blocks [first, end) of the request, keyed by vLLM's own block
@@ -231,7 +261,7 @@ class KVDSchedulerSide:
             token_ids=list(request.all_token_ids[first * self.block_size : end * self.block_size]),
             block_size=self.block_size,
             lora_id=lora.lora_int_id if lora else None,
-            medium="kvd",
+            medium=MEDIUM,
             lora_name=lora.lora_name if lora else None,
         )
 

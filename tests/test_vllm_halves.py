@@ -321,3 +321,39 @@ def test_a_multimodal_item_across_the_cacheable_end_cuts_the_prefix_before_it():
     r.mm_features = [image(10, 10), image(100, 300)]
     kept_tokens, keys = cacheable_tokens(r, BLOCK)
     assert len(kept_tokens) == 96 and [k.offset for k in keys] == [10]
+
+
+def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored(daemon_factory):
+    """take_events: BlockStored for what the workers published, then BlockRemoved for the
+    same vLLM hashes once kvd evicts those pages (heard on kvd's event stream)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    page_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # LAYOUT: layers, K/V, slots, heads, head_dim, float32
+    budget = str(16 * page_bytes)
+    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget, "--extent-bytes", budget)
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt)
+    ra.block_hashes = [bytes([i]) * 32 for i in range(10)]  # vLLM's hashes of the full blocks
+    reported = [maybe_convert_block_hash(h) for h in ra.block_hashes]  # as vLLM's events carry them
+    a.run(ra, list(range(11)))
+    a.finish(ra)
+    [stored] = a.scheduler.take_events()
+    assert stored.block_hashes == reported and stored.medium == "kvd"
+
+    with KVDClient.connect(daemon.socket) as kvd:  # another engine needs 10 pages of the 16: 4 cached ones go
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        kvd.allocate_with_prefix(ns, [SequenceRequest("other", tokens(10 * BLOCK, seed=2))])
+        assert kvd.stats()["evicted_pages"] == 4
+        heard = []
+        wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
+        [removed] = heard
+        assert removed.block_hashes == reported[:5:-1] and removed.medium == "kvd", "the evicted tail"
+
+        kvd.release(ns, ["other"])
+        kvd.reset_prefix_cache(ns)
+        heard.clear()
+        wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
+        assert sorted(heard[0].block_hashes) == sorted(reported[:6]), "the rest; never pages it did not report"
+    assert a.scheduler.take_events() == []
+    a.scheduler.close()
