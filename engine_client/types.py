@@ -120,3 +120,4 @@ class Namespace:
     id: int
     layout: PageLayout
     page_bytes: int
+    root: bytes  # where its page key chains start (kvd/wire/keys.py)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvd import crashpoints
+from kvd.events import EventLog
 from kvd.index import PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
 from kvd.namespaces import Namespace
@@ -49,6 +50,7 @@ class PublishJob:
     index: PrefixIndex
     integrity: Integrity
     sequences: SequenceTable
+    events: EventLog  # pages indexed are announced (kvd/events.py)
     targets: list[tuple[Sequence, int]]
     published: list[int] = field(init=False)
     rebinds: list[list[Rebind]] = field(init=False)
@@ -126,6 +128,8 @@ class PublishJob:
         self.pool.publish(page, content, indexed)
         if indexed:
             self.index.insert(content, i)
+            ns = self.ns
+            self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
         self.integrity.describe(content, i)
         return None
 
