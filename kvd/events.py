@@ -16,7 +16,8 @@ hash of the token ids indexes kvd's pages too.
   it leaves (``removed``); consecutive pages of one chain merge into one event;
 - the events of one turn of the event loop (one call: a publish, an allocation that
   evicted, a reset) close as one ``EventBatch`` with the next sequence number, never
-  one per page;
+  one per page; a call that runs in steps over many turns (``held``) closes its batch
+  when it ends;
 - closed batches go to the consumers (the ZMQ publisher, gRPC subscriptions) and stay in
   a bounded buffer for replay.
 
@@ -32,6 +33,7 @@ same calls with ``medium="REMOTE"``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -160,6 +162,7 @@ class EventLog:
         self._buffer: deque[EventBatch] = deque(maxlen=buffer_batches)
         self._next_seq = 0
         self._flush_scheduled = False
+        self._held = 0  # calls running in steps (``held``)
 
     @property
     def active(self) -> bool:
@@ -229,9 +232,31 @@ class EventLog:
 
     def _add(self, event: KVEvent) -> None:
         self._pending.append(event)
-        if self.schedule is not None and not self._flush_scheduled:
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if self.schedule is not None and not self._flush_scheduled and not self._held:
             self._flush_scheduled = True
-            self.schedule(self.flush)
+            self.schedule(self._flush_when_free)
+
+    def _flush_when_free(self) -> None:
+        self._flush_scheduled = False
+        if not self._held:  # else the last held call's end closes the batch
+            self.flush()
+
+    @contextlib.contextmanager
+    def held(self):
+        """A call that runs in steps and lets the loop turn between them (a publish, an
+        allocation's eviction, kvd/publishing.py) closes its events as one batch when it
+        ends, as a call in one piece does; events of calls served between its steps join
+        that batch, in the order they happened."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if self._pending:
+                self._schedule_flush()
 
     # ---- batches ---------------------------------------------------------------------
 

@@ -478,12 +478,13 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     async def AllocateWithPrefix(self, r):
         m = self._manager_of(r.session)
         requests = self._core_requests(m, r)
-        for build in m.room_for_allocate(r.session, r.namespace_id, requests):
-            # other calls run while pages are evicted or an extent is built (kvd/room.py)
-            if build is not None:
-                await asyncio.wrap_future(build)
-            await _let_others_run()
-        done = m.allocate(r.session, r.namespace_id, requests)
+        with m.events.held():  # what it evicts is one event batch, as for a call in one piece
+            for build in m.room_for_allocate(r.session, r.namespace_id, requests):
+                # other calls run while pages are evicted or an extent is built (kvd/room.py)
+                if build is not None:
+                    await asyncio.wrap_future(build)
+                await _let_others_run()
+            done = m.allocate(r.session, r.namespace_id, requests)
         return pb.AllocateReply(sequences=[_plan(p) for p in done.result], evicted_seq_ids=done.evicted)
 
     @_unary
@@ -512,11 +513,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     async def Publish(self, r):
-        job = self._manager_of(r.session).publish_job(
-            r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items]
-        )
-        while not job.step():
-            await _let_others_run()  # between the steps (kvd/publishing.py)
+        m = self._manager_of(r.session)
+        job = m.publish_job(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
+        with m.events.held():  # the pages it indexes are one event batch, as for a call in one piece
+            while not job.step():
+                await _let_others_run()  # between the steps (kvd/publishing.py)
         results = job.results()
         return pb.PublishReply(
             results=[
