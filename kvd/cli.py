@@ -28,6 +28,7 @@ def _serve(args) -> int:
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "log_level": args.log_level,
+        **{f"remote_{key}": getattr(args, f"remote_{key}") for key in _REMOTE_FLAGS},
     }
     cfg = config_mod.load(flags, config_file=args.config)
     config_mod.check_socket_directory(cfg)
@@ -44,6 +45,16 @@ def _serve(args) -> int:
         print(f"kvd serve: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+_REMOTE_FLAGS = {
+    "master": "mooncake_master's RPC address host:port: turns the remote tier on (default: off)",
+    "metadata": "the store's metadata server (default http://MASTER_HOST:8080/metadata)",
+    "local_hostname": "the address other hosts reach this one at (default: the hostname)",
+    "segment_bytes": "memory this host lends to the store, e.g. 4GiB (default 1GiB)",
+    "backend": "the remote store (mooncake, the default and only one)",
+    "policy": "when pages go to the store: publish (write-behind, the default)",
+}
 
 
 def _socket(args) -> str:
@@ -211,6 +222,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     s.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    for key, text in _REMOTE_FLAGS.items():
+        s.add_argument(f"--remote-{key.replace('_', '-')}", dest=f"remote_{key}", help=text)
     s.set_defaults(func=_serve)
 
     st = sub.add_parser("stats", help="print the daemon's page statistics")

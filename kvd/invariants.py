@@ -43,12 +43,17 @@ def violations(manager) -> list[str]:
             for page in pin.pages:
                 expected[page] += 1
                 pinned[page] += 1
+    # The remote tier's holds: pages the store reads or writes right now (kvd/remote.py).
+    held = manager.remote.holds() if manager.remote is not None else Counter()
+    expected.update(held)
     physical = 0
     free_by_ns: dict[int, set] = {}
     cached_by_ns: dict[int, set] = {}
     for page, state, refcount, pins, ns_id in pool.pages():
         if refcount != expected[page]:
-            found.append(f"page {page} has refcount {refcount} but {expected[page]} references (sequences + pins)")
+            found.append(
+                f"page {page} has refcount {refcount} but {expected[page]} references (sequences + pins + remote holds)"
+            )
         if pins != pinned[page]:
             found.append(f"page {page} counts {pins} pins but {pinned[page]} pins hold it")
         if owners.get(page):
@@ -58,7 +63,7 @@ def violations(manager) -> list[str]:
             if refcount:
                 found.append(f"free page {page} has refcount {refcount}")
         elif state is PageState.PRIVATE:
-            if refcount != 1 or pins or len(owners.get(page, [])) != 1:
+            if refcount != 1 or pins or len(owners.get(page, [])) + held[page] != 1:
                 found.append(f"private page {page} is referenced by {owners.get(page)} with {pins} pins")
         elif state is PageState.PUBLISHED:
             if refcount < 1:

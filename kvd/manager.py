@@ -52,6 +52,8 @@ from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceSt
 
 if TYPE_CHECKING:
     from kvd.recovery import Recovered, RecoveryReport
+    from kvd.remote import RemoteTier
+    from kvd.remote_link import RemoteLink
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class KVCacheManager:
         self.limits = limits or Limits()
         self.namespaces = NamespaceRegistry()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
-        self.pool = PagePool(on_unpublish=lambda page: self.integrity.forget(page))
+        self.pool = PagePool(on_unpublish=self._unpublished)
         self.index = PrefixIndex()
         self.integrity = Integrity(arena, self.pool, self.index)
         self.sequences = SequenceTable()
@@ -87,6 +89,21 @@ class KVCacheManager:
         )
         self._aux_bytes = 0  # non-KV state of all sequences
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
+        self.remote: RemoteTier | None = None  # set by attach_remote
+
+    def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int) -> None:
+        """Shares published pages with other hosts through the remote store (kvd/remote.py);
+        ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
+        from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
+
+        self.remote = RemoteTier(
+            link, scope, self.arena, self.pool, self.index, self.integrity, self.room, backlog_bytes
+        )
+
+    def _unpublished(self, page: PageId) -> None:
+        self.integrity.forget(page)
+        if self.remote is not None:
+            self.remote.forget(page)
 
     def close(self, unlink: bool = True) -> None:
         self.supply.close()
@@ -259,10 +276,16 @@ class KVCacheManager:
             counters.hit_tokens += hit_tokens
             plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
         self.supply.provision(ns)
+        if self.remote is not None and self.prefix_reuse:
+            for p in prepared:
+                self.remote.served(p.hits, ns.page_size)
+                self.remote.missed(ns, p.chain, p.tokens, p.hits, p.hit_keys)
         return plans
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
-        """The same matching as allocate, without pinning or allocating anything."""
+        """The same matching as allocate, without pinning or allocating anything. With a remote
+        tier, full pages past the local hit are fetched in the background (kvd/remote.py) and
+        ``remote_pending_tokens`` says how many may still come: ask again later."""
         self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         check_call(self.limits, requests)
@@ -270,8 +293,12 @@ class KVCacheManager:
         results = []
         for r in requests:
             p = prepare(self.limits, ns, r)
-            hits = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
-            results.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size))
+            if not self.prefix_reuse:
+                results.append(LookupResult(r.seq_id, [], 0))
+                continue
+            hits, keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
+            pending = self.remote.missed(ns, p.chain, p.tokens, hits, keys) if self.remote is not None else 0
+            results.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size, pending))
         return results
 
     def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
@@ -311,6 +338,8 @@ class KVCacheManager:
             results.append(PublishResult(seq.seq_id, seq.num_published - before, rebinds))
         crashpoints.reached("publish-recorded")
         self.integrity.submit()
+        if self.remote is not None:
+            self.remote.submit()
         return results
 
     def extend(
@@ -533,6 +562,8 @@ class KVCacheManager:
         self.pool.publish(page, content, indexed)
         if indexed:
             self.index.insert(content, i)
+            if self.remote is not None:
+                self.remote.published(ns, content, i, parent_key)
         self.integrity.describe(content, i)
         return None
 

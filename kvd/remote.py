@@ -1,0 +1,326 @@
+"""The remote tier of one manager (one tenant): which pages go to the store, which come back.
+
+Store (write-behind): ``published`` holds each newly published, indexed page (one more
+reference, through the pool) and ``submit`` hands them to the link's worker in batches;
+the worker writes each page's header (kvd/remote_format.py) and puts header and page
+straight from shared memory; the outcome releases the holds on the event loop. Pages a
+fetch brought in are not stored again. While the link is not up, or the backlog holds
+``backlog_bytes`` already, a published page is not stored (counted, nothing local changes).
+
+Fetch: ``missed`` is called by lookups and allocations whose prompt has full pages past
+its local hit. It holds the local hit and asks the worker for the keys of the missing
+pages and one batched existence query; the leading run of pages found gets newly
+allocated local pages (PRIVATE, held by the tier), the worker reads the values into them
+and checks each header's checksum, the loop checks token ids, parent key, extra-key
+digest and page index against the request, and publishes the pages that pass, in chain
+order, as CACHED: the next lookup hits them locally. The first page that fails ends the
+chain there; pages not landed are freed. A fetch is asynchronous: while it is in flight,
+lookups of the same prompt report ``remote_pending_tokens``, and the client asks again.
+
+Every hold is a pool reference (kvd/pool.py), so a page the store is reading or writing
+is never evicted or reused; ``holds`` lists them for kvd/invariants.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.arena import Arena
+from kvd.errors import ResourceExhausted
+from kvd.eviction import release_order
+from kvd.index import ChainSpec, PageContent, PrefixIndex, page_key
+from kvd.integrity import Integrity
+from kvd.mooncake_store import PutOutcome
+from kvd.namespaces import Namespace
+from kvd.pool import PagePool
+from kvd.remote_format import PageHeader, header_bytes, read_header, store_key, write_header
+from kvd.remote_link import RemoteLink
+from kvd.room import Room
+from kvd.types import PageId, PageKey
+from kvd.wire.codec import TOKEN_BYTES
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH_PAGES = 256  # pages per store call: bounds the header staging area
+
+
+@dataclass
+class RemoteCounters:
+    stored_pages: int = 0  # pages the store accepted
+    fetched_pages: int = 0  # pages fetched, verified and published locally
+    hit_tokens: int = 0  # allocated prefix tokens served by fetched pages
+    refused_pages: int = 0  # puts the store refused (full or otherwise): the page stays local only
+    skipped_pages: int = 0  # published while the link was down or the backlog full: not stored
+    rejected_pages: int = 0  # fetched pages whose header or checksum did not match: a miss
+    errors: int = 0  # store calls that failed (the master unreachable)
+
+
+@dataclass(frozen=True)
+class _Put:
+    key: str
+    page: PageId
+    view: np.ndarray  # the page's bytes in shared memory
+    header: PageHeader
+
+
+@dataclass
+class _Fetch:
+    """One prompt's missing pages on their way from the store."""
+
+    ns: Namespace
+    chain: ChainSpec
+    tokens: bytes
+    hits: list[PageId]  # the local hit, held until the fetch ends
+    parent_key: bytes  # the key of the last hit page, or the chain root
+    pending_tokens: int
+    expected: list[tuple[str, PageHeader]] = field(default_factory=list)
+    landing: list[PageId] = field(default_factory=list)  # PRIVATE pages held by the tier
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        link: RemoteLink,
+        scope: str,
+        arena: Arena,
+        pool: PagePool,
+        index: PrefixIndex,
+        integrity: Integrity,
+        room: Room,
+        backlog_bytes: int,
+    ) -> None:
+        self.link = link
+        self.scope = scope  # the tenant: tenants never share pages through the store
+        self.arena = arena
+        self.pool = pool
+        self.index = index
+        self.integrity = integrity
+        self.room = room
+        self.backlog_bytes = backlog_bytes
+        self.counters = RemoteCounters()
+        self._queued: list[_Put] = []
+        self._held: Counter[PageId] = Counter()  # pool references the tier holds
+        self._held_bytes = 0
+        self._fetches: dict[tuple, _Fetch] = {}  # by (namespace, chain root, full-page token ids)
+        self._fetched: set[PageId] = set()  # published pages that came from the store
+        self._staging = np.zeros((MAX_BATCH_PAGES, 0), dtype=np.uint8)  # headers: [pages, header bytes]
+
+    # ---- store ----------------------------------------------------------------------
+
+    def published(self, ns: Namespace, content: PageContent, page_index: int, parent_key: bytes) -> None:
+        """A page was just published and indexed: store it, unless it came from the store."""
+        if content.page in self._fetched:
+            return
+        if not self.link.up or self._held_bytes + ns.page_bytes > self.backlog_bytes:
+            self.counters.skipped_pages += 1
+            return
+        self._hold([content.page], ns.page_bytes)
+        header = PageHeader(page_index, content.key, parent_key, content.local, content.tokens)
+        view = self.arena.page_bytes_view(content.page)
+        self._queued.append(_Put(store_key(self.scope, ns.root, content.key), content.page, view, header))
+
+    def submit(self) -> None:
+        """Hands the pages queued since the last call to the worker, in batches."""
+        queued, self._queued = self._queued, []
+        for start in range(0, len(queued), MAX_BATCH_PAGES):
+            batch = queued[start : start + MAX_BATCH_PAGES]
+            staging = self._staging_for(max(len(p.header.tokens) for p in batch) // TOKEN_BYTES)
+            self._run(lambda store, b=batch, s=staging: _put(store, b, s), lambda r, e, b=batch: self._stored(b, r, e))
+
+    def _stored(self, batch: list[_Put], outcomes, error) -> None:
+        if error is not None:
+            self.counters.errors += 1
+            self.counters.skipped_pages += len(batch)
+        else:
+            for outcome in outcomes:
+                if outcome is PutOutcome.STORED:
+                    self.counters.stored_pages += 1
+                else:
+                    self.counters.refused_pages += 1
+        for put in batch:
+            self._release([put.page], put.view.nbytes)
+
+    # ---- fetch ----------------------------------------------------------------------
+
+    def missed(
+        self, ns: Namespace, chain: ChainSpec, tokens: bytes, hits: list[PageId], hit_keys: list[PageKey]
+    ) -> int:
+        """A prompt's full pages past its local hit: starts fetching them unless a fetch of the
+        same prompt is in flight. Returns the tokens a fetch in flight may still bring."""
+        page_bytes = ns.page_size * TOKEN_BYTES
+        full_pages = len(tokens) // page_bytes
+        if len(hits) >= full_pages:
+            return 0
+        ident = (ns.id, chain.root, tokens[: full_pages * page_bytes])
+        fetch = self._fetches.get(ident)
+        if fetch is not None:
+            return fetch.pending_tokens
+        if not self.link.up:
+            return 0
+        parent_key = hit_keys[-1] if hit_keys else chain.root
+        fetch = _Fetch(ns, chain, ident[2], list(hits), parent_key, (full_pages - len(hits)) * ns.page_size)
+        self._fetches[ident] = fetch
+        self._hold(fetch.hits, 0)
+        first = len(hits)
+        self._run(
+            lambda store: _find(store, self.scope, fetch, first, full_pages),
+            lambda found, error: self._found(ident, found, error),
+        )
+        return fetch.pending_tokens
+
+    def _found(self, ident: tuple, found, error) -> None:
+        fetch = self._fetches[ident]
+        if error is not None or not found:
+            self.counters.errors += error is not None
+            self._end(ident)
+            return
+        ns = fetch.ns
+        try:
+            self.room.ensure_free(ns, len(found))
+        except ResourceExhausted:
+            log.info("namespace %d: no room for %d pages from the remote store; not fetched", ns.id, len(found))
+            self._end(ident)
+            return
+        fetch.expected = found
+        fetch.landing = self.pool.allocate(ns.id, len(found))
+        for page in fetch.landing:
+            self._held[page] += 1
+        fetch.pending_tokens = len(found) * ns.page_size
+        views = [self.arena.page_bytes_view(page) for page in fetch.landing]
+        staging = self._staging_for(ns.page_size)
+        self._run(
+            lambda store: _get(store, found, views, staging),
+            lambda headers, error: self._arrived(ident, headers, error),
+        )
+
+    def _arrived(self, ident: tuple, headers, error) -> None:
+        """Publishes the fetched pages that match the request, in chain order, as CACHED."""
+        fetch = self._fetches[ident]
+        ns = fetch.ns
+        self.counters.errors += error is not None
+        parent = fetch.hits[-1] if fetch.hits else None
+        landed: list[PageId] = []
+        for n, (_, want) in enumerate(fetch.expected if error is None else []):
+            page = fetch.landing[n]
+            if headers[n] != want:
+                self.counters.rejected_pages += 1
+                log.warning(
+                    "namespace %d: page %d of a prompt fetched from the remote store does not match its key; "
+                    "not served",
+                    ns.id,
+                    want.page_index,
+                )
+                break
+            existing = self.index.lookup(want.key)
+            if existing is not None:  # published here meanwhile
+                if not existing.matches(want.tokens, parent, want.local):
+                    break
+                parent = existing.page
+                continue
+            content = PageContent(page, want.key, want.tokens, parent, want.local)
+            self.pool.publish(page, content, indexed=True)
+            self.index.insert(content, want.page_index)
+            self.integrity.describe(content, want.page_index)
+            self._fetched.add(page)
+            landed.append(page)
+            parent = page
+        self.counters.fetched_pages += len(landed)
+        self.integrity.submit()
+        self._end(ident)
+
+    def _end(self, ident: tuple) -> None:
+        """Drops a fetch's holds: landed pages become CACHED, the rest are freed."""
+        fetch = self._fetches.pop(ident)
+        self._release(list(release_order(fetch.landing)), 0)
+        self._release(list(release_order(fetch.hits)), 0)
+
+    # ---- what the manager asks --------------------------------------------------------
+
+    def served(self, hits: list[PageId], page_size: int) -> None:
+        """An allocation's prefix hit: counts the tokens of pages that came from the store."""
+        if self._fetched:
+            self.counters.hit_tokens += page_size * sum(1 for page in hits if page in self._fetched)
+
+    def forget(self, page: PageId) -> None:
+        """The page stopped being published."""
+        self._fetched.discard(page)
+
+    def holds(self) -> Counter[PageId]:
+        """Pool references the tier holds, by page (kvd/invariants.py)."""
+        return Counter(+self._held)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _hold(self, pages: list[PageId], page_bytes: int) -> None:
+        self.pool.acquire_all(pages)
+        for page in pages:
+            self._held[page] += 1
+        self._held_bytes += page_bytes * len(pages)
+
+    def _release(self, pages: list[PageId], page_bytes: int) -> None:
+        self.pool.release_all(pages)
+        for page in pages:
+            self._held[page] -= 1
+            if not self._held[page]:
+                del self._held[page]
+        self._held_bytes -= page_bytes * len(pages)
+
+    def _staging_for(self, page_size: int) -> np.ndarray:
+        """The header staging area, large enough for pages of ``page_size`` tokens."""
+        if self._staging.shape[1] < header_bytes(page_size):
+            self._staging = np.zeros((MAX_BATCH_PAGES, header_bytes(page_size)), dtype=np.uint8)
+        return self._staging
+
+    def _run(self, job, done) -> None:
+        regions = frozenset(
+            [(e.pages.ctypes.data, e.plan.size) for e in self.arena.extents()]
+            + [(self._staging.ctypes.data, self._staging.nbytes)]
+        )
+        self.link.run(self.scope, regions, job, done)
+
+
+# ---- jobs, on the link's worker thread ------------------------------------------------
+
+
+def _put(store, batch: list[_Put], staging: np.ndarray):
+    size = header_bytes(len(batch[0].header.tokens) // TOKEN_BYTES)
+    parts = []
+    for n, put in enumerate(batch):
+        write_header(staging[n, :size], put.header, put.view)
+        parts.append(([staging[n].ctypes.data, put.view.ctypes.data], [size, put.view.nbytes]))
+    return store.put([p.key for p in batch], parts)
+
+
+def _find(store, scope: str, fetch: _Fetch, first: int, last: int) -> list[tuple[str, PageHeader]]:
+    """The store keys and expected headers of the leading run of missing pages the store holds."""
+    ns, chain = fetch.ns, fetch.chain
+    step = ns.page_size * TOKEN_BYTES
+    wanted = []
+    parent_key = fetch.parent_key
+    for i in range(first, last):
+        tokens = fetch.tokens[i * step : (i + 1) * step]
+        key = page_key(parent_key, i, tokens, chain.local_bytes(i))
+        wanted.append((store_key(scope, ns.root, key), PageHeader(i, key, parent_key, chain.local_digest(i), tokens)))
+        parent_key = key
+    found = store.exists([k for k, _ in wanted])
+    run = next((n for n, there in enumerate(found) if not there), len(found))
+    return wanted[:run]
+
+
+def _get(store, found: list[tuple[str, PageHeader]], views: list[np.ndarray], staging: np.ndarray):
+    """The verified header of each fetched page (None where it did not arrive whole or fails its checksum)."""
+    size = header_bytes(len(found[0][1].tokens) // TOKEN_BYTES)
+    headers: list[PageHeader | None] = []
+    for start in range(0, len(found), MAX_BATCH_PAGES):
+        chunk = found[start : start + MAX_BATCH_PAGES]
+        parts = [
+            ([staging[n].ctypes.data, views[start + n].ctypes.data], [size, views[start + n].nbytes])
+            for n in range(len(chunk))
+        ]
+        arrived = store.get([k for k, _ in chunk], parts)
+        headers += [read_header(staging[n, :size], views[start + n]) if ok else None for n, ok in enumerate(arrived)]
+    return headers
