@@ -24,7 +24,8 @@ is never evicted or reused; ``holds`` lists them for kvd/invariants.py.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,11 @@ from kvd.wire.codec import TOKEN_BYTES
 log = logging.getLogger(__name__)
 
 MAX_BATCH_PAGES = 256  # pages per store call: bounds the header staging area
+MAX_REJECTED_KEYS = 4096  # store keys whose value failed its checks, never fetched again
+# A prompt whose fetch just ended is not looked up in the store again this soon: the client
+# that asks again learns that nothing more is coming instead of starting another fetch.
+RECHECK_SECONDS = 1.0
+MAX_RECENT_FETCHES = 4096
 
 
 @dataclass
@@ -106,7 +112,10 @@ class RemoteTier:
         self._held: Counter[PageId] = Counter()  # pool references the tier holds
         self._held_bytes = 0
         self._fetches: dict[tuple, _Fetch] = {}  # by (namespace, chain root, full-page token ids)
+        self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
         self._fetched: set[PageId] = set()  # published pages that came from the store
+        # Store keys whose value failed its checks: a fetch stops before them (read by the worker).
+        self._rejected: OrderedDict[str, None] = OrderedDict()
         self._staging = np.zeros((MAX_BATCH_PAGES, 0), dtype=np.uint8)  # headers: [pages, header bytes]
 
     # ---- store ----------------------------------------------------------------------
@@ -159,7 +168,7 @@ class RemoteTier:
         fetch = self._fetches.get(ident)
         if fetch is not None:
             return fetch.pending_tokens
-        if not self.link.up:
+        if not self.link.up or self._recent.get(ident, 0.0) > time.monotonic():
             return 0
         parent_key = hit_keys[-1] if hit_keys else chain.root
         fetch = _Fetch(ns, chain, ident[2], list(hits), parent_key, (full_pages - len(hits)) * ns.page_size)
@@ -167,7 +176,7 @@ class RemoteTier:
         self._hold(fetch.hits, 0)
         first = len(hits)
         self._run(
-            lambda store: _find(store, self.scope, fetch, first, full_pages),
+            lambda store: _find(store, self.scope, fetch, first, full_pages, self._rejected),
             lambda found, error: self._found(ident, found, error),
         )
         return fetch.pending_tokens
@@ -204,10 +213,13 @@ class RemoteTier:
         self.counters.errors += error is not None
         parent = fetch.hits[-1] if fetch.hits else None
         landed: list[PageId] = []
-        for n, (_, want) in enumerate(fetch.expected if error is None else []):
+        for n, (key, want) in enumerate(fetch.expected if error is None else []):
             page = fetch.landing[n]
             if headers[n] != want:
                 self.counters.rejected_pages += 1
+                self._rejected[key] = None
+                if len(self._rejected) > MAX_REJECTED_KEYS:
+                    self._rejected.popitem(last=False)
                 log.warning(
                     "namespace %d: page %d of a prompt fetched from the remote store does not match its key; "
                     "not served",
@@ -235,6 +247,10 @@ class RemoteTier:
     def _end(self, ident: tuple) -> None:
         """Drops a fetch's holds: landed pages become CACHED, the rest are freed."""
         fetch = self._fetches.pop(ident)
+        self._recent[ident] = time.monotonic() + RECHECK_SECONDS
+        self._recent.move_to_end(ident)
+        while len(self._recent) > MAX_RECENT_FETCHES or next(iter(self._recent.values())) < time.monotonic():
+            self._recent.popitem(last=False)
         self._release(list(release_order(fetch.landing)), 0)
         self._release(list(release_order(fetch.hits)), 0)
 
@@ -276,11 +292,10 @@ class RemoteTier:
         return self._staging
 
     def _run(self, job, done) -> None:
-        regions = frozenset(
-            [(e.pages.ctypes.data, e.plan.size) for e in self.arena.extents()]
-            + [(self._staging.ctypes.data, self._staging.nbytes)]
-        )
-        self.link.run(self.scope, regions, job, done)
+        regions = [(e.pages.ctypes.data, e.plan.size) for e in self.arena.extents()]
+        if self._staging.nbytes:
+            regions.append((self._staging.ctypes.data, self._staging.nbytes))
+        self.link.run(self.scope, frozenset(regions), job, done)
 
 
 # ---- jobs, on the link's worker thread ------------------------------------------------
@@ -295,8 +310,11 @@ def _put(store, batch: list[_Put], staging: np.ndarray):
     return store.put([p.key for p in batch], parts)
 
 
-def _find(store, scope: str, fetch: _Fetch, first: int, last: int) -> list[tuple[str, PageHeader]]:
-    """The store keys and expected headers of the leading run of missing pages the store holds."""
+def _find(
+    store, scope: str, fetch: _Fetch, first: int, last: int, rejected: OrderedDict[str, None]
+) -> list[tuple[str, PageHeader]]:
+    """The store keys and expected headers of the leading run of missing pages the store holds,
+    up to the first key whose value was rejected before."""
     ns, chain = fetch.ns, fetch.chain
     step = ns.page_size * TOKEN_BYTES
     wanted = []
@@ -304,8 +322,13 @@ def _find(store, scope: str, fetch: _Fetch, first: int, last: int) -> list[tuple
     for i in range(first, last):
         tokens = fetch.tokens[i * step : (i + 1) * step]
         key = page_key(parent_key, i, tokens, chain.local_bytes(i))
-        wanted.append((store_key(scope, ns.root, key), PageHeader(i, key, parent_key, chain.local_digest(i), tokens)))
+        name = store_key(scope, ns.root, key)
+        if name in rejected:
+            break
+        wanted.append((name, PageHeader(i, key, parent_key, chain.local_digest(i), tokens)))
         parent_key = key
+    if not wanted:
+        return []
     found = store.exists([k for k, _ in wanted])
     run = next((n for n, there in enumerate(found) if not there), len(found))
     return wanted[:run]

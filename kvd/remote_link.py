@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 FIRST_RETRY_SECONDS = 0.25
 MAX_RETRY_SECONDS = 10.0
+HEARTBEAT_SECONDS = 1.0  # an idle link still notices an outage (and its state metric says so) this soon
 
 Region = tuple[int, int]  # (address, size) of a mapped extent
 
@@ -57,6 +58,8 @@ class RemoteLink:
         self.outages = 0  # times the link went DOWN
         self.post: Callable[..., Any] = lambda fn, *args: fn(*args)  # the loop's call_soon_threadsafe
         self._worker.submit(self._recover, 0.0)
+        self._heart = threading.Thread(target=self._heartbeat, name="kvd-remote-heartbeat", daemon=True)
+        self._heart.start()
 
     @property
     def up(self) -> bool:
@@ -73,6 +76,7 @@ class RemoteLink:
     def close(self) -> None:
         """Stops the worker (a job in flight finishes, queued ones are dropped) and closes the client."""
         self._stop.set()
+        self._heart.join()
         self._worker.shutdown(wait=True, cancel_futures=True)
         if self._store is not None:
             self._store.close()
@@ -111,6 +115,19 @@ class RemoteLink:
             if self._registered.get(address) != size:
                 self._store.register(address, size)
                 self._registered[address] = size
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            if self.state is RemoteState.UP:
+                self._worker.submit(self._beat)
+
+    def _beat(self) -> None:
+        if self._stop.is_set() or self.state is not RemoteState.UP:
+            return
+        try:
+            self._store.probe()
+        except StoreUnavailable as e:
+            self._went_down(e)
 
     def _went_down(self, error: StoreUnavailable) -> None:
         if self.state is RemoteState.DOWN:

@@ -1,0 +1,185 @@
+"""The remote tier: two daemons (two hosts) share pages through a real mooncake_master.
+
+Each daemon has its own socket and shared-memory names; both reach the same master and
+metadata server on loopback, as hosts of a fleet reach theirs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import wait_until
+from mooncake_master import MooncakeMaster
+
+from engine_client import KVDClient, PageLayout, SequenceRequest
+from kvd.index import chain_spec, page_key
+from kvd.namespaces import NamespaceIdentity as Identity
+from kvd.namespaces import NamespaceRegistry, make_layout
+from kvd.remote_format import header_bytes, store_key
+from kvd.wire.codec import TOKEN_BYTES
+
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
+MODEL = "remote-tiny"
+PAGES = 40
+DAEMON = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = MooncakeMaster(str(tmp_path / "master.log"))
+    m.start()
+    yield m
+    m.kill()
+
+
+@pytest.fixture
+def hosts(master, daemon_factory):
+    """Daemons A and B, each a host's kvd, both using ``master``; a client on each."""
+    a = daemon_factory(*DAEMON, *master.daemon_args(), name="a")
+    b = daemon_factory(*DAEMON, *master.daemon_args(), name="b")
+    with KVDClient.connect(a.socket) as ca, KVDClient.connect(b.socket) as cb:
+        for c in (ca, cb):
+            wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon's remote store is up", 15)
+        yield (a, ca), (b, cb)
+    for d in (a, b):
+        assert d.process.poll() is None, f"daemon {d.socket} died:\n{d.log()}"
+        assert "Traceback" not in d.log(), d.log()
+
+
+def prompt(seed: int, pages: int = PAGES) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, pages * LAYOUT.page_size, dtype=np.int32)
+
+
+def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
+    """Computes (random K/V for what missed) and publishes a prompt on one host; returns its pages' bytes."""
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
+    rng = np.random.default_rng(int(tokens[-1]))
+    for page in alloc.private_pages:
+        view = client.page_array(ns, page)
+        view[...] = rng.standard_normal(view.shape).astype(view.dtype)
+    [result] = client.publish(ns, [seq])
+    assert result.published_pages == len(alloc.private_pages)
+    return [client.page_array(ns, page).copy() for page in alloc.pages]
+
+
+def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int) -> int:
+    """Asks like an engine whose connector loads asynchronously: again while a fetch is pending."""
+    req = [SequenceRequest("ask", tokens)]
+
+    def settled():
+        [r] = client.lookup(ns, req)
+        return r if r.remote_pending_tokens == 0 and r.hit_tokens >= want_tokens else None
+
+    return wait_until(settled, f"{want_tokens} tokens hit after the remote fetch", 10).hit_tokens
+
+
+def hit_bytes(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
+    return [client.page_array(ns, page).copy() for page in alloc.shared_pages]
+
+
+def stored(client: KVDClient, pages: int) -> None:
+    wait_until(lambda: client.stats()["remote"]["stored_pages"] >= pages, f"{pages} pages stored", 10)
+
+
+def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts):
+    (_, a), (_, b) = hosts
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    tokens = prompt(1)
+    pages = publish_prompt(a, ns_a, "p", tokens)
+    stored(a, PAGES)
+
+    [first] = b.lookup(ns_b, [SequenceRequest("ask", tokens)])
+    assert first.hit_tokens == 0  # nothing local yet: the lookup starts the fetch
+    assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+    got = hit_bytes(b, ns_b, "q", tokens)
+    assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+
+    sb = b.stats()
+    assert sb["remote"]["fetched_pages"] == PAGES
+    assert sb["remote"]["hit_tokens"] == len(tokens)
+    assert sb["remote"]["stored_pages"] == 0, "pages fetched from the store are not stored again"
+    assert sb["cached_pages"] + sb["shared_pages"] == PAGES
+    assert a.check_invariants() == [] and b.check_invariants() == []
+    # A longer prompt with the same head: B fetches only the missing tail.
+    longer = np.concatenate([tokens, prompt(2, 8)])
+    publish_prompt(a, ns_a, "p2", longer)  # its head dedups onto p's pages; the tail is new
+    stored(a, PAGES + 8)
+    assert fetch(b, ns_b, longer, len(longer)) == len(longer)
+    assert b.stats()["remote"]["fetched_pages"] == PAGES + 8
+
+
+def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_returns(hosts, master):
+    (da, a), (db, b) = hosts
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    before = prompt(10)
+    publish_prompt(a, ns_a, "before", before)
+    stored(a, PAGES)
+    fetch(b, ns_b, before, len(before))
+
+    master.kill()
+    during = prompt(11)
+    publish_prompt(a, ns_a, "during", during)  # A serves locally: publish answers at once
+    for c in (a, b):
+        wait_until(lambda c=c: c.stats()["remote"]["state"] == "down", "the daemon sees the store down", 10)
+    # B serves what it has and computes the rest; nothing waits on the store.
+    assert fetch(b, ns_b, before, len(before)) == len(before)
+    [miss] = b.lookup(ns_b, [SequenceRequest("ask", during)])
+    assert miss.hit_tokens == 0 and miss.remote_pending_tokens == 0
+    assert a.lookup(ns_a, [SequenceRequest("ask", during)])[0].hit_tokens == len(during)  # A's own pages
+    assert a.stats()["remote"]["outages"] >= 1
+
+    master.start()
+    for c in (a, b):
+        wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon sees the store back", 20)
+    after = prompt(12)
+    pages = publish_prompt(a, ns_a, "after", after)
+    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 2 * PAGES, "pages stored after the restart", 10)
+    assert fetch(b, ns_b, after, len(after)) == len(after)
+    got = hit_bytes(b, ns_b, "after", after)
+    assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and len(got) == PAGES
+    for d in (da, db):
+        assert d.log().count("remote store unreachable") == 1, d.log()
+        assert "is back" in d.log()
+    assert a.check_invariants() == [] and b.check_invariants() == []
+
+
+def store_keys(tokens: np.ndarray) -> list[str]:
+    """The store's keys of a prompt's pages, computed as any host computes them."""
+    ident = Identity(MODEL, make_layout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 16, LAYOUT.dtype))
+    root = NamespaceRegistry().register(ident).root
+    chain = chain_spec(root, LAYOUT.page_size, [])
+    raw, step, keys, parent = tokens.astype("<i4").tobytes(), LAYOUT.page_size * TOKEN_BYTES, [], chain.root
+    for i in range(len(tokens) // LAYOUT.page_size):
+        parent = page_key(parent, i, raw[i * step : (i + 1) * step], chain.local_bytes(i))
+        keys.append(store_key("", root, parent))
+    return keys
+
+
+def test_a_page_changed_in_the_store_is_not_served(hosts, master):
+    from mooncake.store import MooncakeDistributedStore
+
+    (_, a), (_, b) = hosts
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    tokens = prompt(20)
+    pages = publish_prompt(a, ns_a, "p", tokens)
+    stored(a, PAGES)
+
+    # A third client of the store flips one byte of page 25's K/V.
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        key = store_keys(tokens)[25]
+        value = np.zeros(header_bytes(LAYOUT.page_size) + pages[0].nbytes, dtype=np.uint8)
+        assert store.get_into(key, value.ctypes.data, value.nbytes) == value.nbytes
+        value[-100] ^= 1
+        assert store.upsert_from(key, value.ctypes.data, value.nbytes) == 0
+    finally:
+        store.close()
+
+    assert fetch(b, ns_b, tokens, 25 * LAYOUT.page_size) == 25 * LAYOUT.page_size  # the head, not the changed page
+    got = hit_bytes(b, ns_b, "q", tokens)
+    assert len(got) == 25 and all(np.array_equal(x, y) for x, y in zip(got, pages))
+    sb = b.stats()["remote"]
+    assert sb["rejected_pages"] == 1 and sb["fetched_pages"] == 25
+    assert b.check_invariants() == []
