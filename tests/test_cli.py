@@ -81,7 +81,9 @@ def test_stats_json_fields_and_values(tmp_path):
                 "namespaces",
                 "shm_refusals",
                 "recovery",
+                "remote",
             }
+            assert stats["remote"]["state"] == "off"  # no [remote] table
             assert stats["host_bytes_used"] == 5 * PAGE_BYTES  # 4 shared + 1 private page
             assert stats["host_bytes_free"] == (64 << 20) - stats["arena_bytes"] + stats["free_pages"] * PAGE_BYTES
             assert stats["shm_refusals"] == 0

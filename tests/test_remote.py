@@ -6,12 +6,16 @@ metadata server on loopback, as hosts of a fleet reach theirs.
 
 from __future__ import annotations
 
+import re
+import urllib.request
+
 import numpy as np
 import pytest
-from conftest import wait_until
-from mooncake_master import MooncakeMaster
+from conftest import clean_env, wait_until
+from mooncake_master import MooncakeMaster, free_port
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
+from kvd import config
 from kvd.index import chain_spec, page_key
 from kvd.namespaces import NamespaceIdentity as Identity
 from kvd.namespaces import NamespaceRegistry, make_layout
@@ -34,8 +38,11 @@ def master(tmp_path):
 
 @pytest.fixture
 def hosts(master, daemon_factory):
-    """Daemons A and B, each a host's kvd, both using ``master``; a client on each."""
-    a = daemon_factory(*DAEMON, *master.daemon_args(), name="a")
+    """Daemons A and B, each a host's kvd, both using ``master``; a client on each. A serves
+    metrics on ``a.metrics_port``."""
+    port = free_port()
+    a = daemon_factory(*DAEMON, *master.daemon_args(), "--metrics-port", str(port), name="a")
+    a.metrics_port = port
     b = daemon_factory(*DAEMON, *master.daemon_args(), name="b")
     with KVDClient.connect(a.socket) as ca, KVDClient.connect(b.socket) as cb:
         for c in (ca, cb):
@@ -122,6 +129,7 @@ def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_re
     publish_prompt(a, ns_a, "during", during)  # A serves locally: publish answers at once
     for c in (a, b):
         wait_until(lambda c=c: c.stats()["remote"]["state"] == "down", "the daemon sees the store down", 10)
+    assert 'kvd_remote_state{state="down"} 1.0' in metrics(da)
     # B serves what it has and computes the rest; nothing waits on the store.
     assert fetch(b, ns_b, before, len(before)) == len(before)
     [miss] = b.lookup(ns_b, [SequenceRequest("ask", during)])
@@ -142,6 +150,11 @@ def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_re
         assert d.log().count("remote store unreachable") == 1, d.log()
         assert "is back" in d.log()
     assert a.check_invariants() == [] and b.check_invariants() == []
+
+
+def metrics(d) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
 
 
 def store_keys(tokens: np.ndarray) -> list[str]:
@@ -183,3 +196,42 @@ def test_a_page_changed_in_the_store_is_not_served(hosts, master):
     sb = b.stats()["remote"]
     assert sb["rejected_pages"] == 1 and sb["fetched_pages"] == 25
     assert b.check_invariants() == []
+
+
+def test_without_a_remote_table_nothing_changes_and_mooncake_is_never_loaded(daemon):
+    with KVDClient.connect(daemon.socket) as c:
+        assert c.stats()["remote"] == {
+            "state": "off",
+            **dict.fromkeys(
+                ["stored_pages", "fetched_pages", "hit_tokens", "refused_pages", "skipped_pages", "rejected_pages"], 0
+            ),
+            "errors": 0,
+            "outages": 0,
+        }
+        ns = c.register_namespace(MODEL, LAYOUT)
+        tokens = prompt(30, 4)
+        publish_prompt(c, ns, "p", tokens)
+        [miss] = c.lookup(ns, [SequenceRequest("ask", prompt(31, 4))])
+        assert miss.hit_tokens == 0 and miss.remote_pending_tokens == 0
+    with open(f"/proc/{daemon.process.pid}/maps") as f:
+        assert "mooncake" not in f.read()
+
+
+def test_the_remote_table_flags_and_environment(tmp_path):
+    file = tmp_path / "kvd.toml"
+    file.write_text('[remote]\nmaster = "10.0.0.5:50051"\nsegment_bytes = "4GiB"\n')
+    cfg = config.load({"remote_local_hostname": "10.0.0.7"}, environ={}, config_file=str(file))
+    assert cfg.remote == config.RemoteConfig(master="10.0.0.5:50051", local_hostname="10.0.0.7", segment_bytes=4 << 30)
+    assert cfg.remote.metadata_server == "http://10.0.0.5:8080/metadata"
+    assert config.load({}, environ=clean_env(tmp_path)).remote is None  # off by default
+    env = clean_env(tmp_path, KVD_REMOTE_MASTER="h:1", KVD_REMOTE_METADATA="http://m:2/metadata")
+    assert config.load({}, environ=env).remote.metadata_server == "http://m:2/metadata"
+    for table, problem in (
+        ('[remote]\nsegment_bytes = "1GiB"\n', "master (mooncake_master's host:port) is required"),
+        ('[remote]\nmaster = "h:1"\npolicy = "never"\n', "policy: expected one of ['publish']"),
+        ('[remote]\nmaster = "h:1"\nbackend = "redis"\n', "backend: expected one of ['mooncake']"),
+        ('[remote]\nmaster = "h:1"\nmastr = "x"\n', "unknown setting 'mastr'"),
+    ):
+        file.write_text(table)
+        with pytest.raises(config.ConfigError, match=re.escape(problem)):
+            config.load({}, environ={}, config_file=str(file))
