@@ -12,9 +12,9 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import clean_env, wait_until
-from mooncake_master import MooncakeMaster, free_port
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client.mooncake_master import MooncakeMaster, free_port
 from kvd import config
 from kvd.index import chain_spec, page_key
 from kvd.namespaces import NamespaceIdentity as Identity

@@ -1,5 +1,6 @@
-"""A real ``mooncake_master`` on loopback, with its HTTP metadata server: the remote store
-that two daemons of a test share, as hosts of a fleet would (tests/test_remote.py)."""
+"""Starting a ``mooncake_master`` on loopback, with its HTTP metadata server: the remote
+store that the daemons of a test or benchmark share, as hosts of a fleet would
+(tests/test_remote.py, bench/bench_remote.py). Production masters run on their own host."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class MooncakeMaster:
     def metadata(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
-    def daemon_args(self) -> tuple[str, ...]:
-        """`kvd serve` flags for a daemon that uses this master."""
+    def daemon_args(self, segment_bytes: str = "64MiB") -> tuple[str, ...]:
+        """`kvd serve` flags for a daemon that uses this master and lends it ``segment_bytes``."""
         return (
             "--remote-master",
             self.address,
@@ -52,7 +53,7 @@ class MooncakeMaster:
             "--remote-local-hostname",
             "127.0.0.1",
             "--remote-segment-bytes",
-            "64MiB",
+            segment_bytes,
         )
 
     def start(self, timeout: float = 10.0) -> None:
