@@ -64,6 +64,7 @@ bench: setup
 	$(PY) bench/bench_prefill.py
 	$(PY) bench/bench_decode_loads.py
 	$(PY) bench/bench_decode_step.py
+	$(PY) bench/bench_remote.py
 
 clean-venv:
 	rm -rf $(VENV)

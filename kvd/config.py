@@ -125,6 +125,7 @@ class RemoteConfig:
 _REMOTE_KEYS = {f.name: f for f in dataclasses.fields(RemoteConfig)}
 REMOTE_BACKENDS = ("mooncake",)
 REMOTE_POLICIES = ("publish",)
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses a smaller segment
 
 
 def _remote(values: dict[str, tuple[object, str]]) -> RemoteConfig | None:
@@ -147,6 +148,8 @@ def _remote(values: dict[str, tuple[object, str]]) -> RemoteConfig | None:
         problem = f"master: expected host:port, got {checked['master']!r}"
     elif checked.get("backend", "mooncake") not in REMOTE_BACKENDS:
         problem = f"backend: expected one of {list(REMOTE_BACKENDS)}, got {checked['backend']!r}"
+    elif checked.get("segment_bytes", MIN_SEGMENT_BYTES) < MIN_SEGMENT_BYTES:
+        problem = f"segment_bytes: Mooncake needs at least 16MiB, got {checked['segment_bytes']}"
     elif checked.get("policy", "publish") not in REMOTE_POLICIES:
         problem = f"policy: expected one of {list(REMOTE_POLICIES)}, got {checked['policy']!r}"
     if problem:

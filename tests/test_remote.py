@@ -169,6 +169,28 @@ def store_keys(tokens: np.ndarray) -> list[str]:
     return keys
 
 
+def test_a_full_store_refuses_pages_and_nothing_local_is_lost(master, daemon_factory):
+    """Two 16 MiB segments (Mooncake's least) hold ~126 pages of 256 KiB; one publish of 160."""
+    big = PageLayout(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
+    d = daemon_factory(*DAEMON, *master.daemon_args("16MiB"), name="full")
+    other = daemon_factory(*DAEMON, *master.daemon_args("16MiB"), name="other")
+    with KVDClient.connect(d.socket) as c, KVDClient.connect(other.socket) as o:
+        for each in (c, o):
+            wait_until(lambda each=each: each.stats()["remote"]["state"] == "up", "the store is up", 15)
+        ns = c.register_namespace(MODEL, big)
+        tokens = prompt(50, 160)
+        publish_prompt(c, ns, "p", tokens)
+        done = wait_until(
+            lambda: (r := c.stats()["remote"])["stored_pages"] + r["refused_pages"] >= 160 and r,
+            "every page stored or refused",
+            10,
+        )
+        assert done["refused_pages"] > 0 and done["stored_pages"] > 0, done
+        assert done["state"] == "up" and done["errors"] == 0  # a full store is no outage
+        assert c.lookup(ns, [SequenceRequest("ask", tokens)])[0].hit_tokens == len(tokens)  # all still local
+        assert c.check_invariants() == []
+
+
 def test_a_page_changed_in_the_store_is_not_served(hosts, master):
     from mooncake.store import MooncakeDistributedStore
 
@@ -263,6 +285,7 @@ def test_the_remote_table_flags_and_environment(tmp_path):
         ('[remote]\nmaster = "h:1"\npolicy = "never"\n', "policy: expected one of ['publish']"),
         ('[remote]\nmaster = "h:1"\nbackend = "redis"\n', "backend: expected one of ['mooncake']"),
         ('[remote]\nmaster = "h:1"\nmastr = "x"\n', "unknown setting 'mastr'"),
+        ('[remote]\nmaster = "h:1"\nsegment_bytes = "1MiB"\n', "Mooncake needs at least 16MiB"),
     ):
         file.write_text(table)
         with pytest.raises(config.ConfigError, match=re.escape(problem)):
