@@ -46,14 +46,13 @@ def violations(manager) -> list[str]:
     # The remote tier's holds: pages the store reads or writes right now (kvd/remote.py).
     held = manager.remote.holds() if manager.remote is not None else Counter()
     expected.update(held)
+    counted = "sequences + pins + remote holds" if manager.remote is not None else "sequences + pins"
     physical = 0
     free_by_ns: dict[int, set] = {}
     cached_by_ns: dict[int, set] = {}
     for page, state, refcount, pins, ns_id in pool.pages():
         if refcount != expected[page]:
-            found.append(
-                f"page {page} has refcount {refcount} but {expected[page]} references (sequences + pins + remote holds)"
-            )
+            found.append(f"page {page} has refcount {refcount} but {expected[page]} references ({counted})")
         if pins != pinned[page]:
             found.append(f"page {page} counts {pins} pins but {pinned[page]} pins hold it")
         if owners.get(page):
