@@ -17,9 +17,9 @@ import enum
 import socket
 from dataclasses import dataclass
 
+import numpy as np
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-OBJECT_NOT_FOUND = -704
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
 _RPC_CODES = range(-999, -899)  # RPC_FAIL (-900) and its kin: the master is unreachable
 PROBE_KEY = "kvd1/probe"
@@ -75,6 +75,7 @@ class MooncakeStore:
             raise StoreUnavailable(f"setting up the Mooncake client for master {settings.master} failed (code {rc})")
         self._config = ReplicateConfig()
         self._config.replica_num = 1
+        self._probe = np.zeros(64, dtype=np.uint8)  # the value ``probe(write=True)`` stores
 
     def register(self, address: int, size: int) -> None:
         rc = self._store.register_buffer(address, size)
@@ -84,9 +85,15 @@ class MooncakeStore:
     def unregister(self, address: int) -> None:
         self._store.unregister_buffer(address)
 
-    def probe(self) -> None:
-        """Raises ``StoreUnavailable`` unless the master answers."""
+    def probe(self, write: bool = False) -> None:
+        """Raises ``StoreUnavailable`` unless the master answers and, with ``write``, a small
+        object can be stored: a restarted master answers before the clients have mounted
+        their segments again, and refuses every put until then."""
         self.exists([PROBE_KEY])
+        if write:
+            rc = self._store.upsert_from(PROBE_KEY, self._probe.ctypes.data, self._probe.nbytes, self._config)
+            if rc != 0:
+                raise StoreUnavailable(f"the store takes no object yet (code {rc}): its segments are not mounted")
 
     def exists(self, keys: list[str]) -> list[bool]:
         codes = self._store.batch_is_exist(keys)

@@ -10,7 +10,8 @@ fetch brought in are not stored again. While the link is not up, or the backlog 
 Fetch: ``missed`` is called by lookups and allocations whose prompt has full pages past
 its local hit. It holds the local hit and asks the worker for the keys of the missing
 pages and one batched existence query; the leading run of pages found gets newly
-allocated local pages (PRIVATE, held by the tier), the worker reads the values into them
+allocated local pages (PRIVATE, held by the tier; as many as the namespace has without
+evicting anything but its own cached pages: ``Room.spare``), the worker reads the values into them
 and checks each header's checksum, the loop checks token ids, parent key, extra-key
 digest and page index against the request, and publishes the pages that pass, in chain
 order, as CACHED: the next lookup hits them locally. The first page that fails ends the
@@ -188,12 +189,16 @@ class RemoteTier:
             self._end(ident)
             return
         ns = fetch.ns
+        room = min(len(found), self.room.spare(ns))
         try:
-            self.room.ensure_free(ns, len(found))
+            if not room:
+                raise ResourceExhausted("no spare pages")
+            self.room.ensure_free(ns, room)
         except ResourceExhausted:
             log.info("namespace %d: no room for %d pages from the remote store; not fetched", ns.id, len(found))
             self._end(ident)
             return
+        found = found[:room]
         fetch.expected = found
         fetch.landing = self.pool.allocate(ns.id, len(found))
         for page in fetch.landing:

@@ -9,8 +9,9 @@ store does.
 States: CONNECTING until the client is set up, UP, DOWN after a call found the master
 unreachable. A job that finds it unreachable fails with ``StoreUnavailable``; the link
 logs one line, turns DOWN, and probes again after 0.25 s, doubling up to 10 s, until
-the master answers (a fresh client is set up if there was none); then it logs one line
-and turns UP. While it is not UP the tiers (kvd/remote.py) submit nothing, so the daemon
+the master answers and the store takes a small object (a restarted master refuses puts
+until the clients have mounted their segments again; a client is set up if there was
+none); then it logs one line and turns UP. While it is not UP the tiers (kvd/remote.py) submit nothing, so the daemon
 serves from host memory alone.
 
 Memory the store may read or write is registered here too: before each job the link
@@ -52,8 +53,9 @@ class RemoteLink:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-remote")
         self._stop = threading.Event()
         self._store = None
-        self._registered: dict[int, int] = {}  # address -> size, as the store knows them (worker only)
-        self._wanted: dict[str, frozenset[Region]] = {}  # owner -> its regions, as last submitted (loop only)
+        # Worker only: what the store has registered, and each owner's regions as last synced.
+        self._registered: dict[int, int] = {}  # address -> size
+        self._owned: dict[str, frozenset[Region]] = {}
         self.state = RemoteState.CONNECTING  # written by the worker, read by the loop
         self.outages = 0  # times the link went DOWN
         self.post: Callable[..., Any] = lambda fn, *args: fn(*args)  # the loop's call_soon_threadsafe
@@ -68,10 +70,7 @@ class RemoteLink:
     def run(self, owner: str, regions: frozenset[Region], job: Callable, done: Callable) -> None:
         """Runs ``job(store)`` on the worker after registering ``owner``'s ``regions``; then
         ``done(result, error)`` on the loop, error a ``StoreUnavailable`` or None."""
-        before = self._wanted.get(owner, frozenset())
-        self._wanted[owner] = regions
-        added, removed = regions - before, before - regions
-        self._worker.submit(self._job, added, removed, job, done)
+        self._worker.submit(self._job, owner, regions, job, done)
 
     def close(self) -> None:
         """Stops the worker (a job in flight finishes, queued ones are dropped) and closes the client."""
@@ -84,14 +83,14 @@ class RemoteLink:
 
     # ---- on the worker ----------------------------------------------------------------
 
-    def _job(self, added: frozenset[Region], removed: frozenset[Region], job: Callable, done: Callable) -> None:
+    def _job(self, owner: str, regions: frozenset[Region], job: Callable, done: Callable) -> None:
         if self._stop.is_set():
             return
         result, error = None, None
         try:
             if self._store is None:
                 raise StoreUnavailable("the store's master has not answered yet")
-            self._sync(added, removed)
+            self._sync(owner, regions)
             result = job(self._store)
         except StoreUnavailable as e:
             error = e
@@ -107,14 +106,19 @@ class RemoteLink:
         if not self._stop.is_set():
             done(result, error)
 
-    def _sync(self, added: frozenset[Region], removed: frozenset[Region]) -> None:
-        for address, _size in removed:
+    def _sync(self, owner: str, regions: frozenset[Region]) -> None:
+        """Registers the owner's new regions and unregisters the ones it no longer names."""
+        for address, _size in self._owned.get(owner, frozenset()) - regions:
             if self._registered.pop(address, None) is not None:
                 self._store.unregister(address)
-        for address, size in added:
+        for address, size in regions:
             if self._registered.get(address) != size:
+                if address in self._registered:
+                    self._store.unregister(address)
+                    del self._registered[address]
                 self._store.register(address, size)
                 self._registered[address] = size
+        self._owned[owner] = regions
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -144,9 +148,7 @@ class RemoteLink:
         try:
             if self._store is None:
                 self._store = MooncakeStore(self.settings)
-                for address, size in self._registered.items():
-                    self._store.register(address, size)
-            self._store.probe()
+            self._store.probe(write=True)
         except StoreUnavailable as e:
             if self.state is RemoteState.CONNECTING and delay == 0.0:
                 log.warning("remote store at %s not reachable yet (%s); retrying", self.settings.master, e)
