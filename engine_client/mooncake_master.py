@@ -32,6 +32,7 @@ class MooncakeMaster:
     def __init__(self, log_path: str) -> None:
         self.rpc_port = free_port()
         self.http_port = free_port()
+        self.admin_port = free_port()  # its metrics/admin server: never the fixed default 9003
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
@@ -67,6 +68,8 @@ class MooncakeMaster:
                     "--http_metadata_server_host=127.0.0.1",
                     f"--http_metadata_server_port={self.http_port}",
                     "--enable_metric_reporting=false",
+                    "--metrics_host=127.0.0.1",
+                    f"--metrics_port={self.admin_port}",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

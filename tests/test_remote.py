@@ -6,14 +6,16 @@ metadata server on loopback, as hosts of a fleet reach theirs.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import urllib.request
 
 import numpy as np
 import pytest
-from conftest import clean_env, wait_until
+from conftest import clean_env, remove_shared_memory, start_daemon, stop_cleanly, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
 from engine_client.mooncake_master import MooncakeMaster, free_port
 from kvd import config
 from kvd.index import chain_spec, page_key
@@ -30,27 +32,51 @@ DAEMON = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4
 
 @pytest.fixture
 def master(tmp_path):
+    """A master of the test's own (tests that kill it, or fill it)."""
     m = MooncakeMaster(str(tmp_path / "master.log"))
     m.start()
     yield m
     m.kill()
 
 
-@pytest.fixture
-def hosts(master, daemon_factory):
-    """Daemons A and B, each a host's kvd, both using ``master``; a client on each. A serves
-    metrics on ``a.metrics_port``."""
+def start_hosts(directory, master: MooncakeMaster) -> tuple[DaemonProcess, DaemonProcess]:
+    """Daemons A and B, each a host's kvd, both using ``master``; A serves metrics on
+    ``a.metrics_port``."""
     port = free_port()
-    a = daemon_factory(*DAEMON, *master.daemon_args(), "--metrics-port", str(port), name="a")
+    a = start_daemon(directory, *DAEMON, *master.daemon_args(), "--metrics-port", str(port), name="a")
     a.metrics_port = port
-    b = daemon_factory(*DAEMON, *master.daemon_args(), name="b")
+    b = start_daemon(directory, *DAEMON, *master.daemon_args(), name="b")
+    return a, b
+
+
+@contextlib.contextmanager
+def clients(a: DaemonProcess, b: DaemonProcess):
+    """A client on each host, once both see the store up."""
     with KVDClient.connect(a.socket) as ca, KVDClient.connect(b.socket) as cb:
         for c in (ca, cb):
             wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon's remote store is up", 15)
         yield (a, ca), (b, cb)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """One master and hosts A and B that the module's tests share (each test its own prompts)."""
+    directory = tmp_path_factory.mktemp("fleet")
+    m = MooncakeMaster(str(directory / "master.log"))
+    m.start()
+    a, b = start_hosts(directory, m)
+    yield m, a, b
     for d in (a, b):
-        assert d.process.poll() is None, f"daemon {d.socket} died:\n{d.log()}"
-        assert "Traceback" not in d.log(), d.log()
+        stop_cleanly(d)
+        remove_shared_memory(d.socket)
+    m.kill()
+
+
+@pytest.fixture
+def hosts(fleet):
+    _, a, b = fleet
+    with clients(a, b) as both:
+        yield both
 
 
 def prompt(seed: int, pages: int = PAGES) -> np.ndarray:
@@ -92,6 +118,7 @@ def stored(client: KVDClient, pages: int) -> None:
 def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts):
     (_, a), (_, b) = hosts
     ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    before = b.stats()
     tokens = prompt(1)
     pages = publish_prompt(a, ns_a, "p", tokens)
     stored(a, PAGES)
@@ -103,21 +130,32 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
 
     sb = b.stats()
-    assert sb["remote"]["fetched_pages"] == PAGES
-    assert sb["remote"]["hit_tokens"] == len(tokens)
-    assert sb["remote"]["stored_pages"] == 0, "pages fetched from the store are not stored again"
-    assert sb["cached_pages"] + sb["shared_pages"] == PAGES
+    assert sb["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES
+    assert sb["remote"]["hit_tokens"] - before["remote"]["hit_tokens"] == len(tokens)
+    assert sb["remote"]["stored_pages"] == before["remote"]["stored_pages"], "fetched pages are not stored again"
+    assert sb["cached_pages"] + sb["shared_pages"] - before["cached_pages"] - before["shared_pages"] == PAGES
     assert a.check_invariants() == [] and b.check_invariants() == []
     # A longer prompt with the same head: B fetches only the missing tail.
     longer = np.concatenate([tokens, prompt(2, 8)])
+    stored_before = a.stats()["remote"]["stored_pages"]
     publish_prompt(a, ns_a, "p2", longer)  # its head dedups onto p's pages; the tail is new
-    stored(a, PAGES + 8)
+    stored(a, stored_before + 8)
     assert fetch(b, ns_b, longer, len(longer)) == len(longer)
-    assert b.stats()["remote"]["fetched_pages"] == PAGES + 8
+    assert b.stats()["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES + 8
 
 
-def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_returns(hosts, master):
-    (da, a), (db, b) = hosts
+def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_returns(tmp_path, master):
+    da, db = start_hosts(tmp_path, master)
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            kill_and_restart(master, da, a, db, b)
+    finally:
+        for d in (da, db):
+            stop_cleanly(d)
+            remove_shared_memory(d.socket)
+
+
+def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db: DaemonProcess, b: KVDClient):
     ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
     before = prompt(10)
     publish_prompt(a, ns_a, "before", before)
@@ -191,10 +229,12 @@ def test_a_full_store_refuses_pages_and_nothing_local_is_lost(master, daemon_fac
         assert c.check_invariants() == []
 
 
-def test_a_page_changed_in_the_store_is_not_served(hosts, master):
+def test_a_page_changed_in_the_store_is_not_served(hosts, fleet):
     from mooncake.store import MooncakeDistributedStore
 
+    master = fleet[0]
     (_, a), (_, b) = hosts
+    before = b.stats()["remote"]
     ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
     tokens = prompt(20)
     pages = publish_prompt(a, ns_a, "p", tokens)
@@ -216,7 +256,8 @@ def test_a_page_changed_in_the_store_is_not_served(hosts, master):
     got = hit_bytes(b, ns_b, "q", tokens)
     assert len(got) == 25 and all(np.array_equal(x, y) for x, y in zip(got, pages))
     sb = b.stats()["remote"]
-    assert sb["rejected_pages"] == 1 and sb["fetched_pages"] == 25
+    assert sb["rejected_pages"] - before["rejected_pages"] == 1
+    assert sb["fetched_pages"] - before["fetched_pages"] == 25
     assert b.check_invariants() == []
 
 
