@@ -17,6 +17,7 @@ from engine_client.types import (
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
+    SequenceStatus,
 )
 from kvd.wire.layout import PageLayout
 
@@ -35,4 +36,5 @@ __all__ = [
     "ExtraKind",
     "KVDError",
     "SequenceState",
+    "SequenceStatus",
 ]

@@ -45,6 +45,7 @@ from engine_client.types import (
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
+    SequenceStatus,
 )
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
@@ -246,17 +247,29 @@ class KVDClient:
         try:
             for event in stream:
                 if event.HasField("evicted"):
-                    with self._lock:
-                        self._evicted.update((event.evicted.namespace_id, s) for s in event.evicted.seq_ids)
-                        for seq_id in event.evicted.seq_ids:
-                            self._private.drop(event.evicted.namespace_id, seq_id)
+                    self._note_evicted(event.evicted.namespace_id, event.evicted.seq_ids)
         except grpc.RpcError:
             pass  # cancelled by close(), or the daemon went away
         finally:
             lost.set()
 
+    def _note_evicted(self, ns: int, seq_ids) -> None:
+        """The daemon evicted these sequences: their pages are no longer ours to write."""
+        if not seq_ids:
+            return
+        with self._lock:
+            self._evicted.update((ns, s) for s in seq_ids)
+            for seq_id in seq_ids:
+                self._private.drop(ns, seq_id)
+
     def take_evicted(self) -> set[tuple[int, str]]:
-        """(namespace, seq_id) of sequences the daemon evicted since the last call."""
+        """(namespace, seq_id) of this session's sequences the daemon evicted (ON_HOLD →
+        EVICTED) since the last call.
+
+        Guaranteed to hold every eviction caused by a call of this client that has returned
+        (``allocate_with_prefix``, ``extend``/``extend_batch``, ``fork``: their replies name
+        what they evicted). Evictions caused by other sessions' calls arrive on the session
+        stream, a moment after the call that caused them."""
         with self._lock:
             evicted, self._evicted = self._evicted, set()
         return evicted
@@ -424,6 +437,7 @@ class KVDClient:
             ),
         )
         allocations = [_allocation(s) for s in reply.sequences]
+        self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:
             for a in allocations:
                 self._private.drop(ns, a.seq_id)  # an evicted sequence re-entering
@@ -491,6 +505,7 @@ class KVDClient:
                 token_ids=token_ids,
             ),
         )
+        self._note_evicted(ns, reply.evicted_seq_ids)
         page_counts = reply.new_page_counts
         pages = unpack_pages(reply.new_pages)
         results = [
@@ -506,17 +521,11 @@ class KVDClient:
 
     def fork(self, ns: int, src: str, dst: str) -> SequenceAllocation:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
-        allocation = _allocation(
-            self._call(
-                "Fork",
-                pb.ForkRequest(
-                    session=self.session,
-                    namespace_id=ns,
-                    src_seq_id=src,
-                    dst_seq_id=dst,
-                ),
-            ).sequence
+        reply = self._call(
+            "Fork", pb.ForkRequest(session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst)
         )
+        allocation = _allocation(reply.sequence)
+        self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:
             self._private.add(ns, dst, allocation.private_pages)
         return allocation
@@ -532,12 +541,14 @@ class KVDClient:
         return released
 
     def set_state(self, ns: int, seq_id: str, state: SequenceState | str) -> SequenceState:
-        """Moves a sequence through PREFILLED → IN_DECODE ⇄ ON_HOLD → COMPLETED; returns the previous state."""
+        """Moves a sequence along the README's life-cycle table (kvd/sequences.py ``TRANSITIONS``);
+        returns the previous state. A refused transition is FAILED_PRECONDITION; EVICTED is the
+        daemon's to set; COMPLETED releases the sequence."""
         state = SequenceState[state] if isinstance(state, str) else state
         reply = self._call(
             "SetState", pb.SetStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value)
         )
-        if state in (SequenceState.COMPLETED, SequenceState.EVICTED):  # its pages are released
+        if state is SequenceState.COMPLETED:  # its pages are released
             with self._lock:
                 self._private.drop(ns, seq_id)
         return SequenceState(reply.previous)
@@ -548,14 +559,38 @@ class KVDClient:
         state = SequenceState[state] if isinstance(state, str) else state
         request = pb.SetStatesRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids, state=state.value)
         reply = self._call("SetStates", request)
-        if state in (SequenceState.COMPLETED, SequenceState.EVICTED):  # their pages are released
+        if state is SequenceState.COMPLETED:  # their pages are released
             with self._lock:
                 for seq_id in seq_ids:
                     self._private.drop(ns, seq_id)
         return [SequenceState(p) for p in reply.previous]
 
+    def describe_sequences(self, ns: int, seq_ids: list[str]) -> list[SequenceStatus]:
+        """The sequences' states and sizes, read without changing them (all or nothing:
+        NOT_FOUND for an id that was never allocated, or was released or completed)."""
+        reply = self._call(
+            "DescribeSequences", pb.DescribeSequencesRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)
+        )
+        return [
+            SequenceStatus(
+                s.seq_id,
+                SequenceState(s.state),
+                s.num_tokens,
+                s.known_tokens,
+                s.shared_pages,
+                s.private_pages,
+                s.shared_prefix_tokens,
+                s.aux_bytes,
+            )
+            for s in reply.sequences
+        ]
+
     def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
-        """Stores non-KV per-sequence state (recurrent state, checkpoints); a fork copies it."""
+        """Stores non-KV per-sequence state (recurrent state, checkpoints); a fork copies it.
+
+        Allowed in every state, EVICTED too, and kept when an evicted sequence re-enters. At
+        most the daemon's ``aux_bytes_per_sequence`` (INVALID_ARGUMENT above it); all
+        sequences together share ``aux_bytes`` (RESOURCE_EXHAUSTED when it is full)."""
         self._call(
             "SetAuxState", pb.SetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, data=data)
         )

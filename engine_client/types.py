@@ -58,6 +58,20 @@ class SequenceAllocation:
 
 
 @dataclass(frozen=True)
+class SequenceStatus:
+    """One sequence as the daemon holds it now (``KVDClient.describe_sequences``)."""
+
+    seq_id: str
+    state: SequenceState
+    num_tokens: int  # tokens it has room for (0 once EVICTED)
+    known_tokens: int  # of those, tokens whose ids the daemon knows (their pages can be published)
+    shared_pages: int  # published pages at the head of its page table
+    private_pages: int  # its own writable pages after them
+    shared_prefix_tokens: int  # tokens its allocation found cached
+    aux_bytes: int  # size of its non-KV state
+
+
+@dataclass(frozen=True)
 class LookupResult:
     seq_id: str
     hit_pages: list[int]

@@ -9,7 +9,8 @@ one straight line, prefill and decode alike:
 2. `GpuPageTables.map` turns the rows into GPU page tables (each unique host page one GPU
    page, loaded once; fresh runway pages for what the batch writes) and the loads;
 3. the loads run, then the forward pass computes only the tokens that are not cached (a
-   full hit recomputes just the last token's query) and, layer by layer, the new K/V are
+   full hit recomputes just the last token's query; the runner reports what it computed,
+   and that is what `computed_tokens` counts) and, layer by layer, the new K/V are
    offloaded into the sequences' private host pages;
 4. the daemon, in one call, publishes the pages that filled; its rebinds (a page identical
    to one already published replaces it) are applied to the host row and the page table
@@ -76,8 +77,10 @@ class PrefillResult:
     seq_id: str
     logits: torch.Tensor  # [vocab] float32: next-token logits after the last prompt token
     next_token: int  # greedy choice from `logits`; the next decode_step feeds it
-    computed_tokens: int  # prompt tokens whose K/V this prefill computed
-    reused_tokens: int  # prompt tokens whose K/V came from cached host pages
+    # Prompt tokens the runner ran through the model (its own count, PrefillOutput): the
+    # suffix; for a full hit the last token, whose query is recomputed for the logits.
+    computed_tokens: int
+    reused_tokens: int  # prompt tokens whose K/V came from cached host pages (not recomputed)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class SequenceInfo:
 class EngineStats:
     gpu: GpuPoolStats  # loads, skipped duplicate loads, logical/physical/shared GPU pages
     sequences: int
-    prefill_tokens_computed: int
+    prefill_tokens_computed: int  # the sum of PrefillResult.computed_tokens: what the runner ran
     prefill_tokens_reused: int
     decode_tokens: int
     pages_published: int
@@ -232,28 +235,21 @@ class Engine:
             else:
                 requests.append(PrefillRequest(table, reused, prompt[reused:]))
             offloads.extend(zip(row[len(alloc.shared_pages) :], alloc.private_pages))
-            self._counters.computed += len(prompt) - reused
             self._counters.reused += reused
         out: PrefillOutput = self._run(
             lambda hook: self.runner.prefill(requests, self.pool.kv, on_layer_written=hook), offloads
         )
+        self._counters.computed += sum(out.computed_tokens)
         for alloc in allocs:
             self.tables.adopt_runway(SeqId(alloc.seq_id), alloc.private_pages)
         self._publish(seq_ids)
         self.client.set_states(self.ns, seq_ids, SequenceState.IN_DECODE)
 
         results = []
-        for i, (alloc, prompt) in enumerate(zip(allocs, prompts)):
-            logits = out.last_logits[i]
+        for alloc, logits, computed in zip(allocs, out.last_logits, out.computed_tokens):
             self.seqs[alloc.seq_id].next_token = int(logits.argmax())
             results.append(
-                PrefillResult(
-                    alloc.seq_id,
-                    logits,
-                    int(logits.argmax()),
-                    len(prompt) - alloc.shared_prefix_tokens,
-                    alloc.shared_prefix_tokens,
-                )
+                PrefillResult(alloc.seq_id, logits, int(logits.argmax()), computed, alloc.shared_prefix_tokens)
             )
         return results
 

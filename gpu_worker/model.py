@@ -80,10 +80,13 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class PrefillOutput:
-    """Logits of a prefill batch (float32)."""
+    """Logits of a prefill batch (float32), and what the forward pass computed."""
 
     last_logits: torch.Tensor  # [batch, vocab]: next-token logits of each prompt
     token_logits: tuple[torch.Tensor, ...] | None  # per request [suffix_len or 1, vocab]; if asked for
+    # Per request, the prompt tokens the forward pass ran through every layer: the suffix,
+    # or a full hit's last token (its query is recomputed for the logits, its K/V are not).
+    computed_tokens: tuple[int, ...]
 
 
 class ModelRunner:
@@ -132,7 +135,7 @@ class ModelRunner:
         per_token = None
         if all_logits:
             per_token = tuple(self._logits(hidden).split(list(attn.query_lens)))
-        return PrefillOutput(last, per_token)
+        return PrefillOutput(last, per_token, tuple(int(n) for n in attn.query_lens))
 
     def decode(
         self,

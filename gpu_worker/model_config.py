@@ -3,9 +3,12 @@
 ``ModelSpec`` is the one frozen description of a supported architecture: sizes, RoPE,
 per-layer attention kind (full or sliding window), attention sinks, biases and MoE.
 Parsing is strict: a model type or attention feature the runner cannot compute exactly
-(multi-head latent attention, sparse-attention indexers, quantised checkpoints, unknown
-RoPE scalings) raises ``UnsupportedModelError`` instead of being run as plain GQA, which
-would produce plausible-looking but wrong KV pages.
+(multi-head latent attention, sparse-attention indexers, compressed or shared-KV
+attention, quantised checkpoints, unknown RoPE scalings) raises ``UnsupportedModelError``
+instead of being run as plain GQA, which would produce plausible-looking but wrong KV
+pages. The error names every such feature the config shows (``unsupported_features``), so
+a DeepSeek-V3.2 config reads as MLA *and* a DSA indexer, a DeepSeek-V4 one as compressed
+sparse attention with shared K = V, not as MLA.
 """
 
 from __future__ import annotations
@@ -20,17 +23,27 @@ from engine_client import PageLayout
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gpt_oss")
 
-# Config keys that mean "not plain GQA"; a non-null value of any of them is refused.
-_UNSUPPORTED_FEATURES: dict[str, str] = {
-    "kv_lora_rank": "multi-head latent attention (MLA, kv_lora_rank)",
-    "q_lora_rank": "multi-head latent attention (MLA, q_lora_rank)",
-    "index_topk": "sparse attention indexer (DSA, index_topk)",
-    "index_n_heads": "sparse attention indexer (DSA, index_n_heads)",
-    "index_head_dim": "sparse attention indexer (DSA, index_head_dim)",
-    "sparse_attention_config": "sparse attention (sparse_attention_config)",
-    "attention_chunk_size": "chunked local attention (attention_chunk_size)",
-    "quantization_config": "quantised checkpoint (quantization_config); dequantise it first",
+_CSA = "compressed sparse attention with one shared K = V head (CSA/HCA)"
+# Features that make a model "not plain GQA", each with the config keys that show it (a
+# key shows it when present and neither null nor false). One feature may show by several
+# keys; it is named once, with the keys found.
+_UNSUPPORTED_FEATURES: dict[str, tuple[str, ...]] = {
+    "multi-head latent attention (MLA)": ("kv_lora_rank", "use_mla"),
+    "a sparse attention indexer (DSA)": ("index_topk", "index_n_heads", "index_head_dim"),
+    _CSA: (
+        "compress_ratios",
+        "compress_rate_csa",
+        "compress_rate_hca",
+        "compress_rope_theta",
+    ),
+    "a low-rank query projection": ("q_lora_rank",),
+    "a grouped low-rank output projection": ("o_lora_rank", "o_groups"),
+    "sparse attention": ("sparse_attention_config",),
+    "chunked local attention": ("attention_chunk_size",),
+    "a quantised checkpoint (dequantise it first)": ("quantization_config",),
 }
+# layer_types entries that name attention kinds the runner does not compute.
+_UNSUPPORTED_LAYER_KINDS = {"compressed_sparse_attention": _CSA, "heavily_compressed_attention": _CSA}
 
 # Keys HF's config classes default when a config.json leaves them out.
 _DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "mistral": 10000.0, "gpt_oss": 150000.0}
@@ -151,14 +164,29 @@ def parse_config(config: object) -> ModelSpec:
     return _parse(cfg)
 
 
+def unsupported_features(cfg: Mapping[str, Any]) -> list[str]:
+    """Every feature the config shows that the runner does not compute, each with the
+    config keys (or layer kinds) that show it, in ``_UNSUPPORTED_FEATURES``' order."""
+    found: dict[str, list[str]] = {}
+    for feature, keys in _UNSUPPORTED_FEATURES.items():
+        for key in keys:
+            if cfg.get(key) not in (None, False):
+                found.setdefault(feature, []).append(key)
+    for kind in dict.fromkeys(cfg.get("layer_types") or ()):
+        if kind in _UNSUPPORTED_LAYER_KINDS:
+            found.setdefault(_UNSUPPORTED_LAYER_KINDS[kind], []).append(f"layer_types {kind!r}")
+    order = list(_UNSUPPORTED_FEATURES)
+    return [f"{f} ({', '.join(keys)})" for f, keys in sorted(found.items(), key=lambda item: order.index(item[0]))]
+
+
 def _parse(cfg: dict[str, Any]) -> ModelSpec:
     model_type = cfg.get("model_type")
-    for key, feature in _UNSUPPORTED_FEATURES.items():
-        if cfg.get(key) is not None:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} uses {feature}, which the reference runner does not "
-                "implement; it must not be run as plain GQA"
-            )
+    features = unsupported_features(cfg)
+    if features:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} uses {'; '.join(features)}; the reference runner implements none of "
+            "these, and the model must not be run as plain GQA"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"

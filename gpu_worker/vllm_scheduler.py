@@ -172,6 +172,9 @@ class KVDSchedulerSide:
             computed_before[req_id] = cached.num_computed_tokens[i]
         for req_id, before in computed_before.items():
             t = self._tracked[req_id]
+            # Fewer tokens computed than planned: vLLM recomputes blocks that failed to load
+            # (or a preempted request starts over); their saves were dropped, plan them again.
+            t.planned = min(t.planned, before // self.block_size)
             done = (before + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
             end = min(done, len(t.prompt.token_ids) // self.block_size, len(t.block_ids))
             if end > t.planned:

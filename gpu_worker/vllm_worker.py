@@ -118,16 +118,17 @@ class KVDWorkerSide:
         """Before the forward pass: release finished requests' sequences, prepare the step's
         saves, and copy every planned load into its vLLM block (all layers; on CUDA queued)."""
         self._finished(meta.finished)
-        self._saves = [save for plan in meta.saves if (save := self._prepare_save(plan)) is not None]
+        failed = self._start_loads(meta.loads)
+        self._saves = [save for plan in meta.saves if (save := self._prepare_save(plan, failed)) is not None]
         self._saved_layers = set()
-        self._start_loads(meta.loads)
 
     # ---- loads ------------------------------------------------------------------------
 
-    def _start_loads(self, loads: list[LoadPlan]) -> None:
+    def _start_loads(self, loads: list[LoadPlan]) -> set[str]:
+        """Queues the step's loads; returns the requests with a block that cannot be loaded."""
         self._load_errors = set()
         self._load_events = {}
-        resolved = []
+        resolved, failed = [], set()
         for plan in loads:
             self._load_errors.update(plan.missing_block_ids)
             groups = self._resolve(plan.daemon_instance, plan.page_ids, f"load for request {plan.req_id}")
@@ -135,8 +136,10 @@ class KVDWorkerSide:
                 self._load_errors.update(plan.block_ids)
             elif plan.page_ids:
                 resolved.append((plan, groups))
+            if plan.missing_block_ids or (groups is None and plan.block_ids):
+                failed.add(plan.req_id)
         if not resolved:
-            return
+            return failed
         with self._side_stream():
             for layer, view in enumerate(self._layers):
                 for plan, groups in resolved:
@@ -149,6 +152,7 @@ class KVDWorkerSide:
                             view[torch.tensor(blocks)] = extent[indices, layer]
                 if self._cuda:
                     self._load_events[layer] = self._record()
+        return failed
 
     def wait_layer(self, layer_name: str) -> None:
         event = self._load_events.get(self.layer_index.get(layer_name, -1))
@@ -161,11 +165,15 @@ class KVDWorkerSide:
 
     # ---- saves ------------------------------------------------------------------------
 
-    def _prepare_save(self, plan: SavePlan) -> _StepSave | None:
-        """The plan's blocks that this worker's sequence does not already hold, with their pages."""
+    def _prepare_save(self, plan: SavePlan, failed: set[str]) -> _StepSave | None:
+        """The plan's blocks that this worker's sequence does not already hold, with their pages.
+
+        Nothing is saved for a request with a load error in this step: the blocks it failed
+        to load hold stale bytes, and what this step computes attended to them. vLLM
+        recomputes from the first failed block, and the scheduler plans those saves again."""
         if plan.prompt is not None:
             self._prompts[plan.req_id] = plan.prompt
-        if plan.req_id in self._complete:
+        if plan.req_id in self._complete or plan.req_id in failed:
             return None
         seq = self._sequence(plan.req_id)
         if seq is None:

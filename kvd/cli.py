@@ -24,6 +24,8 @@ def _serve(args) -> int:
         "socket": args.socket,
         "host_bytes": args.host_bytes,
         "extent_bytes": args.extent_bytes,
+        "aux_bytes": args.aux_bytes,
+        "aux_bytes_per_sequence": args.aux_bytes_per_sequence,
         "enable_prefix_reuse": args.enable_prefix_reuse,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
@@ -220,6 +222,8 @@ def parser() -> argparse.ArgumentParser:
     common(s)
     s.add_argument("--host-bytes", help="budget for all host pages, e.g. 8GiB (default 1GiB)")
     s.add_argument("--extent-bytes", help="size of one shared-memory extent (default 64MiB)")
+    s.add_argument("--aux-bytes", help="budget for the non-KV state of all sequences (default 256MiB)")
+    s.add_argument("--aux-bytes-per-sequence", help="the most non-KV state one sequence may hold (default 16MiB)")
     s.add_argument(
         "--enable-prefix-reuse",
         action=argparse.BooleanOptionalAction,

@@ -42,6 +42,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from kvd.wire.limits import MAX_AUX_STATE_BYTES
 from kvd.wire.paths import (
     auth_socket,
     default_socket,
@@ -72,6 +73,11 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
+
+
+# Defaults of the aux state settings, also the core's when it runs without a config (tests).
+AUX_BYTES = 256 << 20
+AUX_BYTES_PER_SEQUENCE = 16 << 20
 
 
 class ConfigError(ValueError):
@@ -163,6 +169,11 @@ class ServeConfig:
     socket: str = dataclasses.field(default_factory=default_socket)
     host_bytes: int = 1 << 30
     extent_bytes: int = 64 << 20
+    # Non-KV state (set_aux_state) lives on the daemon's heap, beside host_bytes: all
+    # sequences together may hold aux_bytes (tenants: split like host_bytes), one sequence
+    # aux_bytes_per_sequence, so one large blob cannot take every other sequence's room.
+    aux_bytes: int = AUX_BYTES
+    aux_bytes_per_sequence: int = AUX_BYTES_PER_SEQUENCE
     enable_prefix_reuse: bool = False
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"
@@ -178,6 +189,10 @@ class ServeConfig:
         """Names of this daemon's extents: one prefix per socket path, so daemons never collide."""
         digest = hashlib.blake2b(os.path.abspath(self.socket).encode(), digest_size=4).hexdigest()
         return f"/kvd-{digest}"
+
+    def aux_budget(self, host_bytes: int) -> int:
+        """The aux_bytes of a tenant with ``host_bytes``: its share of the host budget."""
+        return self.aux_bytes * host_bytes // self.host_bytes
 
     @property
     def socket_paths(self) -> tuple[str, ...]:
@@ -254,6 +269,16 @@ def _tenants(doc, source: str) -> tuple[TenantConfig, ...]:
     return tenants
 
 
+def _check_aux(cfg: ServeConfig) -> None:
+    """The per-sequence aux limit: within the budget and within one message."""
+    if cfg.aux_bytes_per_sequence > min(cfg.aux_bytes, MAX_AUX_STATE_BYTES):
+        raise ConfigError(
+            f"aux_bytes_per_sequence: {cfg.aux_bytes_per_sequence} bytes is over aux_bytes ({cfg.aux_bytes}) "
+            f"or the {MAX_AUX_STATE_BYTES} bytes one message can carry; set it to at most "
+            f"{min(cfg.aux_bytes, MAX_AUX_STATE_BYTES)}"
+        )
+
+
 def _check_tenants(cfg: ServeConfig) -> None:
     """Checks that need the merged settings: the budget and the auth socket's path."""
     if not cfg.tenants:
@@ -275,7 +300,7 @@ def _check_tenants(cfg: ServeConfig) -> None:
 def _coerce(name: str, value, source: str):
     kind = _FIELDS[name].type
     try:
-        if name in ("host_bytes", "extent_bytes"):
+        if name in ("host_bytes", "extent_bytes", "aux_bytes", "aux_bytes_per_sequence"):
             return parse_bytes(value, name)
         if kind == "bool":
             if isinstance(value, bool):
@@ -365,6 +390,7 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
             source = f"--{name.replace('_', '-')}"
             values[name] = _check(name, _coerce(name, value, source), source)
     cfg = ServeConfig(**values, remote=_remote(remote))
+    _check_aux(cfg)
     _check_tenants(cfg)
     return cfg
 

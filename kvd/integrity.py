@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.arena import Arena
+from kvd.counters import Counters
 from kvd.index import PageContent, PrefixIndex
 from kvd.meta import ExtentMeta, page_checksum
 from kvd.pool import PagePool
@@ -94,10 +95,11 @@ class Sealer:
 class Integrity:
     """The checksums of sealed published or cached pages, and what to do when one fails."""
 
-    def __init__(self, arena: Arena, pool: PagePool, index: PrefixIndex) -> None:
+    def __init__(self, arena: Arena, pool: PagePool, index: PrefixIndex, counters: Counters) -> None:
         self.arena = arena
         self.pool = pool
         self.index = index
+        self.counters = counters
         self.sealer = Sealer()
         self.checksums: dict[PageId, int] = {}
         self._to_seal: list[SealJob] = []
@@ -163,7 +165,7 @@ class Integrity:
         freed at once when cached, else when its holders release it."""
         content = self.pool.content(page)
         ns_id = self.pool.namespace_of(page)
-        self.pool.counters(ns_id).corrupted_pages += 1
+        self.counters.of(ns_id).corrupted_pages += 1
         log.warning(
             "page %d of namespace %d (key %s) failed its checksum; dropped from the index",
             page,

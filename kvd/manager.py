@@ -6,7 +6,8 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
-``SequenceTable``, leases in ``SessionRegistry``; request checks in kvd/requests.py;
+``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
+``Counters``; request checks in kvd/requests.py;
 what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``.
 A warm restart's findings arrive through ``restore`` (kvd/recovery.py).
 """
@@ -15,17 +16,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd import crashpoints
 from kvd.arena import Arena, ExtentPlan
+from kvd.config import AUX_BYTES
+from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.eviction import release_order, restore_order
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
 from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
+from kvd.pins import PinTable
 from kvd.pool import PagePool
 from kvd.requests import (
     TOKEN_BYTES,
@@ -38,6 +41,8 @@ from kvd.requests import (
     ResetResult,
     SequencePlan,
     SequenceRequest,
+    SequenceStatus,
+    WithEvictions,
     check_batch,
     check_call,
     check_seq_id,
@@ -46,7 +51,7 @@ from kvd.requests import (
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
-from kvd.sessions import Pin, Session, SessionRegistry
+from kvd.sessions import Session, SessionRegistry
 from kvd.supply import ExtentSupply
 from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceState, SessionId
 
@@ -58,25 +63,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class NamespaceCounters:
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-
-
 class KVCacheManager:
-    def __init__(self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None) -> None:
+    def __init__(
+        self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None, aux_budget: int = AUX_BYTES
+    ) -> None:
+        """``aux_budget``: bytes of non-KV state all sequences may hold together, on the daemon's
+        heap beside the arena's budget; ``limits.max_aux_bytes`` bounds one sequence's."""
         self.arena = arena
         self.prefix_reuse = prefix_reuse
         self.limits = limits or Limits()
+        self.aux_budget = aux_budget
         self.namespaces = NamespaceRegistry()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
-        self.pool = PagePool(on_unpublish=self._unpublished)
+        self.counters = Counters()
+        self.pool = PagePool(self.counters, on_unpublish=self._unpublished)
         self.index = PrefixIndex()
-        self.integrity = Integrity(arena, self.pool, self.index)
+        self.integrity = Integrity(arena, self.pool, self.index, self.counters)
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
-        self.counters: dict[NamespaceId, NamespaceCounters] = {}
+        self.pins = PinTable(self.pool)
         self.supply = ExtentSupply(arena, self.pool)
         self.room = Room(
             arena,
@@ -84,10 +89,12 @@ class KVCacheManager:
             self.index,
             self.supply,
             self.sequences,
+            self.counters,
             settle_seals=lambda: self.integrity.apply(wait=True),
             evict_held=self._evict_held,
         )
-        self._aux_bytes = 0  # non-KV state of all sequences
+        self.aux_bytes = 0  # non-KV state of all sequences
+        self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
         self.remote: RemoteTier | None = None  # set by attach_remote
 
@@ -121,11 +128,9 @@ class KVCacheManager:
         """Drops every sequence and pin of the session; the log says why it ended: closed by
         its client, the daemon stopping, or else the client went away without closing it."""
         session = self.sessions.get(session_id)
-        held = (len(session.sequences), len(session.pins))
+        held = (len(session.sequences), self.pins.drop_session(session.id))
         for key in list(session.sequences):
             self._drop(self.sequences.find(*key))
-        for pin in list(session.pins.values()):
-            self._unpin(session, pin)
         self.sessions.remove(session)
         name = session.client_name or "?"
         if session.closed_by_client:
@@ -155,7 +160,6 @@ class KVCacheManager:
             except (MetaError, OSError) as e:
                 raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
             self.namespaces.add(ns)
-            self.counters[ns.id] = NamespaceCounters()
         self.supply.provision(ns)
         return ns
 
@@ -169,7 +173,6 @@ class KVCacheManager:
         for identity, ns_id in found.namespaces:
             got = self.namespaces.register(identity)
             assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
-            self.counters.setdefault(got.id, NamespaceCounters())
         for extent in found.extents:
             self.arena.adopt_recovered(extent)
             self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
@@ -180,7 +183,7 @@ class KVCacheManager:
         for ns_id, contents in by_ns.items():
             self.pool.restore(ns_id, restore_order(contents))
         for ns_id, corrupted in found.corrupted.items():
-            self.pool.counters(ns_id).corrupted_pages += corrupted
+            self.counters.of(ns_id).corrupted_pages += corrupted
         self.integrity.restore(found.checksums)
         self.write_manifest()
 
@@ -223,8 +226,12 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------
 
-    def allocate(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[SequencePlan]:
-        """Prefix hits pinned and private pages allocated for a batch, all or nothing."""
+    def allocate(
+        self, session_id: str, namespace_id: int, requests: list[SequenceRequest]
+    ) -> WithEvictions[list[SequencePlan]]:
+        """Prefix hits pinned and private pages allocated for a batch, all or nothing.
+
+        An EVICTED id re-enters: a new PREFILLED sequence under that id, with its aux state."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         check_call(self.limits, requests)
@@ -248,15 +255,17 @@ class KVCacheManager:
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
             self.pool.acquire_all(p.hits)
         try:
-            self.room.ensure_free(ns, need)
+            self._make_room(ns, need)
         except ResourceExhausted:  # /dev/shm refused an extent the check counted on
             for p in prepared:
                 self.pool.release_all(release_order(p.hits))
             raise
         plans = []
-        counters = self.counters[ns.id]
+        counters = self.counters.of(ns.id)
         for p in prepared:
+            aux = b""
             if p.reentry is not None:
+                aux = p.reentry.aux
                 self._forget(p.reentry)
             private = self.pool.allocate(ns.id, -(-p.num_tokens // ns.page_size) - len(p.hits))
             hit_tokens = len(p.hits) * ns.page_size
@@ -270,6 +279,7 @@ class KVCacheManager:
                 tokens=bytearray(p.tokens),
                 keys=p.hit_keys,
                 shared_prefix_tokens=hit_tokens,
+                aux=aux,
             )
             self._add(session, seq)
             counters.lookup_tokens += p.num_tokens
@@ -280,7 +290,7 @@ class KVCacheManager:
             for p in prepared:
                 self.remote.served(p.hits, ns.page_size)
                 self.remote.missed(ns, p.chain, p.tokens, p.hits, p.hit_keys)
-        return plans
+        return WithEvictions(plans, self._report_evictions(session))
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The same matching as allocate, without pinning or allocating anything. With a remote
@@ -344,7 +354,7 @@ class KVCacheManager:
 
     def extend(
         self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]
-    ) -> list[ExtendResult]:
+    ) -> WithEvictions[list[ExtendResult]]:
         """Room for more tokens (decode), always in private pages; all or nothing.
 
         One call per decode step for the whole batch, so the per-item work stays small: most
@@ -382,7 +392,7 @@ class KVCacheManager:
                         "were never given, so later ids cannot be recorded"
                     )
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
-        self.room.ensure_free(ns, sum(new_pages for _, _, _, new_pages in plans))
+        self._make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
         for seq, total, tokens, new_pages in plans:
             pages = self.pool.allocate(ns.id, new_pages)
@@ -392,9 +402,9 @@ class KVCacheManager:
                 seq.tokens += tokens
             results.append(ExtendResult(seq.seq_id, pages, total))
         self.supply.provision(ns)
-        return results
+        return WithEvictions(results, self._report_evictions(session))
 
-    def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> SequencePlan:
+    def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> WithEvictions[SequencePlan]:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
@@ -405,7 +415,7 @@ class KVCacheManager:
         self._check_aux_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
-        self.room.ensure_free(ns, len(copies), protect=src)
+        self._make_room(ns, len(copies), protect=src)
         self.pool.acquire_all(shared)
         private = self.pool.allocate(ns.id, len(copies))
         for page, dst_page in zip(copies, private):
@@ -423,11 +433,11 @@ class KVCacheManager:
             aux=src.aux,
         )
         self._add(session, dst)
-        self._aux_bytes += len(dst.aux)
         self.supply.provision(ns)
-        return SequencePlan(
+        plan = SequencePlan(
             dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
         )
+        return WithEvictions(plan, self._report_evictions(session))
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns how many page references were released."""
@@ -464,29 +474,49 @@ class KVCacheManager:
         self.sequences.set_state(seq, state)  # raises on an invalid transition
         if state is SequenceState.COMPLETED:
             self._drop(seq)
-        elif state is SequenceState.EVICTED:
-            self._release_pages(seq)
         return previous
 
+    def describe(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> list[SequenceStatus]:
+        """The sequences' states and sizes, read without changing anything; all or nothing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, seq_ids, unique=False)
+        return [
+            SequenceStatus(
+                seq.seq_id,
+                seq.state,
+                seq.num_tokens,
+                seq.known_tokens,
+                len(seq.shared_pages),
+                len(seq.private_pages),
+                seq.shared_prefix_tokens,
+                len(seq.aux),
+            )
+            for seq in (self.sequences.owned(ns.id, s, session.id) for s in seq_ids)
+        ]
+
     def set_aux(self, session_id: str, namespace_id: int, seq_id: str, data: bytes) -> None:
-        """Stores the sequence's non-KV state (never shared; a fork copies it)."""
-        seq = self._live(self.namespaces.get(namespace_id), seq_id, self.sessions.get(session_id))
+        """Stores the sequence's non-KV state (never shared; a fork copies it). It may be set in
+        any state, EVICTED included: it is not KV, and it stays through re-entry.
+
+        Over the per-sequence limit is INVALID_ARGUMENT (it never fits, whatever else is held);
+        over what the shared budget has left is RESOURCE_EXHAUSTED (it fits once others free some)."""
+        session = self.sessions.get(session_id)
+        seq = self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id)
         if len(data) > self.limits.max_aux_bytes:
-            raise InvalidArgument(f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes}")
+            raise InvalidArgument(
+                f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes} bytes per "
+                "sequence (the daemon's aux_bytes_per_sequence)"
+            )
         self._check_aux_room(len(data) - len(seq.aux))
-        self._aux_bytes += len(data) - len(seq.aux)
+        self.aux_bytes += len(data) - len(seq.aux)
         seq.aux = bytes(data)
 
-    @property
-    def aux_budget(self) -> int:
-        """Non-KV state lives on the daemon's heap; it may take a quarter of the host budget."""
-        return self.arena.budget_bytes // 4
-
     def _check_aux_room(self, more: int) -> None:
-        if self._aux_bytes + more > self.aux_budget:
+        if self.aux_bytes + more > self.aux_budget:
             raise ResourceExhausted(
-                f"aux state of all sequences would take {self._aux_bytes + more} bytes, over its budget of "
-                f"{self.aux_budget} bytes (a quarter of the host budget)"
+                f"aux state of all sequences would take {self.aux_bytes + more} bytes, over its budget of "
+                f"{self.aux_budget} bytes (the daemon's aux_bytes; {self.aux_bytes} held now)"
             )
 
     def get_aux(self, session_id: str, namespace_id: int, seq_id: str) -> bytes:
@@ -505,25 +535,16 @@ class KVCacheManager:
             raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
         p = prepare(self.limits, ns, SequenceRequest("pin", tokens, extra_keys))
         pages = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
-        self.pool.acquire_all(pages, pin=True)
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
-        pin = Pin(self.sessions.new_pin_id(), session.id, ns.id, pages, expires)
-        session.pins[pin.id] = pin
+        pin = self.pins.take(session.id, ns.id, pages, expires)
         return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
 
     def unpin(self, session_id: str, pin_id: int) -> None:
-        session = self.sessions.get(session_id)
-        self._unpin(session, self.sessions.pin_of(session, pin_id))
+        self.pins.drop(self.pins.of(self.sessions.get(session_id).id, pin_id))
 
     def expire_pins(self, now: float) -> int:
-        expired = self.sessions.expired_pins(now)
-        for pin in expired:
-            self._unpin(self.sessions.get(pin.session), pin)
-        return len(expired)
-
-    def _unpin(self, session: Session, pin: Pin) -> None:
-        self.pool.release_all(release_order(pin.pages), pin=True)
-        del session.pins[pin.id]
+        """Drops the pins whose time to live ran out (the daemon's sweep calls this)."""
+        return self.pins.expire(now)
 
     def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
         seq = self.sequences.owned(ns.id, seq_id, session.id)
@@ -556,6 +577,12 @@ class KVCacheManager:
             seq.pages[i] = existing.page
             self.pool.release(page)
             return Rebind(i, page, existing.page)
+        if existing is not None and self._unreachable(existing):
+            # The entry's parent left the index (it failed its checksum): no match can reach
+            # the entry any more, so this page, whose parent is indexed, takes its place.
+            self.index.remove(existing)
+            self.pool.unindex(existing.page)
+            existing = None
         # On a (verified) hash collision the page is published but left out of the index.
         content = PageContent(page, key, page_tokens, parent, local)
         indexed = existing is None
@@ -567,26 +594,57 @@ class KVCacheManager:
         self.integrity.describe(content, i)
         return None
 
+    def _unreachable(self, content: PageContent) -> bool:
+        """Whether a match can no longer reach the indexed page: matching walks from the
+        chain's first page through indexed parents only."""
+        parent = content.parent
+        return parent is not None and (parent not in self.pool or not self.pool.is_indexed(parent))
+
     # ---- internals: sequence bookkeeping ------------------------------------------
 
     def _add(self, session: Session, seq: Sequence) -> None:
         self.sequences.add(seq)
         session.sequences.add((seq.namespace, seq.seq_id))
+        self.aux_bytes += len(seq.aux)
+
+    def _make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+        """``Room.ensure_free``; when it fails after evicting (``/dev/shm`` refused an extent it
+        counted on), every owner of what it evicted, the caller too, hears of it on its stream."""
+        try:
+            self.room.ensure_free(ns, need, protect)
+        except ResourceExhausted:
+            self._report_evictions(None)
+            raise
 
     def _evict_held(self, seq: Sequence) -> None:
-        """ON_HOLD → EVICTED under memory pressure: its pages go, its owner hears of it."""
-        self.sequences.set_state(seq, SequenceState.EVICTED)
+        """ON_HOLD → EVICTED under memory pressure: its pages go; the call reports it."""
+        self.sequences.evict(seq)
         self._release_pages(seq)
-        session = self.sessions.get(seq.session)
-        if session.listener is not None:
-            session.listener(seq.namespace, [seq.seq_id])
+        self._evicted_now.append(seq)
+
+    def _report_evictions(self, caller: Session | None) -> list[SeqId]:
+        """Hands out what the current call evicted: the ids of the caller's own sequences are
+        returned for its reply; every other owner hears of its own on its session stream."""
+        evicted, self._evicted_now = self._evicted_now, []
+        own: list[SeqId] = []
+        others: dict[tuple[SessionId, NamespaceId], list[SeqId]] = {}
+        for seq in evicted:
+            if caller is not None and seq.session == caller.id:
+                own.append(seq.seq_id)
+            else:
+                others.setdefault((seq.session, seq.namespace), []).append(seq.seq_id)
+        for (session_id, ns_id), seq_ids in others.items():
+            listener = self.sessions.get(session_id).listener
+            if listener is not None:
+                listener(ns_id, seq_ids)
+        return own
 
     def _release_pages(self, seq: Sequence) -> None:
         self.pool.release_all(release_order(seq.pages))
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
     def _forget(self, seq: Sequence) -> None:
-        self._aux_bytes -= len(seq.aux)
+        self.aux_bytes -= len(seq.aux)
         self.sequences.remove(seq)
         self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
 

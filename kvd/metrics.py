@@ -115,6 +115,10 @@ class _StatsCollector:
             value=every.host_bytes_free,
         )
         yield GaugeMetricFamily("kvd_arena_bytes", "Bytes of shared-memory extents created", value=every.arena_bytes)
+        yield GaugeMetricFamily(
+            "kvd_aux_budget_bytes", "Budget for the non-KV state of all sequences", value=every.aux_bytes
+        )
+        yield GaugeMetricFamily("kvd_aux_bytes_used", "Non-KV state the sequences hold", value=every.aux_bytes_used)
         yield CounterMetricFamily(
             "kvd_shm_refusals", "Extents /dev/shm could not hold (calls refused)", value=every.shm_refusals
         )

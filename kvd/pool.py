@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvd.counters import Counters
 from kvd.eviction import CachedQueue
 from kvd.index import PageContent
 from kvd.types import NamespaceId, PageId, PageState
@@ -34,14 +35,6 @@ class _Page:
 
 
 @dataclass
-class PoolCounters:
-    refcount_increments: int = 0
-    refcount_decrements: int = 0
-    evicted_pages: int = 0
-    corrupted_pages: int = 0  # published pages whose bytes no longer match their checksum
-
-
-@dataclass
 class _NamespacePages:
     free: list[PageId] = field(default_factory=list)
     cached: CachedQueue = field(default_factory=CachedQueue)
@@ -50,13 +43,13 @@ class _NamespacePages:
 class PagePool:
     """States, refcounts, free lists and LRU of every host page of the daemon."""
 
-    def __init__(self, on_unpublish: Callable[[PageId], None] | None = None) -> None:
+    def __init__(self, counters: Counters, on_unpublish: Callable[[PageId], None] | None = None) -> None:
         # Called when a published page stops being published (freed), before it can be reused.
         self._on_unpublish = on_unpublish
         self._pages: dict[PageId, _Page] = {}
         self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
         self._extent_in_use: dict[str, int] = {}  # PRIVATE or PUBLISHED pages per extent
-        self._counters: dict[NamespaceId, PoolCounters] = {}
+        self._counters = counters  # refcount changes and evictions are counted here
 
     # ---- extents ------------------------------------------------------------------
 
@@ -120,12 +113,6 @@ class PagePool:
     def is_indexed(self, page: PageId) -> bool:
         return self._pages[page].indexed
 
-    def counters(self, namespace: NamespaceId) -> PoolCounters:
-        counters = self._counters.get(namespace)
-        if counters is None:
-            counters = self._counters[namespace] = PoolCounters()
-        return counters
-
     def free_count(self, namespace: NamespaceId) -> int:
         return len(self._ns(namespace).free)
 
@@ -162,7 +149,7 @@ class PagePool:
             extents.append(p.extent)
         for extent, n in Counter(extents).items():
             self._extent_in_use[extent] += n
-        self.counters(namespace).refcount_increments += count
+        self._counters.of(namespace).refcount_increments += count
         return taken
 
     def acquire(self, page: PageId, pin: bool = False) -> None:
@@ -186,7 +173,7 @@ class PagePool:
         if pin:
             for page in pages:
                 pages_of[page].pins += 1
-        self.counters(namespace).refcount_increments += len(pages)
+        self._counters.of(namespace).refcount_increments += len(pages)
 
     def _revive(self, page: PageId, p: _Page, namespace: NamespaceId) -> None:
         assert p.namespace == namespace, (
@@ -227,7 +214,7 @@ class PagePool:
                 cache(page)
             else:
                 self._to_free(page, p)
-        self.counters(namespace).refcount_decrements += len(pages)
+        self._counters.of(namespace).refcount_decrements += len(pages)
 
     @staticmethod
     def _refuse_release(page: PageId, p: _Page, namespace: NamespaceId, pin: bool) -> None:
@@ -260,7 +247,8 @@ class PagePool:
         return self._evict(page)
 
     def unindex(self, page: PageId) -> None:
-        """Takes a published page out of sharing (it failed its checksum): a CACHED one is
+        """Takes a published page out of sharing (it failed its checksum, or its chain was
+        re-published after its parent did): a CACHED one is
         freed now, a referenced one stays with its holders and is freed, never cached, on
         its last release. The caller removes its index entry."""
         p = self._pages[page]
@@ -274,7 +262,7 @@ class PagePool:
         p = self._pages[page]
         content = p.content
         assert content is not None, f"cached page {page} has no content"
-        self.counters(p.namespace).evicted_pages += 1
+        self._counters.of(p.namespace).evicted_pages += 1
         self._to_free(page, p)
         return content
 

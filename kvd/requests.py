@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Generic, TypeVar
 
 import numpy as np
 
+from kvd.config import AUX_BYTES_PER_SEQUENCE
 from kvd.errors import InvalidArgument
 from kvd.index import ChainSpec, ExtraKey, ExtraKind, chain_spec
 from kvd.namespaces import Namespace
 from kvd.sequences import Sequence
-from kvd.types import PageId, PageKey, PinId, SeqId
+from kvd.types import PageId, PageKey, PinId, SeqId, SequenceState
 from kvd.wire.codec import TOKEN_BYTES, token_array, unpack_tokens
 
 _SMALL_TOKEN_BYTES = 1024
@@ -42,7 +44,7 @@ class Limits:
     max_call_extra_keys: int = 1 << 14
     max_extra_key_bytes: int = 1024
     max_call_extra_key_bytes: int = 4 << 20
-    max_aux_bytes: int = 64 << 20
+    max_aux_bytes: int = AUX_BYTES_PER_SEQUENCE  # one sequence's aux state (setting aux_bytes_per_sequence)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,34 @@ class ExtendResult:
     seq_id: SeqId
     new_pages: list[PageId]
     num_tokens: int
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WithEvictions(Generic[T]):
+    """The result of a call that may make room (allocate, extend, fork), and the caller's
+    own ON_HOLD sequences it evicted for that room, now EVICTED: the reply names them, so
+    the caller knows before its next call. Other owners hear of theirs on their session
+    streams (``Session.listener``)."""
+
+    result: T
+    evicted: list[SeqId]
+
+
+@dataclass(frozen=True)
+class SequenceStatus:
+    """One sequence as the daemon holds it now (``KVCacheManager.describe``)."""
+
+    seq_id: SeqId
+    state: SequenceState
+    num_tokens: int  # tokens it has room for (0 once EVICTED)
+    known_tokens: int  # of those, tokens whose ids were given (their pages can be published)
+    shared_pages: int  # published pages at the head of its page table
+    private_pages: int  # its own writable pages after them
+    shared_prefix_tokens: int  # tokens its allocation found cached
+    aux_bytes: int  # size of its non-KV state
 
 
 @dataclass(frozen=True)

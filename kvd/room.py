@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from kvd.arena import Arena, Extent
+from kvd.counters import Counters
 from kvd.errors import ResourceExhausted
 from kvd.eviction import held_victim
 from kvd.index import PrefixIndex
@@ -40,6 +41,7 @@ class Room:
         index: PrefixIndex,
         supply: ExtentSupply,
         sequences: SequenceTable,
+        counters: Counters,
         settle_seals: Callable[[], None],
         evict_held: Callable[[Sequence], None],
     ) -> None:
@@ -48,6 +50,7 @@ class Room:
         self.index = index
         self.supply = supply
         self.sequences = sequences
+        self.counters = counters  # read for the log line of what was evicted
         self._settle_seals = settle_seals  # waits for checksums still reading pages
         self._evict_held = evict_held  # ON_HOLD → EVICTED: drops its pages, tells its owner
 
@@ -56,7 +59,7 @@ class Room:
 
         ``protect``: an on-hold sequence the caller is working on, never evicted for it."""
         self.check(ns, need, protect)
-        counters = self.pool.counters(ns.id)
+        counters = self.counters.of(ns.id)
         evicted_before, held_evicted = counters.evicted_pages, 0
         while self.pool.free_count(ns.id) < need:
             held_evicted += self._make_room(ns, need, protect)

@@ -3,12 +3,27 @@
 A sequence's page table is ``[published prefix pages | private pages]``: the first
 ``num_published`` pages are immutable and may be shared, the rest belong to this
 sequence alone. ``pages`` is the combined view. Non-KV state (``aux``: recurrent or
-indexer state, checkpoints) is per sequence and a fork copies it.
+indexer state, checkpoints) is per sequence; a fork copies it, and it lives as long as
+the sequence id does: through eviction and re-entry, until release or COMPLETED.
 
-    PREFILLED -> IN_DECODE <-> ON_HOLD -> COMPLETED
-                                 |
-                                 +-> EVICTED (all its pages released: private ones freed, published
-                                     ones cached unless shared; aux kept; re-enters by allocating again)
+The life cycle. ``allocate`` creates a sequence PREFILLED (or re-enters an EVICTED one,
+aux kept). A client moves it with ``set_state`` along ``TRANSITIONS``, this table (the
+README shows the same one and tests/test_readme.py holds the two together):
+
+| from | a client may set |
+|---|---|
+| PREFILLED | IN_DECODE, ON_HOLD, COMPLETED |
+| IN_DECODE | ON_HOLD, COMPLETED |
+| ON_HOLD | IN_DECODE, COMPLETED |
+| EVICTED | COMPLETED |
+| COMPLETED | — |
+
+Only the daemon moves a sequence ON_HOLD → EVICTED (``SequenceTable.evict``), when room
+is made for another call: all its pages are released (private ones freed, published ones
+cached unless shared), its ids and aux stay. A client that wants the pages gone releases
+the sequence or sets COMPLETED, which drops it, so COMPLETED has no way out (the id is
+then unknown). PREFILLED → ON_HOLD parks a prefilled sequence before its first decode
+step (a preempted or disaggregated prefill), evictable like any held one.
 """
 
 from __future__ import annotations
@@ -21,10 +36,11 @@ from kvd.index import ChainSpec
 from kvd.types import NamespaceId, PageId, PageKey, SeqId, SequenceState, SessionId
 from kvd.wire.codec import TOKEN_BYTES
 
+# What set_state accepts, from each state; the module docstring draws it.
 TRANSITIONS: dict[SequenceState, frozenset[SequenceState]] = {
     SequenceState.PREFILLED: frozenset({SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED}),
     SequenceState.IN_DECODE: frozenset({SequenceState.ON_HOLD, SequenceState.COMPLETED}),
-    SequenceState.ON_HOLD: frozenset({SequenceState.IN_DECODE, SequenceState.EVICTED, SequenceState.COMPLETED}),
+    SequenceState.ON_HOLD: frozenset({SequenceState.IN_DECODE, SequenceState.COMPLETED}),
     SequenceState.EVICTED: frozenset({SequenceState.COMPLETED}),
     SequenceState.COMPLETED: frozenset(),
 }
@@ -100,12 +116,26 @@ class SequenceTable:
 
     @staticmethod
     def check_transition(seq: Sequence, state: SequenceState) -> None:
-        """Raises unless the life cycle allows `seq` to go to `state`."""
+        """Raises unless a client may move `seq` to `state` (``TRANSITIONS``)."""
         if state not in TRANSITIONS[seq.state]:
-            raise FailedPrecondition(f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}")
+            allowed = ", ".join(s.name for s in sorted(TRANSITIONS[seq.state], key=lambda s: s.value)) or "nothing"
+            why = " (only the daemon evicts, under memory pressure)" if state is SequenceState.EVICTED else ""
+            raise FailedPrecondition(
+                f"sequence {seq.seq_id!r} cannot go from {seq.state.name} to {state.name}{why}; "
+                f"from {seq.state.name} a client may set {allowed}"
+            )
 
     def set_state(self, seq: Sequence, state: SequenceState) -> None:
+        """A client's transition; raises unless ``TRANSITIONS`` allows it."""
         self.check_transition(seq, state)
+        self._move(seq, state)
+
+    def evict(self, seq: Sequence) -> None:
+        """The daemon's own transition, ON_HOLD → EVICTED (the caller releases the pages)."""
+        assert seq.state is SequenceState.ON_HOLD, f"sequence {seq.seq_id!r} evicted while {seq.state.name}"
+        self._move(seq, SequenceState.EVICTED)
+
+    def _move(self, seq: Sequence, state: SequenceState) -> None:
         held = self._on_hold.setdefault(seq.namespace, OrderedDict())
         if state is SequenceState.ON_HOLD:
             held[seq.seq_id] = None

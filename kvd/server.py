@@ -25,10 +25,11 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__, handshake, recovery
+from kvd import __version__, handshake, pins, recovery
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
+from kvd.requests import Limits
 from kvd.service import SERVICE, KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire.limits import MAX_MESSAGE_BYTES
@@ -49,8 +50,6 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
 ]
-
-PIN_SWEEP_SECONDS = 0.5
 
 
 class StartupError(RuntimeError):
@@ -113,7 +112,12 @@ async def _listen(server: grpc.aio.Server, path: str, mode: int, group: int | No
 
 def _new_manager(config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int) -> KVCacheManager:
     arena = Arena(budget, min(config.extent_bytes, budget), prefix, config.lock_memory, group, meta_mode)
-    return KVCacheManager(arena, prefix_reuse=config.enable_prefix_reuse)
+    return KVCacheManager(
+        arena,
+        prefix_reuse=config.enable_prefix_reuse,
+        limits=Limits(max_aux_bytes=config.aux_bytes_per_sequence),
+        aux_budget=config.aux_budget(budget),
+    )
 
 
 def _recovered_manager(
@@ -258,7 +262,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
 
     async def sweep_pins() -> None:
         while True:
-            await asyncio.sleep(PIN_SWEEP_SECONDS)
+            await asyncio.sleep(pins.SWEEP_SECONDS)
             for manager in tenants.managers():
                 manager.expire_pins(time.monotonic())
 

@@ -35,7 +35,7 @@ from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
 from kvd.recovery import RecoveryReport
-from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, check_call, extend_items
+from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, SequenceStatus, check_call, extend_items
 from kvd.stats import PageStats, Stats
 from kvd.tenants import IMPLICIT, Tenants
 from kvd.types import SequenceState
@@ -110,6 +110,19 @@ def _plan(plan: SequencePlan) -> pb.SequenceAllocation:
     )
 
 
+def _status(s: SequenceStatus) -> pb.SequenceStatus:
+    return pb.SequenceStatus(
+        seq_id=s.seq_id,
+        state=s.state.value,
+        num_tokens=s.num_tokens,
+        known_tokens=s.known_tokens,
+        shared_pages=s.shared_pages,
+        private_pages=s.private_pages,
+        shared_prefix_tokens=s.shared_prefix_tokens,
+        aux_bytes=s.aux_bytes,
+    )
+
+
 def _seq_state(value: int) -> SequenceState:
     try:
         return SequenceState(value)
@@ -158,6 +171,9 @@ def stats_reply(s: Stats) -> pb.StatsReply:
         arena_bytes=s.arena_bytes,
         host_bytes_used=s.host_bytes_used,
         host_bytes_free=s.host_bytes_free,
+        aux_bytes=s.aux_bytes,
+        aux_bytes_used=s.aux_bytes_used,
+        aux_bytes_per_sequence=s.aux_bytes_per_sequence,
         prefix_reuse=s.prefix_reuse,
         namespaces=_namespace_stats(s),
         shm_refusals=s.shm_refusals,
@@ -175,6 +191,9 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
         arena_bytes=every.arena_bytes,
         host_bytes_used=every.host_bytes_used,
         host_bytes_free=every.host_bytes_free,
+        aux_bytes=every.aux_bytes,
+        aux_bytes_used=every.aux_bytes_used,
+        aux_bytes_per_sequence=every.aux_bytes_per_sequence,
         prefix_reuse=every.prefix_reuse,
         namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
         shm_refusals=every.shm_refusals,
@@ -362,8 +381,8 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def AllocateWithPrefix(self, r):
         m = self._manager_of(r.session)
         check_call(m.limits, r.sequences)  # before building a core object per sequence and key
-        plans = m.allocate(r.session, r.namespace_id, _requests(r.sequences))
-        return pb.AllocateReply(sequences=[_plan(p) for p in plans])
+        done = m.allocate(r.session, r.namespace_id, _requests(r.sequences))
+        return pb.AllocateReply(sequences=[_plan(p) for p in done.result], evicted_seq_ids=done.evicted)
 
     @_unary
     def Lookup(self, r):
@@ -404,18 +423,18 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def Extend(self, r):
         m = self._manager_of(r.session)
         items = extend_items(r.seq_ids, r.num_tokens, r.token_id_counts, r.token_ids)
-        results = m.extend(r.session, r.namespace_id, items)
+        done = m.extend(r.session, r.namespace_id, items)
         return pb.ExtendReply(
-            num_tokens=[x.num_tokens for x in results],
-            new_page_counts=[len(x.new_pages) for x in results],
-            new_pages=pack_pages([page for x in results for page in x.new_pages]),
+            num_tokens=[x.num_tokens for x in done.result],
+            new_page_counts=[len(x.new_pages) for x in done.result],
+            new_pages=pack_pages([page for x in done.result for page in x.new_pages]),
+            evicted_seq_ids=done.evicted,
         )
 
     @_unary
     def Fork(self, r):
-        return pb.ForkReply(
-            sequence=_plan(self._manager_of(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id))
-        )
+        done = self._manager_of(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)
+        return pb.ForkReply(sequence=_plan(done.result), evicted_seq_ids=done.evicted)
 
     @_unary
     def Release(self, r):
@@ -443,6 +462,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def GetAuxState(self, r):
         return pb.GetAuxStateReply(data=self._manager_of(r.session).get_aux(r.session, r.namespace_id, r.seq_id))
+
+    @_unary
+    def DescribeSequences(self, r):
+        statuses = self._manager_of(r.session).describe(r.session, r.namespace_id, list(r.seq_ids))
+        return pb.DescribeSequencesReply(sequences=[_status(s) for s in statuses])
 
     @_unary
     def Pin(self, r):

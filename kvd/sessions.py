@@ -1,30 +1,19 @@
-"""Sessions (client leases) and the pins they hold.
+"""Sessions (client leases).
 
-A session owns the sequences it allocated and the pins it took. It lives exactly as
-long as the client's OpenSession stream; when that ends for any reason the manager
-drops everything the session owned. Session tokens are random and unguessable.
+A session owns the sequences it allocated and the pins it took (kept in kvd/pins.py).
+It lives exactly as long as the client's OpenSession stream; when that ends for any
+reason the manager drops everything the session owned. Session tokens are random and unguessable.
 """
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvd.errors import NotFound, PermissionDenied
-from kvd.types import NamespaceId, PageId, PinId, SeqId, SessionId
-
-
-@dataclass
-class Pin:
-    id: PinId
-    session: SessionId
-    namespace: NamespaceId
-    pages: list[PageId]
-    expires_at: float | None  # time.monotonic() deadline, None: until unpinned
-
+from kvd.errors import NotFound
+from kvd.types import NamespaceId, SeqId, SessionId
 
 UNKNOWN_SESSION = (
     "unknown session; open one with OpenSession and keep its stream open "
@@ -42,7 +31,6 @@ class Session:
     pid: int
     opened_at: float = field(default_factory=time.monotonic)
     sequences: set[tuple[NamespaceId, SeqId]] = field(default_factory=set)
-    pins: dict[PinId, Pin] = field(default_factory=dict)
     listener: EvictionListener | None = None
     closed_by_client: bool = False  # CloseSession was called: the stream's end is no crash
 
@@ -50,7 +38,6 @@ class Session:
 class SessionRegistry:
     def __init__(self) -> None:
         self._sessions: dict[SessionId, Session] = {}
-        self._pin_ids = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -71,22 +58,3 @@ class SessionRegistry:
 
     def remove(self, session: Session) -> None:
         del self._sessions[session.id]
-
-    def new_pin_id(self) -> PinId:
-        return PinId(next(self._pin_ids))
-
-    def pin_of(self, session: Session, pin_id: int) -> Pin:
-        pin = session.pins.get(PinId(pin_id))
-        if pin is not None:
-            return pin
-        if any(PinId(pin_id) in s.pins for s in self._sessions.values()):
-            raise PermissionDenied(f"pin {pin_id} belongs to another session")
-        raise NotFound(f"pin {pin_id} does not exist (never taken, unpinned or expired)")
-
-    def expired_pins(self, now: float) -> list[Pin]:
-        return [
-            pin
-            for s in self._sessions.values()
-            for pin in s.pins.values()
-            if pin.expires_at is not None and pin.expires_at <= now
-        ]

@@ -13,26 +13,6 @@ from dataclasses import asdict, dataclass, field, fields
 from kvd.recovery import RecoveryReport
 from kvd.types import PageState
 
-STAT_FIELDS = (
-    "logical_pages",
-    "physical_pages",
-    "shared_pages",
-    "private_pages",
-    "cached_pages",
-    "pinned_pages",
-    "free_pages",
-    "host_pages_saved",
-    "host_bytes_saved",
-    "refcount_increments",
-    "refcount_decrements",
-    "lookup_tokens",
-    "hit_tokens",
-    "evicted_pages",
-    "corrupted_pages",
-    "sessions",
-    "sequences",
-)
-
 
 @dataclass
 class PageStats:
@@ -60,6 +40,9 @@ class PageStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+STAT_FIELDS = tuple(f.name for f in fields(PageStats))
 
 
 @dataclass
@@ -114,6 +97,9 @@ class Stats:
     prefix_reuse: bool
     host_bytes_used: int  # in pages that hold KV: private, shared or cached
     host_bytes_free: int  # free pages of created extents + budget not yet made into extents
+    aux_bytes: int  # budget of non-KV state, all sequences together (beside host_bytes)
+    aux_bytes_used: int  # non-KV state the sequences hold now
+    aux_bytes_per_sequence: int  # the most one sequence may hold
     shm_refusals: int = 0  # extents /dev/shm could not hold
     recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
     remote: RemoteStats = field(default_factory=RemoteStats)
@@ -124,6 +110,9 @@ class Stats:
             "host_bytes": self.host_bytes,
             "host_bytes_used": self.host_bytes_used,
             "host_bytes_free": self.host_bytes_free,
+            "aux_bytes": self.aux_bytes,
+            "aux_bytes_used": self.aux_bytes_used,
+            "aux_bytes_per_sequence": self.aux_bytes_per_sequence,
             "arena_bytes": self.arena_bytes,
             "prefix_reuse": self.prefix_reuse,
             "shm_refusals": self.shm_refusals,
@@ -142,16 +131,7 @@ def collect(manager) -> Stats:
     referenced: dict[int, set] = {}
     holders: dict[int, set] = {}
     for ns in manager.namespaces.all():
-        counters = manager.pool.counters(ns.id)
-        per_ns[ns.id] = PageStats(
-            refcount_increments=counters.refcount_increments,
-            refcount_decrements=counters.refcount_decrements,
-            evicted_pages=counters.evicted_pages,
-            corrupted_pages=counters.corrupted_pages,
-            lookup_tokens=manager.counters[ns.id].lookup_tokens,
-            hit_tokens=manager.counters[ns.id].hit_tokens,
-            free_pages=manager.pool.free_count(ns.id),
-        )
+        per_ns[ns.id] = PageStats(**asdict(manager.counters.of(ns.id)), free_pages=manager.pool.free_count(ns.id))
         referenced[ns.id], holders[ns.id] = set(), set()
     for seq in manager.sequences:
         s = per_ns[seq.namespace]
@@ -159,9 +139,8 @@ def collect(manager) -> Stats:
         s.sequences += 1
         referenced[seq.namespace].update(seq.pages)
         holders[seq.namespace].add(seq.session)
-    for session in manager.sessions:
-        for pin in session.pins.values():
-            holders[pin.namespace].add(session.id)
+    for pin in manager.pins:
+        holders[pin.namespace].add(pin.session)
     for _page, state, _refcount, pins, ns_id in manager.pool.pages():
         s = per_ns[ns_id]
         if state is PageState.PRIVATE:
@@ -195,6 +174,9 @@ def collect(manager) -> Stats:
         manager.prefix_reuse,
         used,
         free,
+        manager.aux_budget,
+        manager.aux_bytes,
+        manager.limits.max_aux_bytes,
         arena.shm_refusals,
         manager.last_recovery or RecoveryReport(),
         remote_stats(manager),
@@ -217,4 +199,7 @@ def combined(parts: list[Stats]) -> Stats:
         remote=combined_remote([part.remote for part in parts]),
         host_bytes_used=sum(part.host_bytes_used for part in parts),
         host_bytes_free=sum(part.host_bytes_free for part in parts),
+        aux_bytes=sum(part.aux_bytes for part in parts),
+        aux_bytes_used=sum(part.aux_bytes_used for part in parts),
+        aux_bytes_per_sequence=max((part.aux_bytes_per_sequence for part in parts), default=0),
     )

@@ -81,9 +81,17 @@ def test_stats_json_fields_and_values(tmp_path):
                 "namespaces",
                 "shm_refusals",
                 "recovery",
+                "aux_bytes",
+                "aux_bytes_used",
+                "aux_bytes_per_sequence",
                 "remote",
             }
             assert stats["remote"]["state"] == "off"  # no [remote] table
+            assert (stats["aux_bytes"], stats["aux_bytes_used"], stats["aux_bytes_per_sequence"]) == (
+                256 << 20,
+                0,
+                16 << 20,
+            )
             assert stats["host_bytes_used"] == 5 * PAGE_BYTES  # 4 shared + 1 private page
             assert stats["host_bytes_free"] == (64 << 20) - stats["arena_bytes"] + stats["free_pages"] * PAGE_BYTES
             assert stats["shm_refusals"] == 0
@@ -386,6 +394,10 @@ BAD_SETTINGS = {
     "log level": ({"file": 'log_level = "LOUD"\n'}, ["log_level", "'LOUD'", "kvd.toml"]),
     "socket mode": ({"env": {"KVD_SOCKET_MODE": "0999"}}, ["socket_mode", "KVD_SOCKET_MODE"]),
     "long socket": ({"args": ["--socket", "/tmp/" + "s" * 120]}, ["socket", "107 bytes"]),
+    "aux per sequence over the budget": (
+        {"args": ["--aux-bytes", "1MiB", "--aux-bytes-per-sequence", "2MiB"]},
+        ["aux_bytes_per_sequence", "set it to at most 1048576"],
+    ),
     "missing file": ({"config": "missing.toml"}, ["cannot read config file", "missing.toml"]),
     "flag syntax": ({"args": ["--metrics-port", "abc"]}, ["invalid int value: 'abc'"]),
 }

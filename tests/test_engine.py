@@ -118,14 +118,14 @@ def test_mixed_batch_decodes_like_transformers_on_each_sequence(family: str, cli
         "hit": base[:8] + tokens(5, seed=3),  # two shared pages + 5 own tokens
         "miss": own,
         "twin": list(own),  # same prompt in the same batch: its full pages get rebound on publish
-        "full": base[:12],  # every token cached: nothing is computed
+        "full": base[:12],  # every token cached: only the last token's query is run, no K/V
     }
     results = {r.seq_id: r for r in engine.prefill(list(prompts.items()))}
     assert {s: (r.computed_tokens, r.reused_tokens) for s, r in results.items()} == {
         "hit": (5, 8),
         "miss": (9, 0),
         "twin": (9, 0),
-        "full": (0, 12),
+        "full": (1, 12),
     }
     assert engine.info("twin").host_pages[:2] == engine.info("miss").host_pages[:2]
     assert engine.page_table("twin")[:2] == engine.page_table("miss")[:2]
@@ -175,9 +175,13 @@ def test_prefill_computes_exactly_the_suffix_on_a_hit(client: KVDClient, monkeyp
     assert written == [3] * r.spec.num_layers  # only the suffix's K/V, layer by layer
     written.clear()
     [full] = engine.prefill([("c", prompt[:20])])
-    assert (full.computed_tokens, full.reused_tokens) == (0, 20)
+    # A full hit writes no K/V, but the runner does run its last token (the query, for the
+    # logits): computed_tokens counts what the runner processed, not prompt minus hit.
+    assert (full.computed_tokens, full.reused_tokens) == (1, 20)
     assert written == [0] * r.spec.num_layers  # a full hit writes nothing
     assert_close(full.logits, hf_last_logits("llama", prompt[:20]))
+    stats = engine.stats()
+    assert (stats.prefill_tokens_computed, stats.prefill_tokens_reused) == (24 + 3 + 1, 16 + 20)
 
 
 def test_eight_sequences_share_one_loaded_prefix_across_hold_and_resume(client: KVDClient) -> None:

@@ -362,6 +362,13 @@ BAD_CASES = {
         lambda e, a, b: ("GetAuxState", pb.GetAuxStateRequest(session=b, namespace_id=e.ns["A"], seq_id="mine")),
         Code.PERMISSION_DENIED,
     ),
+    "another session's sequence: describe": (
+        lambda e, a, b: (
+            "DescribeSequences",
+            pb.DescribeSequencesRequest(session=b, namespace_id=e.ns["A"], seq_ids=["mine"]),
+        ),
+        Code.PERMISSION_DENIED,
+    ),
     "another session's sequence: set aux": (
         lambda e, a, b: (
             "SetAuxState",

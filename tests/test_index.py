@@ -59,7 +59,7 @@ def core(make_manager):
 
 
 def allocate_and_publish(m, sid, ns, seq_id, ids, extra=()):
-    plan = m.allocate(sid, ns, [SequenceRequest(seq_id, toks(ids), tuple(extra))])[0]
+    plan = m.allocate(sid, ns, [SequenceRequest(seq_id, toks(ids), tuple(extra))]).result[0]
     m.publish(sid, ns, [(seq_id, 0)])
     return plan
 
@@ -144,7 +144,7 @@ def test_lora_and_salt_with_equal_bytes_never_share_pages(core):
     assert hits(m, sid, ns, ids, [salt(b"t1")]) == []
     assert hits(m, sid, ns, ids) == []
     assert hits(m, sid, ns, ids, [lora(b"t2")]) == []
-    plan = m.allocate(sid, ns, [SequenceRequest("salt", toks(ids), (salt(b"t1"),))])[0]
+    plan = m.allocate(sid, ns, [SequenceRequest("salt", toks(ids), (salt(b"t1"),))]).result[0]
     assert plan.shared_pages == [] and plan.private_pages == [2, 3]
     [result] = m.publish(sid, ns, [("salt", 0)])
     assert result.rebinds == [] and result.published_pages == 2
@@ -228,7 +228,7 @@ def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
     m.index.insert(planted, 0)  # a collision planted in the index
     try:
         assert hits(m, sid, ns, wanted) == []
-        plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))])[0]
+        plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))]).result[0]
         assert plan.shared_pages == [] and plan.shared_prefix_tokens == 0
     finally:
         m.index.remove(planted)
@@ -355,6 +355,26 @@ def test_a_page_dropped_from_the_middle_of_a_run_ends_every_hit_there(core):
     pages = allocate_and_publish(m, sid, ns, "a", ids).pages
     m.integrity.drop_corrupted(pages[3])
     assert hits(m, sid, ns, ids) == walked(m, ns, ids) == pages[:3]
+    assert invariants.violations(m) == []
+
+
+@pytest.mark.parametrize("first_holder", ["released", "still running"])
+def test_a_chain_published_again_after_a_drop_hits_to_its_end(core, first_holder):
+    """The pages after a dropped page can no longer be reached; publishing the prompt again
+    replaces them (cached ones are freed, ones in use stay with their holder), so the next
+    request hits all of it, not only up to the dropped page."""
+    m, sid, ns = core
+    ids = list(range(400, 432))  # 8 pages
+    pages = allocate_and_publish(m, sid, ns, "a", ids).pages
+    if first_holder == "released":
+        m.release(sid, ns, ["a"])
+    m.integrity.drop_corrupted(pages[3])
+    allocate_and_publish(m, sid, ns, "b", ids)
+    again = hits(m, sid, ns, ids)
+    assert len(again) == 8 and again == walked(m, ns, ids) and again[:3] == pages[:3]
+    if first_holder == "still running":  # a's pages after the drop: its own, out of the index
+        assert set(again[3:]).isdisjoint(pages) and not any(m.pool.is_indexed(page) for page in pages[3:])
+        assert [m.pool.state(page) for page in pages[3:]] == [PageState.PUBLISHED] * 5
     assert invariants.violations(m) == []
 
 

@@ -409,12 +409,23 @@ def test_on_hold_sequence_with_published_pages_is_evicted_under_pressure(daemon_
         assert client.check_invariants() == []
 
 
-def test_aux_state_counts_against_the_host_budget(daemon_factory):
-    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", str(BUDGET), "--extent-bytes", "512KiB")
+def test_aux_state_stays_within_its_budget(daemon_factory):
+    aux = 8 << 20
+    d = daemon_factory(
+        "--enable-prefix-reuse",
+        "--host-bytes",
+        str(BUDGET),
+        "--extent-bytes",
+        "512KiB",
+        "--aux-bytes",
+        str(aux),
+        "--aux-bytes-per-sequence",
+        "4MiB",
+    )
     with KVDClient.connect(d.socket, client_name="aux") as client:
         ns = client.register_namespace(agents.MODEL, LAYOUT)
         client.allocate_with_prefix(ns, [SequenceRequest(f"aux-{i}", [1, 2, 3]) for i in range(10)])
-        blob = bytes(32 << 20)
+        blob = bytes(4 << 20)
         refused = 0
         for i in range(10):
             try:
@@ -422,9 +433,10 @@ def test_aux_state_counts_against_the_host_budget(daemon_factory):
             except KVDError as e:
                 assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e
                 refused += 1
+        assert refused == 8 and client.stats()["aux_bytes_used"] == aux
         rss = vm_kib(d.process.pid, "VmRSS") << 10
         assert client.check_invariants() == []
-    assert rss <= BUDGET + RSS_SLACK, f"daemon RSS {rss >> 20} MiB with a {BUDGET >> 20} MiB budget ({refused} refused)"
+    assert rss <= BUDGET + aux + RSS_SLACK, f"daemon RSS {rss >> 20} MiB with {BUDGET >> 20} + {aux >> 20} MiB budgets"
 
 
 def test_tiny_page_layout_cannot_blow_up_daemon_metadata(daemon_factory):

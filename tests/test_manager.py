@@ -70,8 +70,9 @@ def snapshot(m) -> dict:
             )
             for s in m.sequences
         ),
-        "sessions": sorted((s.id, sorted(s.sequences), sorted(s.pins)) for s in m.sessions),
-        "counters": {ns.id: (m.counters[ns.id].lookup_tokens, m.counters[ns.id].hit_tokens) for ns in namespaces},
+        "sessions": sorted((s.id, sorted(s.sequences)) for s in m.sessions),
+        "pins": sorted((pin.id, pin.session, pin.pages) for pin in m.pins),
+        "counters": {ns.id: (m.counters.of(ns.id).lookup_tokens, m.counters.of(ns.id).hit_tokens) for ns in namespaces},
         "extents": [e.name for e in m.arena.extents()],
         "reserved": m.arena.reserved_bytes,
     }
@@ -92,11 +93,23 @@ class Core:
             self.m = make_manager(budget_bytes=nbytes, extent_bytes=nbytes, prefix_reuse=prefix_reuse)
         self.sid = self.m.open_session("test", 1).id
         self.ns = self.m.register_namespace(identity(**ident)).id
-        self.evicted: list[tuple[int, list[str]]] = []
+        self.evicted: list[tuple[int, list[str]]] = []  # what the session stream heard
+        self.replied: list[list[str]] = []  # what replies named as evicted by the call (non-empty only)
         self.m.sessions.get(self.sid).listener = lambda ns, ids: self.evicted.append((ns, list(ids)))
 
     def alloc(self, *requests: SequenceRequest, sid=None):
-        return self.m.allocate(sid or self.sid, self.ns, list(requests))
+        return self.replies(self.m.allocate(sid or self.sid, self.ns, list(requests)))
+
+    def extend(self, *items):
+        return self.replies(self.m.extend(self.sid, self.ns, list(items)))
+
+    def fork(self, src: str, dst: str):
+        return self.replies(self.m.fork(self.sid, self.ns, src, dst))
+
+    def replies(self, done):
+        if done.evicted:
+            self.replied.append(list(done.evicted))
+        return done.result
 
     def alloc1(self, seq_id: str, ids, extra=()):
         return self.alloc(req(seq_id, ids, extra))[0]
@@ -266,7 +279,7 @@ def test_acquire_and_release_are_symmetric(make_manager):
     assert c.refcounts([0, 1]) == [2, 2]
     c.release("c", "a")
     assert c.refcounts([0, 1]) == [0, 0] and c.lru() == [1, 0]
-    counters = c.m.pool.counters(c.ns)
+    counters = c.m.counters.of(c.ns)
     # a: 2 allocated, b: 2 hits, c: 2 hits + 1 private
     assert (counters.refcount_increments, counters.refcount_decrements) == (7, 7)
     check(c.m)
@@ -320,7 +333,7 @@ def test_cached_pages_are_evicted_in_lru_order_tail_first(make_manager):
     plan = c.alloc1("c", prompt(200, 20))  # 5 pages: 3 free, then evict 2 and 1
     assert plan.private_pages == [1, 2, 5, 6, 7]
     assert c.lru() == [0, 4, 3]
-    assert c.m.pool.counters(c.ns).evicted_pages == 2
+    assert c.m.counters.of(c.ns).evicted_pages == 2
     assert c.lookup(a) == [0] and c.lookup(b) == [3, 4]
     check(c.m)
 
@@ -354,17 +367,19 @@ def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manag
     plan = c.alloc1("b", prompt(200, 8))  # 2 pages: free 3, then a's private page 1
     assert plan.private_pages == [1, 3]
     assert c.seq("a").state is SequenceState.EVICTED and c.seq("a").pages == []
-    assert c.evicted == [(c.ns, ["a"])]
+    assert c.replied == [["a"]] and c.evicted == []  # the reply names it; the stream stays for others
     assert c.m.pool.state(0) is PageState.CACHED and c.lru() == [0]
     with pytest.raises(FailedPrecondition, match="evicted under memory pressure"):
         c.publish("a")
     with pytest.raises(FailedPrecondition, match="evicted"):
-        c.m.extend(c.sid, c.ns, [("a", 1, None)])
+        c.extend(("a", 1, None))
     check(c.m)
     c.release("b")
+    c.m.set_aux(c.sid, c.ns, "a", b"state 2")  # aux is not KV: an evicted sequence keeps and updates it
     again = c.alloc1("a", a)  # re-entry: the prefix page still hits
     assert (again.shared_pages, again.shared_prefix_tokens, again.suffix_start) == ([0], 4, 4)
     assert c.seq("a").state is SequenceState.PREFILLED
+    assert c.m.get_aux(c.sid, c.ns, "a") == b"state 2" and c.m.aux_bytes == 7
     check(c.m)
 
 
@@ -385,7 +400,7 @@ def test_oldest_on_hold_sequence_goes_first(make_manager):
     for s in ("y", "x", "z"):
         c.m.set_state(c.sid, c.ns, s, SequenceState.ON_HOLD)
     c.alloc1("b", prompt(200, 8))  # free 3, then y's page
-    assert c.evicted == [(c.ns, ["y"])]
+    assert c.replied == [["y"]]
     assert [c.seq(s).state for s in "xyz"] == [SequenceState.ON_HOLD, SequenceState.EVICTED, SequenceState.ON_HOLD]
     check(c.m)
 
@@ -401,11 +416,11 @@ def test_nothing_evictable_means_resource_exhausted(make_manager):
 
 
 def test_reentry_is_only_for_the_owner(make_manager):
-    c = Core(make_manager)
+    c = Core(make_manager, pages=16)
     other = c.m.open_session("other", 2).id
     c.alloc1("a", prompt(0, 5))
     c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
-    c.m.set_state(c.sid, c.ns, "a", SequenceState.EVICTED)
+    evict(c, "a")
     with pytest.raises(PermissionDenied):
         c.alloc(req("a", prompt(0, 5)), sid=other)
     assert c.alloc1("a", prompt(0, 5)).private_pages == [0, 1]
@@ -424,10 +439,10 @@ def test_a_namespace_reclaims_another_namespaces_unreferenced_extent(make_manage
         m.allocate(sid, big, [req("b", prompt(0, 16))])
     m.release(sid, small, ["p", "a"])
     assert m.pool.lru_order(small) == [1, 0]
-    plan = m.allocate(sid, big, [req("b", prompt(0, 16))])[0]
+    plan = m.allocate(sid, big, [req("b", prompt(0, 16))]).result[0]
     assert m.extents(small) == [] and len(m.extents(big)) == 1
     assert plan.private_pages == [m.extents(big)[0].first_page]
-    assert m.pool.counters(small).evicted_pages == 2 and len(m.index) == 0
+    assert m.counters.of(small).evicted_pages == 2 and len(m.index) == 0
     assert m.lookup(sid, small, [req("a", prompt(0, 8))])[0].hit_pages == []
     check(m)
 
@@ -489,7 +504,7 @@ def test_fork_shares_published_pages_and_copies_the_tail(make_manager):
     pattern = np.arange(PAGE_BYTES, dtype=np.uint32).astype(np.uint8)
     c.m.arena.page_bytes_view(2)[:] = pattern
     c.m.set_aux(c.sid, c.ns, "a", b"recurrent-state")
-    plan = c.m.fork(c.sid, c.ns, "a", "b")
+    plan = c.fork("a", "b")
     assert (plan.shared_pages, plan.private_pages) == ([0, 1], [3])
     assert (plan.shared_prefix_tokens, plan.suffix_start, plan.num_tokens) == (8, 8, 10)
     assert np.array_equal(c.m.arena.page_bytes_view(3), pattern)
@@ -501,7 +516,7 @@ def test_fork_shares_published_pages_and_copies_the_tail(make_manager):
     assert np.array_equal(c.m.arena.page_bytes_view(2), pattern)
     c.m.set_aux(c.sid, c.ns, "b", b"other")
     assert c.m.get_aux(c.sid, c.ns, "a") == b"recurrent-state"
-    c.m.extend(c.sid, c.ns, [("b", 3, toks([1, 2, 3]))])
+    c.extend(("b", 3, toks([1, 2, 3])))
     assert c.seq("a").num_tokens == 10 and c.seq("a").pages == [0, 1, 2]
     assert c.seq("b").num_tokens == 13 and c.seq("b").pages == [0, 1, 3, 4]
     c.release("a")
@@ -522,9 +537,9 @@ def test_fork_errors_change_nothing(make_manager):
         ("a", "", InvalidArgument),
     ]:
         with pytest.raises(error):
-            c.m.fork(c.sid, c.ns, src, dst)
+            c.fork(src, dst)
     with pytest.raises(PermissionDenied):
-        c.m.fork(c.sid, c.ns, "theirs", "c")
+        c.fork("theirs", "c")
     assert snapshot(c.m) == before
 
 
@@ -535,8 +550,8 @@ def test_fork_of_an_on_hold_sequence_evicts_others_not_it(make_manager):
     c.m.set_state(c.sid, c.ns, "h", SequenceState.ON_HOLD)
     c.m.arena.page_bytes_view(0)[:] = 8
     c.m.arena.page_bytes_view(1)[:] = 9
-    plan = c.m.fork(c.sid, c.ns, "a", "b")
-    assert c.evicted == [(c.ns, ["h"])] and c.seq("a").state is SequenceState.ON_HOLD
+    plan = c.fork("a", "b")
+    assert c.replied == [["h"]] and c.seq("a").state is SequenceState.ON_HOLD
     assert plan.private_pages == [2, 3]
     assert [int(c.m.arena.page_bytes_view(p).min()) for p in (2, 3)] == [8, 9]
     assert [int(c.m.arena.page_bytes_view(p).max()) for p in (2, 3)] == [8, 9]
@@ -549,7 +564,7 @@ def test_fork_of_an_on_hold_sequence_never_evicts_it(make_manager):
     c.m.set_state(c.sid, c.ns, "a", SequenceState.ON_HOLD)
     before = snapshot(c.m)
     with pytest.raises(ResourceExhausted):
-        c.m.fork(c.sid, c.ns, "a", "b")
+        c.fork("a", "b")
     assert snapshot(c.m) == before and c.evicted == []
 
 
@@ -560,7 +575,7 @@ def test_extend_adds_private_pages_only(make_manager):
     c = Core(make_manager)
     c.alloc1("a", prompt(0, 8))
     c.publish("a")
-    results = [c.m.extend(c.sid, c.ns, [("a", n, None)])[0] for n in (1, 3, 1)]
+    results = [c.extend(("a", n, None))[0] for n in (1, 3, 1)]
     assert [(r.new_pages, r.num_tokens) for r in results] == [([2], 9), ([], 12), ([3], 13)]
     assert [c.m.pool.state(p) for p in c.seq("a").pages] == [PageState.PUBLISHED] * 2 + [PageState.PRIVATE] * 2
     check(c.m)
@@ -585,9 +600,9 @@ def test_extend_is_all_or_nothing(make_manager):
         with pytest.raises(error):
             c.m.extend(c.sid, c.ns, items)
         assert snapshot(c.m) == before, items
-    results = c.m.extend(c.sid, c.ns, [("a", 4, None), ("b", 1, None)])  # 2 pages: free 3, evict h
+    results = c.extend(("a", 4, None), ("b", 1, None))  # 2 pages: free 3, evict h
     assert [r.new_pages for r in results] == [[2], [3]]
-    assert c.evicted == [(c.ns, ["h"])]
+    assert c.replied == [["h"]]
     check(c.m)
 
 
@@ -596,7 +611,7 @@ def test_extend_records_token_ids_so_decode_pages_can_be_published(make_manager)
     a = prompt(0, 8)
     c.alloc1("a", a)
     c.publish("a")
-    c.m.extend(c.sid, c.ns, [("a", 4, toks([90, 91, 92, 93]))])
+    c.extend(("a", 4, toks([90, 91, 92, 93])))
     assert bytes(c.seq("a").tokens) == toks(a + [90, 91, 92, 93])
     assert c.publish("a")[0].published_pages == 1
     assert c.alloc1("b", a + [90, 91, 92, 93]).shared_pages == [0, 1, 2]
@@ -606,10 +621,10 @@ def test_extend_records_token_ids_so_decode_pages_can_be_published(make_manager)
 def test_token_ids_cannot_follow_a_gap(make_manager):
     c = Core(make_manager)
     c.alloc1("a", prompt(0, 4))
-    c.m.extend(c.sid, c.ns, [("a", 4, None)])
+    c.extend(("a", 4, None))
     before = snapshot(c.m)
     with pytest.raises(FailedPrecondition, match="never given"):
-        c.m.extend(c.sid, c.ns, [("a", 1, toks([5]))])
+        c.extend(("a", 1, toks([5])))
     with pytest.raises(FailedPrecondition, match="unknown"):
         c.publish("a", num_tokens=8)
     assert snapshot(c.m) == before
@@ -619,29 +634,48 @@ def test_token_ids_cannot_follow_a_gap(make_manager):
 
 # ---- set_state ----------------------------------------------------------------------
 
-VALID = {
+VALID = {  # the README's table: ON_HOLD → EVICTED is the daemon's, never a client's
     SequenceState.PREFILLED: {SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED},
     SequenceState.IN_DECODE: {SequenceState.ON_HOLD, SequenceState.COMPLETED},
-    SequenceState.ON_HOLD: {SequenceState.IN_DECODE, SequenceState.EVICTED, SequenceState.COMPLETED},
+    SequenceState.ON_HOLD: {SequenceState.IN_DECODE, SequenceState.COMPLETED},
     SequenceState.EVICTED: {SequenceState.COMPLETED},
+    SequenceState.COMPLETED: set(),
 }
-PATH_TO = {
-    SequenceState.PREFILLED: [],
-    SequenceState.IN_DECODE: [SequenceState.IN_DECODE],
-    SequenceState.ON_HOLD: [SequenceState.ON_HOLD],
-    SequenceState.EVICTED: [SequenceState.ON_HOLD, SequenceState.EVICTED],
-}
+
+
+def evict(c: Core, seq_id: str) -> None:
+    """Makes the daemon evict the on-hold ``seq_id``: a batch that needs every page of the
+    budget takes its pages, then goes."""
+    assert c.seq(seq_id).state is SequenceState.ON_HOLD
+    free = c.m.pool.free_count(c.ns) + c.m.arena.creatable_pages(c.m.namespaces.get(c.ns).page_bytes)
+    c.alloc1("pressure", prompt(5000, (free + len(c.seq(seq_id).private_pages)) * PAGE_SIZE))
+    c.release("pressure")
+    assert c.seq(seq_id).state is SequenceState.EVICTED and c.replied[-1] == [seq_id]
+
+
+def to_state(c: Core, seq_id: str, state: SequenceState) -> None:
+    """Moves the PREFILLED ``seq_id`` to ``state`` the way a client and the daemon would."""
+    path = {
+        SequenceState.PREFILLED: [],
+        SequenceState.IN_DECODE: [SequenceState.IN_DECODE],
+        SequenceState.ON_HOLD: [SequenceState.ON_HOLD],
+        SequenceState.EVICTED: [SequenceState.ON_HOLD],
+        SequenceState.COMPLETED: [SequenceState.COMPLETED],
+    }[state]
+    for step in path:
+        c.m.set_state(c.sid, c.ns, seq_id, step)
+    if state is SequenceState.EVICTED:
+        evict(c, seq_id)
 
 
 def test_the_full_life_cycle(make_manager):
-    c = Core(make_manager)
+    c = Core(make_manager, pages=16)
     c.alloc1("a", prompt(0, 6))
     chain = [
         SequenceState.IN_DECODE,
         SequenceState.ON_HOLD,
         SequenceState.IN_DECODE,
         SequenceState.ON_HOLD,
-        SequenceState.EVICTED,
     ]
     previous = SequenceState.PREFILLED
     for state in chain:
@@ -649,6 +683,8 @@ def test_the_full_life_cycle(make_manager):
         assert c.seq("a").state is state
         previous = state
         check(c.m)
+    evict(c, "a")
+    check(c.m)
     assert c.m.set_state(c.sid, c.ns, "a", SequenceState.COMPLETED) is SequenceState.EVICTED
     assert c.seq("a") is None
     with pytest.raises(NotFound):
@@ -658,14 +694,18 @@ def test_the_full_life_cycle(make_manager):
 @pytest.mark.parametrize("start", list(VALID), ids=lambda s: s.name)
 @pytest.mark.parametrize("target", list(SequenceState), ids=lambda s: s.name)
 def test_every_transition(make_manager, start, target):
-    c = Core(make_manager)
+    c = Core(make_manager, pages=16)
     c.alloc1("a", prompt(0, 6))
     c.publish("a")
-    for state in PATH_TO[start]:
-        c.m.set_state(c.sid, c.ns, "a", state)
+    to_state(c, "a", start)
     if target not in VALID[start]:
         before = snapshot(c.m)
-        with pytest.raises(FailedPrecondition, match=f"cannot go from {start.name} to {target.name}"):
+        error, words = (
+            (NotFound, "already released or completed")
+            if start is SequenceState.COMPLETED
+            else (FailedPrecondition, f"cannot go from {start.name} to {target.name}")
+        )
+        with pytest.raises(error, match=words):
             c.m.set_state(c.sid, c.ns, "a", target)
         assert snapshot(c.m) == before
         return
@@ -761,7 +801,7 @@ def test_pins_expire_after_their_ttl(make_manager):
     assert c.m.expire_pins(time.monotonic() + 5) == 0
     assert c.m.expire_pins(time.monotonic() + 11) == 1
     assert c.refcounts([0]) == [1] and c.m.pool.pins(0) == 1
-    assert set(c.m.sessions.get(c.sid).pins) == {forever.pin_id}
+    assert [pin.id for pin in c.m.pins.held_by(c.sid)] == [forever.pin_id]
     with pytest.raises(NotFound):
         c.m.unpin(c.sid, brief.pin_id)
     assert c.m.expire_pins(time.monotonic() + 1e9) == 0
@@ -819,10 +859,10 @@ def test_without_prefix_reuse_nothing_is_shared(make_manager):
     assert c.lookup(a) == [] and len(c.m.index) == 0
     assert pinned(c, a).pages == []
     c.m.arena.page_bytes_view(0)[:] = 3
-    plan = c.m.fork(c.sid, c.ns, "a", "d")
+    plan = c.fork("a", "d")
     assert (plan.shared_pages, plan.private_pages) == ([], [9, 10, 11])
     assert np.array_equal(c.m.arena.page_bytes_view(9), c.m.arena.page_bytes_view(0))
-    c.m.extend(c.sid, c.ns, [("d", 4, toks([1, 2, 3, 4]))])
+    c.extend(("d", 4, toks([1, 2, 3, 4])))
     assert c.publish("d")[0].published_pages == 0
     s = stats.collect(c.m).totals
     assert s.logical_pages == s.physical_pages == 13 and s.host_pages_saved == 0
@@ -913,7 +953,7 @@ def test_a_failed_background_build_returns_its_budget(make_manager):
         m.allocate(sid, ns, [req("a", [1])])
     assert m.arena.reserved_bytes == 0 and m.arena.extents() == []
     m.arena.build = build  # the disk has room again
-    plans = m.allocate(sid, ns, [req("a", prompt(0, 16))])
+    plans = m.allocate(sid, ns, [req("a", prompt(0, 16))]).result
     assert len(plans[0].private_pages) == 4  # the whole budget is usable
     assert m.arena.reserved_bytes == m.arena.budget_bytes
     check(m)
@@ -955,4 +995,11 @@ def test_invariant_checker_finds_corruption(make_manager):
     pool._pages[0].refcount += 1
     assert invariants.violations(c.m) == ["page 0 has refcount 2 but 1 references (sequences + pins)"]
     pool._pages[0].refcount -= 1
+    c.seq("a").pages.append(7)
+    assert "sequence 'a' holds 3 pages for 8 tokens" in invariants.violations(c.m)
+    c.seq("a").pages.pop()
+    pinned(c, prompt(0, 4))
+    pool._pages[0].pins -= 1
+    assert invariants.violations(c.m) == ["page 0 counts 0 pins but 1 pins hold it"]
+    pool._pages[0].pins += 1
     check(c.m)

@@ -356,6 +356,76 @@ def test_unsupported_configs_raise(config: dict, words: str) -> None:
         parse_config(config)
 
 
+DEEPSEEK_V32 = {
+    **DEEPSEEK_V3,
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+}
+DEEPSEEK_V4 = dict(  # the shape of deepseek-ai/DeepSeek-V4-Flash's config.json: no kv_lora_rank, K = V
+    model_type="deepseek_v4",
+    hidden_size=4096,
+    num_attention_heads=64,
+    num_key_value_heads=1,
+    head_dim=512,
+    num_hidden_layers=4,
+    q_lora_rank=1024,
+    o_lora_rank=1024,
+    o_groups=8,
+    compress_ratios=[0, 0, 4, 128],
+    compress_rope_theta=160000,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    sliding_window=128,
+    vocab_size=129280,
+    intermediate_size=2048,
+)
+
+
+@pytest.mark.parametrize(
+    "config,features,not_named",
+    [
+        (  # DSA = MLA + an indexer: both are named, not just the first found
+            DEEPSEEK_V32,
+            [
+                "multi-head latent attention (MLA) (kv_lora_rank)",
+                "indexer (DSA) (index_topk, index_n_heads, index_head_dim)",
+            ],
+            [],
+        ),
+        (  # compressed sparse, shared-KV attention is not MLA
+            DEEPSEEK_V4,
+            [
+                "shared K = V head (CSA/HCA) (compress_ratios, compress_rope_theta)",
+                "indexer (DSA)",
+                "low-rank query projection (q_lora_rank)",
+                "grouped low-rank output projection (o_lora_rank, o_groups)",
+            ],
+            ["MLA"],
+        ),
+        (  # transformers' deepseek_v4 config names the kinds in layer_types
+            {
+                **LlamaConfig(**SMALL).to_dict(),
+                "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            },
+            ["(layer_types 'compressed_sparse_attention', layer_types 'heavily_compressed_attention')"],
+            ["MLA"],
+        ),
+    ],
+    ids=["deepseek_v32", "deepseek_v4", "layer_types"],
+)
+def test_a_refusal_names_every_unsupported_feature(config: dict, features: list[str], not_named: list[str]) -> None:
+    with pytest.raises(UnsupportedModelError) as refused:
+        parse_config(config)
+    message = str(refused.value)
+    for feature in features:
+        assert feature in message, message
+    for word in not_named:
+        assert word not in message, message
+
+
 def test_gpt_oss_config_json_in_the_older_rope_scaling_format() -> None:
     config = {  # the shape of openai/gpt-oss-20b's config.json, sizes shrunk
         "model_type": "gpt_oss",

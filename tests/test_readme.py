@@ -14,6 +14,10 @@ import sys
 
 from conftest import clean_env
 
+import kvd.sequences
+from kvd.sequences import TRANSITIONS
+from kvd.types import SequenceState
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -65,3 +69,23 @@ def test_relative_links_of_the_docs_resolve():
     for doc in [README, *sorted((root / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def life_cycle_table(text: str) -> dict[SequenceState, frozenset[SequenceState]]:
+    """The "| from | a client may set |" table in ``text``, as TRANSITIONS holds it."""
+    rows = re.search(r"\| from \| a client may set \|\n\|---\|---\|\n((?:\|.*\|\n?)+)", text).group(1)
+    table = {}
+    for row in rows.strip().splitlines():
+        start, targets = (cell.strip() for cell in row.strip("|").split("|"))
+        table[SequenceState[start]] = frozenset(
+            SequenceState[t.strip()] for t in targets.split(",") if t.strip() != "—"
+        )
+    return table
+
+
+def test_the_life_cycle_table_is_the_one_the_daemon_enforces():
+    """README and kvd/sequences.py's docstring show the table set_state checks, all 5 rows."""
+    assert life_cycle_table(README.read_text()) == TRANSITIONS
+    assert life_cycle_table(kvd.sequences.__doc__) == TRANSITIONS
+    assert set(TRANSITIONS) == set(SequenceState)
+    assert all(SequenceState.EVICTED not in targets for targets in TRANSITIONS.values()), "EVICTED is the daemon's"

@@ -114,7 +114,7 @@ def test_recovery_cost_per_gib(tmp_path):
         session = first.open_session("bench", 1).id
         ns = first.register_namespace(identity)
         tokens = np.arange(1024 * 16, dtype="<i4").tobytes()
-        [plan] = first.allocate(session, ns.id, [CoreRequest("s", tokens)])
+        [plan] = first.allocate(session, ns.id, [CoreRequest("s", tokens)]).result
         for page in plan.private_pages:
             first.arena.page_bytes_view(page)[:] = page % 251
         first.publish(session, ns.id, [("s", 0)])

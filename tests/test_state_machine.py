@@ -44,7 +44,7 @@ PREFIXES = [list(range(k * 1000 + 10, k * 1000 + 34)) for k in range(2)]
 VALID = {
     SequenceState.PREFILLED: {SequenceState.IN_DECODE, SequenceState.ON_HOLD, SequenceState.COMPLETED},
     SequenceState.IN_DECODE: {SequenceState.ON_HOLD, SequenceState.COMPLETED},
-    SequenceState.ON_HOLD: {SequenceState.IN_DECODE, SequenceState.EVICTED, SequenceState.COMPLETED},
+    SequenceState.ON_HOLD: {SequenceState.IN_DECODE, SequenceState.COMPLETED},  # EVICTED: the daemon's move
     SequenceState.EVICTED: {SequenceState.COMPLETED},
     SequenceState.COMPLETED: set(),
 }
@@ -116,6 +116,16 @@ class CoreMachine(RuleBasedStateMachine):
             return None
         assert expected is None, f"succeeded; the model expected {expected.__name__}"
         return result
+
+    def replied(self, done, i: int, n: int):
+        """The result of a call that may evict; the evictions its reply names are the caller's own
+        sequences (others' owners hear of theirs through the listener) and join ``events``."""
+        if done is None:
+            return None
+        for s in done.evicted:
+            assert self.seqs[(n, s)].session == self.sids[i], f"a reply named another session's {s}"
+        self.events.extend((self.ns[n], s) for s in done.evicted)
+        return done.result
 
     def session_error(self, i: int) -> type[KVDError] | None:
         return None if self.open[i] else NotFound
@@ -209,6 +219,7 @@ class CoreMachine(RuleBasedStateMachine):
         # allocate matches exactly as lookup does; lookup changes nothing (see the lookup rule)
         looked_up = [r.hit_pages for r in self.m.lookup(self.sids[i], self.ns[n], requests)] if expected is None else []
         plans = self.call(lambda: self.m.allocate(self.sids[i], self.ns[n], requests), expected, may_exhaust=True)
+        plans = self.replied(plans, i, n)
         if plans is None:
             return
         ps = PAGE_SIZES[n]
@@ -245,6 +256,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.session_error(i),
             may_exhaust=True,
         )
+        plans = self.replied(plans, i, n)
         if plans is not None:
             assert plans[0].shared_pages == [] and len(plans[0].private_pages) == pages
             self.fresh_private(plans[0].private_pages)
@@ -311,6 +323,7 @@ class CoreMachine(RuleBasedStateMachine):
                 expected = FailedPrecondition
         call_items = [(s, k, toks(new_tokens[s]) if given else None) for s, k, given in items]
         results = self.call(lambda: self.m.extend(self.sids[i], self.ns[n], call_items), expected, may_exhaust=True)
+        results = self.replied(results, i, n)
         if results is None:
             return
         for (s, k, _given), result in zip(items, results):
@@ -328,6 +341,7 @@ class CoreMachine(RuleBasedStateMachine):
         if expected is None and (n, dst) in self.seqs:
             expected = FailedPrecondition
         plan = self.call(lambda: self.m.fork(self.sids[i], self.ns[n], src, dst), expected, may_exhaust=True)
+        plan = self.replied(plan, i, n)
         if plan is None:
             return
         source = self.m.sequences.find(self.ns[n], src)
@@ -370,8 +384,6 @@ class CoreMachine(RuleBasedStateMachine):
         assert previous is ms.state
         if to is SequenceState.COMPLETED:
             del self.seqs[(n, s)]
-        elif to is SequenceState.EVICTED:
-            self.seqs[(n, s)] = replace(ms, state=to, num_tokens=0, tokens=())
         else:
             self.seqs[(n, s)] = replace(ms, state=to)
 
@@ -449,7 +461,7 @@ class CoreMachine(RuleBasedStateMachine):
             self.check_hits(n, list(np.frombuffer(bytes(seq.tokens), "<i4")), seq.shared_pages)
             assert [self.m.pool.content(p).key for p in seq.shared_pages] == seq.keys
         assert seen == self.seqs
-        pins = {pid: ModelPin(s.id, 0) for s in self.m.sessions for pid in s.pins}
+        pins = {pin.id: ModelPin(pin.session, 0) for pin in self.m.pins}
         assert pins.keys() == self.pins.keys()
         assert all(self.pins[p].session == pins[p].session for p in pins)
         assert sorted(s.id for s in self.m.sessions) == sorted(sid for sid, o in zip(self.sids, self.open) if o)

@@ -640,6 +640,7 @@ CALLS = {
     "SetState": lambda s: pb.SetStateRequest(session=s, namespace_id=ns, seq_id="a", state=2),
     "SetAuxState": lambda s: pb.SetAuxStateRequest(session=s, namespace_id=ns, seq_id="a", data=b"B was here"),
     "GetAuxState": lambda s: pb.GetAuxStateRequest(session=s, namespace_id=ns, seq_id="a"),
+    "DescribeSequences": lambda s: pb.DescribeSequencesRequest(session=s, namespace_id=ns, seq_ids=["a"]),
     "Pin": lambda s: pb.PinRequest(session=s, namespace_id=ns, tokens=bytes(64)),
     "Unpin": lambda s: pb.UnpinRequest(session=s, pin_id=pin),
     "GetStats": lambda s: pb.StatsRequest(session=s),
@@ -690,7 +691,7 @@ def test_a_session_id_is_useless_to_a_process_of_another_tenant(two_tenants):
     finally:
         victim.kill()
     assert thief["own_socket"] and thief["their_socket"] == os.strerror(errno.EACCES)
-    assert len(thief["calls"]) == 2 * 15
+    assert len(thief["calls"]) == 2 * 16
     for call, (with_leaked_id, with_unknown_id) in thief["calls"].items():
         assert with_leaked_id.startswith("NOT_FOUND: unknown session"), (call, with_leaked_id)
         assert with_leaked_id == with_unknown_id, call  # nothing tells B that the session exists

@@ -7,6 +7,7 @@ and are driven over tests/vllm_engine.py's control channel.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -64,7 +65,7 @@ def write_tiny_llama(path: str) -> None:
 class Engine:
     """One vLLM process in its own process group, driven over a control socket."""
 
-    def __init__(self, name: str, model: str, workdir: str, kvd_socket: str | None) -> None:
+    def __init__(self, name: str, model: str, workdir: str, kvd_socket: str | None, env: dict | None = None) -> None:
         self.name = name
         control = os.path.join(workdir, f"{name}.control")
         self._listener = Listener(control, authkey=b"kvd-test")
@@ -75,6 +76,7 @@ class Engine:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
         self._accepted: list = []
         threading.Thread(target=lambda: self._accepted.append(self._listener.accept()), daemon=True).start()
@@ -148,7 +150,18 @@ def setup(tmp_path_factory):
         log_path=os.path.join(workdir, "kvd.log"),
     )
     shm_before = _vllm_leftovers()
-    engines = {name: Engine(name, model, workdir, socket) for name in ("a", "b", "c")}
+    faults = {"fault_file": os.path.join(workdir, "b.fault"), "errors_file": os.path.join(workdir, "b.load_errors")}
+    engines = {name: Engine(name, model, workdir, socket) for name in ("a", "c")}
+    engines["b"] = Engine(  # the real connector, with a fault the tests can arm (tests/vllm_fault_connector.py)
+        "b",
+        model,
+        workdir,
+        socket,
+        env={
+            "KVD_TEST_CONNECTOR": "vllm_fault_connector:FaultyKVDConnector",
+            "KVD_TEST_CONNECTOR_EXTRA": json.dumps(faults),
+        },
+    )
     engines["baseline"] = Engine("baseline", model, workdir, None)
     try:
         for engine in engines.values():
@@ -164,6 +177,7 @@ def setup(tmp_path_factory):
             "baseline": baseline,
             "model": model,
             "workdir": workdir,
+            "faults": faults,
         }
         yield state
         daemon = state["daemon"]  # a test may have restarted it
@@ -236,6 +250,30 @@ def test_one_physical_copy_while_all_engines_run(setup):
         assert logical == sequences * blocks, seen
         assert physical == (blocks - 1 + sequences if sequences else 0), f"(sequences, logical, physical): {seen}"
     assert max(s for s, _, _ in seen) >= 2
+
+
+@pytest.mark.parametrize("fault", ["corrupt 6", "evict"])
+def test_pages_lost_between_lookup_and_load_are_reported_and_recomputed(setup, fault):
+    """vLLM was promised the prefix, then kvd lost part of it (a page failed its checksum and
+    was dropped with the pages chained after it, or the cache was emptied) before the blocks
+    were allocated: the worker reports those blocks and vLLM recomputes them."""
+    b, c = setup["engines"]["b"], setup["engines"]["c"]
+    b.generate([{"tokens": prompt("b")}])  # kvd holds every block b may load
+    b.forget_local_cache()
+    faults = setup["faults"]
+    with open(faults["fault_file"], "w") as f:
+        f.write(fault)
+    tokens, _ = b.generate([{"tokens": prompt("b")}], max_tokens=32)
+    assert not os.path.exists(faults["fault_file"]), "the fault was never injected (no kvd hit to damage)"
+    with open(faults["errors_file"]) as f:
+        reported = [int(block) for block in f.read().split()]
+    os.unlink(faults["errors_file"])
+    kept = 6 if fault.startswith("corrupt") else 0
+    assert len(reported) == loadable("b") // BLOCK - kept, f"blocks reported as load errors: {reported}"
+    assert tokens[0] == setup["baseline"]["b"][:32], "tokens after recomputing lost blocks differ from vLLM alone"
+    c.forget_local_cache()  # what b saved while recomputing is right: another engine loads it all
+    tokens, hits = c.generate([{"tokens": prompt("b")}])
+    assert hits == loadable("b") and tokens[0] == setup["baseline"]["b"][:16], "kvd holds wrong KV for the prompt"
 
 
 def test_cache_salt_keeps_requests_apart(setup):

@@ -72,7 +72,23 @@ class VllmProcess:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
         the workers' answer back to the scheduler; returns the blocks that failed to load."""
         self.scheduler.allocated(req, block_ids, num_external)
-        meta = self.scheduler.build_metadata(scheduled(req, block_ids, computed=local_hit + num_external))
+        return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
+
+    def recompute(self, req, computed: int) -> set[int]:
+        """The next step of a running request that vLLM computes again from token `computed`
+        (what it does after load errors)."""
+        rest = len(req.prompt_token_ids) - computed
+        cached = SimpleNamespace(
+            req_ids=[req.request_id], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[computed]
+        )
+        return self._step(
+            SimpleNamespace(
+                scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={req.request_id: rest}
+            )
+        )
+
+    def _step(self, scheduler_output) -> set[int]:
+        meta = self.scheduler.build_metadata(scheduler_output)
         self.worker.start_step(meta)
         for name in LAYERS:
             self.worker.wait_layer(name)
@@ -141,6 +157,16 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     errors = b.run(rb, b_blocks, num_external=10 * BLOCK)
     assert errors == set(b_blocks[6:10]), "blocks kvd could no longer supply were not reported"
     assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(6))))
+    # Blocks 6-9 hold stale bytes and this step's KV attended to them: b saves nothing yet.
+    with KVDClient.connect(daemon.socket) as kvd:
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        assert len(kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_pages) == 6
+    assert b.recompute(rb, 6 * BLOCK) == set()  # vLLM computes them again; now b saves them
+    c, rc = VllmProcess(daemon.socket, 3), request("c", prompt)
+    assert c.scheduler.matched_tokens(rc, 0) == 10 * BLOCK
+    c_blocks = list(range(40, 51))
+    assert c.run(rc, c_blocks, num_external=10 * BLOCK) == set()
+    assert torch.equal(c.blocks(c_blocks[:10]), b.blocks(b_blocks[:10])), "kvd holds other bytes than b computed"
 
 
 def request_for_lookup(prompt):

@@ -2,7 +2,9 @@
 
     python tests/vllm_engine.py MODEL_DIR CONTROL_SOCKET [KVD_SOCKET]
 
-With a kvd socket the engine uses KVDConnector; without, it is the baseline. vLLM logs to
+With a kvd socket the engine uses KVDConnector (or the class `KVD_TEST_CONNECTOR` names as
+`module:Class`, with `KVD_TEST_CONNECTOR_EXTRA` as JSON added to its extra config); without,
+it is the baseline. vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
 prompt (a prompt is a dict with `tokens` and optionally `cache_salt`) and how many
@@ -12,6 +14,7 @@ cache, so the next request can only hit kvd; ("stop",) ends the process.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from multiprocessing.connection import Client
@@ -33,11 +36,13 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
 
     kw = {}
     if kvd_socket:
+        module, name = os.environ.get("KVD_TEST_CONNECTOR", "gpu_worker.vllm_connector:KVDConnector").split(":")
+        extra = json.loads(os.environ.get("KVD_TEST_CONNECTOR_EXTRA", "{}"))
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVDConnector",
-            kv_connector_module_path="gpu_worker.vllm_connector",
+            kv_connector=name,
+            kv_connector_module_path=module,
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": kvd_socket},
+            kv_connector_extra_config={"socket": kvd_socket, **extra},
         )
     llm = LLM(
         model=model,

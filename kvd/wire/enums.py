@@ -9,7 +9,8 @@ import enum
 
 
 class SequenceState(enum.Enum):
-    """PREFILLED → IN_DECODE ⇄ ON_HOLD → COMPLETED; EVICTED when memory pressure drops an on-hold one."""
+    """A sequence's life-cycle state; which moves a client may make is kvd/sequences.py's
+    ``TRANSITIONS`` (the README's table). EVICTED: memory pressure dropped an ON_HOLD one's pages."""
 
     PREFILLED = 1
     IN_DECODE = 2

@@ -214,10 +214,12 @@ class SequenceAllocation(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., shared_pages: _Optional[bytes] = ..., private_pages: _Optional[bytes] = ..., shared_prefix_tokens: _Optional[int] = ..., suffix_start: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "evicted_seq_ids")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
+    evicted_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., evicted_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "sequences")
@@ -308,14 +310,16 @@ class ExtendRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_id_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ExtendReply(_message.Message):
-    __slots__ = ("num_tokens", "new_page_counts", "new_pages")
+    __slots__ = ("num_tokens", "new_page_counts", "new_pages", "evicted_seq_ids")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_PAGE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NEW_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_page_counts: _containers.RepeatedScalarFieldContainer[int]
     new_pages: bytes
-    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., new_page_counts: _Optional[_Iterable[int]] = ..., new_pages: _Optional[bytes] = ...) -> None: ...
+    evicted_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., new_page_counts: _Optional[_Iterable[int]] = ..., new_pages: _Optional[bytes] = ..., evicted_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "src_seq_id", "dst_seq_id")
@@ -330,10 +334,12 @@ class ForkRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., src_seq_id: _Optional[str] = ..., dst_seq_id: _Optional[str] = ...) -> None: ...
 
 class ForkReply(_message.Message):
-    __slots__ = ("sequence",)
+    __slots__ = ("sequence", "evicted_seq_ids")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceAllocation
-    def __init__(self, sequence: _Optional[_Union[SequenceAllocation, _Mapping]] = ...) -> None: ...
+    evicted_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence: _Optional[_Union[SequenceAllocation, _Mapping]] = ..., evicted_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "seq_ids")
@@ -418,6 +424,42 @@ class GetAuxStateReply(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class DescribeSequencesRequest(_message.Message):
+    __slots__ = ("session", "namespace_id", "seq_ids")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    namespace_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SequenceStatus(_message.Message):
+    __slots__ = ("seq_id", "state", "num_tokens", "known_tokens", "shared_pages", "private_pages", "shared_prefix_tokens", "aux_bytes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    state: SequenceState
+    num_tokens: int
+    known_tokens: int
+    shared_pages: int
+    private_pages: int
+    shared_prefix_tokens: int
+    aux_bytes: int
+    def __init__(self, seq_id: _Optional[str] = ..., state: _Optional[_Union[SequenceState, str]] = ..., num_tokens: _Optional[int] = ..., known_tokens: _Optional[int] = ..., shared_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., shared_prefix_tokens: _Optional[int] = ..., aux_bytes: _Optional[int] = ...) -> None: ...
+
+class DescribeSequencesReply(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceStatus]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceStatus, _Mapping]]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("session", "namespace_id", "tokens", "extra_keys", "ttl_seconds")
@@ -560,7 +602,7 @@ class RemoteStats(_message.Message):
     def __init__(self, state: _Optional[str] = ..., stored_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., refused_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., outages: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "remote")
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -570,6 +612,9 @@ class StatsReply(_message.Message):
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FREE_FIELD_NUMBER: _ClassVar[int]
+    AUX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AUX_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    AUX_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     totals: PageStats
     host_bytes: int
@@ -580,8 +625,11 @@ class StatsReply(_message.Message):
     recovery: RecoveryStats
     host_bytes_used: int
     host_bytes_free: int
+    aux_bytes: int
+    aux_bytes_used: int
+    aux_bytes_per_sequence: int
     remote: RemoteStats
-    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("session", "ticket")

@@ -104,6 +104,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.GetAuxStateRequest.SerializeToString,
                 response_deserializer=kvd__pb2.GetAuxStateReply.FromString,
                 _registered_method=True)
+        self.DescribeSequences = channel.unary_unary(
+                '/kvd.v1.KVD/DescribeSequences',
+                request_serializer=kvd__pb2.DescribeSequencesRequest.SerializeToString,
+                response_deserializer=kvd__pb2.DescribeSequencesReply.FromString,
+                _registered_method=True)
         self.Pin = channel.unary_unary(
                 '/kvd.v1.KVD/Pin',
                 request_serializer=kvd__pb2.PinRequest.SerializeToString,
@@ -236,6 +241,14 @@ class KVDServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeSequences(self, request, context):
+        """Reads sequences' states and sizes without changing anything (all or nothing: an
+        unknown, released or completed id is NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Pin(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -357,6 +370,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.GetAuxState,
                     request_deserializer=kvd__pb2.GetAuxStateRequest.FromString,
                     response_serializer=kvd__pb2.GetAuxStateReply.SerializeToString,
+            ),
+            'DescribeSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeSequences,
+                    request_deserializer=kvd__pb2.DescribeSequencesRequest.FromString,
+                    response_serializer=kvd__pb2.DescribeSequencesReply.SerializeToString,
             ),
             'Pin': grpc.unary_unary_rpc_method_handler(
                     servicer.Pin,
@@ -772,6 +790,33 @@ class KVD:
             '/kvd.v1.KVD/GetAuxState',
             kvd__pb2.GetAuxStateRequest.SerializeToString,
             kvd__pb2.GetAuxStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/DescribeSequences',
+            kvd__pb2.DescribeSequencesRequest.SerializeToString,
+            kvd__pb2.DescribeSequencesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,55 @@
+"""KVDConnector with a fault the test can arm: the page damage of an unlucky instant.
+
+For tests/test_vllm_connector.py only. vLLM looks a prompt up (`get_num_new_matched_tokens`)
+and allocates its blocks (`update_state_after_alloc`) in one scheduler step, microseconds
+apart, so no outside process can hit the window between them. This subclass does, when
+the test has written a fault file (`kv_connector_extra_config["fault_file"]`): just before
+the real `update_state_after_alloc`, it either damages one page of the request's prefix in
+kvd's shared memory and has the daemon audit it (``corrupt N``: page N and the pages
+chained after it leave the index), or empties kvd's prefix cache (``evict``). Everything
+after that is the real connector against the real daemon. Block ids it reported as load
+errors are appended to `errors_file`, so the test can see the worker reported them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from conftest import raw_page
+
+from engine_client import SequenceRequest
+from gpu_worker.vllm_connector import KVDConnector
+from gpu_worker.vllm_scheduler import cacheable_tokens
+
+
+class FaultyKVDConnector(KVDConnector):
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._fault_file = extra["fault_file"]
+        self._errors_file = extra["errors_file"]
+        self._block_size = vllm_config.cache_config.block_size
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens and os.path.exists(self._fault_file):
+            with open(self._fault_file) as f:
+                fault = f.read().split()
+            os.unlink(self._fault_file)
+            self._link.attempt("fault", lambda kvd, ns: self._inject(kvd, ns, request, fault))
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _inject(self, kvd, ns: int, request, fault: list[str]) -> None:
+        if fault[0] == "evict":
+            kvd.reset_prefix_cache(ns)
+            return
+        tokens, keys = cacheable_tokens(request, self._block_size)
+        [hit] = kvd.lookup(ns, [SequenceRequest("fault", tokens, keys)])
+        raw_page(kvd, ns, hit.hit_pages[int(fault[1])])[...] = 0
+        kvd.verify_pages()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = super().get_block_ids_with_load_errors()
+        if errors:
+            with open(self._errors_file, "a") as f:
+                f.write(" ".join(map(str, sorted(errors))) + "\n")
+        return errors
