@@ -55,7 +55,7 @@ _REMOTE_FLAGS = {
     "local_hostname": "the address other hosts reach this one at (default: the hostname)",
     "segment_bytes": "memory this host lends to the store, e.g. 4GiB (default 1GiB)",
     "backend": "the remote store (mooncake, the default and only one)",
-    "policy": "when pages go to the store: publish (write-behind, the default)",
+    "policy": "when pages go to the store: publish (write-behind, the default) or evict (only evicted pages)",
 }
 
 

@@ -29,7 +29,7 @@ as ``KVD_REMOTE_<KEY>`` or as ``--remote-<key>`` flags::
     metadata = "http://10.0.0.5:8080/metadata" # default: port 8080 on the master's host
     local_hostname = "10.0.0.7"                # how other hosts reach this one (default: its hostname)
     segment_bytes = "4GiB"                     # memory this host lends to the store
-    policy = "publish"                         # store pages when published (write-behind)
+    policy = "publish"                         # store pages when published (write-behind), or "evict"
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class RemoteConfig:
     rdma_devices: str = ""
     segment_bytes: int = 1 << 30
     backlog_bytes: int = 1 << 30  # published pages held for the store at most (per tenant)
-    policy: str = "publish"
+    policy: str = "publish"  # "publish": store published pages (write-behind); "evict": only evicted ones
 
     @property
     def metadata_server(self) -> str:
@@ -130,7 +130,7 @@ class RemoteConfig:
 
 _REMOTE_KEYS = {f.name: f for f in dataclasses.fields(RemoteConfig)}
 REMOTE_BACKENDS = ("mooncake",)
-REMOTE_POLICIES = ("publish",)
+REMOTE_POLICIES = ("publish", "evict")
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses a smaller segment
 
 

@@ -98,19 +98,19 @@ class KVCacheManager:
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
         self.remote: RemoteTier | None = None  # set by attach_remote
 
-    def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int) -> None:
+    def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int, policy: str = "publish") -> None:
         """Shares published pages with other hosts through the remote store (kvd/remote.py);
         ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
         from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
 
         self.remote = RemoteTier(
-            link, scope, self.arena, self.pool, self.index, self.integrity, self.room, backlog_bytes
+            link, scope, self.arena, self.pool, self.index, self.integrity, self.room, backlog_bytes, policy
         )
 
     def _unpublished(self, page: PageId) -> None:
+        if self.remote is not None:  # first: with policy "evict" it reads the page's seal
+            self.remote.unpublished(page)
         self.integrity.forget(page)
-        if self.remote is not None:
-            self.remote.forget(page)
 
     def close(self, unlink: bool = True) -> None:
         self.supply.close()

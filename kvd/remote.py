@@ -6,6 +6,10 @@ the worker writes each page's header (kvd/remote_format.py) and puts header and 
 straight from shared memory; the outcome releases the holds on the event loop. Pages a
 fetch brought in are not stored again. While the link is not up, or the backlog holds
 ``backlog_bytes`` already, a published page is not stored (counted, nothing local changes).
+With policy "evict" a page goes to the store only when it leaves host memory: its bytes
+are copied as it is evicted (the one copy of this module: the page is reused at once) and
+stored from the copy, which must still match the page's seal (kvd/integrity.py), so a
+page whose bytes changed in host memory never reaches the store.
 
 Fetch: ``missed`` is called by lookups and allocations whose prompt has full pages past
 its local hit. It holds the local hit and asks the worker for the keys of the missing
@@ -36,6 +40,7 @@ from kvd.errors import ResourceExhausted
 from kvd.eviction import release_order
 from kvd.index import ChainSpec, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
+from kvd.meta import page_checksum
 from kvd.mooncake_store import PutOutcome
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
@@ -69,9 +74,10 @@ class RemoteCounters:
 @dataclass(frozen=True)
 class _Put:
     key: str
-    page: PageId
-    view: np.ndarray  # the page's bytes in shared memory
+    page: PageId | None  # the page held for the put; None: ``view`` is a copy of an evicted page
+    view: np.ndarray  # the page's bytes: in shared memory, or a copy
     header: PageHeader
+    sealed: tuple[bytes, int] | None = None  # a copy's record fields and checksum: stored only if they match
 
 
 @dataclass
@@ -99,6 +105,7 @@ class RemoteTier:
         integrity: Integrity,
         room: Room,
         backlog_bytes: int,
+        policy: str = "publish",
     ) -> None:
         self.link = link
         self.scope = scope  # the tenant: tenants never share pages through the store
@@ -108,6 +115,7 @@ class RemoteTier:
         self.integrity = integrity
         self.room = room
         self.backlog_bytes = backlog_bytes
+        self.policy = policy  # "publish": store when published; "evict": when evicted
         self.counters = RemoteCounters()
         self._queued: list[_Put] = []
         self._held: Counter[PageId] = Counter()  # pool references the tier holds
@@ -115,6 +123,7 @@ class RemoteTier:
         self._fetches: dict[tuple, _Fetch] = {}  # by (namespace, chain root, full-page token ids)
         self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
         self._fetched: set[PageId] = set()  # published pages that came from the store
+        self._evictable: dict[PageId, tuple[Namespace, int, bytes]] = {}  # "evict": page index and parent key
         # Store keys whose value failed its checks: a fetch stops before them (read by the worker).
         self._rejected: OrderedDict[str, None] = OrderedDict()
         self._staging = np.zeros((MAX_BATCH_PAGES, 0), dtype=np.uint8)  # headers: [pages, header bytes]
@@ -122,8 +131,12 @@ class RemoteTier:
     # ---- store ----------------------------------------------------------------------
 
     def published(self, ns: Namespace, content: PageContent, page_index: int, parent_key: bytes) -> None:
-        """A page was just published and indexed: store it, unless it came from the store."""
+        """A page was just published and indexed: store it (or, with policy "evict", remember
+        where it sits in its chain), unless it came from the store."""
         if content.page in self._fetched:
+            return
+        if self.policy == "evict":
+            self._evictable[content.page] = (ns, page_index, parent_key)
             return
         if not self.link.up or self._held_bytes + ns.page_bytes > self.backlog_bytes:
             self.counters.skipped_pages += 1
@@ -149,10 +162,37 @@ class RemoteTier:
             for outcome in outcomes:
                 if outcome is PutOutcome.STORED:
                     self.counters.stored_pages += 1
+                elif outcome is None:  # an evicted page's copy no longer matched its seal
+                    self.counters.skipped_pages += 1
                 else:
                     self.counters.refused_pages += 1
         for put in batch:
-            self._release([put.page], put.view.nbytes)
+            if put.page is None:
+                self._held_bytes -= put.view.nbytes
+            else:
+                self._release([put.page], put.view.nbytes)
+
+    def _evicted(self, page: PageId) -> None:
+        """With policy "evict": a sealed page leaves host memory, so its bytes are copied now
+        (its memory is reused next) and stored from the copy, once the copy matches the
+        page's seal. A page dropped for a failed checksum has no seal left: never stored."""
+        where = self._evictable.pop(page, None)
+        checksum = self.integrity.checksums.get(page)
+        if where is None or checksum is None:
+            return
+        ns, page_index, parent_key = where
+        if not self.link.up or self._held_bytes + ns.page_bytes > self.backlog_bytes:
+            self.counters.skipped_pages += 1
+            return
+        content = self.pool.content(page)
+        extent = self.arena.extent_of(page)
+        copy = extent.page_bytes_view(page).copy()
+        sealed = (extent.meta.covered(page - extent.first_page), checksum)
+        header = PageHeader(page_index, content.key, parent_key, content.local, content.tokens)
+        self._held_bytes += copy.nbytes
+        if not self._queued:
+            self.link.post(self.submit)  # once the eviction's call is done: one batch
+        self._queued.append(_Put(store_key(self.scope, ns.root, content.key), None, copy, header, sealed))
 
     # ---- fetch ----------------------------------------------------------------------
 
@@ -266,9 +306,12 @@ class RemoteTier:
         if self._fetched:
             self.counters.hit_tokens += page_size * sum(1 for page in hits if page in self._fetched)
 
-    def forget(self, page: PageId) -> None:
-        """The page stopped being published."""
+    def unpublished(self, page: PageId) -> None:
+        """The page stops being published (evicted, reclaimed, reset or dropped); its bytes and
+        seal are still there."""
         self._fetched.discard(page)
+        if self.policy == "evict":
+            self._evicted(page)
 
     def holds(self) -> Counter[PageId]:
         """Pool references the tier holds, by page (kvd/invariants.py)."""
@@ -306,13 +349,22 @@ class RemoteTier:
 # ---- jobs, on the link's worker thread ------------------------------------------------
 
 
-def _put(store, batch: list[_Put], staging: np.ndarray):
-    size = header_bytes(len(batch[0].header.tokens) // TOKEN_BYTES)
-    parts = []
+def _put(store, batch: list[_Put], staging: np.ndarray) -> list[PutOutcome | None]:
+    """Writes each page's header and stores header and page; None for a copy that no longer
+    matches its seal (its bytes changed in host memory before the eviction): not stored."""
+    keys, parts, outcomes = [], [], []
     for n, put in enumerate(batch):
+        if put.sealed is not None and page_checksum(put.sealed[0], put.view) != put.sealed[1]:
+            outcomes.append(None)
+            continue
+        size = header_bytes(len(put.header.tokens) // TOKEN_BYTES)
         write_header(staging[n, :size], put.header, put.view)
+        keys.append(put.key)
         parts.append(([staging[n].ctypes.data, put.view.ctypes.data], [size, put.view.nbytes]))
-    return store.put([p.key for p in batch], parts)
+        outcomes.append(n)
+    stored = store.put(keys, parts) if keys else []
+    by_position = dict(zip((n for n in outcomes if n is not None), stored))
+    return [None if n is None else by_position[n] for n in outcomes]
 
 
 def _find(

@@ -70,7 +70,8 @@ class RemoteLink:
     def run(self, owner: str, regions: frozenset[Region], job: Callable, done: Callable) -> None:
         """Runs ``job(store)`` on the worker after registering ``owner``'s ``regions``; then
         ``done(result, error)`` on the loop, error a ``StoreUnavailable`` or None."""
-        self._worker.submit(self._job, owner, regions, job, done)
+        if not self._stop.is_set():  # a job posted before close() may run after it: dropped
+            self._worker.submit(self._job, owner, regions, job, done)
 
     def close(self) -> None:
         """Stops the worker (a job in flight finishes, queued ones are dropped) and closes the client."""

@@ -183,7 +183,7 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
     )
     link.post = loop.call_soon_threadsafe
     for name, manager in tenants.items():
-        manager.attach_remote(link, name, remote.backlog_bytes)
+        manager.attach_remote(link, name, remote.backlog_bytes, remote.policy)
     return link
 
 

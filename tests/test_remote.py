@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 import urllib.request
 
 import numpy as np
@@ -21,6 +22,7 @@ from kvd import config
 from kvd.index import chain_spec, page_key
 from kvd.namespaces import NamespaceIdentity as Identity
 from kvd.namespaces import NamespaceRegistry, make_layout
+from kvd.remote import RECHECK_SECONDS as RECHECK
 from kvd.remote_format import header_bytes, store_key
 from kvd.wire.codec import TOKEN_BYTES
 
@@ -142,6 +144,27 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     stored(a, stored_before + 8)
     assert fetch(b, ns_b, longer, len(longer)) == len(longer)
     assert b.stats()["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES + 8
+
+
+def test_with_policy_evict_pages_reach_the_store_only_when_evicted(fleet, daemon_factory):
+    master, _, db = fleet
+    small = ("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "1MiB")  # 64 pages of 16 KiB
+    da = daemon_factory(*small, *master.daemon_args(), "--remote-policy", "evict", name="evicting")
+    with clients(da, db) as ((_, a), (_, b)):
+        ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+        tokens = prompt(60)
+        pages = publish_prompt(a, ns_a, "p", tokens)
+        a.release(ns_a, ["p"])  # cached on A, not stored
+        assert fetch(b, ns_b, tokens, 0) == 0
+        assert a.stats()["remote"]["stored_pages"] == 0
+        publish_prompt(a, ns_a, "q", prompt(61, 64))  # takes every page: p's are evicted
+        stored(a, PAGES)
+        assert a.lookup(ns_a, [SequenceRequest("ask", tokens)])[0].hit_tokens == 0
+        time.sleep(RECHECK)  # B's last look at this prompt found nothing; it may look again
+        assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+        got = hit_bytes(b, ns_b, "p", tokens)
+        assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+        assert a.check_invariants() == [] and b.check_invariants() == []
 
 
 def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_returns(tmp_path, master):
