@@ -346,7 +346,7 @@ def test_the_remote_table_flags_and_environment(tmp_path):
     assert config.load({}, environ=env).remote.metadata_server == "http://m:2/metadata"
     for table, problem in (
         ('[remote]\nsegment_bytes = "1GiB"\n', "master (mooncake_master's host:port) is required"),
-        ('[remote]\nmaster = "h:1"\npolicy = "never"\n', "policy: expected one of ['publish']"),
+        ('[remote]\nmaster = "h:1"\npolicy = "never"\n', "policy: expected one of ['publish', 'evict']"),
         ('[remote]\nmaster = "h:1"\nbackend = "redis"\n', "backend: expected one of ['mooncake']"),
         ('[remote]\nmaster = "h:1"\nmastr = "x"\n', "unknown setting 'mastr'"),
         ('[remote]\nmaster = "h:1"\nsegment_bytes = "1MiB"\n', "Mooncake needs at least 16MiB"),
