@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import time
 import urllib.request
 
 import numpy as np
 import pytest
-from conftest import clean_env, remove_shared_memory, start_daemon, stop_cleanly, wait_until
+from conftest import clean_env, remove_shared_memory, start_daemon, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
@@ -51,6 +52,19 @@ def start_hosts(directory, master: MooncakeMaster) -> tuple[DaemonProcess, Daemo
     return a, b
 
 
+def stop_both(a: DaemonProcess, b: DaemonProcess) -> None:
+    """Stops both daemons at once (each closes its store client, which takes a moment); both
+    must have lived, exit 0 and have logged no exception."""
+    for d in (a, b):
+        assert d.process.poll() is None, f"the daemon died during the test:\n{d.log()}"
+    for d in (a, b):
+        d.process.send_signal(signal.SIGTERM)
+    for d in (a, b):
+        rc = d.stop()
+        assert rc == 0 and "Traceback" not in d.log(), f"kvd serve exited with {rc}:\n{d.log()}"
+        remove_shared_memory(d.socket)
+
+
 @contextlib.contextmanager
 def clients(a: DaemonProcess, b: DaemonProcess):
     """A client on each host, once both see the store up."""
@@ -68,9 +82,7 @@ def fleet(tmp_path_factory):
     m.start()
     a, b = start_hosts(directory, m)
     yield m, a, b
-    for d in (a, b):
-        stop_cleanly(d)
-        remove_shared_memory(d.socket)
+    stop_both(a, b)
     m.kill()
 
 
@@ -105,7 +117,7 @@ def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int) -> i
         [r] = client.lookup(ns, req)
         return r if r.remote_pending_tokens == 0 and r.hit_tokens >= want_tokens else None
 
-    return wait_until(settled, f"{want_tokens} tokens hit after the remote fetch", 10).hit_tokens
+    return wait_until(settled, f"{want_tokens} tokens hit after the remote fetch", 30).hit_tokens
 
 
 def hit_bytes(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
@@ -114,7 +126,7 @@ def hit_bytes(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[
 
 
 def stored(client: KVDClient, pages: int) -> None:
-    wait_until(lambda: client.stats()["remote"]["stored_pages"] >= pages, f"{pages} pages stored", 10)
+    wait_until(lambda: client.stats()["remote"]["stored_pages"] >= pages, f"{pages} pages stored", 30)
 
 
 def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts):
@@ -122,8 +134,9 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
     before = b.stats()
     tokens = prompt(1)
+    since = a.stats()["remote"]["stored_pages"]  # the shared hosts stored earlier tests' pages
     pages = publish_prompt(a, ns_a, "p", tokens)
-    stored(a, PAGES)
+    stored(a, since + PAGES)
 
     [first] = b.lookup(ns_b, [SequenceRequest("ask", tokens)])
     assert first.hit_tokens == 0  # nothing local yet: the lookup starts the fetch
@@ -173,9 +186,7 @@ def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_re
         with clients(da, db) as ((_, a), (_, b)):
             kill_and_restart(master, da, a, db, b)
     finally:
-        for d in (da, db):
-            stop_cleanly(d)
-            remove_shared_memory(d.socket)
+        stop_both(da, db)
 
 
 def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db: DaemonProcess, b: KVDClient):
@@ -189,7 +200,7 @@ def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db
     during = prompt(11)
     publish_prompt(a, ns_a, "during", during)  # A serves locally: publish answers at once
     for c in (a, b):
-        wait_until(lambda c=c: c.stats()["remote"]["state"] == "down", "the daemon sees the store down", 10)
+        wait_until(lambda c=c: c.stats()["remote"]["state"] == "down", "the daemon sees the store down", 30)
     assert 'kvd_remote_state{state="down"} 1.0' in metrics(da)
     # B serves what it has and computes the rest; nothing waits on the store.
     assert fetch(b, ns_b, before, len(before)) == len(before)
@@ -203,7 +214,7 @@ def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db
         wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon sees the store back", 20)
     after = prompt(12)
     pages = publish_prompt(a, ns_a, "after", after)
-    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 2 * PAGES, "pages stored after the restart", 10)
+    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 2 * PAGES, "pages stored after the restart", 30)
     assert fetch(b, ns_b, after, len(after)) == len(after)
     got = hit_bytes(b, ns_b, "after", after)
     assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and len(got) == PAGES
@@ -260,8 +271,9 @@ def test_a_page_changed_in_the_store_is_not_served(hosts, fleet):
     before = b.stats()["remote"]
     ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
     tokens = prompt(20)
+    since = a.stats()["remote"]["stored_pages"]  # the shared hosts stored earlier tests' pages
     pages = publish_prompt(a, ns_a, "p", tokens)
-    stored(a, PAGES)
+    stored(a, since + PAGES)
 
     # A third client of the store flips one byte of page 25's K/V.
     store = MooncakeDistributedStore()
@@ -296,8 +308,9 @@ def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
     spec = NamespaceSpec(MODEL, LAYOUT, extra=(("kv_layout", "test"),))
     ns_a = a.register_namespace(MODEL, LAYOUT, extra={"kv_layout": "test"})
     tokens = prompt(40)
+    since = a.stats()["remote"]["stored_pages"]  # the shared hosts stored earlier tests' pages
     publish_prompt(a, ns_a, "p", tokens)
-    stored(a, PAGES)
+    stored(a, since + PAGES)
     link = KVDLink(db.socket, "test-scheduler", spec)
     scheduler = KVDSchedulerSide(link, LAYOUT.page_size)
     req = SimpleNamespace(
@@ -310,7 +323,7 @@ def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
     )
     try:
         assert scheduler.matched_tokens(req, 0) is None  # the lookup started the fetch
-        offered = wait_until(lambda: scheduler.matched_tokens(req, 0), "the connector offers the fetched pages", 10)
+        offered = wait_until(lambda: scheduler.matched_tokens(req, 0), "the connector offers the fetched pages", 30)
         assert offered == len(tokens) - LAYOUT.page_size  # never the last prompt token's block
     finally:
         link.close()
