@@ -314,6 +314,8 @@ def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup)
 
 def test_engines_keep_serving_through_a_kvd_restart(setup):
     a = setup["engines"]["a"]
+    a.forget_local_cache()
+    a.generate([{"tokens": prompt("a")}])  # kvd holds every block of a's prompt (saves what it misses)
     setup["daemon"].stop()
     a.forget_local_cache()
     tokens, hits = a.generate([{"tokens": prompt("a")}])
