@@ -80,10 +80,12 @@ def fleet(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fleet")
     m = MooncakeMaster(str(directory / "master.log"))
     m.start()
-    a, b = start_hosts(directory, m)
-    yield m, a, b
-    stop_both(a, b)
-    m.kill()
+    try:
+        a, b = start_hosts(directory, m)
+        yield m, a, b
+        stop_both(a, b)
+    finally:
+        m.kill()
 
 
 @pytest.fixture
