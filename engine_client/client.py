@@ -51,6 +51,7 @@ from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import admit, fetch_ticket
 from kvd.wire.codec import pack_tokens, unpack_pages
+from kvd.wire.keys import chain_keys
 from kvd.wire.layout import PageLayout
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket
@@ -178,7 +179,7 @@ class KVDClient:
                 "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity)
             )
             self._namespaces[reply.namespace_id] = Namespace(
-                reply.namespace_id, namespaces[old_id].layout, reply.page_bytes
+                reply.namespace_id, namespaces[old_id].layout, reply.page_bytes, reply.root
             )
             self._registrations[reply.namespace_id] = identity
             self._page_maps[reply.namespace_id] = PageMap(namespaces[old_id].layout)  # extents may be new
@@ -339,13 +340,19 @@ class KVDClient:
         reply = self._call(
             "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg)
         )
-        self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes)
+        self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes, reply.root)
         self._registrations[reply.namespace_id] = identity_msg
         self._page_maps.setdefault(reply.namespace_id, PageMap(layout))
         return reply.namespace_id
 
     def layout(self, ns: int) -> PageLayout:
         return self._namespace(ns).layout
+
+    def page_keys(self, ns: int, token_ids, extra_keys: tuple[ExtraKey, ...] = ()) -> list[bytes]:
+        """The keys the daemon gives the full pages of these tokens once published: the
+        block hashes its KV events (``subscribe_events``) name. Computed here, no call."""
+        namespace = self._namespace(ns)
+        return chain_keys(namespace.root, namespace.layout.page_size, pack_tokens(token_ids), extra_keys)
 
     def _namespace(self, ns: int) -> Namespace:
         try:
@@ -643,6 +650,17 @@ class KVDClient:
         from kvd.wire.admin import reset_dict, reset_request
 
         return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
+
+    def subscribe_events(self, from_seq: int | None = None):
+        """The KV events of this client's tenant as they happen (routers' view of which pages
+        kvd holds): an iterator of ``kvd_pb2.KVEventBatch`` (``seq``, ``ts``, ``events``, each
+        ``stored``, ``removed`` or ``cleared``) over its own stream, which ends with this
+        session; ``cancel()`` it to stop early. ``from_seq`` resumes with the batches the
+        daemon still buffers from that one on: a first ``seq`` above it means some were missed."""
+        request = pb.SubscribeEventsRequest(
+            session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
+        )
+        return self._stub.SubscribeEvents(request)
 
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

@@ -121,3 +121,4 @@ class Namespace:
     id: int
     layout: PageLayout
     page_bytes: int
+    root: bytes  # where its page key chains start (kvd/wire/keys.py)

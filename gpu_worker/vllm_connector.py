@@ -20,7 +20,9 @@ recomputed; for that the connector sets vLLM's `kv_load_failure_policy` to "reco
 unless `kv_connector_extra_config` says `"load_failure_policy": "fail"`.
 
 `kv_connector_extra_config` keys: `socket` (default: found as kvd/wire/paths.py says: `KVD_SOCKET`,
-the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`.
+the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`,
+`load_failure_policy` ("recompute" or "fail"), `save_generated` (default true: generated
+full blocks are saved like prompt blocks; false: prompt blocks only).
 """
 
 from __future__ import annotations
@@ -99,7 +101,15 @@ class KVDConnector(KVConnectorBase_V1):
         spec, layer_names = namespace_spec(vllm_config, kv_cache_config)
         half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         link = KVDLink(extra.get("socket"), f"{extra.get('client_name', 'vllm')}-{half}", spec)
-        self._scheduler = KVDSchedulerSide(link, spec.layout.page_size) if role == KVConnectorRole.SCHEDULER else None
+        # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
+        events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+        self._scheduler = (
+            KVDSchedulerSide(
+                link, spec.layout.page_size, save_generated=extra.get("save_generated", True), track_removals=events
+            )
+            if role == KVConnectorRole.SCHEDULER
+            else None
+        )
         self._worker = KVDWorkerSide(link, layer_names) if role == KVConnectorRole.WORKER else None
         self._link = link
 
@@ -149,4 +159,6 @@ class KVDConnector(KVConnectorBase_V1):
         return self._worker.load_errors()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         self._link.close()

@@ -35,7 +35,8 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class PromptKey:
-    """What a worker allocates its kvd sequence for: the prompt's cacheable full blocks."""
+    """What a worker allocates its kvd sequence for: the prompt's cacheable full blocks
+    (later plans add the generated blocks' tokens, `SavePlan.more_tokens`)."""
 
     token_ids: list[int]
     extra_keys: tuple[ExtraKey, ...]
@@ -46,12 +47,15 @@ class SavePlan:
     """Blocks of the request that this step completes: save them to kvd and publish them.
 
     `positions` are the blocks' indices in the request (block i holds tokens
-    [i * block_size, (i + 1) * block_size)); `prompt` comes with a request's first plan."""
+    [i * block_size, (i + 1) * block_size)); `prompt` comes with a request's first plan;
+    `more_tokens` are the token ids after those the workers know, up to the end of the
+    plan's last block (the prompt's last partial block and generated tokens)."""
 
     req_id: str
     positions: list[int]
     block_ids: list[int]
     prompt: PromptKey | None = None
+    more_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass

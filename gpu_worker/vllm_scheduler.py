@@ -12,26 +12,34 @@ It holds no tensors and writes no page:
    vanished since the lookup goes into the plan as missing, the worker reports it, and
    vLLM recomputes it.
 3. `build_metadata` hands the workers the loads and, for every scheduled request, the
-   full prompt blocks that this step completes; each worker saves them into its own kvd
-   sequence and publishes them (gpu_worker/vllm_worker.py).
-4. `update_from_workers` turns what the workers published into vLLM KV events.
+   full blocks that this step completes (prompt blocks, then generated ones, unless
+   `save_generated` is off); each worker saves them into its own kvd sequence and
+   publishes them (gpu_worker/vllm_worker.py). So the next turn of a conversation, whose
+   prompt holds this turn's answer, hits that answer too.
+4. `update_from_workers` turns what the workers published into vLLM KV events
+   (`BlockStored`); with KV events on, it remembers the kvd keys of those blocks, and
+   `take_events` adds `BlockRemoved` for them once kvd evicts or drops them
+   (gpu_worker/kvd_events.py).
 5. `finished` releases the pinning sequence and tells the workers to release theirs.
    Published pages stay cached in kvd.
 
-Prompt blocks only: generated tokens are not saved. Requests with prompt embeddings are
-left alone.
+Requests with prompt embeddings are left alone; a request whose cacheable prefix a
+multimodal item cut saves nothing past that cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
+from gpu_worker.kvd_events import StoredBlocks
 from gpu_worker.kvd_link import KVDLink
 from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+
+MEDIUM = "kvd"  # the medium of the connector's KV events
 
 
 def kvd_extra_keys(request) -> tuple[ExtraKey, ...]:
@@ -69,6 +77,8 @@ class _Tracked:
 
     request: object
     prompt: PromptKey
+    extends: bool  # blocks past the prompt may be saved (generated tokens)
+    sent: int  # tokens the workers know: the cacheable prompt, then more with each plan
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
     planned: int = 0  # blocks [0, planned) were in a save plan already
     announced: bool = False  # its prompt went to the workers with a plan
@@ -76,15 +86,20 @@ class _Tracked:
 
 
 class KVDSchedulerSide:
-    def __init__(self, link: KVDLink, block_size: int) -> None:
+    def __init__(
+        self, link: KVDLink, block_size: int, save_generated: bool = True, track_removals: bool = True
+    ) -> None:
         self.link = link
         self.block_size = block_size
+        self.save_generated = save_generated
+        # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
+        self._stored = StoredBlocks(link) if track_removals else None
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, object] = {}  # for events still to come
-        self._events: list[BlockStored] = []
+        self._events: list[KVCacheEvent] = []
 
     # ---- lookup and allocation ----------------------------------------------------
 
@@ -119,7 +134,8 @@ class KVDSchedulerSide:
         if request.prompt_token_ids is None:
             return
         tokens, keys = cacheable_tokens(request, self.block_size)
-        tracked = _Tracked(request, PromptKey(tokens, keys))
+        whole = len(tokens) == len(request.prompt_token_ids) // self.block_size * self.block_size
+        tracked = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
         self._tracked[req_id] = tracked
         if not num_external_tokens:
             return
@@ -149,8 +165,10 @@ class KVDSchedulerSide:
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
-        """This step's loads (from `allocated`), saves (full prompt blocks it completes) and
+        """This step's loads (from `allocated`), saves (the full blocks it completes) and
         the requests finished since the last step."""
+        if self._stored is not None:
+            self._stored.follow()
         meta = KVDConnectorMetadata(
             loads=[self._still_pinned(session, plan) for session, plan in self._loads], finished=self._finished
         )
@@ -176,15 +194,21 @@ class KVDSchedulerSide:
             # (or a preempted request starts over); their saves were dropped, plan them again.
             t.planned = min(t.planned, before // self.block_size)
             done = (before + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
-            end = min(done, len(t.prompt.token_ids) // self.block_size, len(t.block_ids))
+            known = len(t.request.all_token_ids) if t.extends else len(t.prompt.token_ids)
+            end = min(done, known // self.block_size, len(t.block_ids))
             if end > t.planned:
                 positions = list(range(t.planned, end))
+                more = list(t.request.all_token_ids[t.sent : end * self.block_size])
                 meta.saves.append(
                     SavePlan(
-                        req_id, positions, [t.block_ids[p] for p in positions], prompt=None if t.announced else t.prompt
+                        req_id,
+                        positions,
+                        [t.block_ids[p] for p in positions],
+                        prompt=None if t.announced else t.prompt,
+                        more_tokens=more,
                     )
                 )
-                t.planned, t.announced = end, True
+                t.planned, t.announced, t.sent = end, True, max(t.sent, end * self.block_size)
         return meta
 
     def update_from_workers(self, worker_meta: KVDWorkerMetadata | None) -> None:
@@ -193,7 +217,10 @@ class KVDSchedulerSide:
             t = self._tracked.get(req_id)
             request = t.request if t is not None else self._finished_requests.get(req_id)
             if request is not None:
-                self._events.append(self._stored_event(request, start, end))
+                event = self._stored_event(request, start, end)
+                self._events.append(event)
+                if self._stored is not None:
+                    self._remember(request, end, event.block_hashes)
         self._finished_requests.clear()  # a step's output answers its saves; none come later
 
     def finished(self, request) -> None:
@@ -205,11 +232,26 @@ class KVDSchedulerSide:
             self._finished.add(req_id)
             self._finished_requests[req_id] = request
 
-    def take_events(self) -> list[BlockStored]:
+    def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
+        removed = self._stored.take_removed() if self._stored is not None else []
+        if removed:
+            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
         return events
 
+    def close(self) -> None:
+        if self._stored is not None:
+            self._stored.close()
+
     # ---- helpers --------------------------------------------------------------------
+
+    def _remember(self, request, end: int, hashes: list) -> None:
+        """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes."""
+        _, keys = cacheable_tokens(request, self.block_size)  # blocks past the prompt: no item was cut
+        tokens = list(request.all_token_ids[: end * self.block_size])
+        page_keys = self.link.attempt("page keys", lambda kvd, ns: kvd.page_keys(ns, tokens, keys))
+        if page_keys is not None and len(page_keys) == end:
+            self._stored.remember(page_keys[end - len(hashes) :], hashes)
 
     def _stored_event(self, request, first: int, end: int) -> BlockStored:
         """vLLM's KV event for blocks [first, end) of the request, keyed by vLLM's own block
@@ -220,10 +262,10 @@ class KVDSchedulerSide:
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent,
-            token_ids=list(request.prompt_token_ids[first * self.block_size : end * self.block_size]),
+            token_ids=list(request.all_token_ids[first * self.block_size : end * self.block_size]),
             block_size=self.block_size,
             lora_id=lora.lora_int_id if lora else None,
-            medium="kvd",
+            medium=MEDIUM,
             lora_name=lora.lora_name if lora else None,
         )
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -70,7 +70,7 @@ class _Saving:
     """One request's kvd sequence in this worker's session."""
 
     session: str  # this worker's session that owns the sequence
-    page_ids: list[int]  # one per full prompt block
+    page_ids: list[int]  # one per full block it knows (the kvd sequence holds full blocks only)
     published: int  # blocks [0, published) are published (hits count from the start)
     written: set[int] = field(default_factory=set)
 
@@ -95,9 +95,8 @@ class KVDWorkerSide:
         self._stream: torch.cuda.Stream | None = None
         self._load_events: dict[int, torch.cuda.Event] = {}
         self._load_errors: set[int] = set()
-        self._prompts: dict[str, PromptKey] = {}
+        self._known: dict[str, PromptKey] = {}  # per request: the tokens the plans sent so far
         self._sequences: dict[str, _Saving] = {}
-        self._complete: set[str] = set()  # requests whose prompt blocks are all saved (or tried)
         self._saves: list[_StepSave] = []
         self._saved_layers: set[int] = set()
         self._published: dict[str, tuple[int, int]] = {}
@@ -172,11 +171,16 @@ class KVDWorkerSide:
         to load hold stale bytes, and what this step computes attended to them. vLLM
         recomputes from the first failed block, and the scheduler plans those saves again."""
         if plan.prompt is not None:
-            self._prompts[plan.req_id] = plan.prompt
-        if plan.req_id in self._complete or plan.req_id in failed:
+            self._known[plan.req_id] = plan.prompt
+        if plan.more_tokens and plan.req_id in self._known:
+            known = self._known[plan.req_id]
+            self._known[plan.req_id] = replace(known, token_ids=known.token_ids + plan.more_tokens)
+        if plan.req_id in failed:
             return None
         seq = self._sequence(plan.req_id)
         if seq is None:
+            return None
+        if max(plan.positions) >= len(seq.page_ids) and not self._extend(plan.req_id, seq):
             return None
         todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
         if not todo:
@@ -188,12 +192,12 @@ class KVDWorkerSide:
         return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
 
     def _sequence(self, req_id: str) -> _Saving | None:
-        """This worker's kvd sequence for the request, allocated on first use (and again
-        after a daemon restart); None when kvd cannot hold it."""
+        """This worker's kvd sequence for the request, allocated on first use (and again,
+        for every token known by then, after a daemon restart); None when kvd cannot hold it."""
         seq = self._sequences.get(req_id)
         if seq is not None and seq.session == self.link.session:
             return seq
-        prompt = self._prompts.get(req_id)
+        prompt = self._known.get(req_id)
         if prompt is None:
             return None
         seq_id = self.link.seq_id(req_id)
@@ -208,10 +212,18 @@ class KVDWorkerSide:
             return None
         seq = _Saving(self.link.session, found[0].pages, published=len(found[0].shared_pages))
         self._sequences[req_id] = seq
-        if seq.published == len(seq.page_ids):  # kvd holds the whole prompt already
-            self._finish_saving(req_id)
-            return None
         return seq
+
+    def _extend(self, req_id: str, seq: _Saving) -> bool:
+        """Grows the kvd sequence by the full blocks the plans sent since it was allocated
+        (generated tokens); whether it now holds them."""
+        tokens = self._known[req_id].token_ids[len(seq.page_ids) * self.layout.page_size :]
+        seq_id = self.link.seq_id(req_id)
+        grown = self.link.attempt("extend", lambda kvd, ns: kvd.extend(ns, seq_id, len(tokens), token_ids=tokens))
+        if grown is None:
+            return False
+        seq.page_ids += grown.new_pages
+        return True
 
     def save_layer(self, layer_name: str) -> None:
         """Copy this layer of the step's saved blocks into their kvd pages (its attention
@@ -247,16 +259,7 @@ class KVDWorkerSide:
             seq = self._sequences[save.req_id]
             seq.written.update(save.positions)
             self._publish(save.req_id, seq)
-            if len(seq.page_ids) - 1 in seq.written:  # the last prompt block was tried: done
-                self._finish_saving(save.req_id)
         self._saves = []
-
-    def _finish_saving(self, req_id: str) -> None:
-        """Nothing more to save for this request: release its sequence now (its published
-        pages stay cached), not when the request finishes, which vLLM may tell only with
-        the next step."""
-        self._release({req_id})
-        self._complete.add(req_id)
 
     def _publish(self, req_id: str, seq: _Saving) -> None:
         end = seq.published
@@ -283,12 +286,11 @@ class KVDWorkerSide:
         return KVDWorkerMetadata(published)
 
     def _finished(self, req_ids: set[str]) -> None:
-        self._release(req_ids)
-        self._complete -= req_ids
-
-    def _release(self, req_ids: set[str]) -> None:
+        """The requests are done: release their sequences (published pages stay cached).
+        vLLM runs a step for requests that finished even when nothing else is scheduled,
+        so this comes right after the request's last step."""
         for req_id in req_ids:
-            self._prompts.pop(req_id, None)
+            self._known.pop(req_id, None)
         live = [
             self.link.seq_id(r)
             for r in req_ids

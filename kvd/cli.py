@@ -30,6 +30,8 @@ def _serve(args) -> int:
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "log_level": args.log_level,
+        "events_endpoint": args.events_endpoint,
+        "events_replay_endpoint": args.events_replay_endpoint,
         **{f"remote_{key}": getattr(args, f"remote_{key}") for key in _REMOTE_FLAGS},
     }
     cfg = config_mod.load(flags, config_file=args.config)
@@ -234,6 +236,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     s.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    s.add_argument(
+        "--events-endpoint",
+        help="publish KV events in vLLM's format on this ZMQ endpoint, e.g. tcp://*:5557 (default: off)",
+    )
+    s.add_argument("--events-replay-endpoint", help="ZMQ endpoint answering replay requests for missed events")
     for key, text in _REMOTE_FLAGS.items():
         s.add_argument(f"--remote-{key.replace('_', '-')}", dest=f"remote_{key}", help=text)
     s.set_defaults(func=_serve)

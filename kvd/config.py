@@ -181,6 +181,10 @@ class ServeConfig:
     lock_memory: bool = True
     socket_mode: int = 0o660
     shutdown_grace_seconds: float = 5.0
+    events_endpoint: str = ""  # ZMQ PUB endpoint of the KV events (kvd/event_publisher.py); "": none
+    events_replay_endpoint: str = ""  # its replay ROUTER endpoint; "": no replay
+    events_topic: str = ""
+    events_buffer_batches: int = 1000  # batches kept for replay (ZMQ and gRPC subscribers)
     tenants: tuple[TenantConfig, ...] = ()  # only from the config file
     remote: RemoteConfig | None = None  # None: no remote tier
 
@@ -269,6 +273,12 @@ def _tenants(doc, source: str) -> tuple[TenantConfig, ...]:
     return tenants
 
 
+def _check_events(cfg: ServeConfig) -> None:
+    """A replay endpoint replays the events of an events endpoint."""
+    if cfg.events_replay_endpoint and not cfg.events_endpoint:
+        raise ConfigError("events_replay_endpoint: replays the events of events_endpoint, which is not set")
+
+
 def _check_aux(cfg: ServeConfig) -> None:
     """The per-sequence aux limit: within the budget and within one message."""
     if cfg.aux_bytes_per_sequence > min(cfg.aux_bytes, MAX_AUX_STATE_BYTES):
@@ -325,6 +335,7 @@ def _coerce(name: str, value, source: str):
         raise ConfigError(f"{name}: cannot use {value!r} (from {source})") from None
 
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -343,6 +354,10 @@ def _check(name: str, value, source: str):
         problem = "must not be empty"
     elif name == "socket" and len(os.fsencode(value)) > 107:
         problem = "a unix socket path holds at most 107 bytes"
+    elif name in ("events_endpoint", "events_replay_endpoint") and value and not value.startswith(_ZMQ_SCHEMES):
+        problem = "expected a ZMQ endpoint such as tcp://*:5557 or ipc:///run/kvd/events"
+    elif name == "events_buffer_batches" and not value >= 1:
+        problem = "expected a number of batches >= 1"
     if problem:
         raise ConfigError(f"{name}: {problem}, got {value!r} (from {source})")
     return value
@@ -390,6 +405,7 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
             source = f"--{name.replace('_', '-')}"
             values[name] = _check(name, _coerce(name, value, source), source)
     cfg = ServeConfig(**values, remote=_remote(remote))
+    _check_events(cfg)
     _check_aux(cfg)
     _check_tenants(cfg)
     return cfg

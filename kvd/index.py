@@ -4,7 +4,8 @@ A page key hashes (parent key, page index, the page's token ids, the page's extr
 the chain starts at a per-request root that hashes the namespace root, the page size and
 the request-wide extra keys (LoRA identity, cache salt). Every extra key is tagged with
 its kind and length-prefixed, so a LoRA name can never collide with a cache salt or an
-image hash. Raw prompt text is never hashed or stored; token ids are.
+image hash. Raw prompt text is never hashed or stored; token ids are. The key functions
+live in kvd/wire/keys.py, so that clients compute the keys kvd's events name.
 
 The hash only narrows the search: a hit counts only when the stored page's token ids,
 parent page and a digest of the local extra bytes equal the request's (``PageContent``), so a collision
@@ -14,20 +15,17 @@ costs a miss, never wrong KV.
 from __future__ import annotations
 
 import bisect
-import hashlib
-import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from kvd.types import PageId, PageKey
 from kvd.wire.codec import TOKEN_BYTES, token_array
 from kvd.wire.enums import ExtraKind
+from kvd.wire.keys import ChainSpec, chain_spec, page_key  # noqa: F401 - the core's key functions
 
-_hash = xxhash.xxh3_128_digest
 _SMALL_SPAN_BYTES = 16 << 10  # token bytes of a run span compared as slices rather than with numpy
-_U32 = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -43,56 +41,6 @@ class ExtraKey:
     value: bytes
     offset: int = 0
     length: int = 1
-
-
-def _tagged(kind: int, value: bytes, *fields: int) -> bytes:
-    return bytes([kind]) + _U32.pack(len(value)) + value + b"".join(struct.pack("<q", f) for f in fields)
-
-
-@dataclass(frozen=True)
-class ChainSpec:
-    """Everything a request contributes to its page keys besides token ids."""
-
-    root: bytes  # 16-byte start of the chain
-    page_local: dict[int, bytes]  # page index -> tagged multimodal bytes of that page
-
-    def local_bytes(self, page_index: int) -> bytes:
-        """Bytes a stored page must match beyond tokens and parent: page 0 also pins the root."""
-        local = self.page_local.get(page_index, b"")
-        return self.root + local if page_index == 0 else local
-
-    def local_digest(self, page_index: int) -> bytes:
-        """What a stored page keeps of ``local_bytes``: a 16-byte digest, or b"" when there are none.
-
-        Page 0's local bytes hold the chain root plus its multimodal items, so they are
-        long; a fixed-size digest fits the page's shared-memory record (kvd/meta.py).
-        """
-        local = self.local_bytes(page_index)
-        return hashlib.blake2b(local, digest_size=16).digest() if local else b""
-
-
-def chain_spec(namespace_root: bytes, page_size: int, extra_keys: list[ExtraKey]) -> ChainSpec:
-    """Builds the chain root and per-page extra bytes of one request."""
-    request_wide = b"".join(
-        _tagged(k.kind, k.value)
-        for k in sorted((k for k in extra_keys if k.kind != ExtraKind.MULTIMODAL), key=lambda k: (k.kind, k.value))
-    )
-    # Once per request, so a cryptographic digest costs nothing and keeps tenants' salts apart.
-    root = hashlib.blake2b(namespace_root + _U32.pack(page_size) + request_wide, digest_size=16).digest()
-    page_local: dict[int, bytes] = {}
-    for k in sorted((k for k in extra_keys if k.kind == ExtraKind.MULTIMODAL), key=lambda k: (k.offset, k.value)):
-        # An item spans many pages: each holds a fixed-size digest of its value, not the value.
-        value = hashlib.blake2b(k.value, digest_size=16).digest()
-        first, last = k.offset // page_size, (k.offset + k.length - 1) // page_size
-        for page_index in range(first, last + 1):
-            rel = k.offset - page_index * page_size
-            page_local[page_index] = page_local.get(page_index, b"") + _tagged(k.kind, value, rel, k.length)
-    return ChainSpec(root=root, page_local=page_local)
-
-
-def page_key(parent_key: bytes, page_index: int, page_tokens: bytes, local: bytes) -> PageKey:
-    """Key of one full page given its parent's key (or the chain root for page 0)."""
-    return PageKey(_hash(parent_key + _U32.pack(page_index) + page_tokens + local))
 
 
 @dataclass(frozen=True)
@@ -149,9 +97,12 @@ class PrefixIndex:
     belong to no run (nothing reaches it through its parent).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
         self._entries: dict[PageKey, PageContent] = {}
         self._runs: dict[PageId, tuple[_Run, int]] = {}  # page -> its run and position in it
+        # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
+        # a failed checksum): the one place that knows a page stopped being findable.
+        self._on_remove = on_remove
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -188,6 +139,8 @@ class PrefixIndex:
             run, position = place
             for page in run.truncate(position, len(content.tokens))[1:]:
                 del self._runs[page]
+        if self._on_remove is not None:
+            self._on_remove(held)
 
     def match(
         self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int

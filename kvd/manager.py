@@ -8,7 +8,9 @@ Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``Prefi
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 ``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
 ``Counters``; request checks in kvd/requests.py;
-what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``.
+what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
+the KV events routers hear in ``EventLog`` (pages indexed here, pages leaving the index
+through the index's own hook).
 A warm restart's findings arrive through ``restore`` (kvd/recovery.py).
 """
 
@@ -23,6 +25,7 @@ from kvd.arena import Arena, ExtentPlan
 from kvd.config import AUX_BYTES
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.events import EventLog
 from kvd.eviction import release_order, restore_order
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
@@ -65,19 +68,29 @@ log = logging.getLogger(__name__)
 
 class KVCacheManager:
     def __init__(
-        self, arena: Arena, prefix_reuse: bool, limits: Limits | None = None, aux_budget: int = AUX_BYTES
+        self,
+        arena: Arena,
+        prefix_reuse: bool,
+        limits: Limits | None = None,
+        aux_budget: int = AUX_BYTES,
+        events: EventLog | None = None,
     ) -> None:
         """``aux_budget``: bytes of non-KV state all sequences may hold together, on the daemon's
-        heap beside the arena's budget; ``limits.max_aux_bytes`` bounds one sequence's."""
+        heap beside the arena's budget; ``limits.max_aux_bytes`` bounds one sequence's;
+        ``events``: the KV events log of this cache (kvd/events.py)."""
         self.arena = arena
         self.prefix_reuse = prefix_reuse
         self.limits = limits or Limits()
         self.aux_budget = aux_budget
         self.namespaces = NamespaceRegistry()
+        self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
         self.counters = Counters()
         self.pool = PagePool(self.counters, on_unpublish=self._unpublished)
-        self.index = PrefixIndex()
+        # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
+        self.index = PrefixIndex(
+            on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
+        )
         self.integrity = Integrity(arena, self.pool, self.index, self.counters)
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
@@ -104,7 +117,16 @@ class KVCacheManager:
         from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
 
         self.remote = RemoteTier(
-            link, scope, self.arena, self.pool, self.index, self.integrity, self.room, backlog_bytes, policy
+            link,
+            scope,
+            self.arena,
+            self.pool,
+            self.index,
+            self.integrity,
+            self.room,
+            self.events,
+            backlog_bytes,
+            policy,
         )
 
     def _unpublished(self, page: PageId) -> None:
@@ -177,9 +199,17 @@ class KVCacheManager:
             self.arena.adopt_recovered(extent)
             self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
         by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        keys: dict[PageId, PageKey] = {}
         for page_index, content in found.pages:  # parents first
             self.index.insert(content, page_index)
-            by_ns.setdefault(self.pool.namespace_of(content.page), []).append((page_index, content))
+            ns_id = self.pool.namespace_of(content.page)
+            by_ns.setdefault(ns_id, []).append((page_index, content))
+            keys[content.page] = content.key
+            # The records keep no extra keys, so recovered pages are announced without a LoRA name.
+            parent = None if content.parent is None else keys[content.parent]
+            self.events.stored(
+                ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
+            )
         for ns_id, contents in by_ns.items():
             self.pool.restore(ns_id, restore_order(contents))
         for ns_id, corrupted in found.corrupted.items():
@@ -279,6 +309,7 @@ class KVCacheManager:
                 tokens=bytearray(p.tokens),
                 keys=p.hit_keys,
                 shared_prefix_tokens=hit_tokens,
+                extra_keys=p.request.extra_keys,
                 aux=aux,
             )
             self._add(session, seq)
@@ -289,7 +320,7 @@ class KVCacheManager:
         if self.remote is not None and self.prefix_reuse:
             for p in prepared:
                 self.remote.served(p.hits, ns.page_size)
-                self.remote.missed(ns, p.chain, p.tokens, p.hits, p.hit_keys)
+                self.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, p.hits, p.hit_keys)
         return WithEvictions(plans, self._report_evictions(session))
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
@@ -307,7 +338,9 @@ class KVCacheManager:
                 results.append(LookupResult(r.seq_id, [], 0))
                 continue
             hits, keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
-            pending = self.remote.missed(ns, p.chain, p.tokens, hits, keys) if self.remote is not None else 0
+            pending = 0
+            if self.remote is not None:
+                pending = self.remote.missed(ns, p.chain, r.extra_keys, p.tokens, hits, keys)
             results.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size, pending))
         return results
 
@@ -431,6 +464,7 @@ class KVCacheManager:
             keys=list(src.keys),
             shared_prefix_tokens=len(shared) * ns.page_size,
             aux=src.aux,
+            extra_keys=src.extra_keys,
         )
         self._add(session, dst)
         self.supply.provision(ns)
@@ -589,6 +623,7 @@ class KVCacheManager:
         self.pool.publish(page, content, indexed)
         if indexed:
             self.index.insert(content, i)
+            self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
             if self.remote is not None:
                 self.remote.published(ns, content, i, parent_key)
         self.integrity.describe(content, i)

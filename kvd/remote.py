@@ -37,8 +37,9 @@ import numpy as np
 
 from kvd.arena import Arena
 from kvd.errors import ResourceExhausted
+from kvd.events import EventLog
 from kvd.eviction import release_order
-from kvd.index import ChainSpec, PageContent, PrefixIndex, page_key
+from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
 from kvd.meta import page_checksum
 from kvd.mooncake_store import PutOutcome
@@ -86,6 +87,7 @@ class _Fetch:
 
     ns: Namespace
     chain: ChainSpec
+    extra_keys: tuple[ExtraKey, ...]  # as requested, for the KV events of the pages that land
     tokens: bytes
     hits: list[PageId]  # the local hit, held until the fetch ends
     parent_key: bytes  # the key of the last hit page, or the chain root
@@ -104,6 +106,7 @@ class RemoteTier:
         index: PrefixIndex,
         integrity: Integrity,
         room: Room,
+        events: EventLog,
         backlog_bytes: int,
         policy: str = "publish",
     ) -> None:
@@ -114,6 +117,7 @@ class RemoteTier:
         self.index = index
         self.integrity = integrity
         self.room = room
+        self.events = events  # pages that land here are announced like any page indexed here
         self.backlog_bytes = backlog_bytes
         self.policy = policy  # "publish": store when published; "evict": when evicted
         self.counters = RemoteCounters()
@@ -197,7 +201,13 @@ class RemoteTier:
     # ---- fetch ----------------------------------------------------------------------
 
     def missed(
-        self, ns: Namespace, chain: ChainSpec, tokens: bytes, hits: list[PageId], hit_keys: list[PageKey]
+        self,
+        ns: Namespace,
+        chain: ChainSpec,
+        extra_keys: tuple[ExtraKey, ...],
+        tokens: bytes,
+        hits: list[PageId],
+        hit_keys: list[PageKey],
     ) -> int:
         """A prompt's full pages past its local hit: starts fetching them unless a fetch of the
         same prompt is in flight. Returns the tokens a fetch in flight may still bring."""
@@ -212,7 +222,7 @@ class RemoteTier:
         if not self.link.up or self._recent.get(ident, 0.0) > time.monotonic():
             return 0
         parent_key = hit_keys[-1] if hit_keys else chain.root
-        fetch = _Fetch(ns, chain, ident[2], list(hits), parent_key, (full_pages - len(hits)) * ns.page_size)
+        fetch = _Fetch(ns, chain, extra_keys, ident[2], list(hits), parent_key, (full_pages - len(hits)) * ns.page_size)
         self._fetches[ident] = fetch
         self._hold(fetch.hits, 0)
         first = len(hits)
@@ -282,6 +292,10 @@ class RemoteTier:
             self.pool.publish(page, content, indexed=True)
             self.index.insert(content, want.page_index)
             self.integrity.describe(content, want.page_index)
+            parent_key = want.parent_key if want.page_index else None
+            self.events.stored(
+                ns.id, ns.page_size, want.page_index, want.key, parent_key, want.tokens, fetch.extra_keys
+            )
             self._fetched.add(page)
             landed.append(page)
             parent = page

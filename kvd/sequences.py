@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvd.errors import FailedPrecondition, NotFound, PermissionDenied
-from kvd.index import ChainSpec
+from kvd.index import ChainSpec, ExtraKey
 from kvd.types import NamespaceId, PageId, PageKey, SeqId, SequenceState, SessionId
 from kvd.wire.codec import TOKEN_BYTES
 
@@ -59,6 +59,7 @@ class Sequence:
     shared_prefix_tokens: int  # tokens covered by prefix hits when it was allocated
     state: SequenceState = SequenceState.PREFILLED
     aux: bytes = b""
+    extra_keys: tuple[ExtraKey, ...] = ()  # as requested; only KV events read them (kvd/events.py)
 
     @property
     def num_published(self) -> int:

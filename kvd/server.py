@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from kvd import __version__, handshake, pins, recovery
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
+from kvd.events import Consumer, EventLog
 from kvd.manager import KVCacheManager
 from kvd.requests import Limits
 from kvd.service import SERVICE, KvdServicer, add_to_server
@@ -110,41 +111,76 @@ async def _listen(server: grpc.aio.Server, path: str, mode: int, group: int | No
         os.umask(old_umask)
 
 
-def _new_manager(config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int) -> KVCacheManager:
+def _event_log(config: ServeConfig, publisher: Consumer | None) -> EventLog:
+    """A tenant's KV events (kvd/events.py): batches close once the call that made them is
+    done, and go to the ZMQ publisher when there is one."""
+    events = EventLog(config.events_buffer_batches)
+    events.schedule = asyncio.get_running_loop().call_soon
+    if publisher is not None:
+        events.attach(publisher)
+    return events
+
+
+def _new_manager(
+    config: ServeConfig, budget: int, prefix: str, group: int | None, meta_mode: int, publisher: Consumer | None
+) -> KVCacheManager:
     arena = Arena(budget, min(config.extent_bytes, budget), prefix, config.lock_memory, group, meta_mode)
     return KVCacheManager(
         arena,
         prefix_reuse=config.enable_prefix_reuse,
         limits=Limits(max_aux_bytes=config.aux_bytes_per_sequence),
         aux_budget=config.aux_budget(budget),
+        events=_event_log(config, publisher),
     )
 
 
 def _recovered_manager(
-    config: ServeConfig, budget: int, prefix: str, group: int | None = None, meta_mode: int = 0o660
+    config: ServeConfig,
+    budget: int,
+    prefix: str,
+    publisher: Consumer | None,
+    group: int | None = None,
+    meta_mode: int = 0o660,
 ) -> KVCacheManager:
     """A manager holding what a killed daemon on this socket left (kvd/recovery.py), or an empty one."""
-    manager = _new_manager(config, budget, prefix, group, meta_mode)
+    manager = _new_manager(config, budget, prefix, group, meta_mode, publisher)
     try:
         recovery.recover(manager)
     except Exception:  # noqa: BLE001 - never refuse to start over leftovers: start empty
         log.exception("warm restart failed; discarding the previous daemon's shared memory and starting empty")
+        if publisher is not None:
+            manager.events.detach(publisher)  # its pages were never served: no one hears of them
         manager.close(unlink=True)
         unlink_segments(daemon_segments(prefix))
-        manager = _new_manager(config, budget, prefix, group, meta_mode)
+        manager = _new_manager(config, budget, prefix, group, meta_mode, publisher)
     return manager
 
 
-def _tenants(config: ServeConfig) -> Tenants:
+def _tenants(config: ServeConfig, publisher: Consumer | None) -> Tenants:
     """One manager per tenant (kvd/tenants.py), or the implicit one over the whole budget."""
     if not config.tenants:
-        return Tenants({IMPLICIT: _recovered_manager(config, config.host_bytes, config.shm_prefix)})
+        return Tenants({IMPLICIT: _recovered_manager(config, config.host_bytes, config.shm_prefix, publisher)})
     managers = {}
     for t in config.tenants:  # metadata holds token ids: only the daemon reads it
         managers[t.name] = _recovered_manager(
-            config, t.host_bytes, tenant_prefix(config.shm_prefix, t.name), t.group, 0o600
+            config, t.host_bytes, tenant_prefix(config.shm_prefix, t.name), publisher, t.group, 0o600
         )
     return Tenants(managers, config.tenants)
+
+
+def _event_publisher(config: ServeConfig):
+    """The ZMQ publisher of every tenant's KV events, when ``events_endpoint`` is set; only
+    then is zmq imported."""
+    if not config.events_endpoint:
+        return None
+    from kvd.event_publisher import EventPublisherError, ZmqEventPublisher
+
+    try:
+        return ZmqEventPublisher(
+            config.events_endpoint, config.events_replay_endpoint, config.events_topic, config.events_buffer_batches
+        )
+    except EventPublisherError as e:
+        raise StartupError(f"events_endpoint: {e}") from None
 
 
 def _check_shm_room(tenants: Tenants) -> None:
@@ -203,7 +239,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
     for t in config.tenants:
         _prepare_socket(tenant_socket(config.socket, t.name))
     started = time.perf_counter()
-    tenants = _tenants(config)
+    publisher = _event_publisher(config)
+    tenants = _tenants(config, publisher)
     _check_shm_room(tenants)
     loop = asyncio.get_running_loop()
     link = _remote_link(config, tenants, loop)
@@ -223,6 +260,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
             metrics.start(tenants, config.metrics_host, config.metrics_port)
         except OSError as e:
             _close_all(tenants, link)
+            if publisher is not None:
+                publisher.close()
             raise StartupError(
                 f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e.strerror}"
             ) from None
@@ -252,6 +291,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
         if metrics is not None:
             metrics.stop()
         _close_all(tenants, link)
+        if publisher is not None:
+            publisher.close()
         raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -298,6 +339,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
     # Published pages stay in shared memory, sealed, so `kvd serve` finds them again
     # (systemctl restart keeps the cache); `kvd clean` removes them for good.
     _close_all(tenants, link, keep_cache=True)
+    if publisher is not None:
+        publisher.close()  # after the last call's batch: the loop ran it before the servers stopped
     if metrics is not None:
         metrics.stop()
     for path in config.socket_paths:

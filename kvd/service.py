@@ -31,6 +31,7 @@ from kvd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvd.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, Subscription
 from kvd.index import ExtraKey
 from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
 from kvd.namespaces import NamespaceIdentity, make_layout
@@ -202,6 +203,28 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
     )
 
 
+def _kv_event(e: KVEvent) -> pb.KVEvent:
+    if isinstance(e, BlockStored):
+        return pb.KVEvent(
+            stored=pb.BlockStored(
+                namespace_id=e.namespace,
+                block_hashes=e.keys,
+                parent_block_hash=e.parent or b"",
+                token_ids=bytes(e.tokens),
+                block_size=e.page_size,
+                lora_name=e.lora_name or "",
+                medium=e.medium,
+            )
+        )
+    if isinstance(e, AllBlocksCleared):
+        return pb.KVEvent(cleared=pb.AllBlocksCleared())
+    return pb.KVEvent(removed=pb.BlockRemoved(namespace_id=e.namespace, block_hashes=e.keys, medium=e.medium))
+
+
+def kv_event_batch(b: EventBatch) -> pb.KVEventBatch:
+    return pb.KVEventBatch(seq=b.seq, ts=b.ts, events=[_kv_event(e) for e in b.events])
+
+
 # ---- requests that do not parse ----------------------------------------------------
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVD"]
@@ -293,10 +316,16 @@ def _unary(method):
 @dataclass
 class SessionStreams:
     """What the servicers of every socket of one daemon share: the open session streams
-    (each a queue of events; None ends it) and whether the daemon is stopping."""
+    (each a queue of events; None ends it), the KV event subscriptions (they end with
+    their session) and whether the daemon is stopping."""
 
     events: dict[str, asyncio.Queue] = field(default_factory=dict)  # by session id
+    subscriptions: dict[str, set[Subscription]] = field(default_factory=dict)  # by session id
     stopping: bool = False
+
+    def end_subscriptions(self, session: str) -> None:
+        for sub in self.subscriptions.pop(session, ()):
+            sub.close()
 
 
 class KvdServicer(kvd_pb2_grpc.KVDServicer):
@@ -322,6 +351,8 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self.streams.stopping = True
         for events in self.streams.events.values():
             events.put_nowait(None)
+        for session in list(self.streams.subscriptions):
+            self.streams.end_subscriptions(session)
 
     def _manager_of(self, session: str) -> KVCacheManager:
         return self.tenants.manager_for(session, self.socket_tenant)
@@ -350,7 +381,31 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
                 yield event
         finally:
             self.streams.events.pop(session.id, None)
+            self.streams.end_subscriptions(session.id)
             self.tenants.close_session(m, session.id, daemon_stopping=self.streams.stopping)
+
+    async def SubscribeEvents(self, request, context):
+        if self.streams.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kvd is stopping; subscribe again once it is back")
+        try:
+            request = _parsed(request)
+            m = self._manager_of(request.session)
+            m.sessions.get(request.session)
+        except KVDError as e:
+            await context.abort(status_for(e), status_message(str(e)))
+        sub = m.events.subscribe(request.from_seq if request.has_from_seq else None)
+        self.streams.subscriptions.setdefault(request.session, set()).add(sub)
+        try:
+            while (batch := await sub.get()) is not None:
+                yield kv_event_batch(batch)
+            if sub.overrun:
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                context.set_details(
+                    f"the subscriber fell {sub.limit} batches behind; subscribe again with from_seq to resume"
+                )
+        finally:
+            self.streams.subscriptions.get(request.session, set()).discard(sub)
+            m.events.detach(sub)
 
     @_unary
     def CloseSession(self, r):

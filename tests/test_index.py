@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 import kvd.index
 import kvd.manager
+import kvd.wire.keys
 from kvd import invariants
 from kvd.errors import InvalidArgument, ResourceExhausted
 from kvd.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
@@ -165,7 +166,7 @@ def test_multimodal_item_enters_every_page_it_overlaps_and_only_those(offset, le
             # the offset is relative to the page, so the same image elsewhere is different content;
             # each page holds a fixed-size digest of the item's value
             digest = hashlib.blake2b(b"img-1", digest_size=16).digest()
-            expected = kvd.index._tagged(ExtraKind.MULTIMODAL, digest, offset - i * PAGE_SIZE, length)
+            expected = kvd.wire.keys.tagged(ExtraKind.MULTIMODAL, digest, offset - i * PAGE_SIZE, length)
             assert spec.page_local[i] == expected
     plain_keys, keys = chain_keys(plain, ids), chain_keys(spec, ids)
     first = min(pages)

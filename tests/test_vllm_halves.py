@@ -36,6 +36,7 @@ def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str |
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=tokens,
+        all_token_ids=list(tokens),  # the test appends "generated" tokens
         cache_salt=salt,
         mm_features=[],
         block_hashes=[],
@@ -60,8 +61,8 @@ def scheduled(req, block_ids: list[int], computed: int = 0, num_tokens: int | No
 class VllmProcess:
     """One vLLM instance's connector halves over a KV cache of random blocks on CPU."""
 
-    def __init__(self, socket: str, seed: int) -> None:
-        self.scheduler = KVDSchedulerSide(KVDLink(socket, "test-scheduler", SPEC), BLOCK)
+    def __init__(self, socket: str, seed: int, save_generated: bool = True) -> None:
+        self.scheduler = KVDSchedulerSide(KVDLink(socket, "test-scheduler", SPEC), BLOCK, save_generated)
         self.worker = KVDWorkerSide(KVDLink(socket, "test-worker", SPEC), LAYERS)
         generator = torch.Generator().manual_seed(seed)
         # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
@@ -74,16 +75,18 @@ class VllmProcess:
         self.scheduler.allocated(req, block_ids, num_external)
         return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
 
-    def recompute(self, req, computed: int) -> set[int]:
-        """The next step of a running request that vLLM computes again from token `computed`
-        (what it does after load errors)."""
-        rest = len(req.prompt_token_ids) - computed
+    def next_step(self, req, computed: int, num_tokens: int, new_block_ids: list[int] | None = None) -> set[int]:
+        """A later step of a running request: `num_tokens` tokens from token `computed` (the
+        rest of a prompt vLLM computes again after load errors, or decoded tokens)."""
         cached = SimpleNamespace(
-            req_ids=[req.request_id], resumed_req_ids=set(), new_block_ids=[None], num_computed_tokens=[computed]
+            req_ids=[req.request_id],
+            resumed_req_ids=set(),
+            new_block_ids=[(new_block_ids,) if new_block_ids else None],
+            num_computed_tokens=[computed],
         )
         return self._step(
             SimpleNamespace(
-                scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={req.request_id: rest}
+                scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={req.request_id: num_tokens}
             )
         )
 
@@ -99,7 +102,18 @@ class VllmProcess:
         return errors
 
     def finish(self, req) -> None:
+        """The request finished; vLLM then runs a step with nothing scheduled that tells the
+        workers (its connector metadata lists the finished request)."""
         self.scheduler.finished(req)
+        self._step(
+            SimpleNamespace(
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(
+                    req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+                ),
+                num_scheduled_tokens={},
+            )
+        )
 
     def blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.stack([self.kv[name][block_ids] for name in LAYERS])
@@ -127,6 +141,28 @@ def test_blocks_saved_by_one_process_load_into_another(daemon):
     with KVDClient.connect(daemon.socket) as kvd:
         stats = kvd.stats()
     assert stats["cached_pages"] == 10 and stats["sequences"] == 0
+
+
+@pytest.mark.parametrize("save_generated", [True, False])
+def test_generated_blocks_are_hits_for_the_next_turn(daemon, save_generated):
+    """A conversation's next turn holds this turn's answer: its full blocks load from kvd too
+    (unless `save_generated` is off)."""
+    a, b = VllmProcess(daemon.socket, 1, save_generated), VllmProcess(daemon.socket, 2)
+    prompt, answer = tokens(10 * BLOCK + 5), tokens(2 * BLOCK + 3, seed=2)
+    ra = request("a", prompt)
+    assert a.run(ra, list(range(11))) == set()
+    ra.all_token_ids += answer  # decoded; the last sampled token's KV is computed with the next step
+    assert a.next_step(ra, len(prompt), len(answer) - 1, new_block_ids=[11, 12]) == set()
+    a.finish(ra)
+    with KVDClient.connect(daemon.socket) as kvd:
+        assert kvd.stats()["sequences"] == 0, "a's sequences outlived its request"
+    next_turn = prompt + answer + tokens(40, seed=3)
+    rb = request("b", next_turn)
+    hit = 12 if save_generated else 10
+    assert b.scheduler.matched_tokens(rb, 0) == hit * BLOCK
+    b_blocks = list(range(20, 34))
+    assert b.run(rb, b_blocks, num_external=hit * BLOCK) == set()
+    assert torch.equal(b.blocks(b_blocks[:hit]), a.blocks(list(range(hit))))
 
 
 def test_never_the_whole_prompt_and_only_beyond_the_local_hit(daemon):
@@ -161,7 +197,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     with KVDClient.connect(daemon.socket) as kvd:
         ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
         assert len(kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_pages) == 6
-    assert b.recompute(rb, 6 * BLOCK) == set()  # vLLM computes them again; now b saves them
+    assert b.next_step(rb, 6 * BLOCK, len(prompt) - 6 * BLOCK) == set()  # vLLM computes them again; now b saves them
     c, rc = VllmProcess(daemon.socket, 3), request("c", prompt)
     assert c.scheduler.matched_tokens(rc, 0) == 10 * BLOCK
     c_blocks = list(range(40, 51))
@@ -285,3 +321,39 @@ def test_a_multimodal_item_across_the_cacheable_end_cuts_the_prefix_before_it():
     r.mm_features = [image(10, 10), image(100, 300)]
     kept_tokens, keys = cacheable_tokens(r, BLOCK)
     assert len(kept_tokens) == 96 and [k.offset for k in keys] == [10]
+
+
+def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored(daemon_factory):
+    """take_events: BlockStored for what the workers published, then BlockRemoved for the
+    same vLLM hashes once kvd evicts those pages (heard on kvd's event stream)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    page_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # LAYOUT: layers, K/V, slots, heads, head_dim, float32
+    budget = str(16 * page_bytes)
+    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget, "--extent-bytes", budget)
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt)
+    ra.block_hashes = [bytes([i]) * 32 for i in range(10)]  # vLLM's hashes of the full blocks
+    reported = [maybe_convert_block_hash(h) for h in ra.block_hashes]  # as vLLM's events carry them
+    a.run(ra, list(range(11)))
+    a.finish(ra)
+    [stored] = a.scheduler.take_events()
+    assert stored.block_hashes == reported and stored.medium == "kvd"
+
+    with KVDClient.connect(daemon.socket) as kvd:  # another engine needs 10 pages of the 16: 4 cached ones go
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        kvd.allocate_with_prefix(ns, [SequenceRequest("other", tokens(10 * BLOCK, seed=2))])
+        assert kvd.stats()["evicted_pages"] == 4
+        heard = []
+        wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
+        [removed] = heard
+        assert removed.block_hashes == reported[:5:-1] and removed.medium == "kvd", "the evicted tail"
+
+        kvd.release(ns, ["other"])
+        kvd.reset_prefix_cache(ns)
+        heard.clear()
+        wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
+        assert sorted(heard[0].block_hashes) == sorted(reported[:6]), "the rest; never pages it did not report"
+    assert a.scheduler.take_events() == []
+    a.scheduler.close()

@@ -144,6 +144,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvd__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/kvd.v1.KVD/SubscribeEvents',
+                request_serializer=kvd__pb2.SubscribeEventsRequest.SerializeToString,
+                response_deserializer=kvd__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class KVDServicer:
@@ -298,6 +303,15 @@ class KVDServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """The KV events of the session's tenant (kvd/events.py), in vLLM's vocabulary: pages
+        stored, pages removed; one batch per call that changed what the index holds, numbered
+        without gaps while someone listens. Ends when the session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVDServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -410,6 +424,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=kvd__pb2.PingRequest.FromString,
                     response_serializer=kvd__pb2.PingReply.SerializeToString,
+            ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=kvd__pb2.SubscribeEventsRequest.FromString,
+                    response_serializer=kvd__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1006,6 +1025,33 @@ class KVD:
             '/kvd.v1.KVD/Ping',
             kvd__pb2.PingRequest.SerializeToString,
             kvd__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.KVD/SubscribeEvents',
+            kvd__pb2.SubscribeEventsRequest.SerializeToString,
+            kvd__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
