@@ -7,11 +7,14 @@ metadata server on loopback, as hosts of a fleet reach theirs.
 from __future__ import annotations
 
 import contextlib
+import queue
 import re
 import signal
+import threading
 import time
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 from conftest import clean_env, remove_shared_memory, start_daemon, wait_until
@@ -99,6 +102,15 @@ def prompt(seed: int, pages: int = PAGES) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30000, pages * LAYOUT.page_size, dtype=np.int32)
 
 
+def read_into(stream, batches: queue.Queue) -> None:
+    """Reads an event stream on a thread until the test cancels it."""
+    try:
+        for batch in stream:
+            batches.put(batch)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.CANCELLED, e
+
+
 def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
     """Computes (random K/V for what missed) and publishes a prompt on one host; returns its pages' bytes."""
     [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
@@ -140,9 +152,18 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     pages = publish_prompt(a, ns_a, "p", tokens)
     stored(a, since + PAGES)
 
+    events = b.subscribe_events()  # routers hear of the fetched pages as of any page B indexes
+    batches: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=read_into, args=(events, batches), daemon=True)
+    reader.start()
     [first] = b.lookup(ns_b, [SequenceRequest("ask", tokens)])
     assert first.hit_tokens == 0  # nothing local yet: the lookup starts the fetch
     assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+    [event] = batches.get(timeout=30).events
+    assert event.stored.medium == "CPU" and len(event.stored.block_hashes) == PAGES
+    assert event.stored.token_ids == tokens.astype("<i4").tobytes() and not event.stored.parent_block_hash
+    events.cancel()
+    reader.join(timeout=10)
     got = hit_bytes(b, ns_b, "q", tokens)
     assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
 
