@@ -458,7 +458,10 @@ class KVDClient:
         reply = self._call(
             "Lookup", pb.LookupRequest(session=self.session, namespace_id=ns, sequences=_requests(requests))
         )
-        return [LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens) for r in reply.results]
+        return [
+            LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens, r.remote_pending_tokens)
+            for r in reply.results
+        ]
 
     def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:
         """Makes the sequences' full private pages immutable and shareable.
