@@ -625,7 +625,7 @@ class KVCacheManager:
             self.index.insert(content, i)
             self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
             if self.remote is not None:
-                self.remote.published(ns, content, i, parent_key)
+                self.remote.published(ns, content, i, parent_key, seq.extra_keys)
         self.integrity.describe(content, i)
         return None
 

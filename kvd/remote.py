@@ -37,7 +37,7 @@ import numpy as np
 
 from kvd.arena import Arena
 from kvd.errors import ResourceExhausted
-from kvd.events import EventLog
+from kvd.events import MEDIUM_REMOTE, EventLog
 from kvd.eviction import release_order
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
@@ -78,6 +78,8 @@ class _Put:
     page: PageId | None  # the page held for the put; None: ``view`` is a copy of an evicted page
     view: np.ndarray  # the page's bytes: in shared memory, or a copy
     header: PageHeader
+    ns: Namespace
+    extra_keys: tuple[ExtraKey, ...]  # the publishing sequence's, for the page's REMOTE event
     sealed: tuple[bytes, int] | None = None  # a copy's record fields and checksum: stored only if they match
 
 
@@ -127,20 +129,23 @@ class RemoteTier:
         self._fetches: dict[tuple, _Fetch] = {}  # by (namespace, chain root, full-page token ids)
         self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
         self._fetched: set[PageId] = set()  # published pages that came from the store
-        self._evictable: dict[PageId, tuple[Namespace, int, bytes]] = {}  # "evict": page index and parent key
+        # "evict": where each page sits in its chain (page index, parent key) and its extra keys
+        self._evictable: dict[PageId, tuple[Namespace, int, bytes, tuple[ExtraKey, ...]]] = {}
         # Store keys whose value failed its checks: a fetch stops before them (read by the worker).
         self._rejected: OrderedDict[str, None] = OrderedDict()
         self._staging = np.zeros((MAX_BATCH_PAGES, 0), dtype=np.uint8)  # headers: [pages, header bytes]
 
     # ---- store ----------------------------------------------------------------------
 
-    def published(self, ns: Namespace, content: PageContent, page_index: int, parent_key: bytes) -> None:
+    def published(
+        self, ns: Namespace, content: PageContent, page_index: int, parent_key: bytes, extra_keys: tuple[ExtraKey, ...]
+    ) -> None:
         """A page was just published and indexed: store it (or, with policy "evict", remember
         where it sits in its chain), unless it came from the store."""
         if content.page in self._fetched:
             return
         if self.policy == "evict":
-            self._evictable[content.page] = (ns, page_index, parent_key)
+            self._evictable[content.page] = (ns, page_index, parent_key, extra_keys)
             return
         if not self.link.up or self._held_bytes + ns.page_bytes > self.backlog_bytes:
             self.counters.skipped_pages += 1
@@ -148,7 +153,8 @@ class RemoteTier:
         self._hold([content.page], ns.page_bytes)
         header = PageHeader(page_index, content.key, parent_key, content.local, content.tokens)
         view = self.arena.page_bytes_view(content.page)
-        self._queued.append(_Put(store_key(self.scope, ns.root, content.key), content.page, view, header))
+        key = store_key(self.scope, ns.root, content.key)
+        self._queued.append(_Put(key, content.page, view, header, ns, extra_keys))
 
     def submit(self) -> None:
         """Hands the pages queued since the last call to the worker, in batches."""
@@ -163,9 +169,10 @@ class RemoteTier:
             self.counters.errors += 1
             self.counters.skipped_pages += len(batch)
         else:
-            for outcome in outcomes:
+            for put, outcome in zip(batch, outcomes):
                 if outcome is PutOutcome.STORED:
                     self.counters.stored_pages += 1
+                    self._announce(put)
                 elif outcome is None:  # an evicted page's copy no longer matched its seal
                     self.counters.skipped_pages += 1
                 else:
@@ -176,6 +183,23 @@ class RemoteTier:
             else:
                 self._release([put.page], put.view.nbytes)
 
+    def _announce(self, put: _Put) -> None:
+        """A KV event (medium REMOTE) for a page the store accepted: routers may send its
+        prompts to any host of the fleet. The store evicts without telling its clients, so no
+        REMOTE removal follows; such an entry costs a router at worst a local miss."""
+        header = put.header
+        parent = header.parent_key if header.page_index else None
+        self.events.stored(
+            put.ns.id,
+            put.ns.page_size,
+            header.page_index,
+            header.key,
+            parent,
+            header.tokens,
+            put.extra_keys,
+            medium=MEDIUM_REMOTE,
+        )
+
     def _evicted(self, page: PageId) -> None:
         """With policy "evict": a sealed page leaves host memory, so its bytes are copied now
         (its memory is reused next) and stored from the copy, once the copy matches the
@@ -184,7 +208,7 @@ class RemoteTier:
         checksum = self.integrity.checksums.get(page)
         if where is None or checksum is None:
             return
-        ns, page_index, parent_key = where
+        ns, page_index, parent_key, extra_keys = where
         if not self.link.up or self._held_bytes + ns.page_bytes > self.backlog_bytes:
             self.counters.skipped_pages += 1
             return
@@ -196,7 +220,9 @@ class RemoteTier:
         self._held_bytes += copy.nbytes
         if not self._queued:
             self.link.post(self.submit)  # once the eviction's call is done: one batch
-        self._queued.append(_Put(store_key(self.scope, ns.root, content.key), None, copy, header, sealed))
+        self._queued.append(
+            _Put(store_key(self.scope, ns.root, content.key), None, copy, header, ns, extra_keys, sealed)
+        )
 
     # ---- fetch ----------------------------------------------------------------------
 
