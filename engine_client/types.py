@@ -76,6 +76,7 @@ class LookupResult:
     seq_id: str
     hit_pages: list[int]
     hit_tokens: int
+    remote_pending_tokens: int = 0  # more tokens a fetch from the daemon's remote store may bring: ask again
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ class KVDConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

@@ -4,7 +4,8 @@ It holds no tensors and writes no page:
 
 1. `matched_tokens` (vLLM's `get_num_new_matched_tokens`) looks the prompt up in kvd,
    without pinning anything, and offers the block-aligned hit beyond vLLM's own local hit,
-   never the whole prompt (vLLM computes at least the last token).
+   never the whole prompt (vLLM computes at least the last token). While kvd fetches
+   more of the prompt from its remote store it answers None: vLLM asks again next step.
 2. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, a kvd sequence
    of this session pins the hit pages (they cannot be evicted before the workers load
    them); the load plan maps them to the vLLM blocks just allocated. A block whose page
@@ -102,9 +103,10 @@ class KVDSchedulerSide:
 
     # ---- lookup and allocation ----------------------------------------------------
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond vLLM's local hit that kvd can supply now (block-aligned, never
-        the last prompt token). No side effect in kvd."""
+        the last prompt token); None while kvd fetches more of the prompt from its remote
+        store (vLLM then asks again next step). Pins nothing in kvd."""
         if request.prompt_token_ids is None:
             return 0
         tokens, keys = cacheable_tokens(request, self.block_size)
@@ -119,6 +121,8 @@ class KVDSchedulerSide:
         )
         if not found:
             return 0
+        if found[0].remote_pending_tokens:
+            return None
         self._local_hits[request.request_id] = num_computed_tokens
         return max(0, min(found[0].hit_tokens, loadable) - num_computed_tokens)
 

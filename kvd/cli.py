@@ -32,6 +32,7 @@ def _serve(args) -> int:
         "log_level": args.log_level,
         "events_endpoint": args.events_endpoint,
         "events_replay_endpoint": args.events_replay_endpoint,
+        **{f"remote_{key}": getattr(args, f"remote_{key}") for key in _REMOTE_FLAGS},
     }
     cfg = config_mod.load(flags, config_file=args.config)
     config_mod.check_socket_directory(cfg)
@@ -48,6 +49,16 @@ def _serve(args) -> int:
         print(f"kvd serve: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+_REMOTE_FLAGS = {
+    "master": "mooncake_master's RPC address host:port: turns the remote tier on (default: off)",
+    "metadata": "the store's metadata server (default http://MASTER_HOST:8080/metadata)",
+    "local_hostname": "the address other hosts reach this one at (default: the hostname)",
+    "segment_bytes": "memory this host lends to the store, e.g. 4GiB (default 1GiB)",
+    "backend": "the remote store (mooncake, the default and only one)",
+    "policy": "when pages go to the store: publish (write-behind, the default) or evict (only evicted pages)",
+}
 
 
 def _socket(args) -> str:
@@ -68,7 +79,15 @@ def stats_table(stats: dict) -> str:
         f"prefix reuse {'on' if stats['prefix_reuse'] else 'off'}, "
         f"extents refused by /dev/shm {stats['shm_refusals']:,}"
     )
-    return "\n".join([head, *rows, footer, recovery_line(stats["recovery"])])
+    lines = [head, *rows, footer, recovery_line(stats["recovery"])]
+    r = stats["remote"]
+    if r["state"] != "off":
+        lines.append(
+            f"remote store {r['state']}: {r['stored_pages']:,} pages stored, {r['fetched_pages']:,} fetched "
+            f"({r['hit_tokens']:,} hit tokens), {r['refused_pages']:,} refused, {r['skipped_pages']:,} skipped, "
+            f"{r['rejected_pages']:,} rejected, {r['errors']:,} errors, {r['outages']:,} outages"
+        )
+    return "\n".join(lines)
 
 
 def recovery_line(r: dict) -> str:
@@ -224,6 +243,8 @@ def parser() -> argparse.ArgumentParser:
         help="publish KV events in vLLM's format on this ZMQ endpoint, e.g. tcp://*:5557 (default: off)",
     )
     s.add_argument("--events-replay-endpoint", help="ZMQ endpoint answering replay requests for missed events")
+    for key, text in _REMOTE_FLAGS.items():
+        s.add_argument(f"--remote-{key.replace('_', '-')}", dest=f"remote_{key}", help=text)
     s.set_defaults(func=_serve)
 
     st = sub.add_parser("stats", help="print the daemon's page statistics")

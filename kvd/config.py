@@ -19,6 +19,17 @@ Tenants come only from the file (kvd/tenants.py says how clients are mapped to t
     group = "alpha"        # optional: group (name or gid) owning the tenant's extents
 
 Without a ``[tenants]`` table the daemon has one implicit tenant that everyone reaches.
+
+The remote tier (kvd/remote.py) is off unless a master is named, in a ``[remote]`` table,
+as ``KVD_REMOTE_<KEY>`` or as ``--remote-<key>`` flags::
+
+    [remote]
+    backend = "mooncake"                       # the only one: Mooncake Store
+    master = "10.0.0.5:50051"                  # mooncake_master's RPC address
+    metadata = "http://10.0.0.5:8080/metadata" # default: port 8080 on the master's host
+    local_hostname = "10.0.0.7"                # how other hosts reach this one (default: its hostname)
+    segment_bytes = "4GiB"                     # memory this host lends to the store
+    policy = "publish"                         # store pages when published (write-behind), or "evict"
 """
 
 from __future__ import annotations
@@ -99,6 +110,61 @@ class TenantConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """The ``[remote]`` table: the distributed store that shares pages between hosts."""
+
+    master: str
+    metadata: str = ""  # "": http://<master host>:8080/metadata
+    backend: str = "mooncake"
+    local_hostname: str = ""  # "": this host's name
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    segment_bytes: int = 1 << 30
+    backlog_bytes: int = 1 << 30  # published pages held for the store at most (per tenant)
+    policy: str = "publish"  # "publish": store published pages (write-behind); "evict": only evicted ones
+
+    @property
+    def metadata_server(self) -> str:
+        return self.metadata or f"http://{self.master.rsplit(':', 1)[0]}:8080/metadata"
+
+
+_REMOTE_KEYS = {f.name: f for f in dataclasses.fields(RemoteConfig)}
+REMOTE_BACKENDS = ("mooncake",)
+REMOTE_POLICIES = ("publish", "evict")
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses a smaller segment
+
+
+def _remote(values: dict[str, tuple[object, str]]) -> RemoteConfig | None:
+    """The remote tier's settings from (value, source) by key; None when no master is named."""
+    if not values:
+        return None
+    checked = {}
+    for key, (value, source) in values.items():
+        if key not in _REMOTE_KEYS:
+            raise ConfigError(f"remote: unknown setting {key!r}; known: {sorted(_REMOTE_KEYS)} (from {source})")
+        if key in ("segment_bytes", "backlog_bytes"):
+            value = parse_bytes(value, f"remote.{key}")
+        elif not isinstance(value, str):
+            raise ConfigError(f"remote.{key}: expected a string, got {value!r} (from {source})")
+        checked[key] = value
+    problem = None
+    if not checked.get("master"):
+        problem = "master (mooncake_master's host:port) is required to turn the remote tier on"
+    elif ":" not in checked["master"]:
+        problem = f"master: expected host:port, got {checked['master']!r}"
+    elif checked.get("backend", "mooncake") not in REMOTE_BACKENDS:
+        problem = f"backend: expected one of {list(REMOTE_BACKENDS)}, got {checked['backend']!r}"
+    elif checked.get("segment_bytes", MIN_SEGMENT_BYTES) < MIN_SEGMENT_BYTES:
+        problem = f"segment_bytes: Mooncake needs at least 16MiB, got {checked['segment_bytes']}"
+    elif checked.get("policy", "publish") not in REMOTE_POLICIES:
+        problem = f"policy: expected one of {list(REMOTE_POLICIES)}, got {checked['policy']!r}"
+    if problem:
+        sources = sorted({source for _, source in values.values()})
+        raise ConfigError(f"remote.{problem} (from {', '.join(sources)})")
+    return RemoteConfig(**checked)
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     socket: str = dataclasses.field(default_factory=default_socket)
     host_bytes: int = 1 << 30
@@ -120,6 +186,7 @@ class ServeConfig:
     events_topic: str = ""
     events_buffer_batches: int = 1000  # batches kept for replay (ZMQ and gRPC subscribers)
     tenants: tuple[TenantConfig, ...] = ()  # only from the config file
+    remote: RemoteConfig | None = None  # None: no remote tier
 
     @property
     def shm_prefix(self) -> str:
@@ -140,7 +207,7 @@ class ServeConfig:
         return (self.socket, auth_socket(self.socket), *(tenant_socket(self.socket, t.name) for t in self.tenants))
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name != "tenants"}
+_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name not in ("tenants", "remote")}
 _TENANT_KEYS = ("uids", "gids", "host_bytes", "group")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
 
@@ -300,6 +367,7 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
     """Merges defaults, the TOML file, KVD_* variables and flags (None means 'not given')."""
     environ = os.environ if environ is None else environ
     values: dict = {}
+    remote: dict[str, tuple[object, str]] = {}
     path = find_config_file(environ, config_file)
     if path:
         try:
@@ -313,6 +381,11 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
             if key == "tenants":
                 values[key] = _tenants(value, path)
                 continue
+            if key == "remote":
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config file {path}: remote must be a [remote] table")
+                remote.update((k, (v, path)) for k, v in value.items())
+                continue
             if key not in _FIELDS:
                 raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {sorted(_FIELDS)}")
             values[key] = _check(key, _coerce(key, value, path), path)
@@ -321,11 +394,17 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
         if env is not None:
             source = f"KVD_{name.upper()}"
             values[name] = _check(name, _coerce(name, env, source), source)
+    for key in _REMOTE_KEYS:
+        env = environ.get(f"KVD_REMOTE_{key.upper()}")
+        if env is not None:
+            remote[key] = (env, f"KVD_REMOTE_{key.upper()}")
     for name, value in flags.items():
-        if value is not None:
+        if value is not None and name.startswith("remote_"):
+            remote[name[len("remote_") :]] = (value, f"--{name.replace('_', '-')}")
+        elif value is not None:
             source = f"--{name.replace('_', '-')}"
             values[name] = _check(name, _coerce(name, value, source), source)
-    cfg = ServeConfig(**values)
+    cfg = ServeConfig(**values, remote=_remote(remote))
     _check_events(cfg)
     _check_aux(cfg)
     _check_tenants(cfg)

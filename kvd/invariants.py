@@ -16,12 +16,14 @@ from kvd.types import PageState
 
 @dataclass
 class _References:
-    """What sequences and pins hold, recomputed: the refcount every page should have."""
+    """What sequences, pins and the remote tier hold, recomputed: the refcount every page should have."""
 
     expected: Counter = field(default_factory=Counter)  # page → sequence entries + pins
     pinned: Counter = field(default_factory=Counter)  # page → pins
     owners: dict[int, list[str]] = field(default_factory=dict)  # page → seq ids
     logical: int = 0  # page-table entries of all sequences
+    held: Counter = field(default_factory=Counter)  # page → the remote tier's holds (kvd/remote.py)
+    counted: str = "sequences + pins"  # what ``expected`` counts, for messages
 
 
 def violations(manager) -> list[str]:
@@ -72,6 +74,10 @@ def _references(manager, found: list[str]) -> _References:
         for page in pin.pages:
             refs.expected[page] += 1
             refs.pinned[page] += 1
+    if manager.remote is not None:  # pages the remote store reads or writes right now
+        refs.held = manager.remote.holds()
+        refs.expected.update(refs.held)
+        refs.counted = "sequences + pins + remote holds"
     return refs
 
 
@@ -84,7 +90,7 @@ def _check_pages(pool, index, refs: _References, found: list[str]) -> tuple[dict
     for page, state, refcount, pins, ns_id in pool.pages():
         owners = refs.owners.get(page, [])
         if refcount != refs.expected[page]:
-            found.append(f"page {page} has refcount {refcount} but {refs.expected[page]} references (sequences + pins)")
+            found.append(f"page {page} has refcount {refcount} but {refs.expected[page]} references ({refs.counted})")
         if pins != refs.pinned[page]:
             found.append(f"page {page} counts {pins} pins but {refs.pinned[page]} pins hold it")
         if owners:
@@ -94,7 +100,7 @@ def _check_pages(pool, index, refs: _References, found: list[str]) -> tuple[dict
             if refcount:
                 found.append(f"free page {page} has refcount {refcount}")
         elif state is PageState.PRIVATE:
-            if refcount != 1 or pins or len(owners) != 1:
+            if refcount != 1 or pins or len(owners) + refs.held[page] != 1:
                 found.append(f"private page {page} is referenced by {owners or None} with {pins} pins")
         elif state is PageState.PUBLISHED:
             if refcount < 1:

@@ -63,6 +63,8 @@ from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceSt
 
 if TYPE_CHECKING:
     from kvd.recovery import Recovered, RecoveryReport
+    from kvd.remote import RemoteTier
+    from kvd.remote_link import RemoteLink
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class KVCacheManager:
         self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
         self.counters = Counters()
-        self.pool = PagePool(self.counters, on_unpublish=lambda page: self.integrity.forget(page))
+        self.pool = PagePool(self.counters, on_unpublish=self._unpublished)
         # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
         self.index = PrefixIndex(
             on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
@@ -110,6 +112,30 @@ class KVCacheManager:
         self.aux_bytes = 0  # non-KV state of all sequences
         self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
+        self.remote: RemoteTier | None = None  # set by attach_remote
+
+    def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int, policy: str = "publish") -> None:
+        """Shares published pages with other hosts through the remote store (kvd/remote.py);
+        ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
+        from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
+
+        self.remote = RemoteTier(
+            link,
+            scope,
+            self.arena,
+            self.pool,
+            self.index,
+            self.integrity,
+            self.room,
+            self.events,
+            backlog_bytes,
+            policy,
+        )
+
+    def _unpublished(self, page: PageId) -> None:
+        if self.remote is not None:  # first: with policy "evict" it reads the page's seal
+            self.remote.unpublished(page)
+        self.integrity.forget(page)
 
     def close(self, unlink: bool = True) -> None:
         self.supply.close()
@@ -301,6 +327,10 @@ class KVCacheManager:
             counters.hit_tokens += hit_tokens
             plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
         self.supply.provision(ns)
+        if self.remote is not None and self.prefix_reuse:
+            for p in prepared:
+                self.remote.served(p.hits, ns.page_size)
+                self.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, p.hits, p.hit_keys)
         return WithEvictions(plans, self._report_evictions(session))
 
     def room_for_allocate(
@@ -344,7 +374,9 @@ class KVCacheManager:
         return prepared, need
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
-        """The same matching as allocate, without pinning or allocating anything."""
+        """The same matching as allocate, without pinning or allocating anything. With a remote
+        tier, full pages past the local hit are fetched in the background (kvd/remote.py) and
+        ``remote_pending_tokens`` says how many may still come: ask again later."""
         return [x for part in self.lookup_parts(session_id, namespace_id, requests, float("inf")) for x in part]
 
     def lookup_parts(
@@ -360,8 +392,14 @@ class KVCacheManager:
         part, deadline = [], time.perf_counter() + seconds
         for r in requests:
             p = prepare(self.limits, ns, r)
-            hits = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
-            part.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size))
+            if not self.prefix_reuse:
+                part.append(LookupResult(r.seq_id, [], 0))
+            else:
+                hits, keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
+                pending = 0
+                if self.remote is not None:
+                    pending = self.remote.missed(ns, p.chain, r.extra_keys, p.tokens, hits, keys)
+                part.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size, pending))
             if time.perf_counter() > deadline:
                 yield part
                 part, deadline = [], time.perf_counter() + seconds
@@ -400,7 +438,7 @@ class KVCacheManager:
                     )
                 upto = num_tokens // ns.page_size
             targets.append((seq, upto if self.prefix_reuse else 0))
-        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, targets)
+        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, self.remote, targets)
 
     def extend(
         self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]

@@ -1,6 +1,6 @@
 """Prometheus metrics (``--metrics-port``): page stats, budget, sessions, call latency,
-the daemon's build and the standard ``process_*`` metrics; per tenant on a daemon with
-[tenants].
+the remote tier (``kvd_remote_*``), the daemon's build and the standard ``process_*``
+metrics; per tenant on a daemon with [tenants].
 
 Every scrape shows live values: the HTTP endpoint runs on prometheus-client's own
 thread, so it asks the event loop, which owns the core, to compute the stats (one O(pages)
@@ -45,6 +45,29 @@ _COUNTERS = {
     "evicted_pages": "Cached pages evicted",
     "corrupted_pages": "Published pages dropped because their bytes failed the checksum",
 }
+
+
+_REMOTE_COUNTERS = {
+    "stored_pages": "Pages the remote store accepted",
+    "fetched_pages": "Pages fetched from the remote store, verified and published locally",
+    "hit_tokens": "Allocated prefix tokens served by pages fetched from the remote store",
+    "refused_pages": "Pages the remote store refused (full): kept local only",
+    "skipped_pages": "Published pages not stored: the remote store unreachable or the backlog full",
+    "rejected_pages": "Fetched pages whose header or checksum did not match: served as a miss",
+    "errors": "Remote store calls that failed (the master unreachable)",
+    "outages": "Times the remote store became unreachable",
+}
+_REMOTE_STATES = ("off", "connecting", "up", "down")
+
+
+def _remote_families(remote):
+    """The remote tier: its state (1 for the current one) and its counters."""
+    state = GaugeMetricFamily("kvd_remote_state", "State of the remote store's link (1: current)", labels=["state"])
+    for name in _REMOTE_STATES:
+        state.add_metric([name], float(remote.state == name))
+    yield state
+    for name, doc in _REMOTE_COUNTERS.items():
+        yield CounterMetricFamily(f"kvd_remote_{name}", doc, value=getattr(remote, name))
 
 
 class _StatsCollector:
@@ -116,6 +139,7 @@ class _StatsCollector:
             "Extents a crash left incomplete, dropped at start",
             value=recovery.incomplete_extents,
         )
+        yield from _remote_families(every.remote)
 
 
 class MetricsExporter:

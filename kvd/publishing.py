@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvd import crashpoints
 from kvd.events import EventLog
@@ -37,6 +38,9 @@ from kvd.requests import PublishResult, Rebind
 from kvd.sequences import Sequence, SequenceTable
 from kvd.types import SequenceState
 from kvd.wire.codec import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
 
 STEP_SECONDS = 0.0002  # one step's time on the loop; the servicer lets others run between steps
 
@@ -51,6 +55,7 @@ class PublishJob:
     integrity: Integrity
     sequences: SequenceTable
     events: EventLog  # pages indexed are announced (kvd/events.py)
+    remote: RemoteTier | None  # pages indexed are offered to the remote store (kvd/remote.py)
     targets: list[tuple[Sequence, int]]
     published: list[int] = field(init=False)
     rebinds: list[list[Rebind]] = field(init=False)
@@ -85,6 +90,8 @@ class PublishJob:
         if self.done:
             crashpoints.reached("publish-recorded")
             self.integrity.submit()  # once, with every page: the sealer thread stays off the GIL meanwhile
+            if self.remote is not None:
+                self.remote.submit()
         return self.done
 
     def run(self) -> list[PublishResult]:
@@ -130,6 +137,8 @@ class PublishJob:
             self.index.insert(content, i)
             ns = self.ns
             self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
+            if self.remote is not None:
+                self.remote.published(ns, content, i, parent_key, seq.extra_keys)
         self.integrity.describe(content, i)
         return None
 

@@ -75,6 +75,7 @@ class LookupResult:
     seq_id: str
     hit_pages: list[PageId]
     hit_tokens: int
+    remote_pending_tokens: int = 0  # tokens past the hit a fetch from the remote store may still bring
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,18 @@ class Room:
                 + (f" ({self.arena.shm_note})" if self.arena.shm_note else "")
             )
 
+    def spare(self, ns: Namespace) -> int:
+        """Pages the namespace can get by giving up nothing but its own cached pages: free ones,
+        new extents within the budget, cached ones. What a speculative fill (a fetch from the
+        remote store, kvd/remote.py) may take; it never evicts a sequence or another namespace."""
+        self.supply.adopt_built()
+        return (
+            self.pool.free_count(ns.id)
+            + self.supply.building_pages(ns.id)
+            + self.arena.creatable_pages(ns.page_bytes)
+            + self.pool.cached_count(ns.id)
+        )
+
     def _freeable_on_hold(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
         """Pages that evicting every on-hold sequence (but ``protect``) would free or make evictable:
         their private pages, and published pages no one else references."""

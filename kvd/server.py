@@ -203,8 +203,35 @@ def _check_shm_room(tenants: Tenants) -> None:
         )
 
 
-def _close_all(tenants: Tenants, keep_cache: bool = False) -> None:
-    """Unmaps every tenant's extents; keeps them (sealed, consistent) for a warm restart."""
+def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEventLoop):
+    """The remote store's link, shared by every tenant's tier (kvd/remote.py); None without [remote]."""
+    remote = config.remote
+    if remote is None:
+        return None
+    from kvd.mooncake_store import MooncakeSettings  # the store's client loads only with [remote]
+    from kvd.remote_link import RemoteLink
+
+    link = RemoteLink(
+        MooncakeSettings(
+            master=remote.master,
+            metadata=remote.metadata_server,
+            local_hostname=remote.local_hostname or socket_mod.gethostname(),
+            protocol=remote.protocol,
+            rdma_devices=remote.rdma_devices,
+            segment_bytes=remote.segment_bytes,
+        )
+    )
+    link.post = loop.call_soon_threadsafe
+    for name, manager in tenants.items():
+        manager.attach_remote(link, name, remote.backlog_bytes, remote.policy)
+    return link
+
+
+def _close_all(tenants: Tenants, link=None, keep_cache: bool = False) -> None:
+    """Unmaps every tenant's extents; keeps them (sealed, consistent) for a warm restart.
+    The remote link stops first: its worker must not touch memory being unmapped."""
+    if link is not None:
+        link.close()
     for manager in tenants.managers():
         manager.close(unlink=not keep_cache)
 
@@ -220,6 +247,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     tenants = _tenants(config, publisher)
     _check_shm_room(tenants)
     loop = asyncio.get_running_loop()
+    link = _remote_link(config, tenants, loop)
     for manager in tenants.managers():
         manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -235,7 +263,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
         try:
             metrics.start(tenants, config.metrics_host, config.metrics_port)
         except OSError as e:
-            _close_all(tenants)
+            _close_all(tenants, link)
             if publisher is not None:
                 publisher.close()
             raise StartupError(
@@ -266,7 +294,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
         await asyncio.gather(*(each.stop(None) for each in servers))
         if metrics is not None:
             metrics.stop()
-        _close_all(tenants)
+        _close_all(tenants, link)
         if publisher is not None:
             publisher.close()
         raise
@@ -314,7 +342,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
         manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
     # Published pages stay in shared memory, sealed, so `kvd serve` finds them again
     # (systemctl restart keeps the cache); `kvd clean` removes them for good.
-    _close_all(tenants, keep_cache=True)
+    _close_all(tenants, link, keep_cache=True)
     if publisher is not None:
         publisher.close()  # after the last call's batch: the loop ran it before the servers stopped
     if metrics is not None:

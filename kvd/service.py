@@ -181,6 +181,10 @@ def recovery_stats(r: RecoveryReport) -> pb.RecoveryStats:
     )
 
 
+def _remote_stats(s: Stats) -> pb.RemoteStats:
+    return pb.RemoteStats(**s.remote.as_dict())
+
+
 def stats_reply(s: Stats) -> pb.StatsReply:
     return pb.StatsReply(
         totals=_page_stats(s.totals),
@@ -195,6 +199,7 @@ def stats_reply(s: Stats) -> pb.StatsReply:
         namespaces=_namespace_stats(s),
         shm_refusals=s.shm_refusals,
         recovery=recovery_stats(s.recovery),
+        remote=_remote_stats(s),
     )
 
 
@@ -214,6 +219,7 @@ def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
         namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
         shm_refusals=every.shm_refusals,
         recovery=recovery_stats(every.recovery),
+        remote=_remote_stats(every),
     )
 
 
@@ -506,7 +512,12 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             await _let_others_run()
         return pb.LookupReply(
             results=[
-                pb.LookupResult(seq_id=x.seq_id, hit_pages=pack_pages(x.hit_pages), hit_tokens=x.hit_tokens)
+                pb.LookupResult(
+                    seq_id=x.seq_id,
+                    hit_pages=pack_pages(x.hit_pages),
+                    hit_tokens=x.hit_tokens,
+                    remote_pending_tokens=x.remote_pending_tokens,
+                )
                 for x in results
             ]
         )

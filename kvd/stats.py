@@ -46,6 +46,41 @@ STAT_FIELDS = tuple(f.name for f in fields(PageStats))
 
 
 @dataclass
+class RemoteStats:
+    """The remote tier (kvd/remote.py): the link's state and the tier's counters."""
+
+    state: str = "off"
+    stored_pages: int = 0
+    fetched_pages: int = 0
+    hit_tokens: int = 0
+    refused_pages: int = 0
+    skipped_pages: int = 0
+    rejected_pages: int = 0
+    errors: int = 0
+    outages: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def remote_stats(manager) -> RemoteStats:
+    tier = manager.remote
+    if tier is None:
+        return RemoteStats()
+    return RemoteStats(state=tier.link.state.value, outages=tier.link.outages, **asdict(tier.counters))
+
+
+def combined_remote(parts: list[RemoteStats]) -> RemoteStats:
+    """Tenants share one link: its state and outages once, the tiers' counters summed."""
+    total = RemoteStats(state=parts[0].state if parts else "off", outages=parts[0].outages if parts else 0)
+    for part in parts:
+        for f in fields(part):
+            if f.name not in ("state", "outages"):
+                setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
+    return total
+
+
+@dataclass
 class NamespaceStats:
     namespace_id: int
     model: str
@@ -67,6 +102,7 @@ class Stats:
     aux_bytes_per_sequence: int  # the most one sequence may hold
     shm_refusals: int = 0  # extents /dev/shm could not hold
     recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
+    remote: RemoteStats = field(default_factory=RemoteStats)
 
     def as_dict(self) -> dict:
         return {
@@ -81,6 +117,7 @@ class Stats:
             "prefix_reuse": self.prefix_reuse,
             "shm_refusals": self.shm_refusals,
             "recovery": self.recovery.as_dict(),
+            "remote": self.remote.as_dict(),
             "namespaces": [
                 {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **n.pages.as_dict()}
                 for n in self.namespaces
@@ -142,6 +179,7 @@ def collect(manager) -> Stats:
         manager.limits.max_aux_bytes,
         arena.shm_refusals,
         manager.last_recovery or RecoveryReport(),
+        remote_stats(manager),
     )
 
 
@@ -158,6 +196,7 @@ def combined(parts: list[Stats]) -> Stats:
         prefix_reuse=any(part.prefix_reuse for part in parts),
         shm_refusals=sum(part.shm_refusals for part in parts),
         recovery=RecoveryReport.combined([part.recovery for part in parts]),
+        remote=combined_remote([part.remote for part in parts]),
         host_bytes_used=sum(part.host_bytes_used for part in parts),
         host_bytes_free=sum(part.host_bytes_free for part in parts),
         aux_bytes=sum(part.aux_bytes for part in parts),

@@ -84,7 +84,9 @@ def test_stats_json_fields_and_values(tmp_path):
                 "aux_bytes",
                 "aux_bytes_used",
                 "aux_bytes_per_sequence",
+                "remote",
             }
+            assert stats["remote"]["state"] == "off"  # no [remote] table
             assert (stats["aux_bytes"], stats["aux_bytes_used"], stats["aux_bytes_per_sequence"]) == (
                 256 << 20,
                 0,

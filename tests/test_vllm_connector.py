@@ -151,7 +151,9 @@ def setup(tmp_path_factory):
     )
     shm_before = _vllm_leftovers()
     faults = {"fault_file": os.path.join(workdir, "b.fault"), "errors_file": os.path.join(workdir, "b.load_errors")}
-    engines = {name: Engine(name, model, workdir, socket) for name in ("a", "c")}
+    events = f"ipc://{workdir}/a.events"
+    engines = {"a": Engine("a", model, workdir, socket, env={"KVD_TEST_KV_EVENTS": events})}
+    engines["c"] = Engine("c", model, workdir, socket)
     engines["b"] = Engine(  # the real connector, with a fault the tests can arm (tests/vllm_fault_connector.py)
         "b",
         model,
@@ -178,6 +180,7 @@ def setup(tmp_path_factory):
             "model": model,
             "workdir": workdir,
             "faults": faults,
+            "events": events,
         }
         yield state
         daemon = state["daemon"]  # a test may have restarted it
@@ -230,8 +233,9 @@ def test_cpu_backend_pages_live_in_a_namespace_of_their_own(setup):
 
 
 def test_one_physical_copy_while_all_engines_run(setup):
-    """Each engine's scheduler pins the 38 blocks it loads (37 shared + one of its own) while
-    its request runs: whatever overlaps, kvd holds the shared ones once."""
+    """Each engine's scheduler pins the 38 blocks it loads (37 shared + one of its own) and
+    its worker saves the generated blocks while its request runs: whatever overlaps, kvd
+    holds the shared ones once."""
     engines = [setup["engines"][n] for n in "abc"]
     for engine in engines:
         engine.forget_local_cache()
@@ -253,10 +257,60 @@ def test_one_physical_copy_while_all_engines_run(setup):
     for (tokens, hits), name in zip(replies, "abc"):
         assert hits == loadable(name)
         assert tokens[0] == setup["baseline"][name]
+    shared = blocks - 1
     for sequences, logical, physical in seen:
-        assert logical == sequences * blocks, seen
-        assert physical == (blocks - 1 + sequences if sequences else 0), f"(sequences, logical, physical): {seen}"
+        # Every live sequence (a scheduler's pin, a worker's saving sequence) holds the whole
+        # prompt, shared blocks first; they count once physically, so each sequence past the
+        # first adds at most its own pages. A second copy of the prefix would add 37.
+        assert logical >= sequences * blocks, seen
+        assert physical <= logical - shared * max(sequences - 1, 0), f"(sequences, logical, physical): {seen}"
     assert max(s for s, _, _ in seen) >= 2
+
+
+def test_vllm_kv_events_name_the_blocks_kvd_stores_and_then_evicts(setup):
+    """Engine a publishes vLLM's KV events: the connector's `BlockStored` (medium "kvd") for
+    what its workers saved, then `BlockRemoved` under the same hashes once kvd evicted them."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    a = setup["engines"]["a"]
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.connect(setup["events"])
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def heard(kind) -> list:
+        events = []
+        while sub.poll(500):
+            _topic, _seq, payload = sub.recv_multipart()
+            events += [e for e in decoder.decode(payload).events if isinstance(e, kind) and e.medium == "kvd"]
+        return events
+
+    try:
+        time.sleep(0.5)  # a SUB socket hears only what is sent after it joined
+        unique = [int(t) for t in RNG.integers(1, 999, 5 * BLOCK + 3)]
+        a.generate([{"tokens": unique}], max_tokens=1)
+        stored = {h for e in heard(BlockStored) for h in e.block_hashes}
+        assert len(stored) == 5, f"kvd stored 5 blocks of the prompt; vLLM heard {len(stored)}"
+        kvd_reset(setup["socket"])
+        removed: set = set()
+
+        def all_removed():
+            a.generate([{"tokens": [7, 8, 9]}], max_tokens=1)  # a step: the connector reports removals
+            removed.update(h for e in heard(BlockRemoved) for h in e.block_hashes)
+            return stored <= removed
+
+        wait_until(all_removed, "BlockRemoved for every block kvd evicted", timeout=30)
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+
+def kvd_reset(socket: str) -> None:
+    with KVDClient.connect(socket, client_name="test") as kvd:
+        assert kvd.reset_prefix_cache()["dropped_pages"] > 0
 
 
 def test_the_next_turn_loads_the_answer_too(setup):

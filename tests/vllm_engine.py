@@ -4,7 +4,7 @@
 
 With a kvd socket the engine uses KVDConnector (or the class `KVD_TEST_CONNECTOR` names as
 `module:Class`, with `KVD_TEST_CONNECTOR_EXTRA` as JSON added to its extra config); without,
-it is the baseline. vLLM logs to
+it is the baseline. `KVD_TEST_KV_EVENTS` (a ZMQ endpoint) turns vLLM's KV events on, published there. vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
 prompt (a prompt is a dict with `tokens` and optionally `cache_salt`) and how many
@@ -43,6 +43,12 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
             kv_connector_module_path=module,
             kv_role="kv_both",
             kv_connector_extra_config={"socket": kvd_socket, **extra},
+        )
+    if os.environ.get("KVD_TEST_KV_EVENTS"):
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=os.environ["KVD_TEST_KV_EVENTS"]
         )
     llm = LLM(
         model=model,

@@ -49,6 +49,7 @@ def stats_dict(reply: pb.StatsReply) -> dict:
         "prefix_reuse": reply.prefix_reuse,
         "shm_refusals": reply.shm_refusals,
         "recovery": recovery_dict(reply.recovery),
+        "remote": _fields(reply.remote) | {"state": reply.remote.state or "off"},
         "namespaces": [
             {
                 "namespace_id": n.namespace_id,

@@ -258,14 +258,16 @@ class LookupRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class LookupResult(_message.Message):
-    __slots__ = ("seq_id", "hit_pages", "hit_tokens")
+    __slots__ = ("seq_id", "hit_pages", "hit_tokens", "remote_pending_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     hit_pages: bytes
     hit_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., hit_pages: _Optional[bytes] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+    remote_pending_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., hit_pages: _Optional[bytes] = ..., hit_tokens: _Optional[int] = ..., remote_pending_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("results",)
@@ -603,8 +605,30 @@ class RecoveryStats(_message.Message):
     seconds: float
     def __init__(self, recovered_pages: _Optional[int] = ..., resealed_pages: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., orphaned_pages: _Optional[int] = ..., mismatch_pages: _Optional[int] = ..., incomplete_pages: _Optional[int] = ..., incomplete_extents: _Optional[int] = ..., discarded: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class RemoteStats(_message.Message):
+    __slots__ = ("state", "stored_pages", "fetched_pages", "hit_tokens", "refused_pages", "skipped_pages", "rejected_pages", "errors", "outages")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    stored_pages: int
+    fetched_pages: int
+    hit_tokens: int
+    refused_pages: int
+    skipped_pages: int
+    rejected_pages: int
+    errors: int
+    outages: int
+    def __init__(self, state: _Optional[str] = ..., stored_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., refused_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., outages: _Optional[int] = ...) -> None: ...
+
 class StatsReply(_message.Message):
-    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence")
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -617,6 +641,7 @@ class StatsReply(_message.Message):
     AUX_BYTES_FIELD_NUMBER: _ClassVar[int]
     AUX_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     AUX_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     totals: PageStats
     host_bytes: int
     arena_bytes: int
@@ -629,7 +654,8 @@ class StatsReply(_message.Message):
     aux_bytes: int
     aux_bytes_used: int
     aux_bytes_per_sequence: int
-    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ...) -> None: ...
+    remote: RemoteStats
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("session", "ticket")

@@ -1,0 +1,127 @@
+"""Mooncake Store as kvd's remote tier: the one module that imports ``mooncake``.
+
+Every method blocks (a network round trip or more), so only the remote tier's worker
+thread calls them (kvd/remote_link.py), one at a time. Pages move between kvd's
+shared-memory extents and the store without a copy of our own: each extent is
+registered with the store's transfer engine (``register``), and puts and gets name the
+page's address directly (``batch_put_from_multi_buffers``, ``batch_get_into_multi_buffers``),
+with the page's header (kvd/remote_format.py) as a second buffer of the same object.
+
+Mooncake reports per key with negative codes; the ones kvd tells apart are below. Any
+code of the RPC group means the master cannot be reached: ``StoreUnavailable``.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
+_RPC_CODES = range(-999, -899)  # RPC_FAIL (-900) and its kin: the master is unreachable
+PROBE_KEY = "kvd1/probe"
+
+
+class StoreUnavailable(Exception):
+    """The store's master cannot be reached (or the client could not be set up)."""
+
+
+class PutOutcome(enum.Enum):
+    STORED = "stored"
+    FULL = "full"  # no room in the store
+    REFUSED = "refused"  # any other per-key refusal
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    master: str  # host:port of mooncake_master's RPC service
+    metadata: str  # the metadata server, e.g. http://host:port/metadata
+    local_hostname: str  # the address other hosts reach this one at (host or host:port)
+    protocol: str = "tcp"  # "tcp", or "rdma" with rdma_devices
+    rdma_devices: str = ""
+    segment_bytes: int = 1 << 30  # memory this host lends to the store
+    buffer_bytes: int = 16 << 20  # the client's own transfer buffer (unused by zero-copy calls)
+
+
+def _unreachable(codes: list[int]) -> bool:
+    return bool(codes) and all(c in _RPC_CODES for c in codes)
+
+
+class MooncakeStore:
+    """One Mooncake client: set up on construction, closed by ``close``."""
+
+    def __init__(self, settings: MooncakeSettings) -> None:
+        # Mooncake's setup retries an absent master for ~90 s; a closed port is known at once.
+        host, port = settings.master.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError as e:
+            raise StoreUnavailable(f"master {settings.master} accepts no connection ({e.strerror or e})") from None
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            settings.local_hostname,
+            settings.metadata,
+            settings.segment_bytes,
+            settings.buffer_bytes,
+            settings.protocol,
+            settings.rdma_devices,
+            settings.master,
+        )
+        if rc != 0:
+            self._store.close()
+            raise StoreUnavailable(f"setting up the Mooncake client for master {settings.master} failed (code {rc})")
+        self._config = ReplicateConfig()
+        self._config.replica_num = 1
+        self._probe = np.zeros(64, dtype=np.uint8)  # the value ``probe(write=True)`` stores
+
+    def register(self, address: int, size: int) -> None:
+        rc = self._store.register_buffer(address, size)
+        if rc != 0:
+            raise StoreUnavailable(f"registering {size} bytes at {address:#x} with the store failed (code {rc})")
+
+    def unregister(self, address: int) -> None:
+        self._store.unregister_buffer(address)
+
+    def probe(self, write: bool = False) -> None:
+        """Raises ``StoreUnavailable`` unless the master answers and, with ``write``, a small
+        object can be stored: a restarted master answers before the clients have mounted
+        their segments again, and refuses every put until then."""
+        self.exists([PROBE_KEY])
+        if write:
+            rc = self._store.upsert_from(PROBE_KEY, self._probe.ctypes.data, self._probe.nbytes, self._config)
+            if rc != 0:
+                raise StoreUnavailable(f"the store takes no object yet (code {rc}): its segments are not mounted")
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        codes = self._store.batch_is_exist(keys)
+        if any(c < 0 for c in codes):
+            raise StoreUnavailable(f"existence query of {len(keys)} keys failed (codes {sorted(set(codes))})")
+        return [c == 1 for c in codes]
+
+    def put(self, keys: list[str], parts: list[tuple[list[int], list[int]]]) -> list[PutOutcome]:
+        """Stores each key's value from its buffers ((addresses, sizes), concatenated); a key
+        that exists already counts as stored (another host put the same page)."""
+        codes = self._store.batch_put_from_multi_buffers(
+            keys, [addresses for addresses, _ in parts], [sizes for _, sizes in parts], self._config
+        )
+        if _unreachable(codes):
+            raise StoreUnavailable(f"put of {len(keys)} pages failed: the master is unreachable (code {codes[0]})")
+        return [
+            PutOutcome.STORED if c >= 0 else PutOutcome.FULL if c == NO_AVAILABLE_HANDLE else PutOutcome.REFUSED
+            for c in codes
+        ]
+
+    def get(self, keys: list[str], parts: list[tuple[list[int], list[int]]]) -> list[bool]:
+        """Reads each key's value into its buffers; True where exactly their size arrived."""
+        codes = self._store.batch_get_into_multi_buffers(
+            keys, [addresses for addresses, _ in parts], [sizes for _, sizes in parts]
+        )
+        if _unreachable(codes):
+            raise StoreUnavailable(f"get of {len(keys)} pages failed: the master is unreachable (code {codes[0]})")
+        return [c == sum(sizes) for c, (_, sizes) in zip(codes, parts)]
+
+    def close(self) -> None:
+        self._store.close()

