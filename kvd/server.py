@@ -26,7 +26,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__, handshake, pins, recovery, token_buffers
+from kvd import __version__, collector, handshake, pins, recovery, token_buffers
 from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
 from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
@@ -312,6 +312,8 @@ async def run(config: ServeConfig, metrics=None) -> None:
                 manager.expire_pins(time.monotonic())
 
     sweeper = asyncio.create_task(sweep_pins())
+    # Everything built so far (recovered pages, servers) lives as long as the daemon.
+    gc_policy = collector.Collector().install()
     log.info(
         "kvd %s serving on %s (host budget %d bytes, prefix reuse %s%s; metrics %s) after %.0f ms",
         __version__,
@@ -352,6 +354,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    gc_policy.uninstall()
     log.info("stopped")
 
 
