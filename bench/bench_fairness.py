@@ -16,7 +16,10 @@ trip's cost is its typical time (bench/bench_host.py compares extend with the ro
 the same way, p50 against p50), and measured alone because a ping beside the heavy client
 waits behind the same heavy calls as the extend, so dividing by it would hide the very
 starvation measured here. The p99 of the empty round trip alone is printed too: on a
-shared 2-core box it is itself several times its p50.
+shared 2-core box it is itself several times its p50. Beside each phase with the heavy
+client, its rate (calls completed per second, counted whole loops: two Lookups, or an
+allocate, publish and release) is printed: a heavy client that gets more calls through
+loads the loop more, so p99s compare fairly only at similar rates.
 
     python bench/bench_fairness.py [--seconds 10] [--heavy largest|publish]
 """
@@ -37,7 +40,7 @@ SPAWN = multiprocessing.get_context("spawn")
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")
 
 
-def heavy(socket: str, stop) -> None:
+def heavy(socket: str, stop, calls) -> None:
     big = [SequenceRequest(f"big{i}", np.arange(4 << 20, dtype=np.int32) % 30000 + i) for i in range(2)]
     wide = [
         SequenceRequest(f"w{i}", np.arange(64, dtype=np.int32), [ExtraKey.lora(f"a{j}") for j in range(4)])
@@ -48,9 +51,11 @@ def heavy(socket: str, stop) -> None:
         while not stop.is_set():
             c.lookup(ns, big)
             c.lookup(ns, wide)
+            with calls.get_lock():
+                calls.value += 2
 
 
-def publisher(socket: str, stop) -> None:
+def publisher(socket: str, stop, calls) -> None:
     """Issue 15's heavy client: fresh 50K-token prompts allocated, published and released
     back to back (each publish makes 3,125 pages of 16 tokens shareable)."""
     with KVDClient.connect(socket, client_name="publisher") as c:
@@ -62,6 +67,8 @@ def publisher(socket: str, stop) -> None:
             c.publish(ns, [f"p{i}"])
             c.release(ns, [f"p{i}"])
             i += 1
+            with calls.get_lock():
+                calls.value += 3
 
 
 HEAVY = {"largest": heavy, "publish": publisher}
@@ -85,10 +92,12 @@ def measure(c: KVDClient, ns: int, seconds: float) -> tuple[list[float], list[fl
     return ping, extend
 
 
-def report(label: str, ping: list[float], extend: list[float], unit: float) -> None:
-    """``unit``: the empty round trip's p50 alone, in ms."""
+def report(label: str, ping: list[float], extend: list[float], unit: float, heavy_rate: float | None = None) -> None:
+    """``unit``: the empty round trip's p50 alone, in ms; ``heavy_rate``: the heavy client's calls/s meanwhile."""
     print(
-        f"{label}: {len(extend)} steps; empty round trip p50 {percentile(ping, 50):.3f} ms "
+        f"{label}: {len(extend)} steps"
+        + (f"; heavy client {heavy_rate:.1f} calls/s" if heavy_rate is not None else "")
+        + f"; empty round trip p50 {percentile(ping, 50):.3f} ms "
         f"p99 {percentile(ping, 99):.3f} ms; "
         f"64-sequence extend p50 {percentile(extend, 50):.3f} ms p99 {percentile(extend, 99):.3f} ms; "
         f"extend p99 / round trip p50 alone {percentile(extend, 99) / unit:.2f}x"
@@ -124,12 +133,17 @@ def main() -> None:
             ping, extend = measure(c, ns, args.seconds / 2)
             unit = percentile(ping, 50)
             report("alone", ping, extend, unit)
-            stop = SPAWN.Event()
-            p = SPAWN.Process(target=HEAVY[args.heavy], args=(daemons[0].socket, stop))
+            stop, calls = SPAWN.Event(), SPAWN.Value("q", 0)
+            p = SPAWN.Process(target=HEAVY[args.heavy], args=(daemons[0].socket, stop, calls))
             p.start()
             time.sleep(3)  # the heavy client connects and starts its loop
-            report("beside the heavy client, same daemon", *measure(c, ns, args.seconds), unit)
-            report("beside the heavy client, other daemon (floor)", *measure(other, other_ns, args.seconds), unit)
+            for label, (client, namespace) in (
+                ("beside the heavy client, same daemon", (c, ns)),
+                ("beside the heavy client, other daemon (floor)", (other, other_ns)),
+            ):
+                started, count = time.monotonic(), calls.value
+                measured = measure(client, namespace, args.seconds)
+                report(label, *measured, unit, (calls.value - count) / (time.monotonic() - started))
             stop.set()
             p.join(60)
             c.close()
