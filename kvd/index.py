@@ -88,6 +88,58 @@ class _Run:
         return cut
 
 
+class _Shards:
+    """A mapping split by key hash into 256 dicts, with the few methods the index uses.
+
+    A dict that keys come and go in rebuilds its whole table now and then, on the insert
+    that finds no slot left: ~30–50 ms at 512K pages, on the event loop inside whichever
+    publish step inserted (bench/bench_gc.py saw it as the longest loop step). Split, each
+    rebuild copies 1/256 of the entries.
+    """
+
+    __slots__ = ("_shards",)
+
+    def __init__(self) -> None:
+        self._shards: tuple[dict, ...] = tuple({} for _ in range(256))
+
+    def __len__(self) -> int:
+        return sum(map(len, self._shards))
+
+    def __contains__(self, key) -> bool:
+        return key in self._shards[hash(key) & 255]
+
+    def __getitem__(self, key):
+        return self._shards[hash(key) & 255][key]
+
+    def __setitem__(self, key, value) -> None:
+        self._shards[hash(key) & 255][key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._shards[hash(key) & 255][key]
+
+    def get(self, key, default=None):
+        return self._shards[hash(key) & 255].get(key, default)
+
+    def pop(self, key, *default):
+        return self._shards[hash(key) & 255].pop(key, *default)
+
+    def items(self):
+        return (item for shard in self._shards for item in shard.items())
+
+    def values(self):
+        return (value for shard in self._shards for value in shard.values())
+
+    def keys(self):
+        return (key for shard in self._shards for key in shard)
+
+    def __iter__(self):
+        return self.keys()
+
+    def clear(self) -> None:
+        for shard in self._shards:
+            shard.clear()
+
+
 class PrefixIndex:
     """Maps page keys to the published page holding that content, with the content itself.
 
@@ -98,8 +150,8 @@ class PrefixIndex:
     """
 
     def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
-        self._entries: dict[PageKey, PageContent] = {}
-        self._runs: dict[PageId, tuple[_Run, int]] = {}  # page -> its run and position in it
+        self._entries = _Shards()  # PageKey -> PageContent
+        self._runs = _Shards()  # PageId -> (its _Run, its position in it)
         # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
         # a failed checksum): the one place that knows a page stopped being findable.
         self._on_remove = on_remove
