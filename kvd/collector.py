@@ -2,7 +2,7 @@
 
 A daemon holding 512K pages tracks over a million objects (a ``_Page`` per page, a
 ``PageContent`` per published page, index runs); a full collection walks all of them on
-the event loop, inside whichever call allocated when it came due: 0.5–0.75 s measured at
+the event loop, inside whichever call allocated when it came due: 0.5–0.9 s measured at
 1 GiB of 2 KiB pages (bench/bench_gc.py). Like other long-lived Python servers, the
 daemon moves objects it keeps into the permanent generation (``gc.freeze()``, O(1)), which
 no collection walks:
@@ -23,7 +23,7 @@ Why memory stays bounded:
   (an hour) the permanent generation is handed back (``gc.unfreeze()``): the next full
   collection walks every object once, returns those cycles, and freezes again. The
   garbage held is at most what an hour of calls leaves in cycles; that one collection is
-  the hourly cost (0.5–0.75 s at 512K pages: the pause a full collection had every few
+  the hourly cost (0.5–0.9 s at 512K pages: the pause a full collection had every few
   seconds under churn before).
 - Young collections are as frequent as ever (CPython's thresholds for them); a full
   collection comes due after every collection of the middle generation, not every tenth
@@ -47,7 +47,7 @@ COMPLETE_SECONDS = 3600.0
 # A full collection comes due after this many collections of the middle generation
 # (CPython's default 10), once the objects promoted since the last one reach a quarter
 # of those it kept. As each walks only what was promoted since the last, more frequent
-# means shorter: at 512K pages under churn, 3.7 ms at 1, 6.2 ms at 2, 18 ms at 10.
+# means shorter: at 512K pages under churn, 3.7–6.1 ms at 1, 6.2 ms at 2, 18–23 ms at 10.
 OLDEST_THRESHOLD = 1
 
 _installed: Collector | None = None
