@@ -39,9 +39,9 @@ def violations(manager) -> list[str]:
             f"arena holds {manager.arena.reserved_bytes} bytes, over its budget of {manager.arena.budget_bytes}"
         )
     aux = sum(len(seq.aux) for seq in manager.sequences)
-    if aux != manager.aux_bytes or aux > manager.aux_budget:
+    if aux != manager.aux.used or aux > manager.aux.budget:
         found.append(
-            f"sequences hold {aux} bytes of aux state, counted as {manager.aux_bytes}, budget {manager.aux_budget}"
+            f"sequences hold {aux} bytes of aux state, counted as {manager.aux.used}, budget {manager.aux.budget}"
         )
     return found
 

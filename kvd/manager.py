@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvd.arena import Arena, ExtentPlan
+from kvd.aux_state import AuxBudget
 from kvd.config import AUX_BYTES
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -84,7 +85,6 @@ class KVCacheManager:
         self.arena = arena
         self.prefix_reuse = prefix_reuse
         self.limits = limits or Limits()
-        self.aux_budget = aux_budget
         self.namespaces = NamespaceRegistry()
         self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
@@ -109,7 +109,7 @@ class KVCacheManager:
             settle_seals=lambda: self.integrity.apply(wait=True),
             evict_held=self._evict_held,
         )
-        self.aux_bytes = 0  # non-KV state of all sequences
+        self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
         self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
         self.remote: RemoteTier | None = None  # set by attach_remote
@@ -500,7 +500,7 @@ class KVCacheManager:
         check_seq_id(self.limits, dst_id)
         if self.sequences.find(ns.id, dst_id) is not None:
             raise FailedPrecondition(f"cannot fork into {dst_id!r}: that sequence already exists")
-        self._check_aux_room(len(src.aux))
+        self.aux.check_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
         self._make_room(ns, len(copies), protect=src)
@@ -570,43 +570,13 @@ class KVCacheManager:
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         check_batch(self.limits, seq_ids, unique=False)
-        return [
-            SequenceStatus(
-                seq.seq_id,
-                seq.state,
-                seq.num_tokens,
-                seq.known_tokens,
-                len(seq.shared_pages),
-                len(seq.private_pages),
-                seq.shared_prefix_tokens,
-                len(seq.aux),
-            )
-            for seq in (self.sequences.owned(ns.id, s, session.id) for s in seq_ids)
-        ]
+        return [SequenceStatus.of(self.sequences.owned(ns.id, s, session.id)) for s in seq_ids]
 
     def set_aux(self, session_id: str, namespace_id: int, seq_id: str, data: bytes) -> None:
         """Stores the sequence's non-KV state (never shared; a fork copies it). It may be set in
-        any state, EVICTED included: it is not KV, and it stays through re-entry.
-
-        Over the per-sequence limit is INVALID_ARGUMENT (it never fits, whatever else is held);
-        over what the shared budget has left is RESOURCE_EXHAUSTED (it fits once others free some)."""
+        any state, EVICTED included: it is not KV, and it stays through re-entry (kvd/aux_state.py)."""
         session = self.sessions.get(session_id)
-        seq = self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id)
-        if len(data) > self.limits.max_aux_bytes:
-            raise InvalidArgument(
-                f"aux state of {len(data)} bytes is over the limit of {self.limits.max_aux_bytes} bytes per "
-                "sequence (the daemon's aux_bytes_per_sequence)"
-            )
-        self._check_aux_room(len(data) - len(seq.aux))
-        self.aux_bytes += len(data) - len(seq.aux)
-        seq.aux = bytes(data)
-
-    def _check_aux_room(self, more: int) -> None:
-        if self.aux_bytes + more > self.aux_budget:
-            raise ResourceExhausted(
-                f"aux state of all sequences would take {self.aux_bytes + more} bytes, over its budget of "
-                f"{self.aux_budget} bytes (the daemon's aux_bytes; {self.aux_bytes} held now)"
-            )
+        self.aux.set(self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id), data)
 
     def get_aux(self, session_id: str, namespace_id: int, seq_id: str) -> bytes:
         session = self.sessions.get(session_id)
@@ -656,7 +626,7 @@ class KVCacheManager:
     def _add(self, session: Session, seq: Sequence) -> None:
         self.sequences.add(seq)
         session.sequences.add((seq.namespace, seq.seq_id))
-        self.aux_bytes += len(seq.aux)
+        self.aux.added(seq)
 
     def _make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """``Room.ensure_free``; when it fails after evicting (``/dev/shm`` refused an extent it
@@ -695,7 +665,7 @@ class KVCacheManager:
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
     def _forget(self, seq: Sequence) -> None:
-        self.aux_bytes -= len(seq.aux)
+        self.aux.removed(seq)
         self.sequences.remove(seq)
         self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
 

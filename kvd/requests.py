@@ -137,6 +137,19 @@ class SequenceStatus:
     shared_prefix_tokens: int  # tokens its allocation found cached
     aux_bytes: int  # size of its non-KV state
 
+    @classmethod
+    def of(cls, seq: Sequence) -> SequenceStatus:
+        return cls(
+            seq.seq_id,
+            seq.state,
+            seq.num_tokens,
+            seq.known_tokens,
+            len(seq.shared_pages),
+            len(seq.private_pages),
+            seq.shared_prefix_tokens,
+            len(seq.aux),
+        )
+
 
 @dataclass(frozen=True)
 class PinResult:

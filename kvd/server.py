@@ -31,8 +31,9 @@ from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_se
 from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
 from kvd.manager import KVCacheManager
+from kvd.messages import SERVICE
 from kvd.requests import Limits
-from kvd.service import SERVICE, KvdServicer, add_to_server
+from kvd.service import KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import auth_socket, tenant_socket

@@ -3,8 +3,8 @@
 Nothing here decides anything: which tenant's manager serves a session is kvd/tenants.py's
 answer (``self.tenants.manager_for``), given the tenant whose socket the call came in on
 (``socket_tenant``: a daemon with tenants serves each on a socket of its own, one servicer
-per socket, see ``on_socket``). Conversions are the small functions at the top; the
-one table ``STATUS_FOR`` maps each core error class to its gRPC status.
+per socket, see ``on_socket``). Conversions are in kvd/messages.py; the one table
+``STATUS_FOR`` maps each core error class to its gRPC status.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from kvd import invariants, shape
+from kvd import invariants, messages
 from kvd import stats as stats_mod
 from kvd.errors import (
     FailedPrecondition,
@@ -32,19 +31,14 @@ from kvd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvd.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, Subscription
-from kvd.index import ExtraKey
-from kvd.manager import KVCacheManager, SequencePlan, SequenceRequest
-from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.events import Subscription
+from kvd.manager import KVCacheManager, SequenceRequest
 from kvd.recovery import RecoveryReport
-from kvd.requests import MAX_REQUEST_FIELDS, ResetResult, SequenceStatus, check_call, extend_items
-from kvd.stats import PageStats, Stats
+from kvd.requests import ResetResult, check_call, extend_items
 from kvd.tenants import IMPLICIT, Tenants
-from kvd.token_buffers import TokenBuffer
-from kvd.types import SequenceState
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
-from kvd.wire.codec import TOKEN_BYTES, pack_pages
+from kvd.wire.codec import pack_pages
 
 log = logging.getLogger(__name__)
 
@@ -66,239 +60,20 @@ def status_for(e: KVDError) -> grpc.StatusCode:
 # Called with (method name, seconds) after every unary call; the metrics exporter listens.
 LatencyObserver = Callable[[str, float], None]
 
-# A status message travels percent-encoded in the HTTP/2 trailers, and a client drops
-# trailers over 8 KiB (grpc's default soft metadata limit), reporting RESOURCE_EXHAUSTED
-# instead of the real status. Messages quote client input (a sequence id of any length),
-# so they are cut: 512 characters stay under 8 KiB even when every one is a 4-byte
-# UTF-8 character encoded as %XX.
-MAX_STATUS_CHARS = 512
-
-
-# ---- conversions ---------------------------------------------------------------------
-
-
-def _extra_keys(keys) -> tuple[ExtraKey, ...]:
-    return tuple(ExtraKey(k.kind, k.value, k.offset, max(1, k.length)) for k in keys)
-
-
-def _call_tokens(sequences) -> int:
-    """Token ids of an Allocate or Lookup call, inline and in token-buffer spans alike."""
-    return sum(len(s.tokens) // TOKEN_BYTES + s.tokens_at.num_tokens for s in sequences)
-
-
-def _requests(sequences, buffer: Callable[[], TokenBuffer]) -> list[SequenceRequest]:
-    """Core requests; ids given as a span are copied out of the session's ``buffer()``
-    here, before the core checks them (kvd/token_buffers.py)."""
-    return [_request(s, buffer) for s in sequences]
-
-
-def _request(s, buffer: Callable[[], TokenBuffer]) -> SequenceRequest:
-    tokens = _span_tokens(s, buffer) if s.HasField("tokens_at") else s.tokens
-    return SequenceRequest(s.seq_id, tokens, _extra_keys(s.extra_keys))
-
-
-def _span_tokens(s, buffer: Callable[[], TokenBuffer]) -> bytes:
-    if s.tokens:
-        raise InvalidArgument(f"sequence {s.seq_id!r:.300}: token ids given both inline and as a token-buffer span")
-    return buffer().read(s.tokens_at.offset, s.tokens_at.num_tokens, f"sequence {s.seq_id!r:.300}")
-
-
-def _identity(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
-    if not msg.HasField("layout"):
-        raise InvalidArgument("namespace identity needs a page layout")
-    lay = msg.layout
-    layout = make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
-    return NamespaceIdentity(
-        model=msg.model,
-        layout=layout,
-        revision=msg.revision,
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size or 1,
-        attention=msg.attention or "gqa",
-        vocab_size=msg.vocab_size,
-        extra=tuple(sorted(msg.extra.items())),
-    )
-
-
-def _plan(plan: SequencePlan) -> pb.SequenceAllocation:
-    return pb.SequenceAllocation(
-        seq_id=plan.seq_id,
-        shared_pages=pack_pages(plan.shared_pages),
-        private_pages=pack_pages(plan.private_pages),
-        shared_prefix_tokens=plan.shared_prefix_tokens,
-        suffix_start=plan.suffix_start,
-        num_tokens=plan.num_tokens,
-    )
-
-
-def _status(s: SequenceStatus) -> pb.SequenceStatus:
-    return pb.SequenceStatus(
-        seq_id=s.seq_id,
-        state=s.state.value,
-        num_tokens=s.num_tokens,
-        known_tokens=s.known_tokens,
-        shared_pages=s.shared_pages,
-        private_pages=s.private_pages,
-        shared_prefix_tokens=s.shared_prefix_tokens,
-        aux_bytes=s.aux_bytes,
-    )
-
-
-def _seq_state(value: int) -> SequenceState:
-    try:
-        return SequenceState(value)
-    except ValueError:
-        raise InvalidArgument(f"unknown sequence state {value}; use one of {[s.name for s in SequenceState]}") from None
-
-
-def status_message(text: str) -> str:
-    if len(text) <= MAX_STATUS_CHARS:
-        return text
-    tail = f"... ({len(text)} characters)"
-    return text[: MAX_STATUS_CHARS - len(tail)] + tail
-
-
-def _page_stats(s: PageStats) -> pb.PageStats:
-    return pb.PageStats(**s.as_dict())
-
-
-def _namespace_stats(s: Stats, tenant: str = "") -> list[pb.NamespaceStats]:
-    return [
-        pb.NamespaceStats(
-            namespace_id=n.namespace_id,
-            model=n.model,
-            page_bytes=n.page_bytes,
-            pages=_page_stats(n.pages),
-            tenant=tenant,
-        )
-        for n in s.namespaces
-    ]
-
-
-def recovery_stats(r: RecoveryReport) -> pb.RecoveryStats:
-    return pb.RecoveryStats(
-        **{k: v for k, v in r.as_dict().items() if k not in ("dropped_pages", "extents", "verified_bytes")}
-    )
-
-
-def _remote_stats(s: Stats) -> pb.RemoteStats:
-    return pb.RemoteStats(**s.remote.as_dict())
-
-
-def stats_reply(s: Stats) -> pb.StatsReply:
-    return pb.StatsReply(
-        totals=_page_stats(s.totals),
-        host_bytes=s.host_bytes,
-        arena_bytes=s.arena_bytes,
-        host_bytes_used=s.host_bytes_used,
-        host_bytes_free=s.host_bytes_free,
-        aux_bytes=s.aux_bytes,
-        aux_bytes_used=s.aux_bytes_used,
-        aux_bytes_per_sequence=s.aux_bytes_per_sequence,
-        prefix_reuse=s.prefix_reuse,
-        namespaces=_namespace_stats(s),
-        shm_refusals=s.shm_refusals,
-        recovery=recovery_stats(s.recovery),
-        remote=_remote_stats(s),
-    )
-
-
-def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
-    """Every tenant at once (admin): totals and budgets summed, namespaces named by tenant."""
-    every = stats_mod.combined(list(by_tenant.values()))
-    return pb.StatsReply(
-        totals=_page_stats(every.totals),
-        host_bytes=every.host_bytes,
-        arena_bytes=every.arena_bytes,
-        host_bytes_used=every.host_bytes_used,
-        host_bytes_free=every.host_bytes_free,
-        aux_bytes=every.aux_bytes,
-        aux_bytes_used=every.aux_bytes_used,
-        aux_bytes_per_sequence=every.aux_bytes_per_sequence,
-        prefix_reuse=every.prefix_reuse,
-        namespaces=[n for name, s in by_tenant.items() for n in _namespace_stats(s, name)],
-        shm_refusals=every.shm_refusals,
-        recovery=recovery_stats(every.recovery),
-        remote=_remote_stats(every),
-    )
-
-
-def _kv_event(e: KVEvent) -> pb.KVEvent:
-    if isinstance(e, BlockStored):
-        return pb.KVEvent(
-            stored=pb.BlockStored(
-                namespace_id=e.namespace,
-                block_hashes=e.keys,
-                parent_block_hash=e.parent or b"",
-                token_ids=bytes(e.tokens),
-                block_size=e.page_size,
-                lora_name=e.lora_name or "",
-                medium=e.medium,
-            )
-        )
-    if isinstance(e, AllBlocksCleared):
-        return pb.KVEvent(cleared=pb.AllBlocksCleared())
-    return pb.KVEvent(removed=pb.BlockRemoved(namespace_id=e.namespace, block_hashes=e.keys, medium=e.medium))
-
-
-def kv_event_batch(b: EventBatch) -> pb.KVEventBatch:
-    return pb.KVEventBatch(seq=b.seq, ts=b.ts, events=[_kv_event(e) for e in b.events])
-
-
-# ---- requests that do not parse ----------------------------------------------------
-
-SERVICE = pb.DESCRIPTOR.services_by_name["KVD"]
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A request refused before it was parsed: bytes that are no valid message of the
-    method's type, or more fields than one call may hold (kvd/shape.py). grpc.aio parses a
-    request before the handler runs and answers a parse error with UNKNOWN and a logged
-    traceback; the parser below hands this marker to the handler instead, which refuses it
-    with INVALID_ARGUMENT like any other bad input."""
-
-    message: str
-
-
-def _parser(message_type):
-    name = message_type.DESCRIPTOR.full_name
-
-    def parse(raw: bytes):
-        try:
-            if shape.exceeds(name, raw, MAX_REQUEST_FIELDS):
-                return Refused(
-                    f"a {name} of {len(raw)} bytes holds more than {MAX_REQUEST_FIELDS} fields and repeated "
-                    "elements (sequences, extra keys, ids), the limit of one call; split the batch"
-                )
-            return message_type.FromString(raw)
-        except DecodeError as e:
-            log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
-            return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
-
-    return parse
-
-
-def _parsed(request):
-    """The request message; raises InvalidArgument for a request refused before parsing."""
-    if isinstance(request, Refused):
-        raise InvalidArgument(request.message)
-    return request
-
 
 def add_to_server(servicer: KvdServicer, server: grpc.aio.Server) -> None:
     """Registers the servicer as the generated ``add_KVDServicer_to_server`` does, with
-    parsers that turn bad bytes into ``Refused`` (methods come from the proto's
+    parsers that turn bad bytes into ``messages.Refused`` (methods come from the proto's
     descriptor, so a method added there is served the same way)."""
     handlers = {}
-    for m in SERVICE.methods:
+    for m in messages.SERVICE.methods:
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[m.name] = make(
             getattr(servicer, m.name),
-            request_deserializer=_parser(getattr(pb, m.input_type.name)),
+            request_deserializer=messages.parser(getattr(pb, m.input_type.name)),
             response_serializer=getattr(pb, m.output_type.name).SerializeToString,
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(messages.SERVICE.full_name, handlers),))
 
 
 # ---- the servicer --------------------------------------------------------------------
@@ -332,10 +107,10 @@ def _unary(method):
         else:
             code, message = grpc.StatusCode.OK, ""
             try:
-                reply = method(self, _parsed(request))
+                reply = method(self, messages.parsed(request))
                 return (await reply) if stepped else reply
             except KVDError as e:
-                code, message = status_for(e), status_message(str(e))
+                code, message = status_for(e), messages.status_message(str(e))
             finally:
                 seconds = time.perf_counter() - start
                 if self.observe_latency is not None:
@@ -396,10 +171,10 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     async def OpenSession(self, request, context):
         try:
-            request = _parsed(request)
+            request = messages.parsed(request)
             m, session = self.tenants.open_session(request.ticket, request.client_name, request.pid, self.socket_tenant)
         except KVDError as e:
-            await context.abort(status_for(e), status_message(str(e)))
+            await context.abort(status_for(e), messages.status_message(str(e)))
         events: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()  # None: the stream ends
         session.listener = lambda ns, seq_ids: events.put_nowait(
             pb.SessionEvent(evicted=pb.SequencesEvicted(namespace_id=ns, seq_ids=seq_ids))
@@ -425,16 +200,16 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         if self.streams.stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kvd is stopping; subscribe again once it is back")
         try:
-            request = _parsed(request)
+            request = messages.parsed(request)
             m = self._manager_of(request.session)
             m.sessions.get(request.session)
         except KVDError as e:
-            await context.abort(status_for(e), status_message(str(e)))
+            await context.abort(status_for(e), messages.status_message(str(e)))
         sub = m.events.subscribe(request.from_seq if request.has_from_seq else None)
         self.streams.subscriptions.setdefault(request.session, set()).add(sub)
         try:
             while (batch := await sub.get()) is not None:
-                yield kv_event_batch(batch)
+                yield messages.kv_event_batch(batch)
             if sub.overrun:
                 context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
                 context.set_details(
@@ -455,7 +230,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def RegisterNamespace(self, r):
         m = self._manager_of(r.session)
         m.sessions.get(r.session)
-        ns = m.register_namespace(_identity(r.identity))
+        ns = m.register_namespace(messages.identity_from(r.identity))
         return pb.RegisterNamespaceReply(namespace_id=ns.id, page_bytes=ns.page_bytes, root=ns.root)
 
     @_unary
@@ -477,8 +252,8 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def _core_requests(self, m: KVCacheManager, r) -> list[SequenceRequest]:
         """An Allocate or Lookup call's sequences, sizes checked before a core object per
         sequence and key is built, or a token id is copied out of the token buffer."""
-        check_call(m.limits, r.sequences, _call_tokens(r.sequences))
-        return _requests(r.sequences, functools.partial(m.token_buffer, r.session))
+        check_call(m.limits, r.sequences, messages.call_tokens(r.sequences))
+        return messages.requests_from(r.sequences, functools.partial(m.token_buffer, r.session))
 
     @_unary
     async def AllocateWithPrefix(self, r):
@@ -491,18 +266,18 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
                     await asyncio.wrap_future(build)
                 await _let_others_run()
             done = m.allocate(r.session, r.namespace_id, requests)
-        return pb.AllocateReply(sequences=[_plan(p) for p in done.result], evicted_seq_ids=done.evicted)
+        return pb.AllocateReply(sequences=[messages.allocation(p) for p in done.result], evicted_seq_ids=done.evicted)
 
     @_unary
     async def Lookup(self, r):
         # A lookup changes nothing, so a wide one (4,096 sequences with their keys: ~30 ms to
         # convert, ~60 ms to match) runs in steps between which other calls run.
         m = self._manager_of(r.session)
-        check_call(m.limits, r.sequences, _call_tokens(r.sequences))
+        check_call(m.limits, r.sequences, messages.call_tokens(r.sequences))
         buffer = functools.partial(m.token_buffer, r.session)
         requests, deadline = [], time.perf_counter() + STEP_SECONDS
         for s in r.sequences:
-            requests.append(_request(s, buffer))
+            requests.append(messages.request_from(s, buffer))
             if time.perf_counter() > deadline:
                 await _let_others_run()
                 deadline = time.perf_counter() + STEP_SECONDS
@@ -558,7 +333,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def Fork(self, r):
         done = self._manager_of(r.session).fork(r.session, r.namespace_id, r.src_seq_id, r.dst_seq_id)
-        return pb.ForkReply(sequence=_plan(done.result), evicted_seq_ids=done.evicted)
+        return pb.ForkReply(sequence=messages.allocation(done.result), evicted_seq_ids=done.evicted)
 
     @_unary
     def Release(self, r):
@@ -568,13 +343,15 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def SetState(self, r):
-        previous = self._manager_of(r.session).set_state(r.session, r.namespace_id, r.seq_id, _seq_state(r.state))
+        previous = self._manager_of(r.session).set_state(
+            r.session, r.namespace_id, r.seq_id, messages.seq_state(r.state)
+        )
         return pb.SetStateReply(previous=previous.value)
 
     @_unary
     def SetStates(self, r):
         previous = self._manager_of(r.session).set_states(
-            r.session, r.namespace_id, list(r.seq_ids), _seq_state(r.state)
+            r.session, r.namespace_id, list(r.seq_ids), messages.seq_state(r.state)
         )
         return pb.SetStatesReply(previous=[p.value for p in previous])
 
@@ -590,12 +367,12 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def DescribeSequences(self, r):
         statuses = self._manager_of(r.session).describe(r.session, r.namespace_id, list(r.seq_ids))
-        return pb.DescribeSequencesReply(sequences=[_status(s) for s in statuses])
+        return pb.DescribeSequencesReply(sequences=[messages.sequence_status(s) for s in statuses])
 
     @_unary
     def Pin(self, r):
         pin = self._manager_of(r.session).pin(
-            r.session, r.namespace_id, r.tokens, _extra_keys(r.extra_keys), r.ttl_seconds
+            r.session, r.namespace_id, r.tokens, messages.extra_keys_from(r.extra_keys), r.ttl_seconds
         )
         return pb.PinReply(pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens)
 
@@ -609,11 +386,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         if self.tenants.isolated and r.session:
             m = self._manager_of(r.session)
             m.sessions.get(r.session)
-            return stats_reply(stats_mod.collect(m))
+            return messages.stats_reply(stats_mod.collect(m))
         self.tenants.check_admin(r.ticket)
         if not self.tenants.isolated:
-            return stats_reply(stats_mod.collect(self.tenants.managers()[0]))
-        return tenants_stats_reply({name: stats_mod.collect(m) for name, m in self.tenants.items()})
+            return messages.stats_reply(stats_mod.collect(self.tenants.managers()[0]))
+        return messages.tenants_stats_reply({name: stats_mod.collect(m) for name, m in self.tenants.items()})
 
     @_unary
     def CheckInvariants(self, r):
@@ -637,7 +414,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             checked_bytes=sum(v.checked_bytes for v in results),
             corrupted_pages=sum(v.corrupted_pages for v in results),
             seconds=sum(v.seconds for v in results),
-            recovery=recovery_stats(
+            recovery=messages.recovery_stats(
                 RecoveryReport.combined([m.last_recovery or RecoveryReport() for m in self.tenants.managers()])
             ),
         )

@@ -380,7 +380,7 @@ def test_on_hold_sequences_are_evicted_under_pressure_and_can_reenter(make_manag
     again = c.alloc1("a", a)  # re-entry: the prefix page still hits
     assert (again.shared_pages, again.shared_prefix_tokens, again.suffix_start) == ([0], 4, 4)
     assert c.seq("a").state is SequenceState.PREFILLED
-    assert c.m.get_aux(c.sid, c.ns, "a") == b"state 2" and c.m.aux_bytes == 7
+    assert c.m.get_aux(c.sid, c.ns, "a") == b"state 2" and c.m.aux.used == 7
     check(c.m)
 
 

@@ -1,0 +1,250 @@
+"""Messages: proto ↔ core conversions for the servicer (kvd/service.py), and the parse
+step that refuses bytes which are no valid request before any handler runs.
+
+Every function here translates; none decides. Token ids of a request arrive packed in the
+message or as a span of the session's token buffer (kvd/token_buffers.py); either way a
+core ``SequenceRequest`` comes out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from kvd import shape
+from kvd import stats as stats_mod
+from kvd.errors import InvalidArgument
+from kvd.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent
+from kvd.index import ExtraKey
+from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.recovery import RecoveryReport
+from kvd.requests import MAX_REQUEST_FIELDS, SequencePlan, SequenceRequest, SequenceStatus
+from kvd.stats import PageStats, Stats
+from kvd.token_buffers import TokenBuffer
+from kvd.types import SequenceState
+from kvd.wire import kvd_pb2 as pb
+from kvd.wire.codec import TOKEN_BYTES, pack_pages
+
+log = logging.getLogger(__name__)
+
+# A status message travels percent-encoded in the HTTP/2 trailers, and a client drops
+# trailers over 8 KiB (grpc's default soft metadata limit), reporting RESOURCE_EXHAUSTED
+# instead of the real status. Messages quote client input (a sequence id of any length),
+# so they are cut: 512 characters stay under 8 KiB even when every one is a 4-byte
+# UTF-8 character encoded as %XX.
+MAX_STATUS_CHARS = 512
+
+
+# ---- conversions ---------------------------------------------------------------------
+
+
+def extra_keys_from(keys) -> tuple[ExtraKey, ...]:
+    return tuple(ExtraKey(k.kind, k.value, k.offset, max(1, k.length)) for k in keys)
+
+
+def call_tokens(sequences) -> int:
+    """Token ids of an Allocate or Lookup call, inline and in token-buffer spans alike."""
+    return sum(len(s.tokens) // TOKEN_BYTES + s.tokens_at.num_tokens for s in sequences)
+
+
+def requests_from(sequences, buffer: Callable[[], TokenBuffer]) -> list[SequenceRequest]:
+    """Core requests; ids given as a span are copied out of the session's ``buffer()``
+    here, before the core checks them (kvd/token_buffers.py)."""
+    return [request_from(s, buffer) for s in sequences]
+
+
+def request_from(s, buffer: Callable[[], TokenBuffer]) -> SequenceRequest:
+    tokens = span_tokens(s, buffer) if s.HasField("tokens_at") else s.tokens
+    return SequenceRequest(s.seq_id, tokens, extra_keys_from(s.extra_keys))
+
+
+def span_tokens(s, buffer: Callable[[], TokenBuffer]) -> bytes:
+    if s.tokens:
+        raise InvalidArgument(f"sequence {s.seq_id!r:.300}: token ids given both inline and as a token-buffer span")
+    return buffer().read(s.tokens_at.offset, s.tokens_at.num_tokens, f"sequence {s.seq_id!r:.300}")
+
+
+def identity_from(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
+    if not msg.HasField("layout"):
+        raise InvalidArgument("namespace identity needs a page layout")
+    lay = msg.layout
+    layout = make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
+    return NamespaceIdentity(
+        model=msg.model,
+        layout=layout,
+        revision=msg.revision,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        attention=msg.attention or "gqa",
+        vocab_size=msg.vocab_size,
+        extra=tuple(sorted(msg.extra.items())),
+    )
+
+
+def allocation(plan: SequencePlan) -> pb.SequenceAllocation:
+    return pb.SequenceAllocation(
+        seq_id=plan.seq_id,
+        shared_pages=pack_pages(plan.shared_pages),
+        private_pages=pack_pages(plan.private_pages),
+        shared_prefix_tokens=plan.shared_prefix_tokens,
+        suffix_start=plan.suffix_start,
+        num_tokens=plan.num_tokens,
+    )
+
+
+def sequence_status(s: SequenceStatus) -> pb.SequenceStatus:
+    return pb.SequenceStatus(
+        seq_id=s.seq_id,
+        state=s.state.value,
+        num_tokens=s.num_tokens,
+        known_tokens=s.known_tokens,
+        shared_pages=s.shared_pages,
+        private_pages=s.private_pages,
+        shared_prefix_tokens=s.shared_prefix_tokens,
+        aux_bytes=s.aux_bytes,
+    )
+
+
+def seq_state(value: int) -> SequenceState:
+    try:
+        return SequenceState(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown sequence state {value}; use one of {[s.name for s in SequenceState]}") from None
+
+
+def status_message(text: str) -> str:
+    if len(text) <= MAX_STATUS_CHARS:
+        return text
+    tail = f"... ({len(text)} characters)"
+    return text[: MAX_STATUS_CHARS - len(tail)] + tail
+
+
+def page_stats(s: PageStats) -> pb.PageStats:
+    return pb.PageStats(**s.as_dict())
+
+
+def namespace_stats(s: Stats, tenant: str = "") -> list[pb.NamespaceStats]:
+    return [
+        pb.NamespaceStats(
+            namespace_id=n.namespace_id,
+            model=n.model,
+            page_bytes=n.page_bytes,
+            pages=page_stats(n.pages),
+            tenant=tenant,
+        )
+        for n in s.namespaces
+    ]
+
+
+def recovery_stats(r: RecoveryReport) -> pb.RecoveryStats:
+    return pb.RecoveryStats(
+        **{k: v for k, v in r.as_dict().items() if k not in ("dropped_pages", "extents", "verified_bytes")}
+    )
+
+
+def remote_stats_message(s: Stats) -> pb.RemoteStats:
+    return pb.RemoteStats(**s.remote.as_dict())
+
+
+def stats_reply(s: Stats) -> pb.StatsReply:
+    return pb.StatsReply(
+        totals=page_stats(s.totals),
+        host_bytes=s.host_bytes,
+        arena_bytes=s.arena_bytes,
+        host_bytes_used=s.host_bytes_used,
+        host_bytes_free=s.host_bytes_free,
+        aux_bytes=s.aux_bytes,
+        aux_bytes_used=s.aux_bytes_used,
+        aux_bytes_per_sequence=s.aux_bytes_per_sequence,
+        prefix_reuse=s.prefix_reuse,
+        namespaces=namespace_stats(s),
+        shm_refusals=s.shm_refusals,
+        recovery=recovery_stats(s.recovery),
+        remote=remote_stats_message(s),
+    )
+
+
+def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
+    """Every tenant at once (admin): totals and budgets summed, namespaces named by tenant."""
+    every = stats_mod.combined(list(by_tenant.values()))
+    return pb.StatsReply(
+        totals=page_stats(every.totals),
+        host_bytes=every.host_bytes,
+        arena_bytes=every.arena_bytes,
+        host_bytes_used=every.host_bytes_used,
+        host_bytes_free=every.host_bytes_free,
+        aux_bytes=every.aux_bytes,
+        aux_bytes_used=every.aux_bytes_used,
+        aux_bytes_per_sequence=every.aux_bytes_per_sequence,
+        prefix_reuse=every.prefix_reuse,
+        namespaces=[n for name, s in by_tenant.items() for n in namespace_stats(s, name)],
+        shm_refusals=every.shm_refusals,
+        recovery=recovery_stats(every.recovery),
+        remote=remote_stats_message(every),
+    )
+
+
+def kv_event(e: KVEvent) -> pb.KVEvent:
+    if isinstance(e, BlockStored):
+        return pb.KVEvent(
+            stored=pb.BlockStored(
+                namespace_id=e.namespace,
+                block_hashes=e.keys,
+                parent_block_hash=e.parent or b"",
+                token_ids=bytes(e.tokens),
+                block_size=e.page_size,
+                lora_name=e.lora_name or "",
+                medium=e.medium,
+            )
+        )
+    if isinstance(e, AllBlocksCleared):
+        return pb.KVEvent(cleared=pb.AllBlocksCleared())
+    return pb.KVEvent(removed=pb.BlockRemoved(namespace_id=e.namespace, block_hashes=e.keys, medium=e.medium))
+
+
+def kv_event_batch(b: EventBatch) -> pb.KVEventBatch:
+    return pb.KVEventBatch(seq=b.seq, ts=b.ts, events=[kv_event(e) for e in b.events])
+
+
+# ---- requests that do not parse ----------------------------------------------------
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KVD"]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request refused before it was parsed: bytes that are no valid message of the
+    method's type, or more fields than one call may hold (kvd/shape.py). grpc.aio parses a
+    request before the handler runs and answers a parse error with UNKNOWN and a logged
+    traceback; the parser below hands this marker to the handler instead, which refuses it
+    with INVALID_ARGUMENT like any other bad input."""
+
+    message: str
+
+
+def parser(message_type):
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(raw: bytes):
+        try:
+            if shape.exceeds(name, raw, MAX_REQUEST_FIELDS):
+                return Refused(
+                    f"a {name} of {len(raw)} bytes holds more than {MAX_REQUEST_FIELDS} fields and repeated "
+                    "elements (sequences, extra keys, ids), the limit of one call; split the batch"
+                )
+            return message_type.FromString(raw)
+        except DecodeError as e:
+            log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
+            return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
+
+    return parse
+
+
+def parsed(request):
+    """The request message; raises InvalidArgument for a request refused before parsing."""
+    if isinstance(request, Refused):
+        raise InvalidArgument(request.message)
+    return request
