@@ -60,7 +60,7 @@ def heap(freeze: bool, churn: int, out) -> None:
         while pages < (1 << 30) // 2048:  # fill: every page published (then cached)
             allocate()
             m.publish(session, ns.id, [("s", 0)])
-            m.apply_seals(wait=True)
+            m.integrity.apply(wait=True)
             m.release(session, ns.id, ["s"])
             pages += TOKENS // 16
         t = time.thread_time()
@@ -87,7 +87,7 @@ def heap(freeze: bool, churn: int, out) -> None:
                 t = time.thread_time()
                 done = job.step()
                 steps.append(time.thread_time() - t)
-            m.apply_seals(wait=True)
+            m.integrity.apply(wait=True)
             m.release(session, ns.id, ["s"])
         gc.callbacks.remove(timed)
         unfrozen = len(gc.get_objects())

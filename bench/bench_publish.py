@@ -80,13 +80,13 @@ def in_process(layout: PageLayout, repeats: int) -> tuple[float, float]:
             for samples, seal in ((alone, False), (sealed, True)):
                 tokens = (np.arange(TOKENS, dtype="<i4") + (2 * i + seal) * TOKENS).tobytes()
                 m.allocate(session, ns.id, [CoreRequest("s", tokens)])
-                m.apply_seals(wait=True)  # nothing of the last round still hashing
+                m.integrity.apply(wait=True)  # nothing of the last round still hashing
                 t = time.perf_counter()
                 m.publish(session, ns.id, [("s", 0)])
                 if seal:
-                    m.apply_seals(wait=True)
+                    m.integrity.apply(wait=True)
                 samples.append(time.perf_counter() - t)
-                m.apply_seals(wait=True)
+                m.integrity.apply(wait=True)
                 m.release(session, ns.id, ["s"])
         return p50(alone), p50(sealed)
     finally:
@@ -128,9 +128,9 @@ def loop_time(layout: PageLayout, repeats: int) -> tuple[float, float, int, floa
             sealed = 1
             while sealed:  # what the loop runs as each sealed batch comes back: one batch a call
                 t = time.thread_time()
-                sealed = m.apply_seals()
+                sealed = m.integrity.apply()
                 applies.append(time.thread_time() - t)
-            m.apply_seals(wait=True)
+            m.integrity.apply(wait=True)
             m.release(session, ns.id, ["s"])
         gc.enable()
         t = time.thread_time()

@@ -255,10 +255,6 @@ class KVCacheManager:
 
     # ---- cached pages ------------------------------------------------------------
 
-    def apply_seals(self, wait: bool = False) -> int:
-        """``Integrity.apply``; kept because bench/bench_publish.py calls it."""
-        return self.integrity.apply(wait)
-
     def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
         """Drops every cached (published, unreferenced) page of a namespace, or of all: what
         vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
