@@ -149,7 +149,8 @@ def remote_stats_message(s: Stats) -> pb.RemoteStats:
     return pb.RemoteStats(**s.remote.as_dict())
 
 
-def stats_reply(s: Stats) -> pb.StatsReply:
+def stats_reply(s: Stats, namespaces: list[pb.NamespaceStats] | None = None) -> pb.StatsReply:
+    """The stats of one cache; ``namespaces`` in place of its own (the tenants' together)."""
     return pb.StatsReply(
         totals=page_stats(s.totals),
         host_bytes=s.host_bytes,
@@ -160,7 +161,7 @@ def stats_reply(s: Stats) -> pb.StatsReply:
         aux_bytes_used=s.aux_bytes_used,
         aux_bytes_per_sequence=s.aux_bytes_per_sequence,
         prefix_reuse=s.prefix_reuse,
-        namespaces=namespace_stats(s),
+        namespaces=namespace_stats(s) if namespaces is None else namespaces,
         shm_refusals=s.shm_refusals,
         recovery=recovery_stats(s.recovery),
         remote=remote_stats_message(s),
@@ -170,21 +171,7 @@ def stats_reply(s: Stats) -> pb.StatsReply:
 def tenants_stats_reply(by_tenant: dict[str, Stats]) -> pb.StatsReply:
     """Every tenant at once (admin): totals and budgets summed, namespaces named by tenant."""
     every = stats_mod.combined(list(by_tenant.values()))
-    return pb.StatsReply(
-        totals=page_stats(every.totals),
-        host_bytes=every.host_bytes,
-        arena_bytes=every.arena_bytes,
-        host_bytes_used=every.host_bytes_used,
-        host_bytes_free=every.host_bytes_free,
-        aux_bytes=every.aux_bytes,
-        aux_bytes_used=every.aux_bytes_used,
-        aux_bytes_per_sequence=every.aux_bytes_per_sequence,
-        prefix_reuse=every.prefix_reuse,
-        namespaces=[n for name, s in by_tenant.items() for n in namespace_stats(s, name)],
-        shm_refusals=every.shm_refusals,
-        recovery=recovery_stats(every.recovery),
-        remote=remote_stats_message(every),
-    )
+    return stats_reply(every, [n for name, s in by_tenant.items() for n in namespace_stats(s, name)])
 
 
 def kv_event(e: KVEvent) -> pb.KVEvent:
