@@ -14,6 +14,7 @@ from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
 from kvd.namespaces import NamespaceIdentity, make_layout
 from kvd.server import socket_answers
+from kvd.types import SequenceState
 
 _counter = itertools.count()
 
@@ -59,6 +60,17 @@ def vm_kib(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+# The set_state calls that take a PREFILLED sequence to each state; EVICTED then needs
+# memory pressure on the ON_HOLD sequence, which only the daemon applies.
+STATE_STEPS: dict[SequenceState, list[SequenceState]] = {
+    SequenceState.PREFILLED: [],
+    SequenceState.IN_DECODE: [SequenceState.IN_DECODE],
+    SequenceState.ON_HOLD: [SequenceState.ON_HOLD],
+    SequenceState.EVICTED: [SequenceState.ON_HOLD],
+    SequenceState.COMPLETED: [SequenceState.COMPLETED],
+}
 
 
 def clean_env(tmp_path, **extra: str) -> dict:

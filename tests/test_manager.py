@@ -13,7 +13,7 @@ from concurrent import futures
 
 import numpy as np
 import pytest
-from conftest import identity
+from conftest import STATE_STEPS, identity
 
 from kvd import invariants, stats
 from kvd.arena import leftover_segments
@@ -694,14 +694,7 @@ def evict(c: Core, seq_id: str) -> None:
 
 def to_state(c: Core, seq_id: str, state: SequenceState) -> None:
     """Moves the PREFILLED ``seq_id`` to ``state`` the way a client and the daemon would."""
-    path = {
-        SequenceState.PREFILLED: [],
-        SequenceState.IN_DECODE: [SequenceState.IN_DECODE],
-        SequenceState.ON_HOLD: [SequenceState.ON_HOLD],
-        SequenceState.EVICTED: [SequenceState.ON_HOLD],
-        SequenceState.COMPLETED: [SequenceState.COMPLETED],
-    }[state]
-    for step in path:
+    for step in STATE_STEPS[state]:
         c.m.set_state(c.sid, c.ns, seq_id, step)
     if state is SequenceState.EVICTED:
         evict(c, seq_id)

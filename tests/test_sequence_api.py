@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from conftest import clean_env, wait_until
+from conftest import STATE_STEPS, clean_env, wait_until
 
 from engine_client import (
     ExtendItem,
@@ -79,14 +79,7 @@ def status(kvd: KVDClient, ns: int, seq_id: str) -> SequenceStatus:
 
 def move_to(kvd: KVDClient, ns: int, seq_id: str, state: SequenceState) -> None:
     """Takes the PREFILLED ``seq_id`` to ``state`` as a client and the daemon would."""
-    steps = {
-        SequenceState.PREFILLED: [],
-        SequenceState.IN_DECODE: [SequenceState.IN_DECODE],
-        SequenceState.ON_HOLD: [SequenceState.ON_HOLD],
-        SequenceState.EVICTED: [SequenceState.ON_HOLD],
-        SequenceState.COMPLETED: [SequenceState.COMPLETED],
-    }[state]
-    for step in steps:
+    for step in STATE_STEPS[state]:
         kvd.set_state(ns, seq_id, step)
     if state is SequenceState.EVICTED:
         assert press(kvd, ns, extra_pages=2) == {(ns, seq_id)}
