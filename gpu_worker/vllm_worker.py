@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -170,11 +170,10 @@ class KVDWorkerSide:
         Nothing is saved for a request with a load error in this step: the blocks it failed
         to load hold stale bytes, and what this step computes attended to them. vLLM
         recomputes from the first failed block, and the scheduler plans those saves again."""
-        if plan.prompt is not None:
-            self._known[plan.req_id] = plan.prompt
+        if plan.prompt is not None:  # a list of this worker's own, grown in place below
+            self._known[plan.req_id] = PromptKey(list(plan.prompt.token_ids), plan.prompt.extra_keys)
         if plan.more_tokens and plan.req_id in self._known:
-            known = self._known[plan.req_id]
-            self._known[plan.req_id] = replace(known, token_ids=known.token_ids + plan.more_tokens)
+            self._known[plan.req_id].token_ids.extend(plan.more_tokens)
         if plan.req_id in failed:
             return None
         seq = self._sequence(plan.req_id)
