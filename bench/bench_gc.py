@@ -47,7 +47,7 @@ def heap(freeze: bool, churn: int, out) -> None:
     m = KVCacheManager(Arena(1 << 30, 64 << 20, f"/kvdbench-gc-{os.getpid()}", lock_memory=False), prefix_reuse=True)
     try:
         session = m.open_session("bench", os.getpid()).id
-        ns = m.register_namespace(NamespaceIdentity("bench", make_layout(2, 2, 8, 16, "float16")))
+        ns = m.catalog.register_namespace(NamespaceIdentity("bench", make_layout(2, 2, 8, 16, "float16")))
         prompt = 0
 
         def allocate() -> None:

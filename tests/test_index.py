@@ -55,7 +55,7 @@ def core(make_manager):
     """A manager, one session, one namespace of page_size 4."""
     m = make_manager()
     session = m.open_session("test", 1)
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE))
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE))
     return m, session.id, ns.id
 
 
@@ -312,7 +312,7 @@ def test_a_branch_starts_a_new_run_and_a_prompt_crossing_both_hits_every_page(co
 def test_a_prompt_leaving_a_run_inside_a_page_hits_the_pages_before_it(make_manager, pages, diverge):
     m = make_manager(budget_bytes=16 << 20, extent_bytes=1 << 20)
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     ids = list(range(1, pages * PAGE_SIZE + 1))
     published = allocate_and_publish(m, sid, ns, "a", ids).pages
     at = (pages * 2 // 3) * PAGE_SIZE + (0 if diverge == "first token" else PAGE_SIZE - 1)
@@ -338,7 +338,7 @@ def test_a_sequence_that_continues_a_run_extends_it(core):
 def test_evicting_a_run_tail_cuts_the_run_and_republishing_grows_it_again(make_manager):
     m = make_manager(budget_bytes=8 * 512, extent_bytes=8 * 512)  # 8 pages of 512 bytes
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     ids = list(range(300, 324))  # 6 pages
     allocate_and_publish(m, sid, ns, "a", ids)
     m.release(sid, ns, ["a"])  # all 6 cached; the tail goes first
@@ -409,7 +409,7 @@ def test_runs_find_exactly_the_pages_a_per_page_walk_finds(make_manager, steps):
     matching equals the per-page walk and every invariant holds."""
     m = make_manager(budget_bytes=48 * 512, extent_bytes=8 * 512)
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     live: list[str] = []
     for n, (op, (family, cut, tail), with_image) in enumerate(steps):
         ids = list(range(family * 1000, family * 1000 + cut)) + tail
