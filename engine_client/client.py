@@ -189,11 +189,29 @@ class KVDClient:
     def layout(self, ns: int) -> PageLayout:
         return self._namespace(ns).layout
 
-    def page_keys(self, ns: int, token_ids, extra_keys: tuple[ExtraKey, ...] = ()) -> list[bytes]:
+    def page_keys(
+        self,
+        ns: int,
+        token_ids,
+        extra_keys: tuple[ExtraKey, ...] = (),
+        *,
+        first_page: int = 0,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
         """The keys the daemon gives the full pages of these tokens once published: the
-        block hashes its KV events (``subscribe_events``) name. Computed here, no call."""
+        block hashes its KV events (``subscribe_events``) name. Computed here, no call.
+
+        A sequence that grows computes the keys of its new pages only: ``token_ids`` from
+        page ``first_page`` on, ``parent`` the key of the page before (kvd/wire/keys.py)."""
         namespace = self._namespace(ns)
-        return chain_keys(namespace.root, namespace.layout.page_size, pack_tokens(token_ids), extra_keys)
+        return chain_keys(
+            namespace.root,
+            namespace.layout.page_size,
+            pack_tokens(token_ids),
+            extra_keys,
+            first_page=first_page,
+            parent=parent,
+        )
 
     def _namespace(self, ns: int) -> Namespace:
         try:

@@ -175,6 +175,44 @@ def test_multimodal_item_enters_every_page_it_overlaps_and_only_those(offset, le
     assert all(k != p for k, p in zip(keys[first:], plain_keys[first:]))
 
 
+def test_a_chain_continued_from_a_page_and_its_parent_key_is_the_tail_of_the_whole_chain():
+    """kvd.wire.keys.chain_keys from ``first_page`` with the key of the page before gives the
+    keys the whole prefix gives those pages, extra keys included (a LoRA, a cache salt, an
+    image over pages 1 to 3): a growing sequence hashes only its new pages."""
+    ids = list(range(100, 126))  # 6 full pages, then 2 tokens of a 7th
+    extra = [lora(b"adapter"), salt(b"tenant"), image(b"img-1", 6, 7)]
+    whole = kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids), extra)
+    assert whole == chain_keys(chain_spec(ROOT, PAGE_SIZE, extra), ids)
+    assert whole != kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids)), "the extra keys enter the keys"
+    for first_page in range(1, 7):
+        tail = kvd.wire.keys.chain_keys(
+            ROOT,
+            PAGE_SIZE,
+            toks(ids[first_page * PAGE_SIZE :]),
+            extra,
+            first_page=first_page,
+            parent=whole[first_page - 1],
+        )
+        assert tail == whole[first_page:], f"continued from page {first_page}"
+
+    grown: list[bytes] = []
+    for start, end in [(0, 1), (1, 2), (2, 4), (4, 6)]:  # pages published a few at a time, as a decode does
+        grown += kvd.wire.keys.chain_keys(
+            ROOT,
+            PAGE_SIZE,
+            toks(ids[start * PAGE_SIZE : end * PAGE_SIZE]),
+            extra,
+            first_page=start,
+            parent=grown[-1] if grown else None,
+        )
+    assert grown == whole
+
+    with pytest.raises(ValueError, match="parent"):
+        kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids[8:]), extra, first_page=2)
+    with pytest.raises(ValueError, match="parent"):
+        kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids), extra, parent=whole[0])
+
+
 def test_multimodal_hits_stop_at_the_first_page_with_another_image(core):
     m, sid, ns = core
     ids = list(range(100, 116))
