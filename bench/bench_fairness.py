@@ -40,12 +40,19 @@ SPAWN = multiprocessing.get_context("spawn")
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")
 
 
-def heavy(socket: str, stop, calls) -> None:
+def largest_calls() -> tuple[list[SequenceRequest], list[SequenceRequest]]:
+    """The largest calls the limits allow: 8M token ids in two sequences, and 4,096
+    sequences with 4 LoRA keys each."""
     big = [SequenceRequest(f"big{i}", np.arange(4 << 20, dtype=np.int32) % 30000 + i) for i in range(2)]
     wide = [
         SequenceRequest(f"w{i}", np.arange(64, dtype=np.int32), [ExtraKey.lora(f"a{j}") for j in range(4)])
         for i in range(4096)
     ]
+    return big, wide
+
+
+def heavy(socket: str, stop, calls) -> None:
+    big, wide = largest_calls()
     with KVDClient.connect(socket, client_name="heavy") as c:
         ns = c.register_namespace("fair", LAYOUT)
         while not stop.is_set():

@@ -28,7 +28,7 @@ from kvd.wire.keys import ChainSpec, chain_spec, page_key  # noqa: F401 - the co
 _SMALL_SPAN_BYTES = 16 << 10  # token bytes of a run span compared as slices rather than with numpy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a large call makes thousands (kvd/requests.py SequenceRequest)
 class ExtraKey:
     """Something other than token ids that changes a page's KV.
 

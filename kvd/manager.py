@@ -39,6 +39,7 @@ from kvd.pool import PagePool
 from kvd.publishing import PublishJob
 from kvd.requests import (
     TOKEN_BYTES,
+    Batch,
     ExtendResult,
     Limits,
     LookupResult,
@@ -50,7 +51,6 @@ from kvd.requests import (
     SequenceStatus,
     WithEvictions,
     check_batch,
-    check_call,
     check_extend,
     check_seq_id,
     check_token_lists,
@@ -169,15 +169,24 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------
 
+    def batch(self, namespace_id: int, requests: list[SequenceRequest], unique: bool = True) -> Batch:
+        """The requests of an allocate (``unique`` ids) or a lookup, checked (``Batch.of``)."""
+        return Batch.of(self.limits, self.namespaces.get(namespace_id), requests, unique)
+
     def allocate(
         self, session_id: str, namespace_id: int, requests: list[SequenceRequest]
     ) -> WithEvictions[list[SequencePlan]]:
+        """``allocate_batch`` of the requests, checked here."""
+        self.sessions.get(session_id)
+        return self.allocate_batch(session_id, self.batch(namespace_id, requests))
+
+    def allocate_batch(self, session_id: str, batch: Batch) -> WithEvictions[list[SequencePlan]]:
         """Prefix hits pinned and private pages allocated for a batch, all or nothing.
 
         An EVICTED id re-enters: a new PREFILLED sequence under that id, with its aux state."""
         session = self.sessions.get(session_id)
-        ns = self.namespaces.get(namespace_id)
-        prepared, need = self._prepare_allocation(session, ns, requests)
+        ns = batch.namespace
+        prepared, need = self._match_allocation(session, batch)
         # Raise before pinning anything: a failed batch leaves counters and LRU order alone.
         self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
         for p in prepared:  # pin the hits before making room: no hit can be evicted after this
@@ -221,31 +230,27 @@ class KVCacheManager:
                 self.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, p.hits, p.hit_keys)
         return WithEvictions(plans, self._report_evictions(session))
 
-    def room_for_allocate(
-        self, session_id: str, namespace_id: int, requests: list[SequenceRequest]
-    ) -> Iterator[Future | None]:
-        """Frees the pages ``allocate(requests)`` will need, in parts between which the caller
-        lets the loop serve other calls (``Room.steps``: a Future is an extent being built, to
-        await; None, go on). The request is checked as ``allocate`` checks it first, so one it
-        would refuse evicts nothing; ``allocate`` then makes whatever room is still missing."""
+    def room_for_allocate(self, session_id: str, batch: Batch) -> Iterator[Future | None]:
+        """Frees the pages ``allocate_batch(batch)`` will need, in parts between which the
+        caller lets the loop serve other calls (``Room.steps``: a Future is an extent being
+        built, to await; None, go on). The batch is matched as ``allocate_batch`` matches it
+        first, so one it would refuse evicts nothing; ``allocate_batch`` then makes whatever
+        room is still missing."""
         session = self.sessions.get(session_id)
-        ns = self.namespaces.get(namespace_id)
-        if self.pool.free_count(ns.id) >= sum(-(-len(r.tokens) // TOKEN_BYTES // ns.page_size) for r in requests):
-            return  # room even if nothing hits: no need to check and match twice
-        prepared, need = self._prepare_allocation(session, ns, requests)
+        ns = batch.namespace
+        if self.pool.free_count(ns.id) >= sum(-(-p.num_tokens // ns.page_size) for p in batch.requests):
+            return  # room even if nothing hits: no need to match twice
+        prepared, need = self._match_allocation(session, batch)
         if self.pool.free_count(ns.id) >= need:
             return
         self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
         yield from self.room.steps(ns, need)
 
-    def _prepare_allocation(
-        self, session: Session, ns: Namespace, requests: list[SequenceRequest]
-    ) -> tuple[list[PreparedRequest], int]:
-        """Each request checked and matched, and the pages the batch needs beyond its hits;
-        raises before anything changes."""
-        check_call(self.limits, requests)
-        check_batch(self.limits, [r.seq_id for r in requests])
-        prepared = [prepare(self.limits, ns, r) for r in requests]
+    def _match_allocation(self, session: Session, batch: Batch) -> tuple[list[PreparedRequest], int]:
+        """Each request of the batch checked against the sequences there are and matched,
+        and the pages the batch needs beyond its hits; raises before anything changes."""
+        ns = batch.namespace
+        prepared = batch.requests
         for p in prepared:
             p.reentry = self.sequences.find(ns.id, p.request.seq_id)
             if p.reentry is not None:
@@ -265,21 +270,19 @@ class KVCacheManager:
         """The same matching as allocate, without pinning or allocating anything. With a remote
         tier, full pages past the local hit are fetched in the background (kvd/remote.py) and
         ``remote_pending_tokens`` says how many may still come: ask again later."""
-        return [x for part in self.lookup_parts(session_id, namespace_id, requests, float("inf")) for x in part]
-
-    def lookup_parts(
-        self, session_id: str, namespace_id: int, requests: list[SequenceRequest], seconds: float
-    ) -> Iterator[list[LookupResult]]:
-        """``lookup``'s results in parts of about ``seconds`` of work each. A lookup changes
-        nothing, so the caller may let other calls run between parts (4,096 sequences with
-        LoRA keys take ~60 ms); each result is what matching found when its part ran."""
         self.sessions.get(session_id)
-        ns = self.namespaces.get(namespace_id)
-        check_call(self.limits, requests)
-        check_batch(self.limits, [r.seq_id for r in requests], unique=False)
+        batch = self.batch(namespace_id, requests, unique=False)
+        return [x for part in self.lookup_parts(session_id, batch, float("inf")) for x in part]
+
+    def lookup_parts(self, session_id: str, batch: Batch, seconds: float) -> Iterator[list[LookupResult]]:
+        """``lookup``'s results in parts of about ``seconds`` of matching each. A lookup
+        changes nothing, so the caller may let other calls run between parts (4,096
+        sequences with LoRA keys: ~12 ms); each result is what matching found when its part ran."""
+        self.sessions.get(session_id)
+        ns = batch.namespace
         part, deadline = [], time.perf_counter() + seconds
-        for r in requests:
-            p = prepare(self.limits, ns, r)
+        for p in batch.requests:
+            r = p.request
             if not self.prefix_reuse:
                 part.append(LookupResult(r.seq_id, [], 0))
             else:

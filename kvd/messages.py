@@ -1,5 +1,6 @@
 """Messages: proto ↔ core conversions for the servicer (kvd/service.py), and the parse
-step that refuses bytes which are no valid request before any handler runs.
+step that refuses bytes which are no valid request before any handler runs (or hands a
+large request on unparsed, to be parsed off the event loop: kvd/offload.py).
 
 Every function here translates; none decides. Token ids of a request arrive packed in the
 message or as a span of the session's token buffer (kvd/token_buffers.py); either way a
@@ -9,19 +10,26 @@ core ``SequenceRequest`` comes out.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
 from kvd import shape
 from kvd import stats as stats_mod
-from kvd.errors import InvalidArgument
+from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent
 from kvd.index import ExtraKey
 from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.offload import LARGE_REQUEST_BYTES
 from kvd.recovery import RecoveryReport
-from kvd.requests import MAX_REQUEST_FIELDS, SequencePlan, SequenceRequest, SequenceStatus
+from kvd.requests import (
+    MAX_REQUEST_FIELDS,
+    LookupResult,
+    SequencePlan,
+    SequenceRequest,
+    SequenceStatus,
+    WithEvictions,
+)
 from kvd.stats import PageStats, Stats
 from kvd.token_buffers import TokenBuffer
 from kvd.types import SequenceState
@@ -50,21 +58,23 @@ def call_tokens(sequences) -> int:
     return sum(len(s.tokens) // TOKEN_BYTES + s.tokens_at.num_tokens for s in sequences)
 
 
-def requests_from(sequences, buffer: Callable[[], TokenBuffer]) -> list[SequenceRequest]:
-    """Core requests; ids given as a span are copied out of the session's ``buffer()``
+def requests_from(sequences, buffer: TokenBuffer | None) -> list[SequenceRequest]:
+    """Core requests; ids given as a span are copied out of the session's token ``buffer``
     here, before the core checks them (kvd/token_buffers.py)."""
     return [request_from(s, buffer) for s in sequences]
 
 
-def request_from(s, buffer: Callable[[], TokenBuffer]) -> SequenceRequest:
+def request_from(s, buffer: TokenBuffer | None) -> SequenceRequest:
     tokens = span_tokens(s, buffer) if s.HasField("tokens_at") else s.tokens
     return SequenceRequest(s.seq_id, tokens, extra_keys_from(s.extra_keys))
 
 
-def span_tokens(s, buffer: Callable[[], TokenBuffer]) -> bytes:
+def span_tokens(s, buffer: TokenBuffer | None) -> bytes:
     if s.tokens:
         raise InvalidArgument(f"sequence {s.seq_id!r:.300}: token ids given both inline and as a token-buffer span")
-    return buffer().read(s.tokens_at.offset, s.tokens_at.num_tokens, f"sequence {s.seq_id!r:.300}")
+    if buffer is None:
+        raise FailedPrecondition("a token span names the session's token buffer, but it opened none")
+    return buffer.read(s.tokens_at.offset, s.tokens_at.num_tokens, f"sequence {s.seq_id!r:.300}")
 
 
 def identity_from(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
@@ -85,7 +95,11 @@ def identity_from(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
 
 
 def allocation(plan: SequencePlan) -> pb.SequenceAllocation:
-    return pb.SequenceAllocation(
+    return pb.SequenceAllocation(**_allocation_fields(plan))
+
+
+def _allocation_fields(plan: SequencePlan) -> dict:
+    return dict(
         seq_id=plan.seq_id,
         shared_pages=pack_pages(plan.shared_pages),
         private_pages=pack_pages(plan.private_pages),
@@ -93,6 +107,32 @@ def allocation(plan: SequencePlan) -> pb.SequenceAllocation:
         suffix_start=plan.suffix_start,
         num_tokens=plan.num_tokens,
     )
+
+
+# The replies of a batch are built in place, one result at a time (``add``): a message
+# given a list of 4,096 results copies them in one C call that holds the GIL for ~3 ms,
+# and a large call's reply is built on the offload thread (kvd/offload.py).
+
+
+def allocate_reply(done: WithEvictions[list[SequencePlan]]) -> pb.AllocateReply:
+    reply = pb.AllocateReply(evicted_seq_ids=done.evicted)
+    add = reply.sequences.add
+    for plan in done.result:
+        add(**_allocation_fields(plan))
+    return reply
+
+
+def lookup_reply(results: list[LookupResult]) -> pb.LookupReply:
+    reply = pb.LookupReply()
+    add = reply.results.add
+    for x in results:
+        add(
+            seq_id=x.seq_id,
+            hit_pages=pack_pages(x.hit_pages),
+            hit_tokens=x.hit_tokens,
+            remote_pending_tokens=x.remote_pending_tokens,
+        )
+    return reply
 
 
 def sequence_status(s: SequenceStatus) -> pb.SequenceStatus:
@@ -212,26 +252,49 @@ class Refused:
     message: str
 
 
+@dataclass(frozen=True)
+class Unparsed:
+    """A request of more than ``LARGE_REQUEST_BYTES``, as it came: grpc runs the parser
+    below on the event loop, where counting and parsing a large request's fields would
+    hold up every other call, so the handler parses it on the offload thread (kvd/offload.py)."""
+
+    raw: bytes
+    message_type: type
+
+    def parse(self):
+        """The message, or ``Refused``."""
+        return _parse(self.message_type, self.raw)
+
+
 def parser(message_type):
-    name = message_type.DESCRIPTOR.full_name
+    """grpc's request deserializer for ``message_type``: a small request parsed, a large
+    one handed on ``Unparsed``."""
 
     def parse(raw: bytes):
-        try:
-            if shape.exceeds(name, raw, MAX_REQUEST_FIELDS):
-                return Refused(
-                    f"a {name} of {len(raw)} bytes holds more than {MAX_REQUEST_FIELDS} fields and repeated "
-                    "elements (sequences, extra keys, ids), the limit of one call; split the batch"
-                )
-            return message_type.FromString(raw)
-        except DecodeError as e:
-            log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
-            return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
+        return Unparsed(raw, message_type) if len(raw) > LARGE_REQUEST_BYTES else _parse(message_type, raw)
 
     return parse
 
 
+def _parse(message_type, raw: bytes):
+    name = message_type.DESCRIPTOR.full_name
+    try:
+        if shape.exceeds(name, raw, MAX_REQUEST_FIELDS):
+            return Refused(
+                f"a {name} of {len(raw)} bytes holds more than {MAX_REQUEST_FIELDS} fields and repeated "
+                "elements (sequences, extra keys, ids), the limit of one call; split the batch"
+            )
+        return message_type.FromString(raw)
+    except DecodeError as e:
+        log.warning("refused %d request bytes that are not a valid %s: %s", len(raw), name, e)
+        return Refused(f"request of {len(raw)} bytes is not a valid {name}: {e}")
+
+
 def parsed(request):
-    """The request message; raises InvalidArgument for a request refused before parsing."""
+    """The request message; raises InvalidArgument for a request refused before parsing.
+    An ``Unparsed`` one is parsed here (the unary handlers parse theirs off the loop first)."""
+    if isinstance(request, Unparsed):
+        request = request.parse()
     if isinstance(request, Refused):
         raise InvalidArgument(request.message)
     return request

@@ -32,6 +32,7 @@ from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
 from kvd.manager import KVCacheManager
 from kvd.messages import SERVICE
+from kvd.offload import Offload
 from kvd.requests import Limits
 from kvd.service import KvdServicer, add_to_server
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
@@ -250,7 +251,10 @@ class _Daemon:
         self.link = _remote_link(config, self.tenants, loop)
         for manager in self.tenants.managers():
             manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
-        self.servicer = KvdServicer(self.tenants, observe_latency=metrics.observe_latency if metrics else None)
+        self.offload = Offload()  # a large call's work that needs no core (kvd/offload.py)
+        self.servicer = KvdServicer(
+            self.tenants, self.offload, observe_latency=metrics.observe_latency if metrics else None
+        )
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []
         self.auth: asyncio.AbstractServer | None = None  # the tenant handshake (kvd/handshake.py)
@@ -324,6 +328,7 @@ class _Daemon:
     async def _close(self, grace: float | None, keep_cache: bool) -> None:
         self._close_handshake()
         await asyncio.gather(*(each.stop(grace) for each in self.servers))
+        self.offload.close()  # before the caches close: no call's work runs past them
         for manager in self.tenants.managers():
             manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
         # Kept, published pages stay in shared memory, sealed, so `kvd serve` finds them again

@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
@@ -32,10 +33,13 @@ from kvd.errors import (
     ResourceExhausted,
 )
 from kvd.events import Subscription
-from kvd.manager import KVCacheManager, SequenceRequest
+from kvd.manager import KVCacheManager
+from kvd.namespaces import Namespace
+from kvd.offload import Offload, large_call
 from kvd.recovery import RecoveryReport
-from kvd.requests import ResetResult, check_call, extend_items
+from kvd.requests import Batch, Limits, ResetResult, check_call, extend_items
 from kvd.tenants import IMPLICIT, Tenants
+from kvd.token_buffers import TokenBuffer
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.codec import pack_pages
@@ -94,7 +98,8 @@ async def _let_others_run() -> None:
 
 
 def _unary(method):
-    """Runs a core call; maps core errors to statuses and reports latency. A coroutine
+    """Runs a core call; maps core errors to statuses and reports latency. A large request
+    is parsed on the offload thread first (kvd/messages.py ``Unparsed``). A coroutine
     method (a call done in steps that yield the loop, such as Publish) is awaited."""
     name = method.__name__
     stepped = inspect.iscoroutinefunction(method)
@@ -107,6 +112,8 @@ def _unary(method):
         else:
             code, message = grpc.StatusCode.OK, ""
             try:
+                if isinstance(request, messages.Unparsed):
+                    request = await self.offload.run(request.parse)
                 reply = method(self, messages.parsed(request))
                 return (await reply) if stepped else reply
             except KVDError as e:
@@ -140,9 +147,36 @@ class SessionStreams:
             sub.close()
 
 
+T, R, M = TypeVar("T"), TypeVar("R"), TypeVar("M")
+
+
+def _batch_of(limits: Limits, ns: Namespace, sequences, buffer: TokenBuffer | None, unique: bool) -> Batch:
+    """An Allocate's or Lookup's sequences as a core ``Batch``: their sizes checked before a
+    core object per sequence and key is built, or a token id is read out of the ``buffer``."""
+    check_call(limits, sequences, messages.call_tokens(sequences))
+    return Batch.of(limits, ns, messages.requests_from(sequences, buffer), unique)
+
+
+def _reply(build: Callable[[R], M], result: R, spent: Batch) -> M:
+    """``build(result)``, then the spent batch's requests dropped one at a time: freed in one
+    piece, a large call's objects (~2 ms for 4,096 sequences with keys) would hold the GIL
+    that long, on the loop at the call's end; on the offload thread, in pieces, they do not."""
+    reply = build(result)
+    while spent.requests:
+        spent.requests.pop()
+    return reply
+
+
 class KvdServicer(kvd_pb2_grpc.KVDServicer):
-    def __init__(self, tenants: Tenants | KVCacheManager, observe_latency: LatencyObserver | None = None) -> None:
+    def __init__(
+        self,
+        tenants: Tenants | KVCacheManager,
+        offload: Offload,
+        observe_latency: LatencyObserver | None = None,
+    ) -> None:
+        """``offload``: the thread a large call's work that needs no core runs on (kvd/offload.py)."""
         self.tenants = tenants if isinstance(tenants, Tenants) else Tenants({IMPLICIT: tenants})
+        self.offload = offload
         self.observe_latency = observe_latency
         self.streams = SessionStreams()
         self.instance = secrets.token_hex(8)  # SessionOpened.daemon_instance
@@ -249,53 +283,42 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         buffer = self._manager_of(r.session).open_token_buffer(r.session, r.size_bytes)
         return pb.OpenTokenBufferReply(shm_name=buffer.name, size_bytes=buffer.size)
 
-    def _core_requests(self, m: KVCacheManager, r) -> list[SequenceRequest]:
-        """An Allocate or Lookup call's sequences, sizes checked before a core object per
-        sequence and key is built, or a token id is copied out of the token buffer."""
-        check_call(m.limits, r.sequences, messages.call_tokens(r.sequences))
-        return messages.requests_from(r.sequences, functools.partial(m.sessions.token_buffer, r.session))
+    async def _off_loop_if(self, large: bool, work: Callable[[], T]) -> T:
+        """``work()``: on the offload thread for a large call, inline for a small one."""
+        return await self.offload.run(work) if large else work()
+
+    def _batch_work(self, m: KVCacheManager, r, unique: bool) -> Callable[[], Batch]:
+        """What makes an Allocate's or Lookup's ``Batch``, given what it needs of the core,
+        read here on the loop: the session's token buffer and the namespace."""
+        buffer = m.sessions.get(r.session).token_buffer
+        return functools.partial(_batch_of, m.limits, m.namespaces.get(r.namespace_id), r.sequences, buffer, unique)
 
     @_unary
     async def AllocateWithPrefix(self, r):
         m = self._manager_of(r.session)
-        requests = self._core_requests(m, r)
+        large = large_call(r.sequences)
+        batch = await self._off_loop_if(large, self._batch_work(m, r, unique=True))
         with m.events.held():  # what it evicts is one event batch, as for a call in one piece
-            for build in m.room_for_allocate(r.session, r.namespace_id, requests):
+            for build in m.room_for_allocate(r.session, batch):
                 # other calls run while pages are evicted or an extent is built (kvd/room.py)
                 if build is not None:
                     await asyncio.wrap_future(build)
                 await _let_others_run()
-            done = m.allocate(r.session, r.namespace_id, requests)
-        return pb.AllocateReply(sequences=[messages.allocation(p) for p in done.result], evicted_seq_ids=done.evicted)
+            done = m.allocate_batch(r.session, batch)
+        return await self._off_loop_if(large, functools.partial(_reply, messages.allocate_reply, done, batch))
 
     @_unary
     async def Lookup(self, r):
-        # A lookup changes nothing, so a wide one (4,096 sequences with their keys: ~30 ms to
-        # convert, ~60 ms to match) runs in steps between which other calls run.
+        # A lookup changes nothing, so a wide one (4,096 sequences with their keys) matches
+        # in steps between which other calls run.
         m = self._manager_of(r.session)
-        check_call(m.limits, r.sequences, messages.call_tokens(r.sequences))
-        buffer = functools.partial(m.sessions.token_buffer, r.session)
-        requests, deadline = [], time.perf_counter() + STEP_SECONDS
-        for s in r.sequences:
-            requests.append(messages.request_from(s, buffer))
-            if time.perf_counter() > deadline:
-                await _let_others_run()
-                deadline = time.perf_counter() + STEP_SECONDS
+        large = large_call(r.sequences)
+        batch = await self._off_loop_if(large, self._batch_work(m, r, unique=False))
         results = []
-        for part in m.lookup_parts(r.session, r.namespace_id, requests, STEP_SECONDS):
+        for part in m.lookup_parts(r.session, batch, STEP_SECONDS):
             results += part
             await _let_others_run()
-        return pb.LookupReply(
-            results=[
-                pb.LookupResult(
-                    seq_id=x.seq_id,
-                    hit_pages=pack_pages(x.hit_pages),
-                    hit_tokens=x.hit_tokens,
-                    remote_pending_tokens=x.remote_pending_tokens,
-                )
-                for x in results
-            ]
-        )
+        return await self._off_loop_if(large, functools.partial(_reply, messages.lookup_reply, results, batch))
 
     @_unary
     async def Publish(self, r):

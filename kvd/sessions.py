@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvd.errors import FailedPrecondition, NotFound
+from kvd.errors import NotFound
 from kvd.token_buffers import TokenBuffer
 from kvd.types import NamespaceId, SeqId, SessionId
 
@@ -61,13 +61,6 @@ class SessionRegistry:
         if session is None:
             raise NotFound(UNKNOWN_SESSION)
         return session
-
-    def token_buffer(self, session_id: str) -> TokenBuffer:
-        """The session's token buffer; FailedPrecondition when it opened none."""
-        buffer = self.get(session_id).token_buffer
-        if buffer is None:
-            raise FailedPrecondition("a token span names the session's token buffer, but it opened none")
-        return buffer
 
     def set_token_buffer(self, session: Session, buffer: TokenBuffer) -> None:
         """Gives the session a new token buffer, closing its earlier one."""

@@ -12,6 +12,13 @@ Why it is safe:
 - ``read`` checks the span against the buffer, then copies the ids out; every check of
   the ids (vocabulary, hits against stored ids) runs on that copy, so a client that
   rewrites its buffer meanwhile changes only what it asked for, never what was checked.
+- The daemon never maps the segment: it reads it with ``os.pread``. A client may shrink
+  its segment (``ftruncate``); a mapped read past the new end would kill the daemon with
+  SIGBUS, a read gets fewer bytes and the call is refused. The kernel's copy also runs
+  without the GIL, so a large call's read on the offload thread (kvd/offload.py) leaves
+  the event loop free; ``close`` (the session ended, or opened another buffer) may come
+  from the loop meanwhile and waits for no one: the last read in flight closes the
+  descriptor, and a read that starts after ``close`` is refused.
 - The segment is reserved in /dev/shm when created (``posix_fallocate``), so a full
   /dev/shm refuses the buffer and never raises SIGBUS on a write; it is not part of the
   host budget, but one buffer per session is at most ``Limits.max_call_tokens`` ids.
@@ -20,13 +27,13 @@ Why it is safe:
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import secrets
+import threading
 
 import posix_ipc
 
-from kvd.errors import InvalidArgument, ResourceExhausted
+from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.wire.codec import TOKEN_BYTES
 
 NAME_INFIX = "tok-"  # "{arena prefix}-tok-{random}": never a page extent's name (digits)
@@ -44,12 +51,14 @@ def leftovers(name_prefix: str) -> list[str]:
 
 
 class TokenBuffer:
-    def __init__(self, name: str, memory: mmap.mmap) -> None:
+    def __init__(self, name: str, fd: int, size: int) -> None:
         self.name = name
-        self.size = len(memory)
-        self._memory = memory
-        self._view = memoryview(memory)
+        self.size = size
+        self._fd = fd
         self._linked = True
+        self._lock = threading.Lock()  # reads may run on the offload thread, close on the loop
+        self._reads = 0  # reads in flight
+        self._closed = False
 
     @classmethod
     def create(cls, name_prefix: str, size: int, group: int | None) -> TokenBuffer:
@@ -62,7 +71,7 @@ class TokenBuffer:
             if group is not None:
                 os.fchown(shm.fd, -1, group)
             os.posix_fallocate(shm.fd, 0, size)
-            memory = mmap.mmap(shm.fd, size)
+            fd = os.dup(shm.fd)
         except OSError as e:
             posix_ipc.unlink_shared_memory(name)
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
@@ -70,31 +79,56 @@ class TokenBuffer:
             raise
         finally:
             shm.close_fd()
-        return cls(name, memory)
+        return cls(name, fd, size)
 
     def read(self, offset: int, num_tokens: int, what: str) -> bytes:
         """A copy of ``num_tokens`` packed ids from byte ``offset``; InvalidArgument when the
-        span does not lie inside the buffer."""
+        span does not lie inside the buffer (or the client shrank it), FailedPrecondition
+        when the buffer was closed before the read began. Safe on any thread."""
         end = offset + num_tokens * TOKEN_BYTES
         if offset % TOKEN_BYTES or end > self.size:
             raise InvalidArgument(
                 f"{what}: {num_tokens} token ids at byte offset {offset} do not lie in the session's token "
                 f"buffer of {self.size} bytes (offsets are multiples of {TOKEN_BYTES})"
             )
-        self.seal()
-        return bytes(self._view[offset:end])
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition(
+                    f"{what}: the session's token buffer was closed during the call (the session ended "
+                    "or opened another buffer)"
+                )
+            self._seal()
+            self._reads += 1
+        try:
+            data = os.pread(self._fd, end - offset, offset)
+        finally:
+            with self._lock:
+                self._reads -= 1
+                if self._closed and not self._reads:
+                    os.close(self._fd)
+        if len(data) != end - offset:
+            raise InvalidArgument(
+                f"{what}: {num_tokens} token ids at byte offset {offset} lie past the end of the session's "
+                f"token buffer, which its client shrank to {offset + len(data)} bytes or less"
+            )
+        return data
 
-    def seal(self) -> None:
+    def _seal(self) -> None:
         """Unlinks the name: the client mapped the segment (it names a span of it), and
-        nobody else may open it from now on."""
+        nobody else may open it from now on. Called holding the lock."""
         if self._linked:
             self._linked = False
             try:
                 posix_ipc.unlink_shared_memory(self.name)
             except posix_ipc.ExistentialError:
-                pass  # `kvd clean` or the client took it already: our map stays valid
+                pass  # `kvd clean` or the client took it already: our descriptor stays valid
 
     def close(self) -> None:
-        self.seal()
-        self._view.release()
-        self._memory.close()
+        """Unlinks the segment and closes it once no read is in flight."""
+        with self._lock:
+            if self._closed:
+                return
+            self._seal()
+            self._closed = True
+            if not self._reads:
+                os.close(self._fd)

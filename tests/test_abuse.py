@@ -3,15 +3,20 @@
 A real `kvd serve` gets requests the proto-level hostile tests (tests/test_hostile.py)
 cannot send: bytes that are no protobuf message at all, identities far larger than any
 engine's, and huge requests that will be refused. Each must get a clear status with a
-message, cost the daemon little, log no traceback, and leave the daemon serving others.
+message, cost the daemon little, log no traceback, and leave the daemon serving others;
+and the largest requests the limits allow must leave the event loop to other sessions
+while they are served.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from conftest import start_daemon, stop_cleanly, vm_kib, wait_until
 from google.protobuf.message import DecodeError
@@ -28,6 +33,8 @@ GARBAGE = {
     "wire type 7": b"\x0f\x01\x02\x03",
     "truncated field": b"\x0a\x40abc",
     "string not UTF-8": b"\x0a\x02\xff\xfe",
+    # over kvd/offload.py's LARGE_REQUEST_BYTES: parsed on the offload thread, refused the same way
+    "large, truncated field": b"\x0a\x80\x80\x10" + bytes(70_000),
 }
 
 
@@ -262,3 +269,64 @@ def test_a_huge_lookup_of_lora_keys_is_refused_at_once(daemon, session):
         pb.LookupReply,
     )
     assert len(reply.results) == 4096
+
+
+# ---- 4. the largest calls leave the event loop to others -----------------------------
+
+
+def test_a_wide_allocate_is_checked_off_the_loop_while_others_are_served(daemon, session):
+    """One session allocates 4,096 sequences with 4 LoRA keys each (the widest batch the
+    limits allow) whose last sequence holds an id outside the vocabulary: the daemon
+    converts and checks every sequence before it can refuse the call. That work needs
+    nothing of the core, so it runs on the offload thread (kvd/offload.py), and another
+    session's pings are answered meanwhile; when it ran on the event loop, in one piece
+    (~0.2 s here), a ping that came meanwhile waited for all of it. Each call is compared
+    with itself (its longest overlapping ping against its own duration), and the median
+    of seven calls is taken, so a loaded box slows both alike."""
+    d, raw = daemon
+    ns = raw.ok(
+        "RegisterNamespace",
+        pb.RegisterNamespaceRequest(
+            session=session, identity=pb.NamespaceIdentity(model="wide", vocab_size=1000, layout=layout())
+        ),
+        pb.RegisterNamespaceReply,
+    ).namespace_id
+    ids = np.arange(16, dtype="<i4")
+    sequences = [pb.SequenceRequest(seq_id=f"w{i}", tokens=ids.tobytes(), extra_keys=lora_keys(4)) for i in range(4096)]
+    sequences[-1].tokens = (ids + 5000).tobytes()
+    wide = pb.AllocateRequest(session=session, namespace_id=ns, sequences=sequences).SerializeToString()
+    before = raw.ok("GetStats", pb.StatsRequest(), pb.StatsReply).totals
+    pings: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def ping() -> None:
+        channel = grpc.insecure_channel(f"unix:{d.socket}")
+        call = channel.unary_unary(f"/{SERVICE.full_name}/Ping")
+        try:
+            while not stop.is_set():
+                started = time.perf_counter()
+                call(pb.PingRequest().SerializeToString(), timeout=60)
+                pings.append((started, time.perf_counter()))
+        finally:
+            channel.close()
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    calls = []
+    try:
+        time.sleep(0.2)  # the pinger is connected
+        for _ in range(7):
+            started = time.perf_counter()
+            code, details, _ = raw.call("AllocateWithPrefix", wide)
+            calls.append((started, time.perf_counter()))
+            assert code == Code.INVALID_ARGUMENT and "token id 5000 at position 0 is out of range" in details, details
+    finally:
+        stop.set()
+        pinger.join()
+    assert raw.ok("GetStats", pb.StatsRequest(), pb.StatsReply).totals == before, "a refused call changed something"
+    shares = [max(e - s for s, e in pings if s < end and e > start) / (end - start) for start, end in calls]
+    print(
+        "longest ping during each wide allocate:",
+        [f"{x:.0%} of {(b - a) * 1e3:.0f} ms" for x, (a, b) in zip(shares, calls)],
+    )
+    assert statistics.median(shares) < 0.5, shares

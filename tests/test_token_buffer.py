@@ -2,8 +2,9 @@
 
 The client library takes this path on its own for large calls; raw stubs below send what
 the proto allows: spans outside the buffer, spans beside inline ids, spans without a
-buffer, another session's buffer, and a client that rewrites its buffer while the daemon
-reads it. Every refusal has its status and changes nothing.
+buffer, another session's buffer, a client that rewrites its buffer while the daemon
+reads it, and one that shrinks it. Every refusal has its status and changes nothing. One
+test drives a ``TokenBuffer`` directly: closed while another thread reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import pytest
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.token_buffer import MIN_TOKENS
 from kvd.config import ServeConfig
-from kvd.token_buffers import NAME_INFIX
+from kvd.errors import FailedPrecondition
+from kvd.token_buffers import NAME_INFIX, TokenBuffer
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 
@@ -119,6 +121,13 @@ def test_client_passes_large_calls_through_the_buffer_with_the_same_results(daem
         [found] = c.lookup(ns, [SequenceRequest("again", PROMPT)])
         assert found.hit_tokens == len(PROMPT) // PAGE_SIZE * PAGE_SIZE
         assert found.hit_pages == big.shared_pages + big.private_pages[: len(found.hit_pages) - len(big.shared_pages)]
+        # A call over kvd/offload.py's thresholds (sequences, token ids) is checked and
+        # answered on the offload thread: the same answers.
+        wide = c.lookup(ns, [SequenceRequest(f"again{i}", PROMPT) for i in range(6)])
+        assert [(x.hit_pages, x.hit_tokens) for x in wide] == [(found.hit_pages, found.hit_tokens)] * 6
+        many = c.allocate_with_prefix(ns, [SequenceRequest(f"m{i}", PROMPT[:1024]) for i in range(80)])
+        assert {tuple(a.shared_pages) for a in many} == {tuple(big.shared_pages[: 1024 // PAGE_SIZE])}
+        c.release(ns, [f"m{i}" for i in range(80)])
         # Once a call named a span of it, the buffer has no name: no other process can open it.
         assert token_segments(daemon.socket) == []
         # Ids out of the vocabulary are refused from the buffer as inline.
@@ -214,6 +223,57 @@ def test_a_buffer_rewritten_during_calls_is_checked_on_the_daemons_copy(raw):
         writer.join()
     assert sum(outcomes.values()) == 60
     assert not r.stub.CheckInvariants(pb.CheckInvariantsRequest()).violations
+
+
+def test_a_buffer_its_client_shrank_is_refused_and_the_daemon_keeps_serving(raw):
+    """The client maps its buffer read-write, so it may shrink it (``ftruncate``). The daemon
+    reads spans with ``pread``, never through a mapping of its own, so a span past the new
+    end is refused; a mapped read there would have killed the daemon with SIGBUS."""
+    r = raw()
+    name = r.open_buffer(1 << 20)
+    r.ids[:1024] = 1
+    shm = posix_ipc.SharedMemory(name)
+    os.ftruncate(shm.fd, 4096)  # the test's own mapping past 4096 bytes is gone too: not touched again
+    shm.close_fd()
+    before = r.totals()
+    try:
+        r.allocate(span("past", 0, 100_000))
+        pytest.fail("a span past the shrunk buffer was accepted")
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "shrank to 4096 bytes" in e.details(), e.details()
+    assert r.totals() == before
+    assert r.allocate(span("inside", 0, 1024)).sequences[0].num_tokens == 1024
+
+
+def test_a_buffer_closed_while_reads_run_ends_them_cleanly():
+    """A large call reads its spans on the offload thread (kvd/offload.py) while the loop may
+    close the buffer (its session ended, or opened another). A read in flight finishes; one
+    that begins after the close is refused (FAILED_PRECONDITION, a clean status); the
+    descriptor is closed once, after the last read."""
+    fds = len(os.listdir("/proc/self/fd"))
+    buffer = TokenBuffer.create(f"/kvd-test-{os.getpid()}", 16 << 20, None)
+    outcomes: list[int | str] = []
+    reading = threading.Event()
+
+    def reads() -> None:
+        for _ in range(100):
+            try:
+                outcomes.append(len(buffer.read(0, 4 << 20, "sequence 's'")))
+            except FailedPrecondition as e:
+                assert "closed during the call" in str(e)
+                outcomes.append("refused")
+            reading.set()
+
+    reader = threading.Thread(target=reads)
+    reader.start()
+    reading.wait()
+    buffer.close()
+    reader.join()
+    first_refused = outcomes.index("refused")
+    assert first_refused > 0 and set(outcomes[:first_refused]) == {16 << 20}
+    assert set(outcomes[first_refused:]) == {"refused"}
+    assert len(os.listdir("/proc/self/fd")) == fds, "the descriptor leaked"
+    buffer.close()  # again: nothing happens (a session's buffer is closed once it is replaced, once at its end)
 
 
 def test_a_killed_daemons_unused_buffer_is_removed_by_the_next_start(daemon_factory):

@@ -38,7 +38,7 @@ def tagged(kind: int, value: bytes, *fields: int) -> bytes:
     return bytes([kind]) + _U32.pack(len(value)) + value + b"".join(struct.pack("<q", f) for f in fields)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the daemon makes one per sequence of a call (kvd/requests.py)
 class ChainSpec:
     """Everything a request contributes to its page keys besides token ids."""
 
