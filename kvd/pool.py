@@ -7,37 +7,41 @@ references plus pins. Its state follows from the count and from whether it was p
       ^                    |                                                      |
       +---release to 0-----+<-----------------------evict (LRU)-------------------+
 
+The per-page data is in columns (kvd/page_columns.py), so a batch of pages (a 50K-token
+hit pins 3,125) is checked and changed with a few array operations instead of a Python
+loop; a batch under ``BATCH_PAGES`` (a decode step, one page of a publish) goes page by
+page, which costs it less. Both ways change the same data the same way. An extent's pages
+in use (PRIVATE or PUBLISHED) are the ones with a refcount.
+
 CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
-eviction policy's (kvd/eviction.py), not this module's.
+eviction policy's (kvd/eviction.py), not this module's. A page that leaves the cache
+leaves its queue entry behind: a cached page's ``stamp`` names its one live entry.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvd.counters import Counters
 from kvd.eviction import CachedQueue
 from kvd.index import PageContent
+from kvd.page_columns import CACHED, FREE, PRIVATE, PUBLISHED, PageColumns
 from kvd.types import NamespaceId, PageId, PageState
 
+BATCH_PAGES = 32  # batches of at least this many pages take the array path
 
-@dataclass(slots=True)
-class _Page:
-    namespace: NamespaceId
-    extent: str
-    state: PageState = PageState.FREE
-    refcount: int = 0
-    pins: int = 0
-    content: PageContent | None = None  # set while PUBLISHED or CACHED
-    indexed: bool = False  # the index maps content.key to this page
+_STATES = (PageState.FREE, PageState.PRIVATE, PageState.PUBLISHED, PageState.CACHED)  # by column code
+_STALE_ENTRIES = 1024  # entries left behind in a queue, beyond its live ones, before they are dropped
 
 
 @dataclass
 class _NamespacePages:
     free: list[PageId] = field(default_factory=list)
     cached: CachedQueue = field(default_factory=CachedQueue)
+    cached_count: int = 0  # CACHED pages: the live entries of ``cached``
 
 
 class PagePool:
@@ -46,28 +50,31 @@ class PagePool:
     def __init__(self, counters: Counters, on_unpublish: Callable[[PageId], None] | None = None) -> None:
         # Called when a published page stops being published (freed), before it can be reused.
         self._on_unpublish = on_unpublish
-        self._pages: dict[PageId, _Page] = {}
+        self._columns = PageColumns()
+        self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
+        self._next_stamp = 0  # stamps are never reused, across namespaces too
+        self._extents: dict[str, range] = {}  # slots of each extent's pages
         self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
-        self._extent_in_use: dict[str, int] = {}  # PRIVATE or PUBLISHED pages per extent
         self._counters = counters  # refcount changes and evictions are counted here
 
     # ---- extents ------------------------------------------------------------------
 
     def add_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
         """Adds a new extent's pages as FREE."""
-        pages = self._ns(namespace)
-        for page in range(first + count - 1, first - 1, -1):  # pop() hands out low ids first
-            self._pages[PageId(page)] = _Page(namespace, extent)
-            pages.free.append(PageId(page))
-        self._extent_in_use[extent] = 0
+        self._extents[extent] = self._columns.add(first, count, namespace)
+        # pop() hands out low ids first
+        self._ns(namespace).free.extend(map(PageId, range(first + count - 1, first - 1, -1)))
 
     def remove_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
         """Forgets an extent whose pages are all FREE."""
-        assert self._extent_in_use.pop(extent) == 0, f"extent {extent} removed while pages are in use"
-        gone = set(range(first, first + count))
-        for page in gone:
-            p = self._pages.pop(PageId(page))
-            assert p.state is PageState.FREE, f"page {page} of extent {extent} removed while {p.state.value}"
+        assert self.extent_in_use(extent) == 0, f"extent {extent} removed while pages are in use"
+        slots = self._extents.pop(extent)
+        busy = np.flatnonzero(self._columns.state[slots.start : slots.stop] != FREE)
+        assert not busy.size, (
+            f"page {first + busy[0]} of extent {extent} removed while {self.state(first + busy[0]).value}"
+        )
+        self._columns.remove(first)
+        gone = range(first, first + count)
         pages = self._ns(namespace)
         pages.free = [p for p in pages.free if p not in gone]
 
@@ -75,61 +82,71 @@ class PagePool:
         """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered.
 
         ``contents`` come in eviction order: first in the list, first evicted."""
-        pages = self._ns(namespace)
-        restored = set()
+        c, pages = self._columns, self._ns(namespace)
+        slots = []
         for content in contents:
-            p = self._pages[content.page]
-            assert p.state is PageState.FREE and p.namespace == namespace, (
-                f"page {content.page} restored while {p.state.value}"
+            slot = c.slot(content.page)
+            assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
+                f"page {content.page} restored while {self.state(content.page).value}"
             )
-            p.state, p.content, p.indexed = PageState.CACHED, content, True
-            pages.cached.add(content.page)
-            restored.add(content.page)
+            self._content[content.page] = content
+            c.indexed_at[slot] = True
+            slots.append(slot)
+        self._cache(np.array(slots, np.int64), pages)
+        restored = {content.page for content in contents}
         pages.free = [page for page in pages.free if page not in restored]
 
     def extent_in_use(self, extent: str) -> int:
-        return self._extent_in_use[extent]
+        """The extent's PRIVATE or PUBLISHED pages: those with a refcount."""
+        slots = self._extents[extent]
+        return int(np.count_nonzero(self._columns.refcount[slots.start : slots.stop]))
 
     # ---- queries ------------------------------------------------------------------
 
     def __contains__(self, page: PageId) -> bool:
-        return page in self._pages
+        return page in self._columns
 
     def namespace_of(self, page: PageId) -> NamespaceId:
-        return self._pages[page].namespace
+        return NamespaceId(self._columns.namespace_at[self._columns.slot(page)])
 
     def state(self, page: PageId) -> PageState:
-        return self._pages[page].state
+        return _STATES[self._columns.state_at[self._columns.slot(page)]]
 
     def refcount(self, page: PageId) -> int:
-        return self._pages[page].refcount
+        return self._columns.refcount_at[self._columns.slot(page)]
 
     def pins(self, page: PageId) -> int:
-        return self._pages[page].pins
+        return self._columns.pins_at[self._columns.slot(page)]
 
     def content(self, page: PageId) -> PageContent | None:
-        return self._pages[page].content
+        """What a PUBLISHED or CACHED page holds; None for any other page."""
+        return self._content.get(page)
 
     def is_indexed(self, page: PageId) -> bool:
-        return self._pages[page].indexed
+        return self._columns.indexed_at[self._columns.slot(page)]
 
     def free_count(self, namespace: NamespaceId) -> int:
         return len(self._ns(namespace).free)
 
     def cached_count(self, namespace: NamespaceId) -> int:
-        return len(self._ns(namespace).cached)
+        return self._ns(namespace).cached_count
 
     def lru_order(self, namespace: NamespaceId) -> list[PageId]:
         """CACHED pages of a namespace, next eviction first."""
-        return list(self._ns(namespace).cached)
+        slots, stamps = self._ns(namespace).cached.entries()
+        return self._columns.page[slots[self._live(slots, stamps)]].tolist()
 
     def free_list(self, namespace: NamespaceId) -> list[PageId]:
         return list(self._ns(namespace).free)
 
-    def pages(self):
-        """(page id, state, refcount, pins, namespace) of every page."""
-        for page, p in self._pages.items():
-            yield page, p.state, p.refcount, p.pins, p.namespace
+    def pages(self) -> Iterator[tuple[PageId, PageState, int, int, NamespaceId]]:
+        """(page id, state, refcount, pins, namespace) of every page, ascending by page id."""
+        c = self._columns
+        for first, slots in c.extents():
+            at = slice(slots.start, slots.stop)
+            rows = zip(c.state[at].tolist(), c.refcount[at].tolist(), c.pins[at].tolist(), c.namespace[at].tolist())
+            for page, (state, refcount, pins, namespace) in enumerate(rows, start=first):
+                yield PageId(page), _STATES[state], refcount, pins, NamespaceId(namespace)
 
     # ---- transitions --------------------------------------------------------------
 
@@ -137,142 +154,258 @@ class PagePool:
         """``count`` pages FREE → PRIVATE with refcount 1. The caller made sure they exist."""
         if not count:  # most decode steps fit in the tail page
             return []
-        free, pages_of, free_state, private = self._ns(namespace).free, self._pages, PageState.FREE, PageState.PRIVATE
+        c, free = self._columns, self._ns(namespace).free
         taken = free[len(free) - count :][::-1]
         del free[len(free) - count :]
-        extents = []
-        for page in taken:
-            p = pages_of[page]
-            assert p.state is free_state and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
-            p.state = private
-            p.refcount = 1
-            extents.append(p.extent)
-        for extent, n in Counter(extents).items():
-            self._extent_in_use[extent] += n
+        if count < BATCH_PAGES:
+            for page in taken:
+                slot = c.slot(page)
+                if c.state_at[slot] != FREE or c.refcount_at[slot]:
+                    self._refuse_allocation(page)
+                c.state_at[slot] = PRIVATE
+                c.refcount_at[slot] = 1
+        else:
+            slots = c.slots(taken)
+            taken_wrong = np.flatnonzero((c.state[slots] != FREE) | (c.refcount[slots] != 0))
+            if taken_wrong.size:
+                self._refuse_allocation(taken[taken_wrong[0]])
+            c.state[slots] = PRIVATE
+            c.refcount[slots] = 1
         self._counters.of(namespace).refcount_increments += count
         return taken
+
+    def _refuse_allocation(self, page: PageId) -> None:
+        raise AssertionError(f"free list held page {page} in state {self.state(page).value}")
 
     def acquire(self, page: PageId, pin: bool = False) -> None:
         """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
         self.acquire_all((page,), pin)
 
     def acquire_all(self, pages: Sequence[PageId], pin: bool = False) -> None:
-        """acquire() for each page of one namespace, in one pass (a 50K-token hit pins ~3K pages).
-
-        The loop only counts; a page that is not PUBLISHED in that namespace takes
-        ``_revive``, which moves a CACHED page out of the LRU or names a broken invariant."""
+        """acquire() for each page of one namespace, each page at most once (a 50K-token hit
+        pins ~3K pages). CACHED pages leave the cache; a page neither PUBLISHED nor CACHED in
+        that namespace names a broken invariant."""
         if not pages:
             return
-        pages_of, published = self._pages, PageState.PUBLISHED
-        namespace = pages_of[pages[0]].namespace
-        for page in pages:
-            p = pages_of[page]
-            if p.state is not published or p.namespace != namespace:
-                self._revive(page, p, namespace)
-            p.refcount += 1
-        if pin:
+        c = self._columns
+        if len(pages) < BATCH_PAGES:
+            namespace = NamespaceId(c.namespace_at[c.slot(pages[0])])
             for page in pages:
-                pages_of[page].pins += 1
+                slot = c.slot(page)
+                if c.state_at[slot] != PUBLISHED or c.namespace_at[slot] != namespace:
+                    self._revive(np.array([slot]), namespace)
+                c.refcount_at[slot] += 1
+                if pin:
+                    c.pins_at[slot] += 1
+        else:
+            slots = c.slots(pages)
+            namespace = NamespaceId(c.namespace_at[slots[0]])
+            if (c.state[slots] != PUBLISHED).any() or (c.namespace[slots] != namespace).any():
+                self._revive(slots, namespace)
+            c.refcount[slots] += 1
+            if pin:
+                c.pins[slots] += 1
         self._counters.of(namespace).refcount_increments += len(pages)
 
-    def _revive(self, page: PageId, p: _Page, namespace: NamespaceId) -> None:
-        assert p.namespace == namespace, (
-            f"page {page} of namespace {p.namespace} acquired with pages of namespace {namespace}"
+    def _revive(self, slots: np.ndarray, namespace: NamespaceId) -> None:
+        """Acquired pages that are not all PUBLISHED in ``namespace``: CACHED ones leave the
+        cache (their queue entries stay behind); anything else is a broken invariant."""
+        c = self._columns
+        foreign = np.flatnonzero(c.namespace[slots] != namespace)
+        assert not foreign.size, (
+            f"page {c.page[slots[foreign[0]]]} of namespace {c.namespace[slots[foreign[0]]]} "
+            f"acquired with pages of namespace {namespace}"
         )
-        if p.state is PageState.CACHED:
-            self._by_namespace[p.namespace].cached.remove(page)
-            p.state = PageState.PUBLISHED
-            self._extent_in_use[p.extent] += 1
-        assert p.state is PageState.PUBLISHED, (
-            f"page {page} acquired while {p.state.value}; only published pages are shared"
+        states = c.state[slots]
+        unshared = np.flatnonzero((states != PUBLISHED) & (states != CACHED))
+        assert not unshared.size, (
+            f"page {c.page[slots[unshared[0]]]} acquired while {_STATES[states[unshared[0]]].value}; "
+            "only published pages are shared"
         )
+        cached = slots[states == CACHED]
+        c.state[cached] = PUBLISHED
+        self._by_namespace[namespace].cached_count -= len(cached)
 
     def release(self, page: PageId, pin: bool = False) -> None:
         """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
         self.release_all((page,), pin)
 
     def release_all(self, pages: Iterable[PageId], pin: bool = False) -> None:
-        """release() for each page of one namespace, in the given order (kvd/eviction.py's release_order)."""
+        """release() for each page of one namespace, each at most once, in the given order
+        (kvd/eviction.py's release_order). A release that must not happen names the broken
+        invariant before anything changes."""
         pages = list(pages)
         if not pages:
             return
-        pages_of, in_use, published = self._pages, self._extent_in_use, PageState.PUBLISHED
-        namespace = pages_of[pages[0]].namespace
-        cache = self._by_namespace[namespace].cached.add
-        for page in pages:
-            p = pages_of[page]
-            if p.refcount < 1 or p.namespace != namespace or (pin and p.pins < 1):
-                self._refuse_release(page, p, namespace, pin)
-            p.refcount -= 1
+        c = self._columns
+        if len(pages) < BATCH_PAGES:
+            slots = [c.slot(page) for page in pages]
+            namespace = NamespaceId(c.namespace_at[slots[0]])
+            for slot in slots:
+                if c.refcount_at[slot] < 1 or c.namespace_at[slot] != namespace or (pin and c.pins_at[slot] < 1):
+                    self._refuse_release(np.array(slots), namespace, pin)
+            queue = self._by_namespace[namespace]
+            for slot in slots:
+                c.refcount_at[slot] -= 1
+                if pin:
+                    c.pins_at[slot] -= 1
+                if c.refcount_at[slot]:
+                    continue
+                if c.state_at[slot] == PUBLISHED and c.indexed_at[slot]:
+                    self._cache_one(slot, queue)
+                else:
+                    self._free_one(slot, queue)
+        else:
+            slots = c.slots(pages)
+            namespace = NamespaceId(c.namespace_at[slots[0]])
+            counts = c.refcount[slots]
+            unpinned = pin and (c.pins[slots] < 1).any()
+            if (counts < 1).any() or (c.namespace[slots] != namespace).any() or unpinned:
+                self._refuse_release(slots, namespace, pin)
+            counts -= 1
+            c.refcount[slots] = counts
             if pin:
-                p.pins -= 1
-            if p.refcount:
-                continue
-            in_use[p.extent] -= 1
-            if p.state is published and p.indexed:
-                p.state = PageState.CACHED
-                cache(page)
-            else:
-                self._to_free(page, p)
+                c.pins[slots] -= 1
+            gone = slots[counts == 0]
+            if len(gone):
+                self._unreferenced(gone, self._by_namespace[namespace])
         self._counters.of(namespace).refcount_decrements += len(pages)
 
-    @staticmethod
-    def _refuse_release(page: PageId, p: _Page, namespace: NamespaceId, pin: bool) -> None:
+    def _refuse_release(self, slots: np.ndarray, namespace: NamespaceId, pin: bool) -> None:
         """Names the broken invariant of a release that must not happen."""
-        assert p.namespace == namespace, (
-            f"page {page} of namespace {p.namespace} released with pages of namespace {namespace}"
-        )
-        assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
-        assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
+        c = self._columns
+        for slot in slots.tolist():
+            page = c.page_at[slot]
+            assert c.namespace_at[slot] == namespace, (
+                f"page {page} of namespace {c.namespace_at[slot]} released with pages of namespace {namespace}"
+            )
+            assert c.refcount_at[slot] > 0, f"page {page} released with refcount 0 (double release)"
+            assert not pin or c.pins_at[slot] > 0, f"page {page} unpinned but holds no pin"
+
+    def _unreferenced(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages whose last reference went, in release order: indexed published ones are
+        cached, the rest freed."""
+        c = self._columns
+        cache = (c.state[slots] == PUBLISHED) & c.indexed[slots]
+        if cache.all():  # a released hit: every page stays cached
+            self._cache(slots, pages)
+            return
+        self._cache(slots[cache], pages)
+        self._free(slots[~cache], pages)
 
     def publish(self, page: PageId, content: PageContent, indexed: bool) -> None:
         """PRIVATE → PUBLISHED: the page is immutable from now on."""
-        p = self._pages[page]
-        assert p.state is PageState.PRIVATE and p.refcount == 1, (
-            f"page {page} published while {p.state.value} with refcount {p.refcount}"
+        c = self._columns
+        slot = c.slot(page)
+        assert c.state_at[slot] == PRIVATE and c.refcount_at[slot] == 1, (
+            f"page {page} published while {self.state(page).value} with refcount {c.refcount_at[slot]}"
         )
-        p.state = PageState.PUBLISHED
-        p.content = content
-        p.indexed = indexed
+        c.state_at[slot] = PUBLISHED
+        c.indexed_at[slot] = indexed
+        self._content[page] = content
 
     def evict_next(self, namespace: NamespaceId) -> PageContent:
         """CACHED → FREE for the eviction policy's next victim; returns what it held."""
-        return self._evict(self._ns(namespace).cached.victim())
+        c, pages = self._columns, self._ns(namespace)
+        assert pages.cached_count, f"namespace {namespace} has no cached page to evict"
+        while True:
+            slot, stamp = pages.cached.pop()
+            if c.state_at[slot] == CACHED and c.stamp_at[slot] == stamp:
+                return self._evict(slot, pages)
+            # else the page left the cache since: its entry stayed behind
 
     def evict(self, page: PageId) -> PageContent:
         """CACHED → FREE for one page (integrity failures, extent reclaim)."""
-        p = self._pages[page]
-        assert p.state is PageState.CACHED, f"page {page} evicted while {p.state.value}"
-        self._by_namespace[p.namespace].cached.remove(page)
-        return self._evict(page)
+        c = self._columns
+        slot = c.slot(page)
+        assert c.state_at[slot] == CACHED, f"page {page} evicted while {self.state(page).value}"
+        return self._evict(slot, self._by_namespace[NamespaceId(c.namespace_at[slot])])
 
     def unindex(self, page: PageId) -> None:
         """Takes a published page out of sharing (it failed its checksum, or its chain was
         re-published after its parent did): a CACHED one is
         freed now, a referenced one stays with its holders and is freed, never cached, on
         its last release. The caller removes its index entry."""
-        p = self._pages[page]
-        assert p.content is not None, f"page {page} unindexed while {p.state.value}"
-        p.indexed = False
-        if p.state is PageState.CACHED:
-            self._by_namespace[p.namespace].cached.remove(page)
-            self._to_free(page, p)
+        c = self._columns
+        slot = c.slot(page)
+        assert page in self._content, f"page {page} unindexed while {self.state(page).value}"
+        c.indexed_at[slot] = False
+        if c.state_at[slot] == CACHED:
+            pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+            pages.cached_count -= 1
+            self._free_one(slot, pages)
 
-    def _evict(self, page: PageId) -> PageContent:
-        p = self._pages[page]
-        content = p.content
-        assert content is not None, f"cached page {page} has no content"
-        self._counters.of(p.namespace).evicted_pages += 1
-        self._to_free(page, p)
+    def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
+        """A CACHED page → FREE, its queue entry popped or left behind."""
+        c = self._columns
+        content = self._content.get(PageId(c.page_at[slot]))
+        assert content is not None, f"cached page {c.page_at[slot]} has no content"
+        self._counters.of(NamespaceId(c.namespace_at[slot])).evicted_pages += 1
+        pages.cached_count -= 1
+        self._free_one(slot, pages)
         return content
 
-    def _to_free(self, page: PageId, p: _Page) -> None:
-        if p.content is not None and self._on_unpublish is not None:
+    def _cache(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages with no reference that stay indexed → CACHED, queued in the given order."""
+        if not len(slots):
+            return
+        c = self._columns
+        stamps = np.arange(self._next_stamp, self._next_stamp + len(slots))
+        self._next_stamp += len(slots)
+        c.state[slots] = CACHED
+        c.stamp[slots] = stamps
+        pages.cached.push(slots, stamps)
+        pages.cached_count += len(slots)
+        self._drop_stale(pages)
+
+    def _cache_one(self, slot: int, pages: _NamespacePages) -> None:
+        c = self._columns
+        c.state_at[slot] = CACHED
+        c.stamp_at[slot] = self._next_stamp
+        pages.cached.push_one(slot, self._next_stamp)
+        self._next_stamp += 1
+        pages.cached_count += 1
+        self._drop_stale(pages)
+
+    def _drop_stale(self, pages: _NamespacePages) -> None:
+        """Drops the entries left behind in a queue once they outnumber its live ones (and a
+        margin), so the queue stays within twice the cached pages and each entry is looked
+        at O(1) times."""
+        if len(pages.cached) > 2 * pages.cached_count + _STALE_ENTRIES:
+            slots, stamps = pages.cached.entries()
+            pages.cached.keep(self._live(slots, stamps))
+
+    def _live(self, slots: np.ndarray, stamps: np.ndarray) -> np.ndarray:
+        """Which queue entries name a page still cached under that entry."""
+        return (self._columns.state[slots] == CACHED) & (self._columns.stamp[slots] == stamps)
+
+    def _free(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages with no reference that are PRIVATE, unindexed PUBLISHED or CACHED (out of the
+        queue's count) → FREE, onto the free list in the given order; published ones are
+        unpublished first."""
+        if not len(slots):
+            return
+        c = self._columns
+        ids = c.page[slots].tolist()
+        for at in np.flatnonzero(c.state[slots] != PRIVATE).tolist():
+            self._unpublish(ids[at])
+        c.state[slots] = FREE
+        c.indexed[slots] = False
+        pages.free += ids
+
+    def _free_one(self, slot: int, pages: _NamespacePages) -> None:
+        c = self._columns
+        page = PageId(c.page_at[slot])
+        if c.state_at[slot] != PRIVATE:
+            self._unpublish(page)
+        c.state_at[slot] = FREE
+        c.indexed_at[slot] = False
+        pages.free.append(page)
+
+    def _unpublish(self, page: PageId) -> None:
+        if self._on_unpublish is not None:
             self._on_unpublish(page)
-        p.state = PageState.FREE
-        p.content = None
-        p.indexed = False
-        self._by_namespace[p.namespace].free.append(page)
+        del self._content[page]
 
     def _ns(self, namespace: NamespaceId) -> _NamespacePages:
         pages = self._by_namespace.get(namespace)
