@@ -71,6 +71,11 @@ class CachedQueue:
         self._head += 1
         return self._slot_at[self._head - 1], self._stamp_at[self._head - 1]
 
+    def drop(self, count: int) -> None:
+        """Takes the oldest ``count`` entries out."""
+        assert count <= len(self), f"dropped {count} entries of a cached-page queue of {len(self)}"
+        self._head += count
+
     def entries(self) -> tuple[np.ndarray, np.ndarray]:
         """(slots, stamps) of every entry, oldest first (views: read before the next change)."""
         return self._slots[self._head : self._tail], self._stamps[self._head : self._tail]

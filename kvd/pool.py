@@ -314,6 +314,28 @@ class PagePool:
                 return self._evict(slot, pages)
             # else the page left the cache since: its entry stayed behind
 
+    def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
+        """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
+        when fewer); returns what they held, in eviction order."""
+        pages = self._ns(namespace)
+        count = min(count, pages.cached_count)
+        if count < BATCH_PAGES:
+            return [self.evict_next(namespace) for _ in range(count)]
+        slots, stamps = pages.cached.entries()
+        window = count  # entries looked at: doubled until ``count`` live ones are in it
+        while True:
+            live = np.flatnonzero(self._live(slots[:window], stamps[:window]))
+            if len(live) >= count:
+                break
+            window *= 2
+        victims = slots[live[:count]]
+        pages.cached.drop(int(live[count - 1]) + 1)  # and the entries left behind among them
+        contents = [self._content[page] for page in self._columns.page[victims].tolist()]
+        self._counters.of(namespace).evicted_pages += count
+        pages.cached_count -= count
+        self._free(victims, pages)
+        return contents
+
     def evict(self, page: PageId) -> PageContent:
         """CACHED → FREE for one page (integrity failures, extent reclaim)."""
         c = self._columns

@@ -226,10 +226,16 @@ def test_both_paths_agree_with_the_model(monkeypatch):
                 for page in pages:
                     model.release(page, pin)
                     refs.remove((page, pin))
-        elif op < 0.82 and model.lru[ns]:
+        elif op < 0.8 and model.lru[ns]:
             page = next(iter(model.lru[ns]))
             assert pool.evict_next(NamespaceId(ns)).page == page
             model.evict(page)
+        elif op < 0.82 and model.lru[ns]:
+            count = rng.randint(1, 60)  # more than are cached at times
+            victims = list(model.lru[ns])[:count]
+            assert [c.page for c in pool.evict_many(NamespaceId(ns), count)] == victims
+            for page in victims:
+                model.evict(page)
         elif op < 0.86 and model.lru[ns]:
             page = rng.choice(list(model.lru[ns]))
             pool.evict(PageId(page))
@@ -243,10 +249,10 @@ def test_both_paths_agree_with_the_model(monkeypatch):
         elif op < 0.95:  # an idle extent goes (its cached pages evicted), a new one comes
             idle = [name for name in extents if pool.extent_in_use(name) == 0]
             for name in idle[: len(extents) > 2]:
-                for page in [p for p in model.lru[extents[name][0]] if p in range(*extents[name][1:])]:
+                e_ns, first, count = extents.pop(name)
+                for page in [p for p in model.lru[e_ns] if first <= p < first + count]:
                     pool.evict(PageId(page))
                     model.evict(page)
-                e_ns, first, count = extents.pop(name)
                 pool.remove_pages(NamespaceId(e_ns), name, PageId(first), count)
                 model.remove(e_ns, first, count)
             if len(extents) < 5:
