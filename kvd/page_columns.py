@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import bisect
+from bisect import bisect_right
 from collections.abc import Iterable
 
 import numpy as np
@@ -33,6 +34,8 @@ class PageColumns:
         self._ends: list[int] = []
         self._offsets: list[int] = []
         self._first_ids = self._end_ids = self._offset_ids = np.zeros(0, np.int64)  # the same, for batches
+        # The extent ``slot`` found last (first id, end, offset): the pages of one call mostly share one.
+        self._last_first = self._last_end = self._last_offset = 0
         self._gaps: list[range] = []  # slots no extent holds below ``capacity``, ascending, never adjacent
         self.capacity = 0  # every extent's slots lie below
         self.page = np.zeros(0, np.int64)  # the page id at each slot
@@ -127,15 +130,21 @@ class PageColumns:
     # ---- slots --------------------------------------------------------------------
 
     def __contains__(self, page: int) -> bool:
-        at = bisect.bisect_right(self._firsts, page) - 1
-        return at >= 0 and page < self._ends[at]
+        try:
+            self.slot(page)
+        except KeyError:
+            return False
+        return True
 
     def slot(self, page: int) -> int:
         """The slot of one page; KeyError for a page of no live extent."""
-        at = bisect.bisect_right(self._firsts, page) - 1
+        if self._last_first <= page < self._last_end:
+            return page + self._last_offset
+        at = bisect_right(self._firsts, page) - 1
         if at < 0 or page >= self._ends[at]:
             raise KeyError(page)
-        return page + self._offsets[at]
+        self._last_first, self._last_end, self._last_offset = self._firsts[at], self._ends[at], self._offsets[at]
+        return page + self._last_offset
 
     def slots(self, pages: Iterable[int]) -> np.ndarray:
         """The slots of a batch of pages, in order (int64); KeyError for a page of no live extent."""
@@ -149,6 +158,8 @@ class PageColumns:
         return ids + self._offset_ids[at]
 
     def _mirror(self) -> None:
+        """The extents changed: the arrays for batches follow the lists, ``slot`` forgets its last extent."""
+        self._last_first = self._last_end = self._last_offset = 0
         self._first_ids = np.array(self._firsts, np.int64)
         self._end_ids = np.array(self._ends, np.int64)
         self._offset_ids = np.array(self._offsets, np.int64)

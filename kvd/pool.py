@@ -189,25 +189,34 @@ class PagePool:
             return
         c = self._columns
         if len(pages) < BATCH_PAGES:
-            namespace = NamespaceId(c.namespace_at[c.slot(pages[0])])
+            namespace = c.namespace_at[c.slot(pages[0])]
             for page in pages:
                 slot = c.slot(page)
                 if c.state_at[slot] != PUBLISHED or c.namespace_at[slot] != namespace:
-                    self._revive(np.array([slot]), namespace)
+                    self._revive(slot, namespace)
                 c.refcount_at[slot] += 1
                 if pin:
                     c.pins_at[slot] += 1
         else:
             slots = c.slots(pages)
-            namespace = NamespaceId(c.namespace_at[slots[0]])
+            namespace = c.namespace_at[slots[0]]
             if (c.state[slots] != PUBLISHED).any() or (c.namespace[slots] != namespace).any():
-                self._revive(slots, namespace)
+                self._revive_all(slots, namespace)
             c.refcount[slots] += 1
             if pin:
                 c.pins[slots] += 1
         self._counters.of(namespace).refcount_increments += len(pages)
 
-    def _revive(self, slots: np.ndarray, namespace: NamespaceId) -> None:
+    def _revive(self, slot: int, namespace: NamespaceId) -> None:
+        """``_revive_all`` for one page."""
+        c = self._columns
+        if c.state_at[slot] == CACHED and c.namespace_at[slot] == namespace:
+            c.state_at[slot] = PUBLISHED
+            self._by_namespace[namespace].cached_count -= 1
+        else:
+            self._revive_all(np.array([slot]), namespace)  # names what is wrong
+
+    def _revive_all(self, slots: np.ndarray, namespace: NamespaceId) -> None:
         """Acquired pages that are not all PUBLISHED in ``namespace``: CACHED ones leave the
         cache (their queue entries stay behind); anything else is a broken invariant."""
         c = self._columns
@@ -233,23 +242,24 @@ class PagePool:
     def release_all(self, pages: Iterable[PageId], pin: bool = False) -> None:
         """release() for each page of one namespace, each at most once, in the given order
         (kvd/eviction.py's release_order). A release that must not happen names the broken
-        invariant before anything changes."""
-        pages = list(pages)
+        invariant (in a batch of ``BATCH_PAGES`` or more, before anything changes)."""
+        if not isinstance(pages, (list, tuple)):
+            pages = list(pages)
         if not pages:
             return
         c = self._columns
         if len(pages) < BATCH_PAGES:
-            slots = [c.slot(page) for page in pages]
-            namespace = NamespaceId(c.namespace_at[slots[0]])
-            for slot in slots:
-                if c.refcount_at[slot] < 1 or c.namespace_at[slot] != namespace or (pin and c.pins_at[slot] < 1):
-                    self._refuse_release(np.array(slots), namespace, pin)
+            namespace = c.namespace_at[c.slot(pages[0])]
             queue = self._by_namespace[namespace]
-            for slot in slots:
-                c.refcount_at[slot] -= 1
+            for page in pages:
+                slot = c.slot(page)
+                count = c.refcount_at[slot]
+                if count < 1 or c.namespace_at[slot] != namespace or (pin and c.pins_at[slot] < 1):
+                    self._refuse_release(np.array([slot]), namespace, pin)
+                c.refcount_at[slot] = count - 1
                 if pin:
                     c.pins_at[slot] -= 1
-                if c.refcount_at[slot]:
+                if count > 1:
                     continue
                 if c.state_at[slot] == PUBLISHED and c.indexed_at[slot]:
                     self._cache_one(slot, queue)
@@ -257,7 +267,7 @@ class PagePool:
                     self._free_one(slot, queue)
         else:
             slots = c.slots(pages)
-            namespace = NamespaceId(c.namespace_at[slots[0]])
+            namespace = c.namespace_at[slots[0]]
             counts = c.refcount[slots]
             unpinned = pin and (c.pins[slots] < 1).any()
             if (counts < 1).any() or (c.namespace[slots] != namespace).any() or unpinned:
@@ -417,7 +427,7 @@ class PagePool:
 
     def _free_one(self, slot: int, pages: _NamespacePages) -> None:
         c = self._columns
-        page = PageId(c.page_at[slot])
+        page: PageId = c.page_at[slot]
         if c.state_at[slot] != PRIVATE:
             self._unpublish(page)
         c.state_at[slot] = FREE
