@@ -6,7 +6,7 @@ decides when room is needed and in which order its sources are tried.
 Today's policy:
 
 - Cached pages (published, refcount 0) go least recently released first (LRU), one
-  queue per namespace (``CachedQueue``; the pool skips the entries of pages that left it).
+  queue per namespace (``CachedQueue``).
 - A chain's tail goes before its parents: whoever drops references to a chain (a released
   sequence, an expired pin, a refused batch) releases them in ``release_order``, tail
   first, so the tail enters the queue first; pages a warm restart recovers enter it in
@@ -24,7 +24,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvd.page_columns import CACHED, PageColumns
 from kvd.types import PageId
+
+STALE_ENTRIES = 1024  # entries left behind in a queue, beyond its live ones, before they are dropped
 
 T = TypeVar("T")
 
@@ -32,61 +35,110 @@ T = TypeVar("T")
 class CachedQueue:
     """The cached pages of one namespace, next victim first: a log of (slot, stamp) entries.
 
-    A page enters at the tail when its last reference goes, under a stamp no other entry
-    ever had. Entries never leave out of turn: a page that stops being cached (a hit
-    references it again, or it is freed out of turn) leaves its entry behind, and the pool
-    (kvd/pool.py), which knows each cached page's current stamp, skips the entry when it is
-    reached or ``keep``s only live ones. So a 50K-token hit on cached pages removes nothing
-    from here, where an ordered map removed 3,125 entries one by one; and a page that is
-    cached again goes to the tail, as with a removal and a new entry.
+    A page enters at the tail when its last reference goes, under a stamp no entry had
+    before (kvd/page_columns.py keeps each page's state and latest stamp). Entries never
+    leave out of turn: a page that stops being cached (a hit references it again, or it is
+    freed out of turn) leaves its entry behind, no longer live (the page is not CACHED, or
+    is under a newer stamp), to be skipped when reached; once such entries outnumber the
+    live ones they are dropped, so each entry is looked at O(1) times. A 50K-token hit on
+    cached pages thus costs the queue nothing, where an ordered map removed 3,125 entries
+    one by one; and a page cached again goes to the tail, as after a removal and a new entry.
     """
 
-    __slots__ = ("_slots", "_stamps", "_slot_at", "_stamp_at", "_head", "_tail")
+    __slots__ = ("_columns", "_slots", "_stamps", "_slot_at", "_stamp_at", "_head", "_tail", "_live")
 
-    def __init__(self) -> None:
+    def __init__(self, columns: PageColumns) -> None:
+        self._columns = columns
         self._arrays(np.zeros(1024, np.int64), np.zeros(1024, np.int64))
         self._head = 0  # the next entry to pop
         self._tail = 0  # one past the last entry
+        self._live = 0  # live entries: the namespace's cached pages
 
     def __len__(self) -> int:
-        """Entries, live or left behind."""
-        return self._tail - self._head
+        """The cached pages."""
+        return self._live
 
-    def push(self, slots: np.ndarray, stamps: np.ndarray) -> None:
-        """Pages whose last references went, in the order they went: the last to be evicted."""
-        self._room(len(slots))
-        self._slots[self._tail : self._tail + len(slots)] = slots
-        self._stamps[self._tail : self._tail + len(slots)] = stamps
-        self._tail += len(slots)
+    def slots(self) -> np.ndarray:
+        """The slots of the cached pages, next victim first."""
+        slots, stamps = self._entries()
+        return slots[self._is_live(slots, stamps)]
 
-    def push_one(self, slot: int, stamp: int) -> None:
+    def push(self, slots: np.ndarray) -> None:
+        """Pages (already CACHED) whose last references went, in the order they went: the
+        last to be evicted."""
+        columns, count = self._columns, len(slots)
+        stamps = np.arange(columns.next_stamp, columns.next_stamp + count)
+        columns.next_stamp += count
+        columns.stamp[slots] = stamps
+        self._room(count)
+        self._slots[self._tail : self._tail + count] = slots
+        self._stamps[self._tail : self._tail + count] = stamps
+        self._tail += count
+        self._live += count
+        self._drop_stale()
+
+    def push_one(self, slot: int) -> None:
+        """``push`` for one page."""
+        columns = self._columns
+        columns.stamp_at[slot] = columns.next_stamp
         self._room(1)
         self._slot_at[self._tail] = slot
-        self._stamp_at[self._tail] = stamp
+        self._stamp_at[self._tail] = columns.next_stamp
+        columns.next_stamp += 1
         self._tail += 1
+        self._live += 1
+        self._drop_stale()
 
-    def pop(self) -> tuple[int, int]:
-        """The oldest entry, taken out: (slot, stamp), live or not."""
-        assert self._head < self._tail, "popped an empty cached-page queue"
-        self._head += 1
-        return self._slot_at[self._head - 1], self._stamp_at[self._head - 1]
+    def left(self, count: int) -> None:
+        """``count`` of its pages stopped being cached out of turn (a hit, a page evicted or
+        unindexed on its own): their entries stay behind."""
+        self._live -= count
 
-    def drop(self, count: int) -> None:
-        """Takes the oldest ``count`` entries out."""
-        assert count <= len(self), f"dropped {count} entries of a cached-page queue of {len(self)}"
-        self._head += count
+    def victim(self) -> int:
+        """Takes the next page to evict out of the queue; its slot."""
+        assert self._live, "no cached page to evict"
+        columns = self._columns
+        while True:
+            slot, stamp = self._slot_at[self._head], self._stamp_at[self._head]
+            self._head += 1
+            if columns.state_at[slot] == CACHED and columns.stamp_at[slot] == stamp:
+                self._live -= 1
+                return slot
 
-    def entries(self) -> tuple[np.ndarray, np.ndarray]:
+    def victims(self, count: int) -> np.ndarray:
+        """Takes the next ``count`` pages to evict out of the queue (all when fewer); their slots."""
+        count = min(count, self._live)
+        if not count:
+            return np.zeros(0, np.int64)
+        slots, stamps = self._entries()
+        window = count  # entries looked at: doubled until ``count`` live ones are in it
+        while True:
+            live = np.flatnonzero(self._is_live(slots[:window], stamps[:window]))
+            if len(live) >= count:
+                break
+            window *= 2
+        taken = slots[live[:count]]
+        self._head += int(live[count - 1]) + 1  # and the entries left behind among them
+        self._live -= count
+        return taken
+
+    def _is_live(self, slots: np.ndarray, stamps: np.ndarray) -> np.ndarray:
+        """Which entries name a page still cached under that entry."""
+        return (self._columns.state[slots] == CACHED) & (self._columns.stamp[slots] == stamps)
+
+    def _entries(self) -> tuple[np.ndarray, np.ndarray]:
         """(slots, stamps) of every entry, oldest first (views: read before the next change)."""
         return self._slots[self._head : self._tail], self._stamps[self._head : self._tail]
 
-    def keep(self, live: np.ndarray) -> None:
-        """Keeps the entries where ``live`` (one bool per entry of ``entries``) is true, in order."""
-        slots, stamps = self.entries()
-        kept = int(np.count_nonzero(live))
-        self._slots[:kept] = slots[live]
-        self._stamps[:kept] = stamps[live]
-        self._head, self._tail = 0, kept
+    def _drop_stale(self) -> None:
+        """Keeps only the live entries once the others outnumber them (and a margin)."""
+        if self._tail - self._head <= 2 * self._live + STALE_ENTRIES:
+            return
+        slots, stamps = self._entries()
+        live = self._is_live(slots, stamps)
+        self._slots[: self._live] = slots[live]
+        self._stamps[: self._live] = stamps[live]
+        self._head, self._tail = 0, self._live
 
     def _room(self, count: int) -> None:
         """Makes room for ``count`` more entries past the tail: moves the entries to new
@@ -98,7 +150,7 @@ class CachedQueue:
         if entries + count > size // 2:
             size = max(2 * size, 2 * (entries + count))
         slots, stamps = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        slots[:entries], stamps[:entries] = self.entries()
+        slots[:entries], stamps[:entries] = self._entries()
         self._arrays(slots, stamps)
         self._head, self._tail = 0, entries
 

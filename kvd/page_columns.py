@@ -44,7 +44,8 @@ class PageColumns:
         self.pins = np.zeros(0, np.int32)
         self.namespace = np.zeros(0, np.int32)
         self.indexed = np.zeros(0, np.bool_)  # the index maps the page's content key to it
-        self.stamp = np.zeros(0, np.int64)  # a CACHED page's entry in its queue (kvd/pool.py)
+        self.stamp = np.zeros(0, np.int64)  # a CACHED page's entry in its queue (kvd/eviction.py)
+        self.next_stamp = 0  # stamps are never reused, across namespaces too
         self._views()
 
     def _views(self) -> None:

@@ -14,14 +14,13 @@ page, which costs it less. Both ways change the same data the same way. An exten
 in use (PRIVATE or PUBLISHED) are the ones with a refcount.
 
 CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
-eviction policy's (kvd/eviction.py), not this module's. A page that leaves the cache
-leaves its queue entry behind: a cached page's ``stamp`` names its one live entry.
+eviction policy's (kvd/eviction.py), not this module's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,14 +33,12 @@ from kvd.types import NamespaceId, PageId, PageState
 BATCH_PAGES = 32  # batches of at least this many pages take the array path
 
 _STATES = (PageState.FREE, PageState.PRIVATE, PageState.PUBLISHED, PageState.CACHED)  # by column code
-_STALE_ENTRIES = 1024  # entries left behind in a queue, beyond its live ones, before they are dropped
 
 
 @dataclass
 class _NamespacePages:
-    free: list[PageId] = field(default_factory=list)
-    cached: CachedQueue = field(default_factory=CachedQueue)
-    cached_count: int = 0  # CACHED pages: the live entries of ``cached``
+    free: list[PageId]
+    cached: CachedQueue
 
 
 class PagePool:
@@ -52,7 +49,6 @@ class PagePool:
         self._on_unpublish = on_unpublish
         self._columns = PageColumns()
         self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
-        self._next_stamp = 0  # stamps are never reused, across namespaces too
         self._extents: dict[str, range] = {}  # slots of each extent's pages
         self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
         self._counters = counters  # refcount changes and evictions are counted here
@@ -91,8 +87,9 @@ class PagePool:
             )
             self._content[content.page] = content
             c.indexed_at[slot] = True
+            c.state_at[slot] = CACHED
             slots.append(slot)
-        self._cache(np.array(slots, np.int64), pages)
+        pages.cached.push(np.array(slots, np.int64))
         restored = {content.page for content in contents}
         pages.free = [page for page in pages.free if page not in restored]
 
@@ -129,12 +126,11 @@ class PagePool:
         return len(self._ns(namespace).free)
 
     def cached_count(self, namespace: NamespaceId) -> int:
-        return self._ns(namespace).cached_count
+        return len(self._ns(namespace).cached)
 
     def lru_order(self, namespace: NamespaceId) -> list[PageId]:
         """CACHED pages of a namespace, next eviction first."""
-        slots, stamps = self._ns(namespace).cached.entries()
-        return self._columns.page[slots[self._live(slots, stamps)]].tolist()
+        return self._columns.page[self._ns(namespace).cached.slots()].tolist()
 
     def free_list(self, namespace: NamespaceId) -> list[PageId]:
         return list(self._ns(namespace).free)
@@ -212,7 +208,7 @@ class PagePool:
         c = self._columns
         if c.state_at[slot] == CACHED and c.namespace_at[slot] == namespace:
             c.state_at[slot] = PUBLISHED
-            self._by_namespace[namespace].cached_count -= 1
+            self._by_namespace[namespace].cached.left(1)
         else:
             self._revive_all(np.array([slot]), namespace)  # names what is wrong
 
@@ -233,7 +229,7 @@ class PagePool:
         )
         cached = slots[states == CACHED]
         c.state[cached] = PUBLISHED
-        self._by_namespace[namespace].cached_count -= len(cached)
+        self._by_namespace[namespace].cached.left(len(cached))
 
     def release(self, page: PageId, pin: bool = False) -> None:
         """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
@@ -316,33 +312,18 @@ class PagePool:
 
     def evict_next(self, namespace: NamespaceId) -> PageContent:
         """CACHED → FREE for the eviction policy's next victim; returns what it held."""
-        c, pages = self._columns, self._ns(namespace)
-        assert pages.cached_count, f"namespace {namespace} has no cached page to evict"
-        while True:
-            slot, stamp = pages.cached.pop()
-            if c.state_at[slot] == CACHED and c.stamp_at[slot] == stamp:
-                return self._evict(slot, pages)
-            # else the page left the cache since: its entry stayed behind
+        pages = self._ns(namespace)
+        return self._evict(pages.cached.victim(), pages)
 
     def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
         """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
         when fewer); returns what they held, in eviction order."""
         pages = self._ns(namespace)
-        count = min(count, pages.cached_count)
-        if count < BATCH_PAGES:
-            return [self.evict_next(namespace) for _ in range(count)]
-        slots, stamps = pages.cached.entries()
-        window = count  # entries looked at: doubled until ``count`` live ones are in it
-        while True:
-            live = np.flatnonzero(self._live(slots[:window], stamps[:window]))
-            if len(live) >= count:
-                break
-            window *= 2
-        victims = slots[live[:count]]
-        pages.cached.drop(int(live[count - 1]) + 1)  # and the entries left behind among them
+        if min(count, len(pages.cached)) < BATCH_PAGES:
+            return [self._evict(pages.cached.victim(), pages) for _ in range(min(count, len(pages.cached)))]
+        victims = pages.cached.victims(count)
         contents = [self._content[page] for page in self._columns.page[victims].tolist()]
-        self._counters.of(namespace).evicted_pages += count
-        pages.cached_count -= count
+        self._counters.of(namespace).evicted_pages += len(victims)
         self._free(victims, pages)
         return contents
 
@@ -351,7 +332,9 @@ class PagePool:
         c = self._columns
         slot = c.slot(page)
         assert c.state_at[slot] == CACHED, f"page {page} evicted while {self.state(page).value}"
-        return self._evict(slot, self._by_namespace[NamespaceId(c.namespace_at[slot])])
+        pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+        pages.cached.left(1)
+        return self._evict(slot, pages)
 
     def unindex(self, page: PageId) -> None:
         """Takes a published page out of sharing (it failed its checksum, or its chain was
@@ -364,57 +347,31 @@ class PagePool:
         c.indexed_at[slot] = False
         if c.state_at[slot] == CACHED:
             pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
-            pages.cached_count -= 1
+            pages.cached.left(1)
             self._free_one(slot, pages)
 
     def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
-        """A CACHED page → FREE, its queue entry popped or left behind."""
+        """A CACHED page out of its queue → FREE; returns what it held."""
         c = self._columns
         content = self._content.get(PageId(c.page_at[slot]))
         assert content is not None, f"cached page {c.page_at[slot]} has no content"
         self._counters.of(NamespaceId(c.namespace_at[slot])).evicted_pages += 1
-        pages.cached_count -= 1
         self._free_one(slot, pages)
         return content
 
     def _cache(self, slots: np.ndarray, pages: _NamespacePages) -> None:
         """Pages with no reference that stay indexed → CACHED, queued in the given order."""
-        if not len(slots):
-            return
-        c = self._columns
-        stamps = np.arange(self._next_stamp, self._next_stamp + len(slots))
-        self._next_stamp += len(slots)
-        c.state[slots] = CACHED
-        c.stamp[slots] = stamps
-        pages.cached.push(slots, stamps)
-        pages.cached_count += len(slots)
-        self._drop_stale(pages)
+        if len(slots):
+            self._columns.state[slots] = CACHED
+            pages.cached.push(slots)
 
     def _cache_one(self, slot: int, pages: _NamespacePages) -> None:
-        c = self._columns
-        c.state_at[slot] = CACHED
-        c.stamp_at[slot] = self._next_stamp
-        pages.cached.push_one(slot, self._next_stamp)
-        self._next_stamp += 1
-        pages.cached_count += 1
-        self._drop_stale(pages)
-
-    def _drop_stale(self, pages: _NamespacePages) -> None:
-        """Drops the entries left behind in a queue once they outnumber its live ones (and a
-        margin), so the queue stays within twice the cached pages and each entry is looked
-        at O(1) times."""
-        if len(pages.cached) > 2 * pages.cached_count + _STALE_ENTRIES:
-            slots, stamps = pages.cached.entries()
-            pages.cached.keep(self._live(slots, stamps))
-
-    def _live(self, slots: np.ndarray, stamps: np.ndarray) -> np.ndarray:
-        """Which queue entries name a page still cached under that entry."""
-        return (self._columns.state[slots] == CACHED) & (self._columns.stamp[slots] == stamps)
+        self._columns.state_at[slot] = CACHED
+        pages.cached.push_one(slot)
 
     def _free(self, slots: np.ndarray, pages: _NamespacePages) -> None:
-        """Pages with no reference that are PRIVATE, unindexed PUBLISHED or CACHED (out of the
-        queue's count) → FREE, onto the free list in the given order; published ones are
-        unpublished first."""
+        """Pages with no reference that are PRIVATE, unindexed PUBLISHED or CACHED (out of their
+        queue) → FREE, onto the free list in the given order; published ones are unpublished first."""
         if not len(slots):
             return
         c = self._columns
@@ -442,5 +399,5 @@ class PagePool:
     def _ns(self, namespace: NamespaceId) -> _NamespacePages:
         pages = self._by_namespace.get(namespace)
         if pages is None:
-            pages = self._by_namespace[namespace] = _NamespacePages()
+            pages = self._by_namespace[namespace] = _NamespacePages([], CachedQueue(self._columns))
         return pages

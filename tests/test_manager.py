@@ -1038,7 +1038,7 @@ def test_invariant_checker_finds_corruption(make_manager):
     columns.pins[slot] += 1
     c.release("a")  # pages 0 and 1 cached, page 0 still pinned: the LRU holds page 1
     check(c.m)
-    pool._by_namespace[c.ns].cached_count += 1
+    pool._by_namespace[c.ns].cached._live += 1
     assert invariants.violations(c.m) == [f"namespace {c.ns}: counts 2 cached pages, its LRU lists 1"]
-    pool._by_namespace[c.ns].cached_count -= 1
+    pool._by_namespace[c.ns].cached._live -= 1
     check(c.m)
