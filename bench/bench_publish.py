@@ -74,7 +74,7 @@ def in_process(layout: PageLayout, repeats: int) -> tuple[float, float]:
     )
     try:
         session = m.open_session("bench", os.getpid()).id
-        ns = m.register_namespace(identity)
+        ns = m.catalog.register_namespace(identity)
         alone, sealed = [], []
         for i in range(repeats):
             for samples, seal in ((alone, False), (sealed, True)):
@@ -111,7 +111,7 @@ def loop_time(layout: PageLayout, repeats: int) -> tuple[float, float, int, floa
     m = KVCacheManager(Arena(1 << 30, 1 << 30, f"/kvdbench-loop-{os.getpid()}", lock_memory=False), prefix_reuse=True)
     try:
         session = m.open_session("bench", os.getpid()).id
-        ns = m.register_namespace(identity)
+        ns = m.catalog.register_namespace(identity)
         steps, applies, count = [], [], 0
         gc.disable()
         for i in range(repeats):

@@ -21,15 +21,13 @@ user belongs to no tenant gets PERMISSION_DENIED.
 
 from __future__ import annotations
 
-import os
-import socket as socket_mod
-import sys
 import threading
-from itertools import accumulate, chain
 
 import grpc
 import numpy as np
 
+from engine_client import messages
+from engine_client.connection import Connection, find_daemon
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.token_buffer import MIN_TOKENS, ClientTokenBuffer
@@ -42,82 +40,22 @@ from engine_client.types import (
     Namespace,
     PinResult,
     PublishResult,
-    Rebind,
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
     SequenceStatus,
 )
 from kvd.wire import kvd_pb2 as pb
-from kvd.wire import kvd_pb2_grpc
-from kvd.wire.auth import admit, fetch_ticket
-from kvd.wire.codec import TOKEN_BYTES, pack_tokens, unpack_pages
+from kvd.wire.auth import fetch_ticket
+from kvd.wire.codec import TOKEN_BYTES, pack_tokens
 from kvd.wire.keys import chain_keys
 from kvd.wire.layout import PageLayout
-from kvd.wire.limits import MAX_MESSAGE_BYTES
-from kvd.wire.paths import find_socket
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
-
-
-def _extra_keys(keys) -> list[pb.ExtraKey]:
-    return [pb.ExtraKey(kind=k.kind, value=k.value, offset=k.offset, length=k.length) for k in keys]
-
-
-def _requests(requests) -> list[pb.SequenceRequest]:
-    return [
-        pb.SequenceRequest(seq_id=r.seq_id, tokens=pack_tokens(r.token_ids), extra_keys=_extra_keys(r.extra_keys))
-        for r in requests
-    ]
-
-
-def _num_tokens(token_ids) -> int:
-    if isinstance(token_ids, (bytes, bytearray, memoryview)):
-        return len(token_ids) // TOKEN_BYTES
-    return len(token_ids)
-
-
-def _allocation(msg: pb.SequenceAllocation) -> SequenceAllocation:
-    return SequenceAllocation(
-        seq_id=msg.seq_id,
-        shared_pages=unpack_pages(msg.shared_pages),
-        private_pages=unpack_pages(msg.private_pages),
-        shared_prefix_tokens=msg.shared_prefix_tokens,
-        suffix_start=msg.suffix_start,
-        num_tokens=msg.num_tokens,
-    )
-
-
-def _no_listener(path: str) -> str | None:
-    """Why no daemon can answer on ``path`` (no file, nobody listening), or None when one may."""
-    try:
-        with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as sock:
-            sock.connect(path)
-    except FileNotFoundError:
-        return "the socket does not exist"
-    except ConnectionRefusedError:
-        return "nothing listens there (a file a dead daemon left, or no socket at all)"
-    except OSError:
-        return None  # e.g. EACCES: gRPC reports it in its own words
-    return None
 
 
 class KVDClient:
     """A session with the daemon; use ``connect`` and close it (or use ``with``)."""
 
-    def __init__(
-        self,
-        channel: grpc.Channel,
-        stub: kvd_pb2_grpc.KVDStub,
-        stream,
-        opened: pb.SessionOpened,
-        socket: str,
-        client_name: str | None = None,
-    ) -> None:
-        self._socket = socket
+    def __init__(self, socket: str, client_name: str | None = None, timeout: float = 10.0) -> None:
         self._client_name = client_name
         self._namespaces: dict[int, Namespace] = {}
         self._registrations: dict[int, pb.NamespaceIdentity] = {}
@@ -126,25 +64,10 @@ class KVDClient:
         self._private = PrivatePages()  # pages this client may write; under _lock (evictions arrive on a thread)
         self._lock = threading.Lock()
         self._reconnected = False
-        self._closed = False
         self.call_timeout: float | None = None  # seconds per call (DEADLINE_EXCEEDED past it); None waits
         self._token_lock = threading.Lock()  # one call at a time writes the token buffer
-        self._attach(channel, stub, stream, opened)
-
-    def _attach(self, channel, stub, stream, opened: pb.SessionOpened) -> None:
-        self._channel = channel
-        self._stub = stub
-        self._stream = stream
-        self.session = opened.session
-        self.prefix_reuse = opened.prefix_reuse
-        self.host_bytes = opened.host_bytes
-        self.daemon_instance = opened.daemon_instance  # differs after a daemon restart
         self._token_buffer: ClientTokenBuffer | None = None  # the session's (engine_client/token_buffer.py)
-        self.session_lost = threading.Event()  # one per session: set when this session ends
-        self._watcher = threading.Thread(
-            target=self._watch_session, args=(stream, self.session_lost), name="kvd-session", daemon=True
-        )
-        self._watcher.start()
+        self._connection = Connection(socket, client_name, timeout, self._note_evicted)
 
     @classmethod
     def connect(cls, socket: str | None = None, client_name: str | None = None, timeout: float = 10.0) -> KVDClient:
@@ -154,17 +77,29 @@ class KVDClient:
         the config file, ``/run/kvd/kvd.sock``, the per-user default). When no daemon listens
         there, this fails at once (UNAVAILABLE, naming every place looked at); ``timeout``
         bounds only the wait for a daemon that is there but slow to answer."""
-        choice = find_socket(socket)
-        problem = _no_listener(choice.path)
-        if problem:
-            raise KVDError(
-                grpc.StatusCode.UNAVAILABLE,
-                (
-                    f"no kvd daemon on {choice.path}: {problem} (looked at: {'; '.join(choice.tried)}); "
-                    "start one with `kvd serve`, or pass the socket of a running one"
-                ),
-            )
-        return cls(*cls._open(choice.path, client_name, timeout), socket=choice.path, client_name=client_name)
+        return cls(find_daemon(socket), client_name, timeout)
+
+    @property
+    def session(self) -> str:
+        return self._connection.session
+
+    @property
+    def session_lost(self) -> threading.Event:
+        """Set when this session ends (the daemon stopped, died or restarted); a new one after ``reconnect``."""
+        return self._connection.lost
+
+    @property
+    def daemon_instance(self) -> str:
+        """Differs after a daemon restart."""
+        return self._connection.daemon_instance
+
+    @property
+    def prefix_reuse(self) -> bool:
+        return self._connection.prefix_reuse
+
+    @property
+    def host_bytes(self) -> int:
+        return self._connection.host_bytes
 
     def reconnect(self, timeout: float = 10.0) -> dict[int, int]:
         """Opens a new session (after the daemon restarted) and registers this client's
@@ -172,12 +107,9 @@ class KVDClient:
 
         Sequences of the old session are gone: their ids get NOT_FOUND. Published pages
         survive a warm restart and hit again."""
-        opened = self._open(self._socket, self._client_name, timeout)
-        self._stream.cancel()
-        self._channel.close()
-        self._attach(*opened)
-        self._reconnected = True
-        self._closed = False
+        connection = Connection(self._connection.socket, self._client_name, timeout, self._note_evicted)
+        self._connection.drop()
+        self._connection, self._reconnected, self._token_buffer = connection, True, None
         registrations, self._registrations = self._registrations, {}
         namespaces, self._namespaces, self._page_maps = self._namespaces, {}, {}
         with self._lock:
@@ -195,73 +127,16 @@ class KVDClient:
             renamed[old_id] = reply.namespace_id
         return renamed
 
-    @staticmethod
-    def _ready_channel(path: str, timeout: float) -> grpc.Channel:
-        channel = grpc.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            channel.close()
-            raise KVDError(grpc.StatusCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
-        return channel
-
-    @classmethod
-    def _open(cls, path: str, client_name: str | None, timeout: float):
-        channel = cls._ready_channel(path, timeout)  # the daemon is up: no auth socket means no tenants
-        try:
-            admission = admit(path, timeout)
-        except KVDError:
-            channel.close()
-            raise
-        if admission.session_socket != path:  # a tenant's session lives on the tenant's socket
-            channel.close()
-            channel = cls._ready_channel(admission.session_socket, timeout)
-        stub = kvd_pb2_grpc.KVDStub(channel)
-        stream = stub.OpenSession(
-            pb.OpenSessionRequest(
-                client_name=client_name or os.path.basename(sys.argv[0] or "python"),
-                pid=os.getpid(),
-                ticket=admission.ticket,
-            )
-        )
-        try:
-            first = next(stream)
-        except grpc.RpcError as e:
-            channel.close()
-            raise KVDError.from_rpc(e) from None
-        return channel, stub, stream, first.opened
-
     def close(self) -> None:
         """Ends the session cleanly: the daemon releases its references and logs a close
         (a process that dies without this is logged as a client that went away)."""
-        if not self._closed and not self.session_lost.is_set():
-            try:
-                self._stub.CloseSession(pb.CloseSessionRequest(session=self.session), timeout=self.call_timeout or 2.0)
-            except grpc.RpcError:
-                pass  # the daemon is gone or stopping: the session ends with it either way
-        self._closed = True
-        self._stream.cancel()
-        self._channel.close()
-        if self._watcher is not threading.current_thread():
-            # A process that exits while this thread is still inside gRPC's C++ core can
-            # abort ("terminate called without an active exception"): let it leave first.
-            self._watcher.join(timeout=self.call_timeout or 2.0)
+        self._connection.close(self.call_timeout or 2.0)
 
     def __enter__(self) -> KVDClient:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _watch_session(self, stream, lost: threading.Event) -> None:
-        try:
-            for event in stream:
-                if event.HasField("evicted"):
-                    self._note_evicted(event.evicted.namespace_id, event.evicted.seq_ids)
-        except grpc.RpcError:
-            pass  # cancelled by close(), or the daemon went away
-        finally:
-            lost.set()
 
     def _note_evicted(self, ns: int, seq_ids) -> None:
         """The daemon evicted these sequences: their pages are no longer ours to write."""
@@ -285,35 +160,7 @@ class KVDClient:
         return evicted
 
     def _call(self, method: str, request):
-        if self.session_lost.is_set() and not self._closed:
-            raise KVDError(
-                grpc.StatusCode.UNAVAILABLE,
-                (
-                    f"the session with the kvd daemon on {self._socket} ended (the daemon stopped, died or restarted); "
-                    "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
-                ),
-            )
-        try:
-            return getattr(self._stub, method)(request, timeout=self.call_timeout)
-        except grpc.RpcError as e:
-            error = KVDError.from_rpc(e)
-        if error.code == grpc.StatusCode.UNAVAILABLE:
-            error = KVDError(
-                error.code,
-                (
-                    f"the kvd daemon on {self._socket} does not answer (stopped, died or restarting): {error.message}; "
-                    "call reconnect() once it is back"
-                ),
-            )
-        elif error.code == grpc.StatusCode.NOT_FOUND and self._reconnected and "sequence" in error.message:
-            error = KVDError(
-                error.code,
-                (
-                    f"{error.message}; sequences do not survive a daemon restart (published pages do): "
-                    "allocate it again, its published prefix still hits"
-                ),
-            )
-        raise error from None
+        return self._connection.call(method, request, self.call_timeout, self._reconnected)
 
     # ---- namespaces and pages -----------------------------------------------------
 
@@ -330,22 +177,7 @@ class KVDClient:
         extra: dict[str, str] | None = None,
     ) -> int:
         """The namespace id for this KV identity; equal identities get equal ids."""
-        identity_msg = pb.NamespaceIdentity(
-            model=model,
-            revision=revision,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            attention=attention,
-            vocab_size=vocab_size,
-            extra=extra or {},
-            layout=pb.PageLayout(
-                num_layers=layout.num_layers,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                page_size=layout.page_size,
-                dtype=layout.dtype,
-            ),
-        )
+        identity_msg = messages.identity(model, layout, revision, tp_rank, tp_size, attention, vocab_size, extra or {})
         reply = self._call(
             "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg)
         )
@@ -357,11 +189,29 @@ class KVDClient:
     def layout(self, ns: int) -> PageLayout:
         return self._namespace(ns).layout
 
-    def page_keys(self, ns: int, token_ids, extra_keys: tuple[ExtraKey, ...] = ()) -> list[bytes]:
+    def page_keys(
+        self,
+        ns: int,
+        token_ids,
+        extra_keys: tuple[ExtraKey, ...] = (),
+        *,
+        first_page: int = 0,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
         """The keys the daemon gives the full pages of these tokens once published: the
-        block hashes its KV events (``subscribe_events``) name. Computed here, no call."""
+        block hashes its KV events (``subscribe_events``) name. Computed here, no call.
+
+        A sequence that grows computes the keys of its new pages only: ``token_ids`` from
+        page ``first_page`` on, ``parent`` the key of the page before (kvd/wire/keys.py)."""
         namespace = self._namespace(ns)
-        return chain_keys(namespace.root, namespace.layout.page_size, pack_tokens(token_ids), extra_keys)
+        return chain_keys(
+            namespace.root,
+            namespace.layout.page_size,
+            pack_tokens(token_ids),
+            extra_keys,
+            first_page=first_page,
+            parent=parent,
+        )
 
     def _namespace(self, ns: int) -> Namespace:
         try:
@@ -445,7 +295,7 @@ class KVDClient:
         """Pins the longest full-page prefix hit of each request and allocates private pages
         for the rest, in one atomic step; the whole batch or nothing."""
         reply = self._sequences_call("AllocateWithPrefix", pb.AllocateRequest, ns, requests)
-        allocations = [_allocation(s) for s in reply.sequences]
+        allocations = [messages.allocation(s) for s in reply.sequences]
         self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:
             for a in allocations:
@@ -458,20 +308,18 @@ class KVDClient:
     def _sequences_call(self, method: str, message, ns: int, requests: list[SequenceRequest]):
         """An Allocate or Lookup call. One of ``MIN_TOKENS`` ids or more passes them through the
         session's token buffer when no other thread's call holds it; any other goes inline."""
-        total = sum(_num_tokens(r.token_ids) for r in requests)
+        total = sum(messages.num_tokens(r.token_ids) for r in requests)
         if total >= MIN_TOKENS and self._token_lock.acquire(blocking=False):
             try:
                 buffer = self._token_buffer_for(total)
                 if buffer is not None:
                     spans = buffer.spans(ClientTokenBuffer.arrays([r.token_ids for r in requests]))
-                    sequences = [
-                        pb.SequenceRequest(seq_id=r.seq_id, tokens_at=span, extra_keys=_extra_keys(r.extra_keys))
-                        for r, span in zip(requests, spans)
-                    ]
+                    sequences = messages.spanned_requests(requests, spans)
                     return self._call(method, message(session=self.session, namespace_id=ns, sequences=sequences))
             finally:
                 self._token_lock.release()
-        return self._call(method, message(session=self.session, namespace_id=ns, sequences=_requests(requests)))
+        sequences = messages.inline_requests(requests)
+        return self._call(method, message(session=self.session, namespace_id=ns, sequences=sequences))
 
     def _token_buffer_for(self, num_tokens: int) -> ClientTokenBuffer | None:
         """The session's token buffer, opened or grown to hold ``num_tokens`` ids; None when
@@ -489,11 +337,7 @@ class KVDClient:
 
     def lookup(self, ns: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The prefix hits allocate_with_prefix would find now, without pinning anything."""
-        reply = self._sequences_call("Lookup", pb.LookupRequest, ns, requests)
-        return [
-            LookupResult(r.seq_id, unpack_pages(r.hit_pages), r.hit_tokens, r.remote_pending_tokens)
-            for r in reply.results
-        ]
+        return messages.lookup_results(self._sequences_call("Lookup", pb.LookupRequest, ns, requests))
 
     def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:
         """Makes the sequences' full private pages immutable and shareable.
@@ -514,10 +358,7 @@ class KVDClient:
         with self._lock:
             for r in reply.results:
                 self._private.published(ns, r.seq_id, r.published_pages)
-        return [
-            PublishResult(r.seq_id, r.published_pages, [Rebind(b.position, b.old_page, b.new_page) for b in r.rebinds])
-            for r in reply.results
-        ]
+        return messages.publish_results(reply)
 
     def extend(self, ns: int, seq_id: str, num_tokens: int, token_ids=None) -> ExtendResult:
         """Room for ``num_tokens`` more tokens, in private pages. Give their ids to publish them later."""
@@ -525,33 +366,10 @@ class KVDClient:
 
     def extend_batch(self, ns: int, items: list[ExtendItem]) -> list[ExtendResult]:
         """extend() for a whole decode batch in one call; all or nothing."""
-        # The request and reply are columns (see ExtendRequest in protos/kvd.proto): a few
-        # C-level calls per batch instead of one message per sequence.
-        ids = [i.token_ids for i in items]
-        if all(type(t) is list for t in ids):  # a decode step: short lists of ints, packed at once
-            counts, token_ids = [len(t) for t in ids], pack_tokens(list(chain.from_iterable(ids)))
-        else:
-            packed = [b"" if t is None else pack_tokens(t) for t in ids]
-            counts, token_ids = [len(p) // 4 for p in packed], b"".join(packed)
-        reply = self._call(
-            "Extend",
-            pb.ExtendRequest(
-                session=self.session,
-                namespace_id=ns,
-                seq_ids=[i.seq_id for i in items],
-                num_tokens=[i.num_tokens for i in items],
-                token_id_counts=counts,
-                token_ids=token_ids,
-            ),
-        )
+        reply = self._call("Extend", messages.extend_request(self.session, ns, items))
         self._note_evicted(ns, reply.evicted_seq_ids)
-        page_counts = reply.new_page_counts
-        pages = unpack_pages(reply.new_pages)
-        results = [
-            ExtendResult(i.seq_id, pages[end - count : end], num_tokens)
-            for i, num_tokens, count, end in zip(items, reply.num_tokens, page_counts, accumulate(page_counts))
-        ]
-        if pages:
+        results = messages.extend_results(items, reply)
+        if reply.new_pages:
             with self._lock:
                 for r in results:
                     if r.new_pages:
@@ -563,7 +381,7 @@ class KVDClient:
         reply = self._call(
             "Fork", pb.ForkRequest(session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst)
         )
-        allocation = _allocation(reply.sequence)
+        allocation = messages.allocation(reply.sequence)
         self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:
             self._private.add(ns, dst, allocation.private_pages)
@@ -610,19 +428,7 @@ class KVDClient:
         reply = self._call(
             "DescribeSequences", pb.DescribeSequencesRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)
         )
-        return [
-            SequenceStatus(
-                s.seq_id,
-                SequenceState(s.state),
-                s.num_tokens,
-                s.known_tokens,
-                s.shared_pages,
-                s.private_pages,
-                s.shared_prefix_tokens,
-                s.aux_bytes,
-            )
-            for s in reply.sequences
-        ]
+        return messages.sequence_statuses(reply)
 
     def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
         """Stores non-KV per-sequence state (recurrent state, checkpoints); a fork copies it.
@@ -649,7 +455,7 @@ class KVDClient:
                 session=self.session,
                 namespace_id=ns,
                 tokens=pack_tokens(token_ids),
-                extra_keys=_extra_keys(extra_keys),
+                extra_keys=messages.extra_keys(extra_keys),
                 ttl_seconds=ttl or 0.0,
             ),
         )
@@ -672,7 +478,8 @@ class KVDClient:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
         from kvd.wire.admin import verify_dict
 
-        return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=fetch_ticket(self._socket))))
+        ticket = fetch_ticket(self._connection.socket)
+        return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=ticket)))
 
     def reset_prefix_cache(self, ns: int | None = None) -> dict:
         """Drops the cached (unreferenced) published pages of namespace ``ns``, or of every
@@ -692,7 +499,7 @@ class KVDClient:
         request = pb.SubscribeEventsRequest(
             session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
         )
-        return self._stub.SubscribeEvents(request)
+        return self._connection.stream("SubscribeEvents", request)
 
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

@@ -116,20 +116,7 @@ def run_engine(socket: str, cfg: DemoConfig, engine: int, go, finish, messages) 
             items = list(agents.items())
             results = eng.prefill(items[:1]) + (eng.prefill(items[1:]) if items[1:] else [])
             messages.put(("prefilled", engine))
-            delta = max(
-                (r.logits - recompute_logits(runner, cfg.page_size, agents[r.seq_id])).abs().max().item()
-                for r in results
-            )
-            generated = {r.seq_id: [r.next_token] for r in results}
-            last = None
-            for _ in range(cfg.decode_tokens - 1):
-                last = eng.decode_step(list(agents))
-                for s, t in zip(last.seq_ids, last.tokens):
-                    generated[s].append(t)
-            if last is not None:  # the last step's logits against a recompute of the conversation
-                for i, s in enumerate(last.seq_ids):
-                    ref = recompute_logits(runner, cfg.page_size, list(eng.info(s).tokens))
-                    delta = max(delta, (last.logits[i] - ref).abs().max().item())
+            generated, delta = _decode_and_check(eng, runner, cfg, agents, results)
             stats = eng.stats()
             messages.put(
                 (
@@ -155,6 +142,26 @@ def run_engine(socket: str, cfg: DemoConfig, engine: int, go, finish, messages) 
     except BaseException as e:
         messages.put(("error", f"engine {engine + 1}: {type(e).__name__}: {e}"))
         raise
+
+
+def _decode_and_check(eng, runner: ModelRunner, cfg: DemoConfig, agents: dict[str, list[int]], results):
+    """Decodes the agents after their prefill ``results``; returns the tokens each generated
+    and the largest logit difference against a recompute of the whole conversation (after
+    the prefill and after the last decode step)."""
+    delta = max(
+        (r.logits - recompute_logits(runner, cfg.page_size, agents[r.seq_id])).abs().max().item() for r in results
+    )
+    generated = {r.seq_id: [r.next_token] for r in results}
+    last = None
+    for _ in range(cfg.decode_tokens - 1):
+        last = eng.decode_step(list(agents))
+        for s, t in zip(last.seq_ids, last.tokens):
+            generated[s].append(t)
+    if last is not None:
+        for i, s in enumerate(last.seq_ids):
+            ref = recompute_logits(runner, cfg.page_size, list(eng.info(s).tokens))
+            delta = max(delta, (last.logits[i] - ref).abs().max().item())
+    return generated, delta
 
 
 # ---- the parent -----------------------------------------------------------------------------
@@ -221,29 +228,7 @@ def run_demo(cfg: DemoConfig, socket: str | None = None) -> DemoResult:
             daemon.wait_ready(20.0)
         else:
             KVDClient.connect(socket, client_name="kvd-demo", timeout=5).close()  # fail early, clearly
-        messages = SPAWN.Queue()
-        go_first, go_rest = SPAWN.Event(), SPAWN.Event()
-        # Every process starts now (imports overlap); engine 1 prefills first, the rest
-        # after it has published.
-        for engine in range(cfg.engines):
-            go = go_first if engine == 0 else go_rest
-            procs.append(
-                SPAWN.Process(
-                    target=run_engine,
-                    args=(socket, cfg, engine, go, finish, messages),
-                    name=f"demo-engine-{engine + 1}",
-                )
-            )
-        for p in procs:
-            p.start()
-        go_first.set()
-        reports: dict[int, EngineReport] = {}
-        while len(reports) < cfg.engines:
-            kind, body = _next_message(messages, procs)
-            if kind == "prefilled" and body == 0:
-                go_rest.set()
-            elif kind == "report":
-                reports[body.engine] = body
+        reports = _run_engines(cfg, socket, procs, finish)
         live = fetch_stats(socket)
         prefix_reuse = bool(live["prefix_reuse"])
         live = _ns_stats(live, cfg.model_name)
@@ -268,6 +253,35 @@ def run_demo(cfg: DemoConfig, socket: str | None = None) -> DemoResult:
     return DemoResult(
         tuple(reports[e] for e in sorted(reports)), live, after, prefix_reuse, violations, time.perf_counter() - start
     )
+
+
+def _run_engines(cfg: DemoConfig, socket: str, procs: list, finish) -> dict[int, EngineReport]:
+    """Starts the engine processes (into ``procs``) and returns their reports, by engine
+    number, once each has decoded; they then wait for ``finish`` with their sequences live."""
+    messages = SPAWN.Queue()
+    go_first, go_rest = SPAWN.Event(), SPAWN.Event()
+    # Every process starts now (imports overlap); engine 1 prefills first, the rest
+    # after it has published.
+    for engine in range(cfg.engines):
+        go = go_first if engine == 0 else go_rest
+        procs.append(
+            SPAWN.Process(
+                target=run_engine,
+                args=(socket, cfg, engine, go, finish, messages),
+                name=f"demo-engine-{engine + 1}",
+            )
+        )
+    for p in procs:
+        p.start()
+    go_first.set()
+    reports: dict[int, EngineReport] = {}
+    while len(reports) < cfg.engines:
+        kind, body = _next_message(messages, procs)
+        if kind == "prefilled" and body == 0:
+            go_rest.set()
+        elif kind == "report":
+            reports[body.engine] = body
+    return reports
 
 
 def _ns_stats(stats: dict, model: str) -> dict:

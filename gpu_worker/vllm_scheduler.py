@@ -83,6 +83,8 @@ class _Tracked:
     planned: int = 0  # blocks [0, planned) were in a save plan already
     announced: bool = False  # its prompt went to the workers with a plan
     pinned_on: str = ""  # the session whose sequence pins its loads ("" none)
+    keyed_pages: int = 0  # kvd keys of blocks [0, keyed_pages) were computed (for KV events)
+    last_key: bytes | None = None  # the key of block keyed_pages - 1, where the chain goes on
 
 
 class KVDSchedulerSide:
@@ -98,7 +100,7 @@ class KVDSchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
         self._finished: set[str] = set()  # for the workers, with the next metadata
-        self._finished_requests: dict[str, object] = {}  # for events still to come
+        self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
         self._events: list[KVCacheEvent] = []
 
     # ---- lookup and allocation ----------------------------------------------------
@@ -214,13 +216,12 @@ class KVDSchedulerSide:
     def update_from_workers(self, worker_meta: KVDWorkerMetadata | None) -> None:
         """vLLM KV events for the blocks the workers published."""
         for req_id, (start, end) in (worker_meta.published if worker_meta else {}).items():
-            t = self._tracked.get(req_id)
-            request = t.request if t is not None else self._finished_requests.get(req_id)
-            if request is not None:
-                event = self._stored_event(request, start, end)
+            t = self._tracked.get(req_id) or self._finished_requests.get(req_id)
+            if t is not None:
+                event = self._stored_event(t.request, start, end)
                 self._events.append(event)
                 if self._stored is not None:
-                    self._remember(request, end, event.block_hashes)
+                    self._remember(t, end, event.block_hashes)
         self._finished_requests.clear()  # a step's output answers its saves; none come later
 
     def finished(self, request) -> None:
@@ -228,9 +229,9 @@ class KVDSchedulerSide:
         req_id = request.request_id
         self._local_hits.pop(req_id, None)
         self._unpin(req_id)
-        if self._tracked.pop(req_id, None) is not None:
+        if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
-            self._finished_requests[req_id] = request
+            self._finished_requests[req_id] = t
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
@@ -245,13 +246,27 @@ class KVDSchedulerSide:
 
     # ---- helpers --------------------------------------------------------------------
 
-    def _remember(self, request, end: int, hashes: list) -> None:
-        """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes."""
-        _, keys = cacheable_tokens(request, self.block_size)  # blocks past the prompt: no item was cut
-        tokens = list(request.all_token_ids[: end * self.block_size])
-        page_keys = self.link.attempt("page keys", lambda kvd, ns: kvd.page_keys(ns, tokens, keys))
-        if page_keys is not None and len(page_keys) == end:
-            self._stored.remember(page_keys[end - len(hashes) :], hashes)
+    def _remember(self, t: _Tracked, end: int, hashes: list) -> None:
+        """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes.
+
+        The chain goes on from the last key computed for the request, so a long decode that
+        publishes its generated blocks a few at a time hashes each block once, not its whole
+        prefix each time. Blocks before that key (published again) are hashed from the
+        request's first block on."""
+        if not hashes:
+            return
+        if t.keyed_pages > end - len(hashes):
+            t.keyed_pages, t.last_key = 0, None
+        first_page, parent = t.keyed_pages, t.last_key
+        tokens = t.request.all_token_ids[first_page * self.block_size : end * self.block_size]
+        extra_keys = t.prompt.extra_keys  # blocks past the prompt: no item was cut
+        new_keys = self.link.attempt(
+            "page keys",
+            lambda kvd, ns: kvd.page_keys(ns, tokens, extra_keys, first_page=first_page, parent=parent),
+        )
+        if new_keys is not None and len(new_keys) == end - first_page:
+            t.keyed_pages, t.last_key = end, new_keys[-1]
+            self._stored.remember(new_keys[len(new_keys) - len(hashes) :], hashes)
 
     def _stored_event(self, request, first: int, end: int) -> BlockStored:
         """vLLM's KV event for blocks [first, end) of the request, keyed by vLLM's own block

@@ -202,28 +202,21 @@ def _clean(args) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    from kvd import __version__
+def _common_options(sp: argparse.ArgumentParser) -> None:
+    sp.set_defaults(parser=sp)  # main() reports unknown options with this subcommand's usage
+    sp.add_argument(
+        "--socket",
+        help="unix socket path (default: $KVD_SOCKET, else the config file's socket, "
+        "else /run/kvd/kvd.sock if it exists, else $XDG_RUNTIME_DIR/kvd.sock "
+        "or /tmp/kvd-UID.sock)",
+    )
+    sp.add_argument(
+        "--config",
+        help=f"TOML config file (default: $KVD_CONFIG, else {DEFAULT_CONFIG_FILE} if present)",
+    )
 
-    p = argparse.ArgumentParser(prog="kvd", description="host KV-cache daemon for LLM inference")
-    p.add_argument("--version", action="version", version=f"kvd {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp):
-        sp.set_defaults(parser=sp)  # main() reports unknown options with this subcommand's usage
-        sp.add_argument(
-            "--socket",
-            help="unix socket path (default: $KVD_SOCKET, else the config file's socket, "
-            "else /run/kvd/kvd.sock if it exists, else $XDG_RUNTIME_DIR/kvd.sock "
-            "or /tmp/kvd-UID.sock)",
-        )
-        sp.add_argument(
-            "--config",
-            help=f"TOML config file (default: $KVD_CONFIG, else {DEFAULT_CONFIG_FILE} if present)",
-        )
-
-    s = sub.add_parser("serve", help="run the daemon")
-    common(s)
+def _serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host-bytes", help="budget for all host pages, e.g. 8GiB (default 1GiB)")
     s.add_argument("--extent-bytes", help="size of one shared-memory extent (default 64MiB)")
     s.add_argument("--aux-bytes", help="budget for the non-KV state of all sequences (default 256MiB)")
@@ -245,27 +238,39 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--events-replay-endpoint", help="ZMQ endpoint answering replay requests for missed events")
     for key, text in _REMOTE_FLAGS.items():
         s.add_argument(f"--remote-{key.replace('_', '-')}", dest=f"remote_{key}", help=text)
+
+
+def parser() -> argparse.ArgumentParser:
+    from kvd import __version__
+
+    p = argparse.ArgumentParser(prog="kvd", description="host KV-cache daemon for LLM inference")
+    p.add_argument("--version", action="version", version=f"kvd {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon")
+    _common_options(s)
+    _serve_options(s)
     s.set_defaults(func=_serve)
 
     st = sub.add_parser("stats", help="print the daemon's page statistics")
-    common(st)
+    _common_options(st)
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", type=float, nargs="?", const=1.0, help="refresh every N seconds (default 1)")
     st.set_defaults(func=_stats)
 
     v = sub.add_parser("verify", help="check every published page against its checksum; drop corrupted ones")
-    common(v)
+    _common_options(v)
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_verify)
 
     r = sub.add_parser("reset", help="drop cached (unreferenced) published pages, as after a weight update")
-    common(r)
+    _common_options(r)
     r.add_argument("--namespace", type=int, help="only this namespace id (default: every namespace)")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=_reset)
 
     c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
-    common(c)
+    _common_options(c)
     c.set_defaults(func=_clean)
     return p
 

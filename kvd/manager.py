@@ -1,4 +1,6 @@
-"""The cache policy: what each client call does to pages, sequences, pins and sessions.
+"""The cache policy: what each client call does to pages, sequences, pins and sessions
+(what acts on a namespace's published pages as a whole, apart from any session, is
+``Catalog``: kvd/catalog.py).
 
 Every public method validates the whole request first and raises a ``KVDError`` before
 changing anything; only then does it act. All methods run on the daemon's event loop,
@@ -11,28 +13,27 @@ shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
 the KV events routers hear in ``EventLog`` (pages indexed here, pages leaving the index
 through the index's own hook).
-A warm restart's findings arrive through ``restore`` (kvd/recovery.py).
+A warm restart's findings arrive through ``Catalog.restore`` (kvd/recovery.py).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from kvd.arena import Arena, ExtentPlan
+from kvd.arena import Arena
 from kvd.aux_state import AuxBudget
+from kvd.catalog import Catalog
 from kvd.config import AUX_BYTES
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
-from kvd.eviction import release_order, restore_order
-from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex
+from kvd.eviction import release_order
+from kvd.index import ChainSpec, ExtraKey, PrefixIndex
 from kvd.integrity import Integrity
-from kvd.meta import MetaError
-from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
+from kvd.namespaces import Namespace, NamespaceRegistry
 from kvd.pins import PinTable
 from kvd.pool import PagePool
 from kvd.publishing import PublishJob
@@ -44,30 +45,28 @@ from kvd.requests import (
     PinResult,
     PreparedRequest,
     PublishResult,
-    ResetResult,
     SequencePlan,
     SequenceRequest,
     SequenceStatus,
     WithEvictions,
     check_batch,
     check_call,
+    check_extend,
     check_seq_id,
     check_token_lists,
     prepare,
+    publish_pages,
 )
 from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Session, SessionRegistry
 from kvd.supply import ExtentSupply
 from kvd.token_buffers import TokenBuffer
-from kvd.types import NamespaceId, PageId, PageKey, PageState, SeqId, SequenceState, SessionId
+from kvd.types import NamespaceId, PageId, PageKey, SeqId, SequenceState, SessionId
 
 if TYPE_CHECKING:
-    from kvd.recovery import Recovered, RecoveryReport
     from kvd.remote import RemoteTier
     from kvd.remote_link import RemoteLink
-
-log = logging.getLogger(__name__)
 
 
 class KVCacheManager:
@@ -109,9 +108,11 @@ class KVCacheManager:
             settle_seals=lambda: self.integrity.apply(wait=True),
             evict_held=self._evict_held,
         )
+        self.catalog = Catalog(
+            arena, self.namespaces, self.pool, self.index, self.integrity, self.supply, self.counters, self.events
+        )
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
-        self.last_recovery = None  # kvd.recovery.RecoveryReport of this start, set by restore()
         self.remote: RemoteTier | None = None  # set by attach_remote
 
     def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int, policy: str = "publish") -> None:
@@ -145,34 +146,15 @@ class KVCacheManager:
     # ---- sessions -----------------------------------------------------------------
 
     def open_session(self, client_name: str, pid: int) -> Session:
-        session = self.sessions.open(client_name, pid)
-        log.info("session %s opened by %s (pid %d)", session.id[:8], client_name or "?", pid)
-        return session
+        return self.sessions.open(client_name, pid)
 
     def close_session(self, session_id: SessionId, daemon_stopping: bool = False) -> None:
-        """Drops every sequence and pin of the session; the log says why it ended: closed by
-        its client, the daemon stopping, or else the client went away without closing it."""
+        """Drops every sequence and pin of the session."""
         session = self.sessions.get(session_id)
-        held = (len(session.sequences), self.pins.drop_session(session.id))
+        released = (len(session.sequences), self.pins.drop_session(session.id))
         for key in list(session.sequences):
             self._drop(self.sequences.find(*key))
-        if session.token_buffer is not None:
-            session.token_buffer.close()
-        self.sessions.remove(session)
-        name = session.client_name or "?"
-        if session.closed_by_client:
-            log.info("session %s of %s closed", session.id[:8], name)
-        elif daemon_stopping:
-            log.info("session %s of %s ended: the daemon is stopping", session.id[:8], name)
-        else:
-            log.warning(
-                "session %s of %s (pid %d) ended without a close: the client crashed, was killed or lost "
-                "its connection; released %d sequences and %d pins",
-                session.id[:8],
-                name,
-                session.pid,
-                *held,
-            )
+        self.sessions.remove(session, daemon_stopping, released)
 
     def open_token_buffer(self, session_id: str, size: int) -> TokenBuffer:
         """A new token buffer for the session, replacing its earlier one (kvd/token_buffers.py);
@@ -182,98 +164,8 @@ class KVCacheManager:
         if not 0 < size <= most:
             raise InvalidArgument(f"a token buffer holds 1 to {most} bytes (the largest call's token ids), not {size}")
         buffer = TokenBuffer.create(self.arena.name_prefix, size, self.arena.group)
-        if session.token_buffer is not None:
-            session.token_buffer.close()
-        session.token_buffer = buffer
+        self.sessions.set_token_buffer(session, buffer)
         return buffer
-
-    def token_buffer(self, session_id: str) -> TokenBuffer:
-        """The session's token buffer; FailedPrecondition when it opened none."""
-        buffer = self.sessions.get(session_id).token_buffer
-        if buffer is None:
-            raise FailedPrecondition("a token span names the session's token buffer, but it opened none")
-        return buffer
-
-    # ---- namespaces ---------------------------------------------------------------
-
-    def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
-        """The namespace of ``identity``; a new one is registered all or nothing: it is
-        written to the manifest first, and a manifest that cannot be written registers nothing."""
-        ns = self.namespaces.find(identity)
-        if ns is None:
-            ns = self.namespaces.new(identity)
-            try:
-                self.write_manifest([*self.namespaces.all(), ns])
-            except (MetaError, OSError) as e:
-                raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
-            self.namespaces.add(ns)
-        self.supply.provision(ns)
-        return ns
-
-    def restore(self, report: RecoveryReport, found: Recovered | None = None) -> None:
-        """Takes what a warm restart (kvd/recovery.py) verified, before any call: its namespaces
-        with their old ids, its extents' pages as FREE, its pages as CACHED (indexed, refcount 0,
-        chain tails first in the LRU) and their checksums. ``report`` is kept for stats."""
-        self.last_recovery = report
-        if found is None:
-            return
-        for identity, ns_id in found.namespaces:
-            got = self.namespaces.register(identity)
-            assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
-        for extent in found.extents:
-            self.arena.adopt_recovered(extent)
-            self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
-        by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
-        keys: dict[PageId, PageKey] = {}
-        for page_index, content in found.pages:  # parents first
-            self.index.insert(content, page_index)
-            ns_id = self.pool.namespace_of(content.page)
-            by_ns.setdefault(ns_id, []).append((page_index, content))
-            keys[content.page] = content.key
-            # The records keep no extra keys, so recovered pages are announced without a LoRA name.
-            parent = None if content.parent is None else keys[content.parent]
-            self.events.stored(
-                ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
-            )
-        for ns_id, contents in by_ns.items():
-            self.pool.restore(ns_id, restore_order(contents))
-        for ns_id, corrupted in found.corrupted.items():
-            self.counters.of(ns_id).corrupted_pages += corrupted
-        self.integrity.restore(found.checksums)
-        self.write_manifest()
-
-    def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
-        """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py):
-        the settings and ``namespaces`` (default: the registered ones)."""
-        self.arena.write_manifest(
-            {
-                "host_bytes": self.arena.budget_bytes,
-                "extent_bytes": self.arena.extent_bytes,
-                "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
-            }
-        )
-
-    # ---- cached pages ------------------------------------------------------------
-
-    def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
-        """Drops every cached (published, unreferenced) page of a namespace, or of all: what
-        vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
-        references stay as they are, indexed; nothing is refused."""
-        namespaces = self.namespaces.all() if namespace_id is None else [self.namespaces.get(namespace_id)]
-        ids = {ns.id for ns in namespaces}
-        dropped = 0
-        for ns_id in ids:
-            while self.pool.cached_count(ns_id):
-                self.index.remove(self.pool.evict_next(ns_id))
-                dropped += 1
-        kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
-        log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
-        return ResetResult(dropped, kept)
-
-    def extents(self, namespace_id: int) -> list[ExtentPlan]:
-        ns = self.namespaces.get(namespace_id)
-        self.supply.adopt_built()
-        return [e.plan for e in self.arena.extents() if e.plan.namespace == ns.id]
 
     # ---- allocation ---------------------------------------------------------------
 
@@ -419,20 +311,7 @@ class KVCacheManager:
         targets = []
         for seq_id, num_tokens in items:
             seq = self._live(ns, seq_id, session)
-            if num_tokens == 0:
-                upto = min(seq.num_tokens, seq.known_tokens) // ns.page_size
-            else:
-                if num_tokens < 0 or num_tokens % ns.page_size or num_tokens > seq.num_tokens:
-                    raise InvalidArgument(
-                        f"sequence {seq_id!r}: cannot publish {num_tokens} tokens; only full pages are "
-                        f"published (a multiple of page_size {ns.page_size}, at most its {seq.num_tokens} tokens)"
-                    )
-                if num_tokens > seq.known_tokens:
-                    raise FailedPrecondition(
-                        f"sequence {seq_id!r}: token ids after position {seq.known_tokens} are unknown; "
-                        "pass them to extend() to publish their pages"
-                    )
-                upto = num_tokens // ns.page_size
+            upto = publish_pages(seq, num_tokens, ns.page_size)
             targets.append((seq, upto if self.prefix_reuse else 0))
         return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, self.remote, targets)
 
@@ -448,33 +327,10 @@ class KVCacheManager:
         limits, page_size = self.limits, ns.page_size
         check_batch(limits, [seq_id for seq_id, _, _ in items])
         check_token_lists(limits, ns, [(seq_id, tokens) for seq_id, _, tokens in items if tokens])
-        growing = (SequenceState.PREFILLED, SequenceState.IN_DECODE)
         plans = []
         for seq_id, num_tokens, tokens in items:
             seq = self._live(ns, seq_id, session)
-            if seq.state not in growing:
-                raise FailedPrecondition(
-                    f"sequence {seq_id!r} is {seq.state.name}; only PREFILLED or IN_DECODE sequences grow"
-                )
-            if num_tokens <= 0:
-                raise InvalidArgument(
-                    f"sequence {seq_id!r}: extend needs a positive number of tokens, got {num_tokens}"
-                )
-            total = seq.num_tokens + num_tokens
-            if total > limits.max_tokens_per_sequence:
-                raise InvalidArgument(
-                    f"sequence {seq_id!r} would hold {total} tokens, over the limit of {limits.max_tokens_per_sequence}"
-                )
-            if tokens:
-                if len(tokens) != num_tokens * TOKEN_BYTES:
-                    raise InvalidArgument(
-                        f"sequence {seq_id!r}: {len(tokens) // TOKEN_BYTES} token ids given for {num_tokens} new tokens"
-                    )
-                if seq.known_tokens != seq.num_tokens:
-                    raise FailedPrecondition(
-                        f"sequence {seq_id!r}: token ids of positions {seq.known_tokens}..{seq.num_tokens - 1} "
-                        "were never given, so later ids cannot be recorded"
-                    )
+            total = check_extend(limits, seq, num_tokens, tokens)
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
         self._make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []

@@ -23,7 +23,7 @@ from page 0 and could never reach it. Private pages of dead sessions are simply 
 The ``RecoveryReport`` is kept for ``kvd stats``, metrics and ``kvd verify``.
 
 This module only reads and checks segments; what it verified reaches the manager through
-one call, ``KVCacheManager.restore``, which owns the pool, index, checksums and counters.
+one call, ``Catalog.restore`` (kvd/catalog.py), which owns the pool, index, checksums and counters.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class _Found:
 
 @dataclass
 class Recovered:
-    """What a warm restart verified, for ``KVCacheManager.restore``."""
+    """What a warm restart verified, for ``Catalog.restore``."""
 
     namespaces: list[tuple[NamespaceIdentity, NamespaceId]]  # with the ids they had
     extents: list[Extent] = field(default_factory=list)  # attached, not yet adopted
@@ -129,7 +129,7 @@ class Recovered:
 def recover(manager) -> RecoveryReport:
     """Re-attaches what a previous daemon on this prefix left; see the module docstring."""
     report, found = _recover(manager.arena)
-    manager.restore(report, found)
+    manager.catalog.restore(report, found)
     return report
 
 

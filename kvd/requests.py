@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from kvd.config import AUX_BYTES_PER_SEQUENCE
-from kvd.errors import InvalidArgument
+from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.index import ChainSpec, ExtraKey, ExtraKind, chain_spec
 from kvd.namespaces import Namespace
 from kvd.sequences import Sequence
@@ -312,3 +312,49 @@ def extend_items(
         for count, end in zip(token_id_counts, ends)
     ]
     return list(zip(seq_ids, num_tokens, tokens))
+
+
+def check_extend(limits: Limits, seq: Sequence, num_tokens: int, tokens: bytes | None) -> int:
+    """One item of an extend (already checked for vocabulary): the sequence may grow by
+    ``num_tokens``, and ``tokens``, when given, are that many ids continuing known ones.
+    Returns the sequence's new length."""
+    if seq.state not in (SequenceState.PREFILLED, SequenceState.IN_DECODE):
+        raise FailedPrecondition(
+            f"sequence {seq.seq_id!r} is {seq.state.name}; only PREFILLED or IN_DECODE sequences grow"
+        )
+    if num_tokens <= 0:
+        raise InvalidArgument(f"sequence {seq.seq_id!r}: extend needs a positive number of tokens, got {num_tokens}")
+    total = seq.num_tokens + num_tokens
+    if total > limits.max_tokens_per_sequence:
+        raise InvalidArgument(
+            f"sequence {seq.seq_id!r} would hold {total} tokens, over the limit of {limits.max_tokens_per_sequence}"
+        )
+    if tokens:
+        if len(tokens) != num_tokens * TOKEN_BYTES:
+            raise InvalidArgument(
+                f"sequence {seq.seq_id!r}: {len(tokens) // TOKEN_BYTES} token ids given for {num_tokens} new tokens"
+            )
+        if seq.known_tokens != seq.num_tokens:
+            raise FailedPrecondition(
+                f"sequence {seq.seq_id!r}: token ids of positions {seq.known_tokens}..{seq.num_tokens - 1} "
+                "were never given, so later ids cannot be recorded"
+            )
+    return total
+
+
+def publish_pages(seq: Sequence, num_tokens: int, page_size: int) -> int:
+    """How many leading full pages of ``seq`` a publish of ``num_tokens`` covers: 0 means
+    every full page whose token ids are known; otherwise exactly whole pages of known ids."""
+    if num_tokens == 0:
+        return min(seq.num_tokens, seq.known_tokens) // page_size
+    if num_tokens < 0 or num_tokens % page_size or num_tokens > seq.num_tokens:
+        raise InvalidArgument(
+            f"sequence {seq.seq_id!r}: cannot publish {num_tokens} tokens; only full pages are "
+            f"published (a multiple of page_size {page_size}, at most its {seq.num_tokens} tokens)"
+        )
+    if num_tokens > seq.known_tokens:
+        raise FailedPrecondition(
+            f"sequence {seq.seq_id!r}: token ids after position {seq.known_tokens} are unknown; "
+            "pass them to extend() to publish their pages"
+        )
+    return num_tokens // page_size

@@ -237,84 +237,113 @@ def _close_all(tenants: Tenants, link=None, keep_cache: bool = False) -> None:
         manager.close(unlink=not keep_cache)
 
 
-async def run(config: ServeConfig, metrics=None) -> None:
+class _Daemon:
+    """A daemon's caches and servers: built, started (its main socket last), stopped."""
+
+    def __init__(self, config: ServeConfig, metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.publisher = _event_publisher(config)
+        self.tenants = _tenants(config, self.publisher)
+        _check_shm_room(self.tenants)
+        loop = asyncio.get_running_loop()
+        self.link = _remote_link(config, self.tenants, loop)
+        for manager in self.tenants.managers():
+            manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
+        self.servicer = KvdServicer(self.tenants, observe_latency=metrics.observe_latency if metrics else None)
+        self.health = health.aio.HealthServicer()
+        self.servers: list[grpc.aio.Server] = []
+        self.auth: asyncio.AbstractServer | None = None  # the tenant handshake (kvd/handshake.py)
+
+    async def start(self) -> None:
+        """Serves metrics, then each tenant's socket and the handshake, then the main socket:
+        once that answers, so do the others. A failure leaves nothing behind (StartupError)."""
+        try:
+            if self.metrics is not None:  # before the sockets: a busy port must not half-start the daemon
+                try:
+                    self.metrics.start(self.tenants, self.config.metrics_host, self.config.metrics_port)
+                except OSError as e:
+                    raise StartupError(
+                        f"cannot serve metrics on {self.config.metrics_host}:{self.config.metrics_port}: {e.strerror}"
+                    ) from None
+            await self._listen_tenants()
+            server = self._main_server()
+            await _listen(server, self.config.socket, self.config.socket_mode)
+            self.servers.append(server)
+        except StartupError:
+            await self._close(grace=None, keep_cache=False)
+            raise
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _main_server(self) -> grpc.aio.Server:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        add_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        return server
+
+    async def _listen_tenants(self) -> None:
+        config = self.config
+        for t in config.tenants:
+            server = grpc.aio.server(options=SERVER_OPTIONS)
+            add_to_server(self.servicer.on_socket(t.name), server)
+            # Only the tenant's group connects; without a group the socket is as open as
+            # the main one, the same limit the tenant's extents have.
+            mode = config.socket_mode if t.group is None else 0o660
+            await _listen(server, tenant_socket(config.socket, t.name), mode, t.group)
+            self.servers.append(server)
+        if config.tenants:
+            try:
+                self.auth = await handshake.listen(auth_socket(config.socket), config.socket_mode, self.tenants)
+            except OSError as e:
+                raise StartupError(f"cannot listen on {auth_socket(config.socket)}: {e.strerror}") from None
+
+    async def stop(self) -> None:
+        """No new calls, sessions ended, calls in flight finished; the cache stays for a warm restart."""
+        log.info("stopping: finishing calls in flight")
+        notify_systemd("STOPPING=1")
+        await self.health.enter_graceful_shutdown()
+        self._close_handshake()
+        self.servicer.end_sessions()
+        await self._close(grace=self.config.shutdown_grace_seconds, keep_cache=True)
+        for path in self.config.socket_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _close_handshake(self) -> None:
+        if self.auth is not None:
+            self.auth.close()
+            self.auth = None
+
+    async def _close(self, grace: float | None, keep_cache: bool) -> None:
+        self._close_handshake()
+        await asyncio.gather(*(each.stop(grace) for each in self.servers))
+        for manager in self.tenants.managers():
+            manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
+        # Kept, published pages stay in shared memory, sealed, so `kvd serve` finds them again
+        # (systemctl restart keeps the cache); `kvd clean` removes them for good.
+        _close_all(self.tenants, self.link, keep_cache)
+        if self.publisher is not None:
+            self.publisher.close()  # after the last call's batch: the loop ran it before the servers stopped
+        if self.metrics is not None:
+            self.metrics.stop()
+
+
+def _prepare_sockets(config: ServeConfig) -> None:
     _prepare_socket(config.socket)
     if config.tenants or os.path.exists(auth_socket(config.socket)):
         _prepare_socket(auth_socket(config.socket))  # a stale one would lead clients into a dead handshake
     for t in config.tenants:
         _prepare_socket(tenant_socket(config.socket, t.name))
-    started = time.perf_counter()
-    publisher = _event_publisher(config)
-    tenants = _tenants(config, publisher)
-    _check_shm_room(tenants)
-    loop = asyncio.get_running_loop()
-    link = _remote_link(config, tenants, loop)
-    for manager in tenants.managers():
-        manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = KvdServicer(tenants, observe_latency=metrics.observe_latency if metrics else None)
-    add_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
-    if metrics is not None:  # before the socket: a busy port must not leave a half-started daemon
-        try:
-            metrics.start(tenants, config.metrics_host, config.metrics_port)
-        except OSError as e:
-            _close_all(tenants, link)
-            if publisher is not None:
-                publisher.close()
-            raise StartupError(
-                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e.strerror}"
-            ) from None
-    # The main socket opens last: once it answers, a client's handshake and tenant socket do too.
-    servers: list[grpc.aio.Server] = []
-    auth = None
-    try:
-        for t in config.tenants:
-            tenant_server = grpc.aio.server(options=SERVER_OPTIONS)
-            add_to_server(servicer.on_socket(t.name), tenant_server)
-            # Only the tenant's group connects; without a group the socket is as open as
-            # the main one, the same limit the tenant's extents have.
-            mode = config.socket_mode if t.group is None else 0o660
-            await _listen(tenant_server, tenant_socket(config.socket, t.name), mode, t.group)
-            servers.append(tenant_server)
-        if config.tenants:
-            try:
-                auth = await handshake.listen(auth_socket(config.socket), config.socket_mode, tenants)
-            except OSError as e:
-                raise StartupError(f"cannot listen on {auth_socket(config.socket)}: {e.strerror}") from None
-        await _listen(server, config.socket, config.socket_mode)
-        servers.append(server)
-    except StartupError:
-        if auth is not None:
-            auth.close()
-        await asyncio.gather(*(each.stop(None) for each in servers))
-        if metrics is not None:
-            metrics.stop()
-        _close_all(tenants, link)
-        if publisher is not None:
-            publisher.close()
-        raise
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
 
-    async def sweep_pins() -> None:
-        while True:
-            await asyncio.sleep(pins.SWEEP_SECONDS)
-            for manager in tenants.managers():
-                manager.expire_pins(time.monotonic())
-
-    sweeper = asyncio.create_task(sweep_pins())
-    # Everything built so far (recovered pages, servers) lives as long as the daemon.
-    gc_policy = collector.Collector().install()
+def _log_serving(config: ServeConfig, metrics: bool, started: float) -> None:
     log.info(
         "kvd %s serving on %s (host budget %d bytes, prefix reuse %s%s; metrics %s) after %.0f ms",
         __version__,
@@ -322,39 +351,38 @@ async def run(config: ServeConfig, metrics=None) -> None:
         config.host_bytes,
         "on" if config.enable_prefix_reuse else "off",
         f", tenants {', '.join(t.name for t in config.tenants)}" if config.tenants else "",
-        f"on http://{config.metrics_host}:{config.metrics_port}/metrics"
-        if metrics is not None
-        else "off (--metrics-port)",
+        f"on http://{config.metrics_host}:{config.metrics_port}/metrics" if metrics else "off (--metrics-port)",
         (time.perf_counter() - started) * 1e3,
     )
+
+
+async def _sweep_pins(tenants: Tenants) -> None:
+    while True:
+        await asyncio.sleep(pins.SWEEP_SECONDS)
+        for manager in tenants.managers():
+            manager.expire_pins(time.monotonic())
+
+
+async def run(config: ServeConfig, metrics=None) -> None:
+    _prepare_sockets(config)
+    started = time.perf_counter()
+    daemon = _Daemon(config, metrics)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    sweeper = asyncio.create_task(_sweep_pins(daemon.tenants))
+    # Everything built so far (recovered pages, servers) lives as long as the daemon.
+    gc_policy = collector.Collector().install()
+    _log_serving(config, metrics is not None, started)
     notify_systemd(f"READY=1\nSTATUS=serving on {config.socket}\nMAINPID={os.getpid()}")
     await stop.wait()
     for sig in (signal.SIGTERM, signal.SIGINT):  # a repeated signal must not cut the graceful stop short
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
-
-    log.info("stopping: finishing calls in flight")
-    notify_systemd("STOPPING=1")
-    await health_servicer.enter_graceful_shutdown()
-    if auth is not None:
-        auth.close()
-    servicer.end_sessions()
     sweeper.cancel()
-    await asyncio.gather(*(each.stop(grace=config.shutdown_grace_seconds) for each in servers))
-    for manager in tenants.managers():
-        manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
-    # Published pages stay in shared memory, sealed, so `kvd serve` finds them again
-    # (systemctl restart keeps the cache); `kvd clean` removes them for good.
-    _close_all(tenants, link, keep_cache=True)
-    if publisher is not None:
-        publisher.close()  # after the last call's batch: the loop ran it before the servers stopped
-    if metrics is not None:
-        metrics.stop()
-    for path in config.socket_paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    await daemon.stop()
     gc_policy.uninstall()
     log.info("stopped")
 

@@ -230,7 +230,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def RegisterNamespace(self, r):
         m = self._manager_of(r.session)
         m.sessions.get(r.session)
-        ns = m.register_namespace(messages.identity_from(r.identity))
+        ns = m.catalog.register_namespace(messages.identity_from(r.identity))
         return pb.RegisterNamespaceReply(namespace_id=ns.id, page_bytes=ns.page_bytes, root=ns.root)
 
     @_unary
@@ -240,7 +240,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         return pb.DescribeExtentsReply(
             extents=[
                 pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
-                for e in m.extents(r.namespace_id)
+                for e in m.catalog.extents(r.namespace_id)
             ]
         )
 
@@ -253,7 +253,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         """An Allocate or Lookup call's sequences, sizes checked before a core object per
         sequence and key is built, or a token id is copied out of the token buffer."""
         check_call(m.limits, r.sequences, messages.call_tokens(r.sequences))
-        return messages.requests_from(r.sequences, functools.partial(m.token_buffer, r.session))
+        return messages.requests_from(r.sequences, functools.partial(m.sessions.token_buffer, r.session))
 
     @_unary
     async def AllocateWithPrefix(self, r):
@@ -274,7 +274,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         # convert, ~60 ms to match) runs in steps between which other calls run.
         m = self._manager_of(r.session)
         check_call(m.limits, r.sequences, messages.call_tokens(r.sequences))
-        buffer = functools.partial(m.token_buffer, r.session)
+        buffer = functools.partial(m.sessions.token_buffer, r.session)
         requests, deadline = [], time.perf_counter() + STEP_SECONDS
         for s in r.sequences:
             requests.append(messages.request_from(s, buffer))
@@ -415,7 +415,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             corrupted_pages=sum(v.corrupted_pages for v in results),
             seconds=sum(v.seconds for v in results),
             recovery=messages.recovery_stats(
-                RecoveryReport.combined([m.last_recovery or RecoveryReport() for m in self.tenants.managers()])
+                RecoveryReport.combined([m.catalog.last_recovery or RecoveryReport() for m in self.tenants.managers()])
             ),
         )
 
@@ -433,7 +433,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
                 raise InvalidArgument(
                     "namespace ids are per tenant: reset one namespace through a session of its tenant"
                 )
-        result = sum((m.reset_prefix_cache(namespace) for m in managers), ResetResult(0, 0))
+        result = sum((m.catalog.reset_prefix_cache(namespace) for m in managers), ResetResult(0, 0))
         return pb.ResetPrefixCacheReply(dropped_pages=result.dropped_pages, kept_pages=result.kept_pages)
 
     @_unary

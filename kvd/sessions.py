@@ -7,14 +7,17 @@ reason the manager drops everything the session owned. Session tokens are random
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvd.errors import NotFound
+from kvd.errors import FailedPrecondition, NotFound
 from kvd.token_buffers import TokenBuffer
 from kvd.types import NamespaceId, SeqId, SessionId
+
+log = logging.getLogger(__name__)
 
 UNKNOWN_SESSION = (
     "unknown session; open one with OpenSession and keep its stream open "
@@ -50,6 +53,7 @@ class SessionRegistry:
     def open(self, client_name: str, pid: int) -> Session:
         session = Session(SessionId(secrets.token_hex(16)), client_name, pid)
         self._sessions[session.id] = session
+        log.info("session %s opened by %s (pid %d)", session.id[:8], client_name or "?", pid)
         return session
 
     def get(self, session_id: str) -> Session:
@@ -58,5 +62,37 @@ class SessionRegistry:
             raise NotFound(UNKNOWN_SESSION)
         return session
 
-    def remove(self, session: Session) -> None:
+    def token_buffer(self, session_id: str) -> TokenBuffer:
+        """The session's token buffer; FailedPrecondition when it opened none."""
+        buffer = self.get(session_id).token_buffer
+        if buffer is None:
+            raise FailedPrecondition("a token span names the session's token buffer, but it opened none")
+        return buffer
+
+    def set_token_buffer(self, session: Session, buffer: TokenBuffer) -> None:
+        """Gives the session a new token buffer, closing its earlier one."""
+        if session.token_buffer is not None:
+            session.token_buffer.close()
+        session.token_buffer = buffer
+
+    def remove(self, session: Session, daemon_stopping: bool, released: tuple[int, int]) -> None:
+        """Forgets the ended session (its sequences and pins are gone: ``released`` counts them)
+        and logs why it ended: closed by its client, the daemon stopping, or else the client
+        went away without closing it."""
+        if session.token_buffer is not None:
+            session.token_buffer.close()
         del self._sessions[session.id]
+        name = session.client_name or "?"
+        if session.closed_by_client:
+            log.info("session %s of %s closed", session.id[:8], name)
+        elif daemon_stopping:
+            log.info("session %s of %s ended: the daemon is stopping", session.id[:8], name)
+        else:
+            log.warning(
+                "session %s of %s (pid %d) ended without a close: the client crashed, was killed or lost "
+                "its connection; released %d sequences and %d pins",
+                session.id[:8],
+                name,
+                session.pid,
+                *released,
+            )

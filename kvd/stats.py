@@ -178,7 +178,7 @@ def collect(manager) -> Stats:
         manager.aux.used,
         manager.aux.per_sequence,
         arena.shm_refusals,
-        manager.last_recovery or RecoveryReport(),
+        manager.catalog.last_recovery or RecoveryReport(),
         remote_stats(manager),
     )
 

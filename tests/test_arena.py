@@ -56,9 +56,9 @@ def test_start_up_does_not_depend_on_the_budget(daemon_factory):
 
 def test_registering_a_namespace_builds_its_first_extent_in_the_background(make_manager):
     m = make_manager(budget_bytes=16 << 20, extent_bytes=1 << 20)
-    ns = m.register_namespace(identity())
+    ns = m.catalog.register_namespace(identity())
     deadline = time.monotonic() + 10
-    while not m.extents(ns.id) and time.monotonic() < deadline:
+    while not m.catalog.extents(ns.id) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert m.extents(ns.id), "no extent was built without a request asking for pages"
+    assert m.catalog.extents(ns.id), "no extent was built without a request asking for pages"
     assert m.pool.free_count(ns.id) > 0

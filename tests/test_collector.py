@@ -64,7 +64,7 @@ def test_cycles_frozen_while_alive_are_collected_after_the_complete_interval(ins
 def test_a_manager_without_a_collector_leaves_the_collector_alone(make_manager):
     before = gc.get_freeze_count()
     m = make_manager(budget_bytes=4 << 20, extent_bytes=1 << 20)
-    m.supply.add_extent(m.register_namespace(identity(page_size=16)))
+    m.supply.add_extent(m.catalog.register_namespace(identity(page_size=16)))
     assert gc.get_freeze_count() == before
 
 

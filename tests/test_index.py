@@ -55,7 +55,7 @@ def core(make_manager):
     """A manager, one session, one namespace of page_size 4."""
     m = make_manager()
     session = m.open_session("test", 1)
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE))
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE))
     return m, session.id, ns.id
 
 
@@ -173,6 +173,44 @@ def test_multimodal_item_enters_every_page_it_overlaps_and_only_those(offset, le
     # pages before the item keep their keys; from the item's first page on, the chain differs
     assert keys[:first] == plain_keys[:first]
     assert all(k != p for k, p in zip(keys[first:], plain_keys[first:]))
+
+
+def test_a_chain_continued_from_a_page_and_its_parent_key_is_the_tail_of_the_whole_chain():
+    """kvd.wire.keys.chain_keys from ``first_page`` with the key of the page before gives the
+    keys the whole prefix gives those pages, extra keys included (a LoRA, a cache salt, an
+    image over pages 1 to 3): a growing sequence hashes only its new pages."""
+    ids = list(range(100, 126))  # 6 full pages, then 2 tokens of a 7th
+    extra = [lora(b"adapter"), salt(b"tenant"), image(b"img-1", 6, 7)]
+    whole = kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids), extra)
+    assert whole == chain_keys(chain_spec(ROOT, PAGE_SIZE, extra), ids)
+    assert whole != kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids)), "the extra keys enter the keys"
+    for first_page in range(1, 7):
+        tail = kvd.wire.keys.chain_keys(
+            ROOT,
+            PAGE_SIZE,
+            toks(ids[first_page * PAGE_SIZE :]),
+            extra,
+            first_page=first_page,
+            parent=whole[first_page - 1],
+        )
+        assert tail == whole[first_page:], f"continued from page {first_page}"
+
+    grown: list[bytes] = []
+    for start, end in [(0, 1), (1, 2), (2, 4), (4, 6)]:  # pages published a few at a time, as a decode does
+        grown += kvd.wire.keys.chain_keys(
+            ROOT,
+            PAGE_SIZE,
+            toks(ids[start * PAGE_SIZE : end * PAGE_SIZE]),
+            extra,
+            first_page=start,
+            parent=grown[-1] if grown else None,
+        )
+    assert grown == whole
+
+    with pytest.raises(ValueError, match="parent"):
+        kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids[8:]), extra, first_page=2)
+    with pytest.raises(ValueError, match="parent"):
+        kvd.wire.keys.chain_keys(ROOT, PAGE_SIZE, toks(ids), extra, parent=whole[0])
 
 
 def test_multimodal_hits_stop_at_the_first_page_with_another_image(core):
@@ -312,7 +350,7 @@ def test_a_branch_starts_a_new_run_and_a_prompt_crossing_both_hits_every_page(co
 def test_a_prompt_leaving_a_run_inside_a_page_hits_the_pages_before_it(make_manager, pages, diverge):
     m = make_manager(budget_bytes=16 << 20, extent_bytes=1 << 20)
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     ids = list(range(1, pages * PAGE_SIZE + 1))
     published = allocate_and_publish(m, sid, ns, "a", ids).pages
     at = (pages * 2 // 3) * PAGE_SIZE + (0 if diverge == "first token" else PAGE_SIZE - 1)
@@ -338,7 +376,7 @@ def test_a_sequence_that_continues_a_run_extends_it(core):
 def test_evicting_a_run_tail_cuts_the_run_and_republishing_grows_it_again(make_manager):
     m = make_manager(budget_bytes=8 * 512, extent_bytes=8 * 512)  # 8 pages of 512 bytes
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     ids = list(range(300, 324))  # 6 pages
     allocate_and_publish(m, sid, ns, "a", ids)
     m.release(sid, ns, ["a"])  # all 6 cached; the tail goes first
@@ -409,7 +447,7 @@ def test_runs_find_exactly_the_pages_a_per_page_walk_finds(make_manager, steps):
     matching equals the per-page walk and every invariant holds."""
     m = make_manager(budget_bytes=48 * 512, extent_bytes=8 * 512)
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity(page_size=PAGE_SIZE)).id
+    ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     live: list[str] = []
     for n, (op, (family, cut, tail), with_image) in enumerate(steps):
         ids = list(range(family * 1000, family * 1000 + cut)) + tail

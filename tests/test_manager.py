@@ -93,7 +93,7 @@ class Core:
             nbytes = pages * PAGE_BYTES  # one extent holds the whole budget
             self.m = make_manager(budget_bytes=nbytes, extent_bytes=nbytes, prefix_reuse=prefix_reuse)
         self.sid = self.m.open_session("test", 1).id
-        self.ns = self.m.register_namespace(identity(**ident)).id
+        self.ns = self.m.catalog.register_namespace(identity(**ident)).id
         self.evicted: list[tuple[int, list[str]]] = []  # what the session stream heard
         self.replied: list[list[str]] = []  # what replies named as evicted by the call (non-empty only)
         self.m.sessions.get(self.sid).listener = lambda ns, ids: self.evicted.append((ns, list(ids)))
@@ -431,18 +431,18 @@ def test_reentry_is_only_for_the_owner(make_manager):
 def test_a_namespace_reclaims_another_namespaces_unreferenced_extent(make_manager):
     m = make_manager(budget_bytes=8 * PAGE_BYTES, extent_bytes=8 * PAGE_BYTES)
     sid = m.open_session("test", 1).id
-    small = m.register_namespace(identity(page_size=4)).id  # 512-byte pages
+    small = m.catalog.register_namespace(identity(page_size=4)).id  # 512-byte pages
     m.allocate(sid, small, [req("a", prompt(0, 8)), req("p", prompt(50, 8))])
     m.publish(sid, small, [("a", 0)])
-    big = m.register_namespace(identity(page_size=16)).id  # 2048-byte pages
+    big = m.catalog.register_namespace(identity(page_size=16)).id  # 2048-byte pages
     # the small namespace's extent holds the whole budget and a referenced page
     with pytest.raises(ResourceExhausted):
         m.allocate(sid, big, [req("b", prompt(0, 16))])
     m.release(sid, small, ["p", "a"])
     assert m.pool.lru_order(small) == [1, 0]
     plan = m.allocate(sid, big, [req("b", prompt(0, 16))]).result[0]
-    assert m.extents(small) == [] and len(m.extents(big)) == 1
-    assert plan.private_pages == [m.extents(big)[0].first_page]
+    assert m.catalog.extents(small) == [] and len(m.catalog.extents(big)) == 1
+    assert plan.private_pages == [m.catalog.extents(big)[0].first_page]
     assert m.counters.of(small).evicted_pages == 2 and len(m.index) == 0
     assert m.lookup(sid, small, [req("a", prompt(0, 8))])[0].hit_pages == []
     check(m)
@@ -900,7 +900,7 @@ def test_without_prefix_reuse_nothing_is_shared(make_manager):
     assert s.logical_pages == s.physical_pages == 13 and s.host_pages_saved == 0
     assert (s.shared_pages, s.cached_pages, s.hit_tokens, s.lookup_tokens) == (0, 0, 0, 30)
     c.release("a", "b", "c", "d")
-    assert c.lru() == [] and stats.collect(c.m).totals.free_pages == c.m.extents(c.ns)[0].num_pages
+    assert c.lru() == [] and stats.collect(c.m).totals.free_pages == c.m.catalog.extents(c.ns)[0].num_pages
     check(c.m)
 
 
@@ -979,7 +979,7 @@ def test_a_failed_background_build_returns_its_budget(make_manager):
     sid = m.open_session("test", 1).id
     build = m.arena.build
     m.arena.build = no_space
-    ns = m.register_namespace(identity()).id  # provisions its first extent in the background
+    ns = m.catalog.register_namespace(identity()).id  # provisions its first extent in the background
     futures.wait([future for _plan, future in m.supply._building.values()])
     with pytest.raises(OSError, match="No space left"):  # the build on the request path fails too
         m.allocate(sid, ns, [req("a", [1])])
@@ -994,7 +994,7 @@ def test_a_failed_background_build_returns_its_budget(make_manager):
 def test_close_survives_a_failed_background_build(make_manager):
     m = make_manager(budget_bytes=8 * PAGE_BYTES, extent_bytes=2 * PAGE_BYTES)
     sid = m.open_session("test", 1).id
-    ns = m.register_namespace(identity()).id
+    ns = m.catalog.register_namespace(identity()).id
     m.allocate(sid, ns, [req("a", prompt(0, 8))])  # fills extent 0; extent 1 is built behind
     settle(m)
     m.arena.build = no_space

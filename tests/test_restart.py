@@ -112,7 +112,7 @@ def test_recovery_cost_per_gib(tmp_path):
     first = KVCacheManager(Arena(512 << 20, 64 << 20, prefix, lock_memory=False), prefix_reuse=True)
     try:
         session = first.open_session("bench", 1).id
-        ns = first.register_namespace(identity)
+        ns = first.catalog.register_namespace(identity)
         tokens = np.arange(1024 * 16, dtype="<i4").tobytes()
         [plan] = first.allocate(session, ns.id, [CoreRequest("s", tokens)]).result
         for page in plan.private_pages:

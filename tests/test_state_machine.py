@@ -82,7 +82,7 @@ class CoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.m = type(self).make_manager(budget_bytes=BUDGET, extent_bytes=EXTENT)
-        self.ns = [self.m.register_namespace(identity(page_size=ps)).id for ps in PAGE_SIZES]
+        self.ns = [self.m.catalog.register_namespace(identity(page_size=ps)).id for ps in PAGE_SIZES]
         self.sids: list[str] = []
         self.open: list[bool] = []
         self.events: list[tuple[int, str]] = []

@@ -357,3 +357,45 @@ def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored
         assert sorted(heard[0].block_hashes) == sorted(reported[:6]), "the rest; never pages it did not report"
     assert a.scheduler.take_events() == []
     a.scheduler.close()
+
+
+def test_a_decode_hashes_each_published_block_once_and_its_removals_name_every_block(daemon, monkeypatch):
+    """The kvd keys of a request's blocks, for the BlockRemoved events, chain on from the last
+    block published: a decode that publishes its generated blocks a few at a time hashes
+    each block once, and the keys it remembers are kvd's keys of the whole sequence."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    import kvd.wire.keys
+
+    hashed_pages = []
+    page_key = kvd.wire.keys.page_key
+    monkeypatch.setattr(
+        kvd.wire.keys, "page_key", lambda parent, i, *rest: hashed_pages.append(i) or page_key(parent, i, *rest)
+    )
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(4 * BLOCK + 5)
+    ra = request("a", prompt, lora="adapter-1", salt="tenant")
+    ra.mm_features = [  # an image over blocks 1 and 2
+        SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=BLOCK + 3, length=BLOCK))
+    ]
+    ra.block_hashes = [bytes([i]) * 32 for i in range(12)]  # vLLM's hashes of the full blocks
+    assert a.run(ra, list(range(12))) == set()  # publishes blocks 0-3
+    computed = len(prompt)
+    for seed, generated in [(2, BLOCK), (3, BLOCK), (4, 2 * BLOCK), (5, BLOCK // 2), (6, 3 * BLOCK)]:
+        ra.all_token_ids += tokens(generated, seed)  # the last sampled token's KV comes with the next step
+        assert a.next_step(ra, computed, len(ra.all_token_ids) - 1 - computed) == set()
+        computed = len(ra.all_token_ids) - 1
+    a.finish(ra)
+    published = len(ra.all_token_ids[:computed]) // BLOCK
+    stored = [h for e in a.scheduler.take_events() for h in e.block_hashes]
+    reported = [maybe_convert_block_hash(h) for h in ra.block_hashes[:published]]
+    assert published == 11 and stored == reported
+    assert hashed_pages == list(range(published)), "each block hashed once, in order"
+
+    with KVDClient.connect(daemon.socket) as kvd:  # drop every page: kvd names them by its keys
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        assert kvd.reset_prefix_cache(ns)["dropped_pages"] == published
+    heard = []
+    wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
+    assert sorted(h for e in heard for h in e.block_hashes) == sorted(reported), "a key remembered wrong"
+    a.scheduler.close()

@@ -86,14 +86,32 @@ def page_key(parent_key: bytes, page_index: int, page_tokens: bytes, local: byte
 
 
 def chain_keys(
-    namespace_root: bytes, page_size: int, tokens: bytes, extra_keys: Iterable[KeyMaterial] = ()
+    namespace_root: bytes,
+    page_size: int,
+    tokens: bytes,
+    extra_keys: Iterable[KeyMaterial] = (),
+    *,
+    first_page: int = 0,
+    parent: bytes | None = None,
 ) -> list[bytes]:
-    """The keys of a prompt's full pages, in order (``tokens``: packed little-endian int32):
-    what the daemon indexes them under once they are published."""
+    """The keys of the full pages that ``tokens`` (packed little-endian int32) fill, in
+    order: what the daemon indexes them under once they are published.
+
+    ``tokens`` start at page ``first_page`` of the request, and ``parent`` is the key of
+    page ``first_page - 1`` (None for page 0, whose parent is the chain root): a sequence
+    that grows page by page thus hashes each new page once, not its whole prefix again.
+    The keys equal the tail of those of the whole prefix; ``extra_keys`` are the
+    request's, offsets counted from its first token.
+    """
+    if first_page < 0 or (parent is None) != (first_page == 0):
+        raise ValueError(f"parent, the key of page first_page - 1, comes with a first_page > 0: got {first_page}")
     chain = chain_spec(namespace_root, page_size, extra_keys)
     step = page_size * 4
-    keys, parent = [], chain.root
+    keys = []
+    if parent is None:
+        parent = chain.root
     for i in range(len(tokens) // step):
-        parent = page_key(parent, i, tokens[i * step : (i + 1) * step], chain.local_bytes(i))
+        page_index = first_page + i
+        parent = page_key(parent, page_index, tokens[i * step : (i + 1) * step], chain.local_bytes(page_index))
         keys.append(parent)
     return keys

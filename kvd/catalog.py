@@ -1,0 +1,133 @@
+"""The cache as a whole, apart from any session: its namespaces and the manifest that records
+them, what a warm restart hands over, and the prefix-cache reset.
+
+``KVCacheManager`` (kvd/manager.py) answers the calls that act on sequences, pins and
+sessions; what acts on every published page of a namespace at once lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvd.arena import Arena, ExtentPlan
+from kvd.counters import Counters
+from kvd.errors import ResourceExhausted
+from kvd.events import EventLog
+from kvd.eviction import restore_order
+from kvd.index import PageContent, PrefixIndex
+from kvd.integrity import Integrity
+from kvd.meta import MetaError
+from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
+from kvd.pool import PagePool
+from kvd.requests import ResetResult
+from kvd.supply import ExtentSupply
+from kvd.types import NamespaceId, PageId, PageKey, PageState
+
+if TYPE_CHECKING:
+    from kvd.recovery import Recovered, RecoveryReport
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    """Namespaces and their published pages, for registration, warm restart and reset."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        namespaces: NamespaceRegistry,
+        pool: PagePool,
+        index: PrefixIndex,
+        integrity: Integrity,
+        supply: ExtentSupply,
+        counters: Counters,
+        events: EventLog,
+    ) -> None:
+        self.arena = arena
+        self.namespaces = namespaces
+        self.pool = pool
+        self.index = index
+        self.integrity = integrity
+        self.supply = supply
+        self.counters = counters
+        self.events = events
+        self.last_recovery: RecoveryReport | None = None  # of this start, set by restore()
+
+    def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
+        """The namespace of ``identity``; a new one is registered all or nothing: it is
+        written to the manifest first, and a manifest that cannot be written registers nothing."""
+        ns = self.namespaces.find(identity)
+        if ns is None:
+            ns = self.namespaces.new(identity)
+            try:
+                self.write_manifest([*self.namespaces.all(), ns])
+            except (MetaError, OSError) as e:
+                raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
+            self.namespaces.add(ns)
+        self.supply.provision(ns)
+        return ns
+
+    def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
+        """What a restarted daemon checks before it re-attaches the extents (kvd/meta.py):
+        the settings and ``namespaces`` (default: the registered ones)."""
+        self.arena.write_manifest(
+            {
+                "host_bytes": self.arena.budget_bytes,
+                "extent_bytes": self.arena.extent_bytes,
+                "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
+            }
+        )
+
+    def extents(self, namespace_id: int) -> list[ExtentPlan]:
+        """The extents holding the namespace's pages, those built in the background included."""
+        ns = self.namespaces.get(namespace_id)
+        self.supply.adopt_built()
+        return [e.plan for e in self.arena.extents() if e.plan.namespace == ns.id]
+
+    def restore(self, report: RecoveryReport, found: Recovered | None = None) -> None:
+        """Takes what a warm restart (kvd/recovery.py) verified, before any call: its namespaces
+        with their old ids, its extents' pages as FREE, its pages as CACHED (indexed, refcount 0,
+        chain tails first in the LRU) and their checksums. ``report`` is kept for stats."""
+        self.last_recovery = report
+        if found is None:
+            return
+        for identity, ns_id in found.namespaces:
+            got = self.namespaces.register(identity)
+            assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
+        for extent in found.extents:
+            self.arena.adopt_recovered(extent)
+            self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
+        by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        keys: dict[PageId, PageKey] = {}
+        for page_index, content in found.pages:  # parents first
+            self.index.insert(content, page_index)
+            ns_id = self.pool.namespace_of(content.page)
+            by_ns.setdefault(ns_id, []).append((page_index, content))
+            keys[content.page] = content.key
+            # The records keep no extra keys, so recovered pages are announced without a LoRA name.
+            parent = None if content.parent is None else keys[content.parent]
+            self.events.stored(
+                ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
+            )
+        for ns_id, contents in by_ns.items():
+            self.pool.restore(ns_id, restore_order(contents))
+        for ns_id, corrupted in found.corrupted.items():
+            self.counters.of(ns_id).corrupted_pages += corrupted
+        self.integrity.restore(found.checksums)
+        self.write_manifest()
+
+    def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
+        """Drops every cached (published, unreferenced) page of a namespace, or of all: what
+        vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
+        references stay as they are, indexed; nothing is refused."""
+        namespaces = self.namespaces.all() if namespace_id is None else [self.namespaces.get(namespace_id)]
+        ids = {ns.id for ns in namespaces}
+        dropped = 0
+        for ns_id in ids:
+            while self.pool.cached_count(ns_id):
+                self.index.remove(self.pool.evict_next(ns_id))
+                dropped += 1
+        kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
+        log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
+        return ResetResult(dropped, kept)
