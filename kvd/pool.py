@@ -310,11 +310,6 @@ class PagePool:
         c.indexed_at[slot] = indexed
         self._content[page] = content
 
-    def evict_next(self, namespace: NamespaceId) -> PageContent:
-        """CACHED → FREE for the eviction policy's next victim; returns what it held."""
-        pages = self._ns(namespace)
-        return self._evict(pages.cached.victim(), pages)
-
     def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
         """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
         when fewer); returns what they held, in eviction order."""

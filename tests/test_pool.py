@@ -70,7 +70,7 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
     assert [pool.state(p) for p in pages[:31]] == [PageState.PUBLISHED] * 30 + [PageState.CACHED]
     pool.release_all(reversed(pages[:30]))
     assert pool.lru_order(ns) == pages[:29:-1] + pages[29::-1]
-    evicted = [pool.evict_next(ns).page for _ in range(12)]
+    evicted = [pool.evict_many(ns, 1)[0].page for _ in range(12)]
     assert evicted == pages[:29:-1] + pages[29:27:-1] and pool.cached_count(ns) == 28
 
 
@@ -230,7 +230,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
                     refs.remove((page, pin))
         elif op < 0.8 and model.lru[ns]:
             page = next(iter(model.lru[ns]))
-            assert pool.evict_next(NamespaceId(ns)).page == page
+            assert [c.page for c in pool.evict_many(NamespaceId(ns), 1)] == [page]
             model.evict(page)
         elif op < 0.82 and model.lru[ns]:
             count = rng.randint(1, 60)  # more than are cached at times
