@@ -68,28 +68,7 @@ def heap(freeze: bool, churn: int, out) -> None:
         full = time.thread_time() - t
         gc.collect()  # the next full collection comes as after the daemon's own ones (kvd/collector.py)
 
-        pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        started = [0.0]
-
-        def timed(phase: str, info: dict) -> None:
-            if phase == "start":
-                started[0] = time.thread_time()
-            else:
-                pauses[info["generation"]].append(time.thread_time() - started[0])
-
-        gc.callbacks.append(timed)
-        steps = []
-        for _ in range(churn):  # each allocation evicts cached pages, each publish makes new ones
-            allocate()
-            job = m.publish_job(session, ns.id, [("s", 0)])
-            done = False
-            while not done:
-                t = time.thread_time()
-                done = job.step()
-                steps.append(time.thread_time() - t)
-            m.integrity.apply(wait=True)
-            m.release(session, ns.id, ["s"])
-        gc.callbacks.remove(timed)
+        pauses, steps = _churn(m, session, ns.id, allocate, churn)
         unfrozen = len(gc.get_objects())
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         longest = max((p for gen in pauses.values() for p in gen), default=0.0)
@@ -103,6 +82,35 @@ def heap(freeze: bool, churn: int, out) -> None:
         out.send((full, longest, len(pauses[2]), max(steps), end, frozen, unfrozen, trapped, rss))
     finally:
         m.close()
+
+
+def _churn(m, session: str, ns: int, allocate, churn: int) -> tuple[dict[int, list[float]], list[float]]:
+    """``churn`` prompts allocated (each evicting cached pages) and published in steps (each
+    making new ones); returns the collector's pauses by generation and every publish step's
+    time, in thread CPU seconds."""
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.thread_time()
+        else:
+            pauses[info["generation"]].append(time.thread_time() - started[0])
+
+    gc.callbacks.append(timed)
+    steps = []
+    for _ in range(churn):
+        allocate()
+        job = m.publish_job(session, ns, [("s", 0)])
+        done = False
+        while not done:
+            t = time.thread_time()
+            done = job.step()
+            steps.append(time.thread_time() - t)
+        m.integrity.apply(wait=True)
+        m.release(session, ns, ["s"])
+    gc.callbacks.remove(timed)
+    return pauses, steps
 
 
 def run(freeze: bool, churn: int) -> tuple:

@@ -22,6 +22,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -93,6 +94,57 @@ def memcpy_seconds(nbytes: int) -> float:
     return best
 
 
+@dataclass
+class Measured:
+    publish: float  # seconds: A's publish call
+    store: float  # seconds: publish to every page stored
+    local: float  # seconds: A's local hit
+    fetch: float  # seconds: B asks until the whole prefix hits
+    equal: bool  # B's pages hold A's bytes
+    remote: dict  # B's remote stats
+
+
+def measure(a: KVDClient, b: KVDClient, layout, tokens: np.ndarray, pages: int) -> Measured:
+    """A publishes the prompt into the store; B, which never saw it, obtains it from there."""
+    for c in (a, b):
+        wait(lambda c=c: c.stats()["remote"]["state"] == "up", "the store is up", 30, 0.05)
+    ns_a, ns_b = a.register_namespace("bench", layout), b.register_namespace("bench", layout)
+    # B has built its extents already, as a host that has served for a while has.
+    other = np.random.default_rng(1).integers(0, 32000, len(tokens), dtype=np.int32)
+    b.allocate_with_prefix(ns_b, [SequenceRequest("warm", other)])
+    b.release(ns_b, ["warm"])
+
+    [alloc] = a.allocate_with_prefix(ns_a, [SequenceRequest("p", tokens)])
+    for i, page in enumerate(alloc.pages):
+        a.page_array(ns_a, page)[...] = i % 251 + 1  # any bytes: the page's number
+    started = time.perf_counter()
+    a.publish(ns_a, ["p"])
+    publish = time.perf_counter() - started
+    wait(lambda: a.stats()["remote"]["stored_pages"] >= pages, "A stores the prompt")
+    store = time.perf_counter() - started
+    a.release(ns_a, ["p"])
+
+    started = time.perf_counter()
+    [hit] = a.allocate_with_prefix(ns_a, [SequenceRequest("again", tokens)])
+    local = time.perf_counter() - started
+    assert hit.shared_prefix_tokens == len(tokens), hit.shared_prefix_tokens
+    a.release(ns_a, ["again"])
+
+    started = time.perf_counter()
+    ask = [SequenceRequest("ask", tokens)]
+    wait(
+        lambda: (r := b.lookup(ns_b, ask)[0]).hit_tokens == len(tokens) and not r.remote_pending_tokens,
+        "B fetches the prompt",
+    )
+    fetch = time.perf_counter() - started
+    [got] = b.allocate_with_prefix(ns_b, [SequenceRequest("q", tokens)])
+    assert got.shared_prefix_tokens == len(tokens)
+    equal = all(
+        np.array_equal(b.page_array(ns_b, x), a.page_array(ns_a, y)) for x, y in zip(got.shared_pages, alloc.pages)
+    )
+    return Measured(publish, store, local, fetch, equal, b.stats()["remote"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=50_000)
@@ -111,45 +163,7 @@ def main() -> None:
         try:
             daemons = [start(workdir, name, master, host_bytes, nbytes + (256 << 20)) for name in ("a", "b")]
             with KVDClient.connect(daemons[0].socket) as a, KVDClient.connect(daemons[1].socket) as b:
-                for c in (a, b):
-                    wait(lambda c=c: c.stats()["remote"]["state"] == "up", "the store is up", 30, 0.05)
-                ns_a, ns_b = a.register_namespace("bench", layout), b.register_namespace("bench", layout)
-                request = [SequenceRequest("p", tokens)]
-                # B has built its extents already, as a host that has served for a while has.
-                other = np.random.default_rng(1).integers(0, 32000, len(tokens), dtype=np.int32)
-                b.allocate_with_prefix(ns_b, [SequenceRequest("warm", other)])
-                b.release(ns_b, ["warm"])
-
-                [alloc] = a.allocate_with_prefix(ns_a, request)
-                for i, page in enumerate(alloc.pages):
-                    a.page_array(ns_a, page)[...] = i % 251 + 1  # any bytes: the page's number
-                started = time.perf_counter()
-                a.publish(ns_a, ["p"])
-                publish = time.perf_counter() - started
-                wait(lambda: a.stats()["remote"]["stored_pages"] >= pages, "A stores the prompt")
-                store = time.perf_counter() - started
-                a.release(ns_a, ["p"])
-
-                started = time.perf_counter()
-                [hit] = a.allocate_with_prefix(ns_a, [SequenceRequest("again", tokens)])
-                local = time.perf_counter() - started
-                assert hit.shared_prefix_tokens == len(tokens), hit.shared_prefix_tokens
-                a.release(ns_a, ["again"])
-
-                started = time.perf_counter()
-                ask = [SequenceRequest("ask", tokens)]
-                wait(
-                    lambda: (r := b.lookup(ns_b, ask)[0]).hit_tokens == len(tokens) and not r.remote_pending_tokens,
-                    "B fetches the prompt",
-                )
-                fetch = time.perf_counter() - started
-                [got] = b.allocate_with_prefix(ns_b, [SequenceRequest("q", tokens)])
-                assert got.shared_prefix_tokens == len(tokens)
-                equal = all(
-                    np.array_equal(b.page_array(ns_b, x), a.page_array(ns_a, y))
-                    for x, y in zip(got.shared_pages, alloc.pages)
-                )
-                sb = b.stats()["remote"]
+                m = measure(a, b, layout, tokens, pages)
         finally:
             for d in daemons:
                 d.stop()
@@ -159,14 +173,20 @@ def main() -> None:
     copy = memcpy_seconds(nbytes)
     gb = nbytes / 1e9
     print(f"prompt: {len(tokens):,} tokens, {pages:,} pages of {page_bytes >> 10} KiB = {nbytes / 2**20:,.0f} MiB")
-    print(f"A publish (gRPC, returns before the store):       {publish * 1e3:9.1f} ms")
-    print(f"A store, publish to all pages stored:             {store * 1e3:9.1f} ms  {gb / store:6.2f} GB/s")
-    print(f"A local hit (allocate, computes nothing):         {local * 1e3:9.1f} ms")
-    print(f"B obtains the prefix from the store (ask → hit):  {fetch * 1e3:9.1f} ms  {gb / fetch:6.2f} GB/s")
+    print(f"A publish (gRPC, returns before the store):       {m.publish * 1e3:9.1f} ms")
+    print(f"A store, publish to all pages stored:             {m.store * 1e3:9.1f} ms  {gb / m.store:6.2f} GB/s")
+    print(f"A local hit (allocate, computes nothing):         {m.local * 1e3:9.1f} ms")
+    print(f"B obtains the prefix from the store (ask → hit):  {m.fetch * 1e3:9.1f} ms  {gb / m.fetch:6.2f} GB/s")
     print(f"same bytes over one loopback TCP socket:          {tcp * 1e3:9.1f} ms  {gb / tcp:6.2f} GB/s")
     print(f"same bytes, one memcpy:                           {copy * 1e3:9.1f} ms  {gb / copy:6.2f} GB/s")
-    print(f"B's fetch / local hit {fetch / local:.1f}x; / socket copy {fetch / tcp:.2f}x; / memcpy {fetch / copy:.1f}x")
-    print(f"B fetched {sb['fetched_pages']:,} pages, rejected {sb['rejected_pages']}; bytes equal to A's: {equal}")
+    print(
+        f"B's fetch / local hit {m.fetch / m.local:.1f}x; / socket copy {m.fetch / tcp:.2f}x; "
+        f"/ memcpy {m.fetch / copy:.1f}x"
+    )
+    print(
+        f"B fetched {m.remote['fetched_pages']:,} pages, rejected {m.remote['rejected_pages']}; "
+        f"bytes equal to A's: {m.equal}"
+    )
 
 
 if __name__ == "__main__":

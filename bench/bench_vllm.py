@@ -26,6 +26,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,6 +53,78 @@ def write_model(path: str, layers: int, hidden: int) -> None:
         torch_dtype="float32",
     )
     LlamaForCausalLM(config).save_pretrained(path)
+
+
+@dataclass
+class Timings:
+    """Seconds to a first token, one entry per repeat."""
+
+    hit: list[float] = field(default_factory=list)  # second, the prefix from kvd
+    local: list[float] = field(default_factory=list)  # second, the prefix from vLLM's own cache
+    alone: list[float] = field(default_factory=list)  # alone, the same prompt
+    miss: list[float] = field(default_factory=list)  # second, a prompt nothing holds
+    miss_alone: list[float] = field(default_factory=list)  # alone, the same prompt
+    hit_tokens: int = 0  # prompt tokens second loaded from kvd
+
+
+def ttft(engine, prompt_tokens: list[int], forget: bool = True) -> tuple[float, int]:
+    """Seconds to one generated token, and the prompt tokens loaded from kvd; ``forget``
+    empties vLLM's own prefix cache first."""
+    if forget:
+        engine.forget_local_cache()
+    start = time.perf_counter()
+    _, hits = engine.generate([{"tokens": prompt_tokens}], max_tokens=1)
+    return time.perf_counter() - start, hits
+
+
+def measure(second, alone, prefix: list[int], ids, args) -> Timings:
+    """The engines side by side, each repeat on fresh suffixes and a fresh unshared prompt."""
+    timings = Timings()
+    for _ in range(args.repeats):
+        p = prefix + ids(args.suffix)
+        t, timings.hit_tokens = ttft(second, p)
+        timings.hit.append(t)
+        # The floor: the same prefix from vLLM's own cache (second just computed it), a
+        # suffix of as many new tokens to compute.
+        timings.local.append(ttft(second, prefix + ids(args.suffix), forget=False)[0])
+        timings.alone.append(ttft(alone, p)[0])
+        q = ids(args.prefix + args.suffix)
+        t, miss_hits = ttft(second, q)
+        assert miss_hits == 0
+        timings.miss.append(t)
+        timings.miss_alone.append(ttft(alone, q)[0])
+    return timings
+
+
+def report(args, timings: Timings) -> None:
+    med = statistics.median
+    total, hits = args.prefix + args.suffix, timings.hit_tokens
+    computed = total - hits
+    # Prefill FLOPs: ~32 h^2 a token in the linear layers (attention projections and a
+    # 4h MLP), ~4 h a (query, key) pair in attention; causal: a prompt has T^2 / 2 pairs.
+    pair = 4 * args.hidden / (32 * args.hidden**2)
+    ideal = (total + pair * total**2 / 2) / (computed + pair * (total**2 - hits**2) / 2)
+    achieved = med(timings.alone) / med(timings.hit)
+    overhead = med(timings.miss) / med(timings.miss_alone) - 1
+    floor = med(timings.local)
+    print(
+        f"prompt {total:,} tokens ({args.prefix:,} shared + {args.suffix} own), {args.layers} layers x "
+        f"hidden {args.hidden}, float32, vLLM CPU backend, {args.repeats} repeats (medians)"
+    )
+    print(f"  second engine TTFT with kvd  {med(timings.hit) * 1000:9.1f} ms  ({hits:,} prompt tokens loaded from kvd)")
+    print(
+        f"  same prefix from vLLM's own cache {floor * 1000:9.1f} ms (the floor for any cache: "
+        f"kvd takes {med(timings.hit) / floor:.2f}x it)"
+    )
+    print(f"  same prompt, vLLM alone      {med(timings.alone) * 1000:9.1f} ms")
+    print(
+        f"  speed-up achieved {achieved:.2f}x, FLOPs-ideal {ideal:.2f}x -> {achieved / ideal:.2f} of ideal "
+        f"(target >= 0.7); vLLM's own cache reaches {med(timings.alone) / floor / ideal:.2f}"
+    )
+    print(
+        f"  no hit: TTFT with kvd {med(timings.miss) * 1000:.1f} ms, alone "
+        f"{med(timings.miss_alone) * 1000:.1f} ms -> overhead {overhead * 100:+.1f} % (target <= 3 %)"
+    )
 
 
 def main() -> None:
@@ -91,61 +165,7 @@ def main() -> None:
             first.stop()  # its pages stay in kvd; an idle engine would only take CPU from the timed ones
             for engine in (second, alone):  # warm-up: first-call costs land in no timed figure
                 engine.generate([{"tokens": ids(args.prefix + args.suffix)}], max_tokens=1)
-
-            def ttft(engine, prompt_tokens, forget: bool = True) -> tuple[float, int]:
-                import time
-
-                if forget:
-                    engine.forget_local_cache()
-                start = time.perf_counter()
-                _, hits = engine.generate([{"tokens": prompt_tokens}], max_tokens=1)
-                return time.perf_counter() - start, hits
-
-            hit_times, local_times, alone_times, miss_times, miss_alone_times = [], [], [], [], []
-            for _ in range(args.repeats):
-                p = prefix + ids(args.suffix)
-                t, hits = ttft(second, p)
-                hit_times.append(t)
-                # The floor: the same prefix from vLLM's own cache (second just computed it),
-                # a suffix of as many new tokens to compute
-                local_times.append(ttft(second, prefix + ids(args.suffix), forget=False)[0])
-                alone_times.append(ttft(alone, p)[0])
-                q = ids(args.prefix + args.suffix)
-                t, miss_hits = ttft(second, q)
-                assert miss_hits == 0
-                miss_times.append(t)
-                miss_alone_times.append(ttft(alone, q)[0])
-            total = args.prefix + args.suffix
-            computed = total - hits
-            # Prefill FLOPs: ~32 h^2 a token in the linear layers (attention projections and a
-            # 4h MLP), ~4 h a (query, key) pair in attention; causal: a prompt has T^2 / 2 pairs.
-            pair = 4 * args.hidden / (32 * args.hidden**2)
-            ideal = (total + pair * total**2 / 2) / (computed + pair * (total**2 - hits**2) / 2)
-            achieved = statistics.median(alone_times) / statistics.median(hit_times)
-            overhead = statistics.median(miss_times) / statistics.median(miss_alone_times) - 1
-            print(
-                f"prompt {total:,} tokens ({args.prefix:,} shared + {args.suffix} own), {args.layers} layers x "
-                f"hidden {args.hidden}, float32, vLLM CPU backend, {args.repeats} repeats (medians)"
-            )
-            print(
-                f"  second engine TTFT with kvd  {statistics.median(hit_times) * 1000:9.1f} ms  "
-                f"({hits:,} prompt tokens loaded from kvd)"
-            )
-            floor = statistics.median(local_times)
-            print(
-                f"  same prefix from vLLM's own cache {floor * 1000:9.1f} ms (the floor for any cache: "
-                f"kvd takes {statistics.median(hit_times) / floor:.2f}x it)"
-            )
-            print(f"  same prompt, vLLM alone      {statistics.median(alone_times) * 1000:9.1f} ms")
-            print(
-                f"  speed-up achieved {achieved:.2f}x, FLOPs-ideal {ideal:.2f}x -> {achieved / ideal:.2f} of ideal "
-                f"(target >= 0.7); vLLM's own cache reaches {statistics.median(alone_times) / floor / ideal:.2f}"
-            )
-            print(
-                f"  no hit: TTFT with kvd {statistics.median(miss_times) * 1000:.1f} ms, alone "
-                f"{statistics.median(miss_alone_times) * 1000:.1f} ms -> overhead {overhead * 100:+.1f} % "
-                f"(target <= 3 %)"
-            )
+            report(args, measure(second, alone, prefix, ids, args))
         finally:
             for engine in engines.values():
                 engine.stop()

@@ -125,8 +125,8 @@ class Catalog:
         ids = {ns.id for ns in namespaces}
         dropped = 0
         for ns_id in ids:
-            while self.pool.cached_count(ns_id):
-                self.index.remove(self.pool.evict_next(ns_id))
+            for content in self.pool.evict_many(ns_id, self.pool.cached_count(ns_id)):
+                self.index.remove(content)
                 dropped += 1
         kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
         log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)

@@ -1,14 +1,15 @@
 """The garbage collector's policy in the daemon: what a full collection has kept is frozen.
 
-A daemon holding 512K pages tracks over a million objects (a ``_Page`` per page, a
-``PageContent`` per published page, index runs); a full collection walks all of them on
+A daemon holding 512K published pages tracks over a million objects (a ``PageContent``
+per published page, index runs and entries; a page's state and counts are array columns,
+kvd/page_columns.py, not objects); a full collection walks all of them on
 the event loop, inside whichever call allocated when it came due: 0.5–0.9 s measured at
 1 GiB of 2 KiB pages (bench/bench_gc.py). Like other long-lived Python servers, the
 daemon moves objects it keeps into the permanent generation (``gc.freeze()``, O(1)), which
 no collection walks:
 
 - once started (recovery done, servers built), after one full collection;
-- after each extent is adopted (kvd/supply.py): its pages live as long as the daemon;
+- after each extent is adopted (kvd/supply.py): it lives as long as the daemon;
 - right after every full collection: what survived it is frozen, so the next one walks
   only what survived since (a cache that turns over replaces its ``PageContent`` objects,
   and freezing at the first two points alone let full collections grow back to ~0.5 s).

@@ -7,37 +7,38 @@ references plus pins. Its state follows from the count and from whether it was p
       ^                    |                                                      |
       +---release to 0-----+<-----------------------evict (LRU)-------------------+
 
+The per-page data is in columns (kvd/page_columns.py), so a batch of pages (a 50K-token
+hit pins 3,125) is checked and changed with a few array operations instead of a Python
+loop; a batch under ``BATCH_PAGES`` (a decode step, one page of a publish) goes page by
+page, which costs it less. Both ways change the same data the same way. An extent's pages
+in use (PRIVATE or PUBLISHED) are the ones with a refcount.
+
 CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
 eviction policy's (kvd/eviction.py), not this module's.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvd.counters import Counters
 from kvd.eviction import CachedQueue
 from kvd.index import PageContent
+from kvd.page_columns import CACHED, FREE, PRIVATE, PUBLISHED, PageColumns
 from kvd.types import NamespaceId, PageId, PageState
 
+BATCH_PAGES = 32  # batches of at least this many pages take the array path
 
-@dataclass(slots=True)
-class _Page:
-    namespace: NamespaceId
-    extent: str
-    state: PageState = PageState.FREE
-    refcount: int = 0
-    pins: int = 0
-    content: PageContent | None = None  # set while PUBLISHED or CACHED
-    indexed: bool = False  # the index maps content.key to this page
+_STATES = (PageState.FREE, PageState.PRIVATE, PageState.PUBLISHED, PageState.CACHED)  # by column code
 
 
 @dataclass
 class _NamespacePages:
-    free: list[PageId] = field(default_factory=list)
-    cached: CachedQueue = field(default_factory=CachedQueue)
+    free: list[PageId]
+    cached: CachedQueue
 
 
 class PagePool:
@@ -46,28 +47,30 @@ class PagePool:
     def __init__(self, counters: Counters, on_unpublish: Callable[[PageId], None] | None = None) -> None:
         # Called when a published page stops being published (freed), before it can be reused.
         self._on_unpublish = on_unpublish
-        self._pages: dict[PageId, _Page] = {}
+        self._columns = PageColumns()
+        self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
+        self._extents: dict[str, range] = {}  # slots of each extent's pages
         self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
-        self._extent_in_use: dict[str, int] = {}  # PRIVATE or PUBLISHED pages per extent
         self._counters = counters  # refcount changes and evictions are counted here
 
     # ---- extents ------------------------------------------------------------------
 
     def add_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
         """Adds a new extent's pages as FREE."""
-        pages = self._ns(namespace)
-        for page in range(first + count - 1, first - 1, -1):  # pop() hands out low ids first
-            self._pages[PageId(page)] = _Page(namespace, extent)
-            pages.free.append(PageId(page))
-        self._extent_in_use[extent] = 0
+        self._extents[extent] = self._columns.add(first, count, namespace)
+        # pop() hands out low ids first
+        self._ns(namespace).free.extend(map(PageId, range(first + count - 1, first - 1, -1)))
 
     def remove_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
         """Forgets an extent whose pages are all FREE."""
-        assert self._extent_in_use.pop(extent) == 0, f"extent {extent} removed while pages are in use"
-        gone = set(range(first, first + count))
-        for page in gone:
-            p = self._pages.pop(PageId(page))
-            assert p.state is PageState.FREE, f"page {page} of extent {extent} removed while {p.state.value}"
+        assert self.extent_in_use(extent) == 0, f"extent {extent} removed while pages are in use"
+        slots = self._extents.pop(extent)
+        busy = np.flatnonzero(self._columns.state[slots.start : slots.stop] != FREE)
+        assert not busy.size, (
+            f"page {first + busy[0]} of extent {extent} removed while {self.state(first + busy[0]).value}"
+        )
+        self._columns.remove(first)
+        gone = range(first, first + count)
         pages = self._ns(namespace)
         pages.free = [p for p in pages.free if p not in gone]
 
@@ -75,43 +78,49 @@ class PagePool:
         """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered.
 
         ``contents`` come in eviction order: first in the list, first evicted."""
-        pages = self._ns(namespace)
-        restored = set()
+        c, pages = self._columns, self._ns(namespace)
+        slots = []
         for content in contents:
-            p = self._pages[content.page]
-            assert p.state is PageState.FREE and p.namespace == namespace, (
-                f"page {content.page} restored while {p.state.value}"
+            slot = c.slot(content.page)
+            assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
+                f"page {content.page} restored while {self.state(content.page).value}"
             )
-            p.state, p.content, p.indexed = PageState.CACHED, content, True
-            pages.cached.add(content.page)
-            restored.add(content.page)
+            self._content[content.page] = content
+            c.indexed_at[slot] = True
+            c.state_at[slot] = CACHED
+            slots.append(slot)
+        pages.cached.push(np.array(slots, np.int64))
+        restored = {content.page for content in contents}
         pages.free = [page for page in pages.free if page not in restored]
 
     def extent_in_use(self, extent: str) -> int:
-        return self._extent_in_use[extent]
+        """The extent's PRIVATE or PUBLISHED pages: those with a refcount."""
+        slots = self._extents[extent]
+        return int(np.count_nonzero(self._columns.refcount[slots.start : slots.stop]))
 
     # ---- queries ------------------------------------------------------------------
 
     def __contains__(self, page: PageId) -> bool:
-        return page in self._pages
+        return page in self._columns
 
     def namespace_of(self, page: PageId) -> NamespaceId:
-        return self._pages[page].namespace
+        return NamespaceId(self._columns.namespace_at[self._columns.slot(page)])
 
     def state(self, page: PageId) -> PageState:
-        return self._pages[page].state
+        return _STATES[self._columns.state_at[self._columns.slot(page)]]
 
     def refcount(self, page: PageId) -> int:
-        return self._pages[page].refcount
+        return self._columns.refcount_at[self._columns.slot(page)]
 
     def pins(self, page: PageId) -> int:
-        return self._pages[page].pins
+        return self._columns.pins_at[self._columns.slot(page)]
 
     def content(self, page: PageId) -> PageContent | None:
-        return self._pages[page].content
+        """What a PUBLISHED or CACHED page holds; None for any other page."""
+        return self._content.get(page)
 
     def is_indexed(self, page: PageId) -> bool:
-        return self._pages[page].indexed
+        return self._columns.indexed_at[self._columns.slot(page)]
 
     def free_count(self, namespace: NamespaceId) -> int:
         return len(self._ns(namespace).free)
@@ -121,15 +130,19 @@ class PagePool:
 
     def lru_order(self, namespace: NamespaceId) -> list[PageId]:
         """CACHED pages of a namespace, next eviction first."""
-        return list(self._ns(namespace).cached)
+        return self._columns.page[self._ns(namespace).cached.slots()].tolist()
 
     def free_list(self, namespace: NamespaceId) -> list[PageId]:
         return list(self._ns(namespace).free)
 
-    def pages(self):
-        """(page id, state, refcount, pins, namespace) of every page."""
-        for page, p in self._pages.items():
-            yield page, p.state, p.refcount, p.pins, p.namespace
+    def pages(self) -> Iterator[tuple[PageId, PageState, int, int, NamespaceId]]:
+        """(page id, state, refcount, pins, namespace) of every page, ascending by page id."""
+        c = self._columns
+        for first, slots in c.extents():
+            at = slice(slots.start, slots.stop)
+            rows = zip(c.state[at].tolist(), c.refcount[at].tolist(), c.pins[at].tolist(), c.namespace[at].tolist())
+            for page, (state, refcount, pins, namespace) in enumerate(rows, start=first):
+                yield PageId(page), _STATES[state], refcount, pins, NamespaceId(namespace)
 
     # ---- transitions --------------------------------------------------------------
 
@@ -137,145 +150,249 @@ class PagePool:
         """``count`` pages FREE → PRIVATE with refcount 1. The caller made sure they exist."""
         if not count:  # most decode steps fit in the tail page
             return []
-        free, pages_of, free_state, private = self._ns(namespace).free, self._pages, PageState.FREE, PageState.PRIVATE
+        c, free = self._columns, self._ns(namespace).free
         taken = free[len(free) - count :][::-1]
         del free[len(free) - count :]
-        extents = []
-        for page in taken:
-            p = pages_of[page]
-            assert p.state is free_state and p.refcount == 0, f"free list held page {page} in state {p.state.value}"
-            p.state = private
-            p.refcount = 1
-            extents.append(p.extent)
-        for extent, n in Counter(extents).items():
-            self._extent_in_use[extent] += n
+        if count < BATCH_PAGES:
+            for page in taken:
+                slot = c.slot(page)
+                if c.state_at[slot] != FREE or c.refcount_at[slot]:
+                    self._refuse_allocation(page)
+                c.state_at[slot] = PRIVATE
+                c.refcount_at[slot] = 1
+        else:
+            slots = c.slots(taken)
+            taken_wrong = np.flatnonzero((c.state[slots] != FREE) | (c.refcount[slots] != 0))
+            if taken_wrong.size:
+                self._refuse_allocation(taken[taken_wrong[0]])
+            c.state[slots] = PRIVATE
+            c.refcount[slots] = 1
         self._counters.of(namespace).refcount_increments += count
         return taken
+
+    def _refuse_allocation(self, page: PageId) -> None:
+        raise AssertionError(f"free list held page {page} in state {self.state(page).value}")
 
     def acquire(self, page: PageId, pin: bool = False) -> None:
         """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
         self.acquire_all((page,), pin)
 
     def acquire_all(self, pages: Sequence[PageId], pin: bool = False) -> None:
-        """acquire() for each page of one namespace, in one pass (a 50K-token hit pins ~3K pages).
-
-        The loop only counts; a page that is not PUBLISHED in that namespace takes
-        ``_revive``, which moves a CACHED page out of the LRU or names a broken invariant."""
+        """acquire() for each page of one namespace, each page at most once (a 50K-token hit
+        pins ~3K pages). CACHED pages leave the cache; a page neither PUBLISHED nor CACHED in
+        that namespace names a broken invariant."""
         if not pages:
             return
-        pages_of, published = self._pages, PageState.PUBLISHED
-        namespace = pages_of[pages[0]].namespace
-        for page in pages:
-            p = pages_of[page]
-            if p.state is not published or p.namespace != namespace:
-                self._revive(page, p, namespace)
-            p.refcount += 1
-        if pin:
+        c = self._columns
+        if len(pages) < BATCH_PAGES:
+            namespace = c.namespace_at[c.slot(pages[0])]
             for page in pages:
-                pages_of[page].pins += 1
+                slot = c.slot(page)
+                if c.state_at[slot] != PUBLISHED or c.namespace_at[slot] != namespace:
+                    self._revive(slot, namespace)
+                c.refcount_at[slot] += 1
+                if pin:
+                    c.pins_at[slot] += 1
+        else:
+            slots = c.slots(pages)
+            namespace = c.namespace_at[slots[0]]
+            if (c.state[slots] != PUBLISHED).any() or (c.namespace[slots] != namespace).any():
+                self._revive_all(slots, namespace)
+            c.refcount[slots] += 1
+            if pin:
+                c.pins[slots] += 1
         self._counters.of(namespace).refcount_increments += len(pages)
 
-    def _revive(self, page: PageId, p: _Page, namespace: NamespaceId) -> None:
-        assert p.namespace == namespace, (
-            f"page {page} of namespace {p.namespace} acquired with pages of namespace {namespace}"
+    def _revive(self, slot: int, namespace: NamespaceId) -> None:
+        """``_revive_all`` for one page."""
+        c = self._columns
+        if c.state_at[slot] == CACHED and c.namespace_at[slot] == namespace:
+            c.state_at[slot] = PUBLISHED
+            self._by_namespace[namespace].cached.left(1)
+        else:
+            self._revive_all(np.array([slot]), namespace)  # names what is wrong
+
+    def _revive_all(self, slots: np.ndarray, namespace: NamespaceId) -> None:
+        """Acquired pages that are not all PUBLISHED in ``namespace``: CACHED ones leave the
+        cache (their queue entries stay behind); anything else is a broken invariant."""
+        c = self._columns
+        foreign = np.flatnonzero(c.namespace[slots] != namespace)
+        assert not foreign.size, (
+            f"page {c.page[slots[foreign[0]]]} of namespace {c.namespace[slots[foreign[0]]]} "
+            f"acquired with pages of namespace {namespace}"
         )
-        if p.state is PageState.CACHED:
-            self._by_namespace[p.namespace].cached.remove(page)
-            p.state = PageState.PUBLISHED
-            self._extent_in_use[p.extent] += 1
-        assert p.state is PageState.PUBLISHED, (
-            f"page {page} acquired while {p.state.value}; only published pages are shared"
+        states = c.state[slots]
+        unshared = np.flatnonzero((states != PUBLISHED) & (states != CACHED))
+        assert not unshared.size, (
+            f"page {c.page[slots[unshared[0]]]} acquired while {_STATES[states[unshared[0]]].value}; "
+            "only published pages are shared"
         )
+        cached = slots[states == CACHED]
+        c.state[cached] = PUBLISHED
+        self._by_namespace[namespace].cached.left(len(cached))
 
     def release(self, page: PageId, pin: bool = False) -> None:
         """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
         self.release_all((page,), pin)
 
     def release_all(self, pages: Iterable[PageId], pin: bool = False) -> None:
-        """release() for each page of one namespace, in the given order (kvd/eviction.py's release_order)."""
-        pages = list(pages)
+        """release() for each page of one namespace, each at most once, in the given order
+        (kvd/eviction.py's release_order). A release that must not happen names the broken
+        invariant (in a batch of ``BATCH_PAGES`` or more, before anything changes)."""
+        if not isinstance(pages, (list, tuple)):
+            pages = list(pages)
         if not pages:
             return
-        pages_of, in_use, published = self._pages, self._extent_in_use, PageState.PUBLISHED
-        namespace = pages_of[pages[0]].namespace
-        cache = self._by_namespace[namespace].cached.add
-        for page in pages:
-            p = pages_of[page]
-            if p.refcount < 1 or p.namespace != namespace or (pin and p.pins < 1):
-                self._refuse_release(page, p, namespace, pin)
-            p.refcount -= 1
+        c = self._columns
+        if len(pages) < BATCH_PAGES:
+            namespace = c.namespace_at[c.slot(pages[0])]
+            queue = self._by_namespace[namespace]
+            for page in pages:
+                slot = c.slot(page)
+                count = c.refcount_at[slot]
+                if count < 1 or c.namespace_at[slot] != namespace or (pin and c.pins_at[slot] < 1):
+                    self._refuse_release(np.array([slot]), namespace, pin)
+                c.refcount_at[slot] = count - 1
+                if pin:
+                    c.pins_at[slot] -= 1
+                if count > 1:
+                    continue
+                if c.state_at[slot] == PUBLISHED and c.indexed_at[slot]:
+                    self._cache_one(slot, queue)
+                else:
+                    self._free_one(slot, queue)
+        else:
+            slots = c.slots(pages)
+            namespace = c.namespace_at[slots[0]]
+            counts = c.refcount[slots]
+            unpinned = pin and (c.pins[slots] < 1).any()
+            if (counts < 1).any() or (c.namespace[slots] != namespace).any() or unpinned:
+                self._refuse_release(slots, namespace, pin)
+            counts -= 1
+            c.refcount[slots] = counts
             if pin:
-                p.pins -= 1
-            if p.refcount:
-                continue
-            in_use[p.extent] -= 1
-            if p.state is published and p.indexed:
-                p.state = PageState.CACHED
-                cache(page)
-            else:
-                self._to_free(page, p)
+                c.pins[slots] -= 1
+            gone = slots[counts == 0]
+            if len(gone):
+                self._unreferenced(gone, self._by_namespace[namespace])
         self._counters.of(namespace).refcount_decrements += len(pages)
 
-    @staticmethod
-    def _refuse_release(page: PageId, p: _Page, namespace: NamespaceId, pin: bool) -> None:
+    def _refuse_release(self, slots: np.ndarray, namespace: NamespaceId, pin: bool) -> None:
         """Names the broken invariant of a release that must not happen."""
-        assert p.namespace == namespace, (
-            f"page {page} of namespace {p.namespace} released with pages of namespace {namespace}"
-        )
-        assert p.refcount > 0, f"page {page} released with refcount 0 (double release)"
-        assert not pin or p.pins > 0, f"page {page} unpinned but holds no pin"
+        c = self._columns
+        for slot in slots.tolist():
+            page = c.page_at[slot]
+            assert c.namespace_at[slot] == namespace, (
+                f"page {page} of namespace {c.namespace_at[slot]} released with pages of namespace {namespace}"
+            )
+            assert c.refcount_at[slot] > 0, f"page {page} released with refcount 0 (double release)"
+            assert not pin or c.pins_at[slot] > 0, f"page {page} unpinned but holds no pin"
+
+    def _unreferenced(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages whose last reference went, in release order: indexed published ones are
+        cached, the rest freed."""
+        c = self._columns
+        cache = (c.state[slots] == PUBLISHED) & c.indexed[slots]
+        if cache.all():  # a released hit: every page stays cached
+            self._cache(slots, pages)
+            return
+        self._cache(slots[cache], pages)
+        self._free(slots[~cache], pages)
 
     def publish(self, page: PageId, content: PageContent, indexed: bool) -> None:
         """PRIVATE → PUBLISHED: the page is immutable from now on."""
-        p = self._pages[page]
-        assert p.state is PageState.PRIVATE and p.refcount == 1, (
-            f"page {page} published while {p.state.value} with refcount {p.refcount}"
+        c = self._columns
+        slot = c.slot(page)
+        assert c.state_at[slot] == PRIVATE and c.refcount_at[slot] == 1, (
+            f"page {page} published while {self.state(page).value} with refcount {c.refcount_at[slot]}"
         )
-        p.state = PageState.PUBLISHED
-        p.content = content
-        p.indexed = indexed
+        c.state_at[slot] = PUBLISHED
+        c.indexed_at[slot] = indexed
+        self._content[page] = content
 
-    def evict_next(self, namespace: NamespaceId) -> PageContent:
-        """CACHED → FREE for the eviction policy's next victim; returns what it held."""
-        return self._evict(self._ns(namespace).cached.victim())
+    def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
+        """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
+        when fewer); returns what they held, in eviction order."""
+        pages = self._ns(namespace)
+        if min(count, len(pages.cached)) < BATCH_PAGES:
+            return [self._evict(pages.cached.victim(), pages) for _ in range(min(count, len(pages.cached)))]
+        victims = pages.cached.victims(count)
+        contents = [self._content[page] for page in self._columns.page[victims].tolist()]
+        self._counters.of(namespace).evicted_pages += len(victims)
+        self._free(victims, pages)
+        return contents
 
     def evict(self, page: PageId) -> PageContent:
         """CACHED → FREE for one page (integrity failures, extent reclaim)."""
-        p = self._pages[page]
-        assert p.state is PageState.CACHED, f"page {page} evicted while {p.state.value}"
-        self._by_namespace[p.namespace].cached.remove(page)
-        return self._evict(page)
+        c = self._columns
+        slot = c.slot(page)
+        assert c.state_at[slot] == CACHED, f"page {page} evicted while {self.state(page).value}"
+        pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+        pages.cached.left(1)
+        return self._evict(slot, pages)
 
     def unindex(self, page: PageId) -> None:
         """Takes a published page out of sharing (it failed its checksum, or its chain was
         re-published after its parent did): a CACHED one is
         freed now, a referenced one stays with its holders and is freed, never cached, on
         its last release. The caller removes its index entry."""
-        p = self._pages[page]
-        assert p.content is not None, f"page {page} unindexed while {p.state.value}"
-        p.indexed = False
-        if p.state is PageState.CACHED:
-            self._by_namespace[p.namespace].cached.remove(page)
-            self._to_free(page, p)
+        c = self._columns
+        slot = c.slot(page)
+        assert page in self._content, f"page {page} unindexed while {self.state(page).value}"
+        c.indexed_at[slot] = False
+        if c.state_at[slot] == CACHED:
+            pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+            pages.cached.left(1)
+            self._free_one(slot, pages)
 
-    def _evict(self, page: PageId) -> PageContent:
-        p = self._pages[page]
-        content = p.content
-        assert content is not None, f"cached page {page} has no content"
-        self._counters.of(p.namespace).evicted_pages += 1
-        self._to_free(page, p)
+    def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
+        """A CACHED page out of its queue → FREE; returns what it held."""
+        c = self._columns
+        content = self._content.get(PageId(c.page_at[slot]))
+        assert content is not None, f"cached page {c.page_at[slot]} has no content"
+        self._counters.of(NamespaceId(c.namespace_at[slot])).evicted_pages += 1
+        self._free_one(slot, pages)
         return content
 
-    def _to_free(self, page: PageId, p: _Page) -> None:
-        if p.content is not None and self._on_unpublish is not None:
+    def _cache(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages with no reference that stay indexed → CACHED, queued in the given order."""
+        if len(slots):
+            self._columns.state[slots] = CACHED
+            pages.cached.push(slots)
+
+    def _cache_one(self, slot: int, pages: _NamespacePages) -> None:
+        self._columns.state_at[slot] = CACHED
+        pages.cached.push_one(slot)
+
+    def _free(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages with no reference that are PRIVATE, unindexed PUBLISHED or CACHED (out of their
+        queue) → FREE, onto the free list in the given order; published ones are unpublished first."""
+        if not len(slots):
+            return
+        c = self._columns
+        ids = c.page[slots].tolist()
+        for at in np.flatnonzero(c.state[slots] != PRIVATE).tolist():
+            self._unpublish(ids[at])
+        c.state[slots] = FREE
+        c.indexed[slots] = False
+        pages.free += ids
+
+    def _free_one(self, slot: int, pages: _NamespacePages) -> None:
+        c = self._columns
+        page: PageId = c.page_at[slot]
+        if c.state_at[slot] != PRIVATE:
+            self._unpublish(page)
+        c.state_at[slot] = FREE
+        c.indexed_at[slot] = False
+        pages.free.append(page)
+
+    def _unpublish(self, page: PageId) -> None:
+        if self._on_unpublish is not None:
             self._on_unpublish(page)
-        p.state = PageState.FREE
-        p.content = None
-        p.indexed = False
-        self._by_namespace[p.namespace].free.append(page)
+        del self._content[page]
 
     def _ns(self, namespace: NamespaceId) -> _NamespacePages:
         pages = self._by_namespace.get(namespace)
         if pages is None:
-            pages = self._by_namespace[namespace] = _NamespacePages()
+            pages = self._by_namespace[namespace] = _NamespacePages([], CachedQueue(self._columns))
         return pages

@@ -4,7 +4,7 @@ Building an extent (create, map, pre-fault, mlock) is slow: first touch of share
 runs at ~0.5 GB/s. When a namespace's free pages run low, the next extent is built on a
 worker thread and adopted on the event loop at the next call; a request that needs room
 before then takes the build in flight, or builds one itself. Once adopted, the extent's
-pages are frozen out of the garbage collector's walks (kvd/collector.py).
+objects are frozen out of the garbage collector's walks (kvd/collector.py).
 """
 
 from __future__ import annotations
@@ -115,5 +115,5 @@ class ExtentSupply:
         self.arena.shm_accepted()
         self.arena.adopt(extent)
         self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
-        # The extent's pages live as long as the daemon: no collection needs to walk them.
+        # The extent lives as long as the daemon: no collection needs to walk its objects.
         collector.freeze_grown()

@@ -68,7 +68,7 @@ def test_a_manager_without_a_collector_leaves_the_collector_alone(make_manager):
     assert gc.get_freeze_count() == before
 
 
-def test_the_daemon_freezes_at_start_up_and_freezes_each_adopted_extents_pages(daemon_factory):
+def test_the_daemon_freezes_at_start_up_and_after_each_adopted_extent(daemon_factory):
     """A real daemon: its log says how many objects it froze at start-up and after each
     extent (1 MiB: 512 pages of 2 KiB) it adopted while a client allocated 1,500 pages."""
     d = daemon_factory("--host-bytes", "8MiB", "--extent-bytes", "1MiB", "--log-level", "DEBUG")
@@ -82,4 +82,5 @@ def test_the_daemon_freezes_at_start_up_and_freezes_each_adopted_extents_pages(d
     grown = [int(n) for n in re.findall(r"collector: (\d+) long-lived objects frozen after adopting an extent", log)]
     assert len(started) == 1 and started[0] > 1000, log
     assert len(grown) >= 3, log  # 1,500 pages need three extents
-    assert grown[-1] - grown[0] >= 2 * 512, f"the extents' pages were not frozen: {grown}"
+    # A page is a row of the pool's columns (kvd/page_columns.py), not an object to track.
+    assert grown[-1] - grown[0] < 512, f"adopting extents of 512 pages added as many tracked objects: {grown}"

@@ -1024,14 +1024,21 @@ def test_invariant_checker_finds_corruption(make_manager):
     index.remove(content)
     assert invariants.violations(c.m) == ["page 1 is marked indexed but the index does not map its key to it"]
     index.insert(content, 1)
-    pool._pages[0].refcount += 1
+    columns = pool._columns
+    slot = columns.slot(0)
+    columns.refcount[slot] += 1
     assert invariants.violations(c.m) == ["page 0 has refcount 2 but 1 references (sequences + pins)"]
-    pool._pages[0].refcount -= 1
+    columns.refcount[slot] -= 1
     c.seq("a").pages.append(7)
     assert "sequence 'a' holds 3 pages for 8 tokens" in invariants.violations(c.m)
     c.seq("a").pages.pop()
     pinned(c, prompt(0, 4))
-    pool._pages[0].pins -= 1
+    columns.pins[slot] -= 1
     assert invariants.violations(c.m) == ["page 0 counts 0 pins but 1 pins hold it"]
-    pool._pages[0].pins += 1
+    columns.pins[slot] += 1
+    c.release("a")  # pages 0 and 1 cached, page 0 still pinned: the LRU holds page 1
+    check(c.m)
+    pool._by_namespace[c.ns].cached._live += 1
+    assert invariants.violations(c.m) == [f"namespace {c.ns}: counts 2 cached pages, its LRU lists 1"]
+    pool._by_namespace[c.ns].cached._live -= 1
     check(c.m)

@@ -30,6 +30,7 @@ from hypothesis.stateful import (
 )
 from test_manager import snapshot, toks
 
+import kvd.pool
 from kvd import invariants, stats
 from kvd.errors import FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted
 from kvd.manager import SequenceRequest
@@ -484,7 +485,11 @@ class CoreMachine(RuleBasedStateMachine):
 
 # A failure shrinks for up to hypothesis' own limit of 5 minutes; let it finish.
 @pytest.mark.timeout(900)
-def test_core_state_machine(make_manager):
+@pytest.mark.parametrize("batch_pages", [kvd.pool.BATCH_PAGES, 1], ids=["pool-default", "pool-arrays"])
+def test_core_state_machine(make_manager, monkeypatch, batch_pages):
+    """Once as the daemon runs, once with every page batch on the pool's array path (the
+    machine's batches are smaller than ``BATCH_PAGES``)."""
+    monkeypatch.setattr(kvd.pool, "BATCH_PAGES", batch_pages)
     CoreMachine.make_manager = staticmethod(make_manager)
     try:
         run_state_machine_as_test(

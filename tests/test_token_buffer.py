@@ -26,6 +26,7 @@ from kvd.errors import FailedPrecondition
 from kvd.token_buffers import NAME_INFIX, TokenBuffer
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
+from kvd.wire.codec import token_ids_array
 
 PAGE_SIZE = 16
 VOCAB = 1000
@@ -287,3 +288,26 @@ def test_a_killed_daemons_unused_buffer_is_removed_by_the_next_start(daemon_fact
     assert len(token_segments(d.socket)) == 1, "a killed daemon leaves it"
     d2 = daemon_factory(*args)
     assert token_segments(d2.socket) == []
+
+
+@pytest.mark.parametrize(
+    "ids, fits",
+    [
+        (np.array([-(1 << 31), (1 << 31) - 1], np.int32), True),
+        (np.array([7, 65535], np.uint16), True),
+        (np.array([1, 2], ">i4"), True),  # int32 in the other byte order
+        ([(1 << 31) - 1, 3], True),
+        (np.array([1, 1 << 31], np.int64), False),
+        (np.array([1 << 31], np.uint32), False),
+        ([-(1 << 31) - 1], False),
+    ],
+)
+def test_token_ids_are_range_checked_unless_their_type_fits_int32(ids, fits):
+    """The client's conversion (a 50K-token call's first step) looks at the values only
+    when the dtype could hold one outside int32."""
+    if fits:
+        assert token_ids_array(ids).tolist() == list(np.asarray(ids).tolist())
+        assert token_ids_array(ids).dtype == np.dtype("<i4")
+    else:
+        with pytest.raises(ValueError, match="fit in int32"):
+            token_ids_array(ids)

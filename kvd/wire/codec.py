@@ -39,7 +39,8 @@ def token_ids_array(token_ids) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
+    fits = np.can_cast(arr.dtype, TOKEN_DTYPE)  # int32 or narrower: no need to look at the values
+    if arr.size and not fits and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
         raise ValueError("token ids must fit in int32")
     return arr.astype(TOKEN_DTYPE, copy=False).reshape(-1)
 
