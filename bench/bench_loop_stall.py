@@ -90,8 +90,9 @@ async def measure(args: argparse.Namespace) -> None:
         task.cancel()
         if other is not None:
             other.stop()
+            other.clean()
         gc_policy.uninstall()
-        await daemon.stop()
+        await daemon.stop(keep_cache=False)  # a benchmark's cache is not worth keeping
     for kind in dict.fromkeys(k for k, _, _ in done):
         calls = [(start, end) for k, start, end in done if k == kind]
         # a wake up to 2 ms after the call's end was due during it

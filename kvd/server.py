@@ -306,14 +306,15 @@ class _Daemon:
             except OSError as e:
                 raise StartupError(f"cannot listen on {auth_socket(config.socket)}: {e.strerror}") from None
 
-    async def stop(self) -> None:
-        """No new calls, sessions ended, calls in flight finished; the cache stays for a warm restart."""
+    async def stop(self, keep_cache: bool = True) -> None:
+        """No new calls, sessions ended, calls in flight finished; the cache stays for a warm
+        restart unless ``keep_cache`` is False (an in-process daemon of a benchmark)."""
         log.info("stopping: finishing calls in flight")
         notify_systemd("STOPPING=1")
         await self.health.enter_graceful_shutdown()
         self._close_handshake()
         self.servicer.end_sessions()
-        await self._close(grace=self.config.shutdown_grace_seconds, keep_cache=True)
+        await self._close(grace=self.config.shutdown_grace_seconds, keep_cache=keep_cache)
         for path in self.config.socket_paths:
             try:
                 os.unlink(path)
