@@ -291,7 +291,7 @@ class Batch:
     """The sequences of one Allocate or Lookup call, checked as a whole (``check_call``,
     ``check_batch``) and one by one (``prepare``) against the limits and one namespace.
     Making it reads nothing of the core but the namespace (an immutable value), so the
-    servicer makes a large call's off the event loop (kvd/offload.py); the manager then
+    servicer makes a large call's batch off the event loop (kvd/offload.py); the manager then
     matches, pins and allocates on the loop."""
 
     namespace: Namespace
