@@ -30,7 +30,7 @@ BLOCK = 32
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
 RNG = np.random.default_rng(7)
 SHARED = [int(t) for t in RNG.integers(1, 999, 1200)]  # 37 full blocks + 16 tokens
-SUFFIX = {name: [int(t) for t in RNG.integers(1, 999, 40)] for name in "abcq"}
+SUFFIX = {name: [int(t) for t in RNG.integers(1, 999, 40)] for name in "abcql"}
 SHARED_HIT = len(SHARED) // BLOCK * BLOCK  # 1,184 tokens
 
 
@@ -60,6 +60,26 @@ def write_tiny_llama(path: str) -> None:
         torch_dtype="float32",
     )
     LlamaForCausalLM(config).save_pretrained(path)
+
+
+def write_lora_adapter(path: str) -> None:
+    """A random rank-8 LoRA adapter of the tiny Llama's q and v projections, in PEFT's layout."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    hidden, rank = 128, 8
+    tensors = {}
+    for layer in range(LAYOUT.num_layers):
+        for proj, out in (("q_proj", hidden), ("v_proj", LAYOUT.num_kv_heads * LAYOUT.head_dim)):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden) * 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank) * 0.5
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({**config, "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}, f)
 
 
 class Engine:
@@ -139,6 +159,8 @@ def setup(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("vllm"))
     model = os.path.join(workdir, "tiny-llama")
     write_tiny_llama(model)
+    adapter = os.path.join(workdir, "adapter-1")
+    write_lora_adapter(adapter)
     socket = remember_socket(os.path.join(workdir, "kvd.sock"))
     daemon = DaemonProcess.start(
         socket,
@@ -153,7 +175,7 @@ def setup(tmp_path_factory):
     faults = {"fault_file": os.path.join(workdir, "b.fault"), "errors_file": os.path.join(workdir, "b.load_errors")}
     events = f"ipc://{workdir}/a.events"
     engines = {"a": Engine("a", model, workdir, socket, env={"KVD_TEST_KV_EVENTS": events})}
-    engines["c"] = Engine("c", model, workdir, socket)
+    engines["c"] = Engine("c", model, workdir, socket, env={"KVD_TEST_LORA": "1"})
     engines["b"] = Engine(  # the real connector, with a fault the tests can arm (tests/vllm_fault_connector.py)
         "b",
         model,
@@ -164,7 +186,7 @@ def setup(tmp_path_factory):
             "KVD_TEST_CONNECTOR_EXTRA": json.dumps(faults),
         },
     )
-    engines["baseline"] = Engine("baseline", model, workdir, None)
+    engines["baseline"] = Engine("baseline", model, workdir, None, env={"KVD_TEST_LORA": "1"})
     try:
         for engine in engines.values():
             engine.wait_ready()
@@ -181,6 +203,7 @@ def setup(tmp_path_factory):
             "workdir": workdir,
             "faults": faults,
             "events": events,
+            "adapter": adapter,
         }
         yield state
         daemon = state["daemon"]  # a test may have restarted it
@@ -362,6 +385,24 @@ def test_cache_salt_keeps_requests_apart(setup):
     assert hits == 0, "requests with different salts shared pages"
     _, hits = b.generate([{"tokens": prompt("a"), "cache_salt": "tenant-1"}])
     assert hits == loadable("a"), "requests with the same salt did not share pages"
+
+
+def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
+    a, c, baseline = setup["engines"]["a"], setup["engines"]["c"], setup["engines"]["baseline"]
+    adapter = setup["adapter"]
+    tokens = prompt("l")
+    a.generate([{"tokens": tokens}])  # the plain prompt's blocks in kvd
+    [expected], _ = baseline.generate([{"tokens": tokens, "lora": adapter}])
+    [plain], _ = baseline.generate([{"tokens": tokens}])
+    assert expected != plain, "the adapter changes nothing: the test could not tell shared pages apart"
+    c.forget_local_cache()
+    [got], hits = c.generate([{"tokens": tokens, "lora": adapter}])
+    assert hits == 0, "a LoRA request loaded pages of the base model's requests"
+    assert got == expected
+    c.forget_local_cache()  # the second time, only kvd holds the adapter's blocks
+    [got], hits = c.generate([{"tokens": tokens, "lora": adapter}])
+    assert hits == loadable("l"), "requests with the same adapter did not share pages"
+    assert got == expected
 
 
 def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup):

@@ -4,10 +4,12 @@
 
 With a kvd socket the engine uses KVDConnector (or the class `KVD_TEST_CONNECTOR` names as
 `module:Class`, with `KVD_TEST_CONNECTOR_EXTRA` as JSON added to its extra config); without,
-it is the baseline. `KVD_TEST_KV_EVENTS` (a ZMQ endpoint) turns vLLM's KV events on, published there. vLLM logs to
+it is the baseline. `KVD_TEST_KV_EVENTS` (a ZMQ endpoint) turns vLLM's KV events on, published there;
+`KVD_TEST_LORA=1` enables LoRA adapters (rank ≤ 8, one at a time). vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
-prompt (a prompt is a dict with `tokens` and optionally `cache_salt`) and how many
+prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
+LoRA adapter, named after its directory) and how many
 prompt tokens came from the connector; ("reset_prefix_cache",) empties vLLM's own prefix
 cache, so the next request can only hit kvd; ("stop",) ends the process.
 """
@@ -30,6 +32,13 @@ def external_hits(llm) -> int:
     return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"))
 
 
+def lora_request(path: str | None):
+    """vLLM's request for the adapter at ``path`` (None: the base model)."""
+    from vllm.lora.request import LoRARequest
+
+    return None if path is None else LoRARequest(os.path.basename(path), 1, path)
+
+
 def main(model: str, control: str, kvd_socket: str | None) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
@@ -50,6 +59,8 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         kw["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=os.environ["KVD_TEST_KV_EVENTS"]
         )
+    if os.environ.get("KVD_TEST_LORA"):
+        kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -78,6 +89,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
                 ],
                 params,
                 use_tqdm=False,
+                lora_request=[lora_request(p.get("lora")) for p in prompts],
             )
             channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
         elif command == "reset_prefix_cache":
