@@ -51,6 +51,7 @@ from kvd.requests import (
     SequenceStatus,
     WithEvictions,
     check_batch,
+    check_call,
     check_extend,
     check_seq_id,
     check_token_lists,
@@ -170,7 +171,9 @@ class KVCacheManager:
     # ---- allocation ---------------------------------------------------------------
 
     def batch(self, namespace_id: int, requests: list[SequenceRequest], unique: bool = True) -> Batch:
-        """The requests of an allocate (``unique`` ids) or a lookup, checked (``Batch.of``)."""
+        """The requests of an allocate (``unique`` ids) or a lookup, checked (``check_call``,
+        ``Batch.of``)."""
+        check_call(self.limits, requests)
         return Batch.of(self.limits, self.namespaces.get(namespace_id), requests, unique)
 
     def allocate(

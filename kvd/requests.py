@@ -288,8 +288,9 @@ def prepare(limits: Limits, ns: Namespace, r: SequenceRequest) -> PreparedReques
 
 @dataclass(frozen=True)
 class Batch:
-    """The sequences of one Allocate or Lookup call, checked as a whole (``check_call``,
-    ``check_batch``) and one by one (``prepare``) against the limits and one namespace.
+    """The sequences of one Allocate or Lookup call, checked as a whole (``check_batch``)
+    and one by one (``prepare``) against the limits and one namespace; its caller checked
+    the call's sizes (``check_call``) on what it had before building them.
     Making it reads nothing of the core but the namespace (an immutable value), so the
     servicer makes a large call's batch off the event loop (kvd/offload.py); the manager then
     matches, pins and allocates on the loop."""
@@ -301,7 +302,6 @@ class Batch:
     def of(cls, limits: Limits, ns: Namespace, requests: list[SequenceRequest], unique: bool) -> Batch:
         """Raises InvalidArgument for the first thing wrong; ``unique``: no sequence id twice
         (a batch that creates sequences)."""
-        check_call(limits, requests)
         check_batch(limits, [r.seq_id for r in requests], unique)
         return cls(ns, [prepare(limits, ns, r) for r in requests])
 

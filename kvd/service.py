@@ -151,8 +151,9 @@ T, R, M = TypeVar("T"), TypeVar("R"), TypeVar("M")
 
 
 def _batch_of(limits: Limits, ns: Namespace, sequences, buffer: TokenBuffer | None, unique: bool) -> Batch:
-    """An Allocate's or Lookup's sequences as a core ``Batch``: their sizes checked before a
-    core object per sequence and key is built, or a token id is read out of the ``buffer``."""
+    """An Allocate's or Lookup's sequences as a core ``Batch``: their sizes checked (once,
+    on the protos) before a core object per sequence and key is built, or a token id is
+    read out of the ``buffer``."""
     check_call(limits, sequences, messages.call_tokens(sequences))
     return Batch.of(limits, ns, messages.requests_from(sequences, buffer), unique)
 
