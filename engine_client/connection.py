@@ -117,7 +117,7 @@ class Connection:
     def _watch(self) -> None:
         try:
             for event in self._stream:
-                if event.HasField("evicted") and event.evicted.seq_ids:
+                if event.HasField("evicted"):
                     self._on_evicted(event.evicted.namespace_id, list(event.evicted.seq_ids))
         except grpc.RpcError:
             pass  # cancelled by close(), or the daemon went away
