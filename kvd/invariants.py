@@ -18,7 +18,7 @@ from kvd.types import PageState
 class _References:
     """What sequences, pins and the remote tier hold, recomputed: the refcount every page should have."""
 
-    expected: Counter = field(default_factory=Counter)  # page → sequence entries + pins
+    expected: Counter = field(default_factory=Counter)  # page → sequence entries + pins + holds
     pinned: Counter = field(default_factory=Counter)  # page → pins
     owners: dict[int, list[str]] = field(default_factory=dict)  # page → seq ids
     logical: int = 0  # page-table entries of all sequences
@@ -74,6 +74,8 @@ def _references(manager, found: list[str]) -> _References:
         for page in pin.pages:
             refs.expected[page] += 1
             refs.pinned[page] += 1
+    for job in manager.allocations:  # hits an allocation in progress holds (kvd/allocation.py)
+        refs.expected.update(job.held)
     if manager.remote is not None:  # pages the remote store reads or writes right now
         refs.held = manager.remote.holds()
         refs.expected.update(refs.held)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from kvd.allocation import AllocationJob
 from kvd.arena import Arena
 from kvd.aux_state import AuxBudget
 from kvd.catalog import Catalog
@@ -44,7 +44,6 @@ from kvd.requests import (
     Limits,
     LookupResult,
     PinResult,
-    PreparedRequest,
     PublishResult,
     SequencePlan,
     SequenceRequest,
@@ -114,6 +113,7 @@ class KVCacheManager:
         )
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
+        self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
         self.remote: RemoteTier | None = None  # set by attach_remote
 
     def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int, policy: str = "publish") -> None:
@@ -184,90 +184,18 @@ class KVCacheManager:
         return self.allocate_batch(session_id, self.batch(namespace_id, requests))
 
     def allocate_batch(self, session_id: str, batch: Batch) -> WithEvictions[list[SequencePlan]]:
-        """Prefix hits pinned and private pages allocated for a batch, all or nothing.
+        """Prefix hits pinned and private pages allocated for a batch, all or nothing, in one
+        piece (``allocation`` and its commit).
 
         An EVICTED id re-enters: a new PREFILLED sequence under that id, with its aux state."""
-        session = self.sessions.get(session_id)
-        ns = batch.namespace
-        prepared, need = self._match_allocation(session, batch)
-        # Raise before pinning anything: a failed batch leaves counters and LRU order alone.
-        self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
-        for p in prepared:  # pin the hits before making room: no hit can be evicted after this
-            self.pool.acquire_all(p.hits)
-        try:
-            self._make_room(ns, need)
-        except ResourceExhausted:  # /dev/shm refused an extent the check counted on
-            for p in prepared:
-                self.pool.release_all(release_order(p.hits))
-            raise
-        plans = []
-        counters = self.counters.of(ns.id)
-        for p in prepared:
-            aux = b""
-            if p.reentry is not None:
-                aux = p.reentry.aux
-                self._forget(p.reentry)
-            private = self.pool.allocate(ns.id, -(-p.num_tokens // ns.page_size) - len(p.hits))
-            hit_tokens = len(p.hits) * ns.page_size
-            seq = Sequence(
-                seq_id=SeqId(p.request.seq_id),
-                namespace=ns.id,
-                session=session.id,
-                chain=p.chain,
-                pages=p.hits + private,
-                num_tokens=p.num_tokens,
-                tokens=bytearray(p.tokens),
-                keys=p.hit_keys,
-                shared_prefix_tokens=hit_tokens,
-                extra_keys=p.request.extra_keys,
-                aux=aux,
-            )
-            self._add(session, seq)
-            counters.lookup_tokens += p.num_tokens
-            counters.hit_tokens += hit_tokens
-            plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
-        self.supply.provision(ns)
-        if self.remote is not None and self.prefix_reuse:
-            for p in prepared:
-                self.remote.served(p.hits, ns.page_size)
-                self.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, p.hits, p.hit_keys)
-        return WithEvictions(plans, self._report_evictions(session))
+        with self.allocation(session_id, batch) as job:
+            return job.commit()
 
-    def room_for_allocate(self, session_id: str, batch: Batch) -> Iterator[Future | None]:
-        """Frees the pages ``allocate_batch(batch)`` will need, in parts between which the
-        caller lets the loop serve other calls (``Room.steps``: a Future is an extent being
-        built, to await; None, go on). The batch is matched as ``allocate_batch`` matches it
-        first, so one it would refuse evicts nothing; ``allocate_batch`` then makes whatever
-        room is still missing."""
-        session = self.sessions.get(session_id)
-        ns = batch.namespace
-        if self.pool.free_count(ns.id) >= sum(-(-p.num_tokens // ns.page_size) for p in batch.requests):
-            return  # room even if nothing hits: no need to match twice
-        prepared, need = self._match_allocation(session, batch)
-        if self.pool.free_count(ns.id) >= need:
-            return
-        self.room.check(ns, need, held=(page for p in prepared for page in p.hits))
-        yield from self.room.steps(ns, need)
-
-    def _match_allocation(self, session: Session, batch: Batch) -> tuple[list[PreparedRequest], int]:
-        """Each request of the batch checked against the sequences there are and matched,
-        and the pages the batch needs beyond its hits; raises before anything changes."""
-        ns = batch.namespace
-        prepared = batch.requests
-        for p in prepared:
-            p.reentry = self.sequences.find(ns.id, p.request.seq_id)
-            if p.reentry is not None:
-                self.sequences.owned(ns.id, p.request.seq_id, session.id)
-                if p.reentry.state is not SequenceState.EVICTED:
-                    raise FailedPrecondition(
-                        f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
-                        "release it or use another id"
-                    )
-        if self.prefix_reuse:
-            for p in prepared:
-                p.hits, p.hit_keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
-        need = sum(-(-p.num_tokens // ns.page_size) - len(p.hits) for p in prepared)
-        return prepared, need
+    def allocation(self, session_id: str, batch: Batch) -> AllocationJob:
+        """The batch matched once, its room checked and its hits held (kvd/allocation.py);
+        raises before anything changes. The caller makes room in its ``steps`` (or not),
+        then commits it, and closes it in any case (``with``)."""
+        return AllocationJob(self, self.sessions.get(session_id), batch)
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The same matching as allocate, without pinning or allocating anything. With a remote
@@ -289,7 +217,7 @@ class KVCacheManager:
             if not self.prefix_reuse:
                 part.append(LookupResult(r.seq_id, [], 0))
             else:
-                hits, keys = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
+                hits, keys = self.match_prefix(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
                 pending = 0
                 if self.remote is not None:
                     pending = self.remote.missed(ns, p.chain, r.extra_keys, p.tokens, hits, keys)
@@ -338,7 +266,7 @@ class KVCacheManager:
             seq = self._live(ns, seq_id, session)
             total = check_extend(limits, seq, num_tokens, tokens)
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
-        self._make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
+        self.make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
         for seq, total, tokens, new_pages in plans:
             pages = self.pool.allocate(ns.id, new_pages)
@@ -348,7 +276,7 @@ class KVCacheManager:
                 seq.tokens += tokens
             results.append(ExtendResult(seq.seq_id, pages, total))
         self.supply.provision(ns)
-        return WithEvictions(results, self._report_evictions(session))
+        return WithEvictions(results, self.report_evictions(session))
 
     def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> WithEvictions[SequencePlan]:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
@@ -361,7 +289,7 @@ class KVCacheManager:
         self.aux.check_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
-        self._make_room(ns, len(copies), protect=src)
+        self.make_room(ns, len(copies), protect=src)
         self.pool.acquire_all(shared)
         private = self.pool.allocate(ns.id, len(copies))
         for page, dst_page in zip(copies, private):
@@ -379,12 +307,12 @@ class KVCacheManager:
             aux=src.aux,
             extra_keys=src.extra_keys,
         )
-        self._add(session, dst)
+        self.add_sequence(session, dst)
         self.supply.provision(ns)
         plan = SequencePlan(
             dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
         )
-        return WithEvictions(plan, self._report_evictions(session))
+        return WithEvictions(plan, self.report_evictions(session))
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns how many page references were released."""
@@ -451,7 +379,7 @@ class KVCacheManager:
         if not ttl_seconds >= 0 or ttl_seconds == float("inf"):
             raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
         p = prepare(self.limits, ns, SequenceRequest("pin", tokens, extra_keys))
-        pages = self._match(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
+        pages = self.match_prefix(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
         pin = self.pins.take(session.id, ns.id, pages, expires)
         return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
@@ -473,7 +401,7 @@ class KVCacheManager:
 
     # ---- internals: matching ---------------------------------------------------
 
-    def _match(
+    def match_prefix(
         self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int
     ) -> tuple[list[PageId], list[PageKey]]:
         """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
@@ -481,18 +409,18 @@ class KVCacheManager:
 
     # ---- internals: sequence bookkeeping ------------------------------------------
 
-    def _add(self, session: Session, seq: Sequence) -> None:
+    def add_sequence(self, session: Session, seq: Sequence) -> None:
         self.sequences.add(seq)
         session.sequences.add((seq.namespace, seq.seq_id))
         self.aux.added(seq)
 
-    def _make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+    def make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """``Room.ensure_free``; when it fails after evicting (``/dev/shm`` refused an extent it
         counted on), every owner of what it evicted, the caller too, hears of it on its stream."""
         try:
             self.room.ensure_free(ns, need, protect)
         except ResourceExhausted:
-            self._report_evictions(None)
+            self.report_evictions(None)
             raise
 
     def _evict_held(self, seq: Sequence) -> None:
@@ -501,7 +429,7 @@ class KVCacheManager:
         self._release_pages(seq)
         self._evicted_now.append(seq)
 
-    def _report_evictions(self, caller: Session | None) -> list[SeqId]:
+    def report_evictions(self, caller: Session | None) -> list[SeqId]:
         """Hands out what the current call evicted: the ids of the caller's own sequences are
         returned for its reply; every other owner hears of its own on its session stream."""
         evicted, self._evicted_now = self._evicted_now, []
@@ -522,11 +450,11 @@ class KVCacheManager:
         self.pool.release_all(release_order(seq.pages))
         seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
 
-    def _forget(self, seq: Sequence) -> None:
+    def forget_sequence(self, seq: Sequence) -> None:
         self.aux.removed(seq)
         self.sequences.remove(seq)
         self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
 
     def _drop(self, seq: Sequence) -> None:
         self._release_pages(seq)
-        self._forget(seq)
+        self.forget_sequence(seq)

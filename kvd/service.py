@@ -299,13 +299,15 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         m = self._manager_of(r.session)
         large = large_call(r.sequences)
         batch = await self._off_loop_if(large, self._batch_work(m, r, unique=True))
-        with m.events.held():  # what it evicts is one event batch, as for a call in one piece
-            for build in m.room_for_allocate(r.session, batch):
+        # what it evicts is one event batch, as for a call in one piece; its hits stay held
+        # until it commits, and are released if it does not (kvd/allocation.py)
+        with m.events.held(), m.allocation(r.session, batch) as job:
+            for build in job.steps():
                 # other calls run while pages are evicted or an extent is built (kvd/room.py)
                 if build is not None:
                     await asyncio.wrap_future(build)
                 await _let_others_run()
-            done = m.allocate_batch(r.session, batch)
+            done = job.commit()
         return await self._off_loop_if(large, functools.partial(_reply, messages.allocate_reply, done, batch))
 
     @_unary

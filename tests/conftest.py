@@ -41,6 +41,17 @@ def make_manager():
         assert leftover_segments(prefix) == [], f"extents of {prefix} leaked"
 
 
+def allocate_in_steps(m: KVCacheManager, session_id: str, namespace_id: int, requests):
+    """``m.allocate`` as the daemon runs it (kvd/allocation.py): the job's room made in
+    steps (extents built ahead awaited), then committed."""
+    m.sessions.get(session_id)
+    with m.allocation(session_id, m.batch(namespace_id, requests)) as job:
+        for build in job.steps():
+            if build is not None:
+                build.result()
+        return job.commit()
+
+
 def wait_until(predicate, what: str, timeout: float = 2.0):
     """Polls ``predicate`` until it returns something truthy (returned); fails the test after ``timeout``."""
     deadline = time.monotonic() + timeout

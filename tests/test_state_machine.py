@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import identity
+from conftest import allocate_in_steps, identity
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -33,7 +33,7 @@ from test_manager import snapshot, toks
 import kvd.pool
 from kvd import invariants, stats
 from kvd.errors import FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted
-from kvd.manager import SequenceRequest
+from kvd.manager import KVCacheManager, SequenceRequest
 from kvd.types import PageState, SequenceState
 
 PAGE_SIZES = (4, 8)  # namespace 0: 512-byte pages, namespace 1: 1024-byte pages
@@ -200,8 +200,11 @@ class CoreMachine(RuleBasedStateMachine):
         bad=st.integers(0, 11),
         then_publish=st.booleans(),
         batch=st.lists(st.tuples(seq_ids, prompts), min_size=1, max_size=3, unique_by=lambda r: r[0]),
+        stepped=st.booleans(),
     )
-    def allocate(self, i, n, batch, bad, then_publish=False):
+    def allocate(self, i, n, batch, bad, then_publish=False, stepped=False):
+        """``stepped``: room made in steps, as the daemon does (kvd/allocation.py); its hits
+        must be what lookup found, whatever it evicts."""
         if bad == 1:  # a duplicate id
             batch = batch + batch[:1]
         requests = [SequenceRequest(s, toks(p)) for s, p in batch]
@@ -219,7 +222,8 @@ class CoreMachine(RuleBasedStateMachine):
         must = [self.must_hit(n, p) for _, p in batch]
         # allocate matches exactly as lookup does; lookup changes nothing (see the lookup rule)
         looked_up = [r.hit_pages for r in self.m.lookup(self.sids[i], self.ns[n], requests)] if expected is None else []
-        plans = self.call(lambda: self.m.allocate(self.sids[i], self.ns[n], requests), expected, may_exhaust=True)
+        allocate = allocate_in_steps if stepped else KVCacheManager.allocate
+        plans = self.call(lambda: allocate(self.m, self.sids[i], self.ns[n], requests), expected, may_exhaust=True)
         plans = self.replied(plans, i, n)
         if plans is None:
             return
