@@ -145,13 +145,18 @@ class PrefixIndex:
 
     Pages are also threaded into runs (``_Run``): matching a long prompt hashes and looks
     up one page per run it crosses and compares the rest of each run's tokens at once.
-    Every page of a run is indexed; an indexed page whose parent left the index may
-    belong to no run (nothing reaches it through its parent).
+    Every page of a run is indexed, and no indexed page lacks its parent: eviction takes
+    a chain's tail first (kvd/eviction.py), and what removes a page out of that order
+    (reclaiming an extent, a failed checksum) removes its ``descendants`` with it.
     """
 
     def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
         self._entries = _Shards()  # PageKey -> PageContent
         self._runs = _Shards()  # PageId -> (its _Run, its position in it)
+        # PageId -> the pages that start a run of their own under it (a chain that branches
+        # off where its parent is not the last page of a run): with the runs, every
+        # indexed descendant of a page is found (``descendants``)
+        self._branches: dict[PageId, list[PageId]] = {}
         # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
         # a failed checksum): the one place that knows a page stopped being findable.
         self._on_remove = on_remove
@@ -176,6 +181,8 @@ class PrefixIndex:
             run = parent[0]
         else:
             run = _Run(start=page_index)
+            if content.parent is not None:
+                self._branches.setdefault(content.parent, []).append(content.page)
         assert run.start + len(run.pages) == page_index, (
             f"page {content.page} at chain index {page_index} joins a run ending at index "
             f"{run.start + len(run.pages) - 1}"
@@ -189,10 +196,39 @@ class PrefixIndex:
         place = self._runs.pop(content.page, None)
         if place is not None:
             run, position = place
+            if position == 0 and content.parent is not None:
+                siblings = self._branches.get(content.parent, [])
+                if content.page in siblings:  # absent when its parent left the index first
+                    siblings.remove(content.page)
+                    if not siblings:
+                        del self._branches[content.parent]
             for page in run.truncate(position, len(content.tokens))[1:]:
                 del self._runs[page]
+        self._branches.pop(content.page, None)
         if self._on_remove is not None:
             self._on_remove(held)
+
+    def descendants(self, page: PageId) -> list[PageContent]:
+        """The indexed pages whose chain runs through ``page`` (``page`` excluded): what no
+        match can reach once ``page`` leaves the index. The caller takes them out with it
+        (kvd/room.py reclaiming an extent, kvd/integrity.py dropping a corrupted page), so
+        no page stays indexed without its parent."""
+        found: list[PageContent] = []
+        heads = [page]
+        while heads:
+            head = heads.pop()
+            line = [head]
+            place = self._runs.get(head)
+            if place is not None:
+                run, position = place
+                line += run.pages[position + 1 :]
+                found += (self._entries[key] for key in run.keys[position + 1 :])
+            for p in line:
+                for branch in self._branches.get(p, ()):
+                    branch_run, at = self._runs[branch]
+                    found.append(self._entries[branch_run.keys[at]])
+                    heads.append(branch)
+        return found
 
     def match(
         self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int
@@ -274,6 +310,13 @@ class PrefixIndex:
                 found.append(f"run page {page}'s token ids differ from the run's copy")
             elif bool(content.local) != (position in run.local_positions):
                 found.append(f"run page {page}'s local bytes are not recorded in its run")
+        for parent, branches in self._branches.items():
+            for page in branches:
+                run, position = self._runs.get(page, (None, -1))
+                if position != 0 or self._entries[run.keys[0]].parent != parent:
+                    found.append(
+                        f"page {page} is recorded as a branch under page {parent} but does not start a run there"
+                    )
         for run in runs.values():
             missing = [p for q, p in enumerate(run.pages) if self._runs.get(p, (None, -1))[1] != q]
             if missing:

@@ -149,14 +149,17 @@ class Integrity:
         Runs on the event loop (an admin call: ~35 ms per GiB of published pages)."""
         start = time.perf_counter()
         self.apply(wait=True)
-        checked = checked_bytes = corrupted = 0
-        for page, checksum in list(self.checksums.items()):
+        checked = checked_bytes = 0
+        corrupted_pages = []
+        for page, checksum in self.checksums.items():
             extent = self.arena.extent_of(page)
             checked += 1
             checked_bytes += extent.plan.page_bytes
             if page_checksum(extent.meta.covered(page - extent.first_page), extent.page_bytes_view(page)) != checksum:
-                self.drop_corrupted(page)
-                corrupted += 1
+                corrupted_pages.append(page)
+        for page in corrupted_pages:
+            self.drop_corrupted(page)
+        corrupted = len(corrupted_pages)
         seconds = time.perf_counter() - start
         log.info(
             "verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
@@ -169,10 +172,14 @@ class Integrity:
 
     def drop_corrupted(self, page: PageId) -> None:
         """A published page whose bytes changed is never served again: out of the index now,
-        freed at once when cached, else when its holders release it."""
+        freed at once when cached, else when its holders release it; the pages of its chain
+        after it leave the index with it (no match reaches them without it), kept as it is
+        by their holders."""
         content = self.pool.content(page)
         ns_id = self.pool.namespace_of(page)
         self.counters.of(ns_id).corrupted_pages += 1
+        if content is None:
+            return  # freed already: cached behind another corrupted page of its chain
         log.warning(
             "page %d of namespace %d (key %s) failed its checksum; dropped from the index",
             page,
@@ -181,6 +188,9 @@ class Integrity:
         )
         self.forget(page)
         if self.pool.is_indexed(page):
+            for tail in reversed(self.index.descendants(page)):  # no match reaches them without it; tail first
+                self.pool.unindex(tail.page)
+                self.index.remove(tail)
             self.index.remove(content)
         self.pool.unindex(page)
 

@@ -119,12 +119,15 @@ def _check_pages(pool, index, refs: _References, found: list[str]) -> tuple[dict
 
 
 def _check_index(pool, index, found: list[str]) -> None:
-    """Every index entry names a published or cached page whose content has that key."""
+    """Every index entry names a published or cached page whose content has that key, and
+    whose parent is indexed too (a match walks from the chain's first page)."""
     for key, page in index.items():
         if page not in pool or pool.state(page) not in (PageState.PUBLISHED, PageState.CACHED):
             found.append(f"index maps a key to page {page}, which is not published")
         elif pool.content(page).key != key or not pool.is_indexed(page):
             found.append(f"index key of page {page} does not match its content")
+        elif (parent := pool.content(page).parent) is not None and (parent not in pool or not pool.is_indexed(parent)):
+            found.append(f"indexed page {page} follows page {parent}, which is not indexed: no match reaches it")
     found += index.run_problems()
 
 

@@ -332,9 +332,8 @@ class PagePool:
         return self._evict(slot, pages)
 
     def unindex(self, page: PageId) -> None:
-        """Takes a published page out of sharing (it failed its checksum, or its chain was
-        re-published after its parent did): a CACHED one is
-        freed now, a referenced one stays with its holders and is freed, never cached, on
+        """Takes a published page out of sharing (it failed its checksum, or a page before it
+        in its chain did): a CACHED one is freed now, a referenced one stays with its holders and is freed, never cached, on
         its last release. The caller removes its index entry."""
         c = self._columns
         slot = c.slot(page)

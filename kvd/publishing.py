@@ -123,12 +123,6 @@ class PublishJob:
             seq.pages[i] = existing.page
             self.pool.release(page)
             return Rebind(i, page, existing.page)
-        if existing is not None and self._unreachable(existing):
-            # The entry's parent left the index (it failed its checksum): no match can reach
-            # the entry any more, so this page, whose parent is indexed, takes its place.
-            self.index.remove(existing)
-            self.pool.unindex(existing.page)
-            existing = None
         # On a (verified) hash collision the page is published but left out of the index.
         content = PageContent(page, key, page_tokens, parent, local)
         indexed = existing is None
@@ -141,9 +135,3 @@ class PublishJob:
                 self.remote.published(ns, content, i, parent_key, seq.extra_keys)
         self.integrity.describe(content, i)
         return None
-
-    def _unreachable(self, content: PageContent) -> bool:
-        """Whether a match can no longer reach the indexed page: matching walks from the
-        chain's first page through indexed parents only."""
-        parent = content.parent
-        return parent is not None and (parent not in self.pool or not self.pool.is_indexed(parent))

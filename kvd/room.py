@@ -186,9 +186,20 @@ class Room:
     def _reclaim(self, extent: Extent) -> None:
         self._settle_seals()  # the sealer may still read this extent's pages
         first, count = extent.first_page, extent.num_pages
-        for page in map(PageId, range(first, first + count)):
-            if self.pool.content(page) is not None:
-                self.index.remove(self.pool.evict(page))
+        inside = [c for c in map(self.pool.content, map(PageId, range(first, first + count))) if c is not None]
+        # the tails of chains that run through the extent: cached too (a referenced page's
+        # whole prefix is referenced), unreachable without it, so they go with it
+        tails = {
+            d.page: d for c in inside for d in self.index.descendants(c.page) if not first <= d.page < first + count
+        }
+        for content in reversed(inside + list(tails.values())):  # the tails first, as eviction goes
+            self.pool.evict(content.page)
+            self.index.remove(content)
         self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
         self.arena.release(extent)
-        log.info("reclaimed extent %s (%d pages) for another namespace", extent.name, count)
+        log.info(
+            "reclaimed extent %s (%d pages) for another namespace, with %d cached pages of chains through it",
+            extent.name,
+            count,
+            len(tails),
+        )

@@ -182,16 +182,20 @@ def test_eviction_and_a_failed_checksum_are_removals(events_daemon):
         c.publish(ns, ["first"])
         keys = only(reader.next()).block_hashes
         c.release(ns, ["first"])  # 20 cached pages, the tail first in line
-
         assert c.verify_pages()["corrupted_pages"] == 0  # every page sealed
+
+        c.allocate_with_prefix(ns, [SequenceRequest("second", tokens(20, 2))])  # 32 pages, 24 free: 8 go
+        evicted = only(reader.next())
+        assert evicted.block_hashes == keys[:11:-1], "the chain's tail first, in one event"
+        assert c.stats()["evicted_pages"] == 8
+
         raw_page(c, ns, alloc.pages[2])[...] = 7  # a cached page scribbled on
         assert c.verify_pages()["corrupted_pages"] == 1
-        assert only(reader.next()) == BlockRemoved(block_hashes=[keys[2]], medium="CPU")
-
-        c.allocate_with_prefix(ns, [SequenceRequest("second", tokens(20, 2))])  # 32 pages, 13 free: 7 go
-        evicted = only(reader.next())
-        assert evicted.block_hashes == keys[:12:-1], "the chain's tail first, in one event"
-        assert c.stats()["evicted_pages"] == 7
+        # pages 3-11 follow it: no match reaches them without it, so they go with it
+        removed = only(reader.next())
+        assert removed == BlockRemoved(block_hashes=keys[11:1:-1], medium="CPU"), "tail first, in one event"
+        assert c.stats()["cached_pages"] == 2
+        assert c.check_invariants() == []
         assert reader.quiet()
 
 

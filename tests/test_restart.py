@@ -185,9 +185,11 @@ def test_verify_drops_pages_whose_bytes_changed(daemon):
         assert stats["corrupted_pages"] == 2
         assert c.lookup(ns, [SequenceRequest("probe", tokens)])[0].hit_pages == alloc.pages[:1]
         assert c.check_invariants() == []
+        # pages 2-5 followed the referenced corrupted page 1: no match reaches them without
+        # it, so they left the index with it (freed, being cached; page 4 was corrupted too)
         c.release(ns, ["held"])  # the corrupted page is freed, never cached
         stats = c.stats()
-        assert stats["cached_pages"] == 6 - 2 and stats["shared_pages"] == 0
+        assert stats["cached_pages"] == 1 and stats["free_pages"] >= 5 and stats["shared_pages"] == 0
         assert c.verify_pages()["corrupted_pages"] == 0
         assert c.check_invariants() == []
 
