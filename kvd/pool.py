@@ -333,8 +333,8 @@ class PagePool:
 
     def unindex(self, page: PageId) -> None:
         """Takes a published page out of sharing (it failed its checksum, or a page before it
-        in its chain did): a CACHED one is freed now, a referenced one stays with its holders and is freed, never cached, on
-        its last release. The caller removes its index entry."""
+        in its chain did): a CACHED one is freed now, a referenced one stays with its holders
+        and is freed, never cached, on its last release. The caller removes its index entry."""
         c = self._columns
         slot = c.slot(page)
         assert page in self._content, f"page {page} unindexed while {self.state(page).value}"
