@@ -449,6 +449,49 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     assert got == expected
 
 
+CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon
+
+
+def test_a_hung_daemon_costs_each_half_one_call_timeout_and_hits_resume_once_it_answers(setup):
+    """kvd SIGSTOPped under a live engine: the next request's lookup (scheduler half) and its
+    worker's first call each wait one call timeout, then drop their sessions without asking
+    the hung daemon again; later requests are not delayed; tokens equal vLLM's without kvd.
+    After SIGCONT both halves reconnect by themselves and hits resume."""
+    a, baseline = setup["engines"]["a"], setup["engines"]["baseline"]
+    daemon = setup["daemon"]
+    expected = setup["baseline"]["a"][:16]
+
+    def timed(engine: Engine) -> tuple[float, list[int], int]:
+        engine.forget_local_cache()
+        start = time.monotonic()
+        [tokens], hits = engine.generate([{"tokens": prompt("a")}])
+        return time.monotonic() - start, tokens, hits
+
+    a.forget_local_cache()
+    a.generate([{"tokens": prompt("a")}])  # kvd holds every block of a's prompt (saves what it misses)
+    assert timed(a)[2] == loadable("a")
+    computed, _, _ = timed(baseline)  # the same request computed, without kvd
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        first, first_tokens, first_hits = timed(a)
+        later, later_tokens, later_hits = timed(a)
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    print(f"without kvd: {computed:.2f} s; kvd stopped: the first request {first:.2f} s, the next {later:.2f} s")
+    assert first_tokens == later_tokens == expected and first_hits == later_hits == 0
+    assert later < computed + 2.0, f"a later request took {later:.2f} s, vLLM without kvd {computed:.2f} s"
+    assert first - later < 2 * CALL_TIMEOUT + 2.0, (
+        f"the first request took {first:.2f} s, the next {later:.2f} s: more than one call timeout per half"
+    )
+
+    def hits_again() -> int:
+        _, tokens, hits = timed(a)
+        assert tokens == expected
+        return hits
+
+    assert wait_until(hits_again, "hits from kvd once it answers again", timeout=40) == loadable("a")
+
+
 def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup):
     a, b, c = (setup["engines"][n] for n in "abc")
     c.forget_local_cache()
