@@ -4,12 +4,12 @@ An engine that uses kvd as a cache must keep serving when kvd cannot: the daemon
 started yet, stopped, hung, restarting or refusing a call. The link opens a session and
 registers the adapter's namespace on first use (that first connect is waited for, at most
 `connect_timeout + call_timeout`, so an engine that starts beside a running daemon hits
-from its first request). After that, a thread of
-the link's own keeps it connected: while the link has no live session it opens one at
-once, then every `retry_seconds`, doubling up to `max_retry_seconds`, and leaves it for
-the engine's next call to take; while it has one, it checks every `retry_seconds` that
-the session still lives. So no engine call ever waits for a connect, and the first call
-after kvd is back finds a session ready.
+from its first request). After that, a thread of the link's own keeps it connected:
+while the link has no live session it opens one at once, then every `retry_seconds`,
+doubling up to `max_retry_seconds`, and leaves it for the engine's next call to take;
+while it has one, it checks every `retry_seconds` that the session still lives. So no
+later engine call waits for a connect, and the first call after kvd is back finds a
+session ready.
 
 `attempt` is the one door for every call: it answers `None` when kvd cannot serve. A call
 that finds the daemon gone, or that takes longer than `call_timeout` (a daemon that
@@ -192,7 +192,11 @@ class KVDLink:
                 delay = self.retry_seconds
                 self._closing.wait(self.retry_seconds)
                 continue
-            opened = self._open()
+            try:
+                opened = self._open()
+            except Exception:  # noqa: BLE001 - a bug in one try must not end the reconnects
+                log.exception("kvd link: a reconnect failed unexpectedly")
+                opened = None
             self._first_try.set()
             if opened is None:
                 self._closing.wait(delay)
