@@ -132,6 +132,12 @@ class KVDClient:
         (a process that dies without this is logged as a client that went away)."""
         self._connection.close(self.call_timeout or 2.0)
 
+    def drop(self) -> None:
+        """Ends the session without a call to the daemon, for a daemon that does not answer
+        (``close`` would wait for it again): the daemon releases the session's references
+        once it sees the session's stream end."""
+        self._connection.drop()
+
     def __enter__(self) -> KVDClient:
         return self
 

@@ -1,22 +1,31 @@
 """`KVDLink`: an engine adapter's connection to kvd that fails open.
 
 An engine that uses kvd as a cache must keep serving when kvd cannot: the daemon is not
-started yet, stopped, restarting or refusing a call. The link opens a session and
-registers the adapter's namespace on first use (later reconnects run on a background
-thread, so no engine call ever waits for one); when a call finds the daemon gone it
-closes the session, logs one warning for the outage and answers "no result" (`None`)
-until a reconnect succeeds. Reconnects are tried at most every `retry_seconds`, doubling
-up to `max_retry_seconds`, so a dead daemon costs the engine one failed connect now and
-then, not one per request. A call that takes longer than `call_timeout` (a daemon that
-hangs) is treated the same way, and its session is closed, so whatever the call did is
-dropped with it. A call the daemon refuses for another reason (budget exhausted, a
+started yet, stopped, hung, restarting or refusing a call. The link opens a session and
+registers the adapter's namespace on first use (that first connect is waited for, at most
+`connect_timeout + call_timeout`, so an engine that starts beside a running daemon hits
+from its first request). After that, a thread of the link's own keeps it connected:
+while the link has no live session it opens one at once, then every `retry_seconds`,
+doubling up to `max_retry_seconds`, and leaves it for the engine's next call to take;
+while it has one, it checks every `retry_seconds` that the session still lives. So no
+later engine call waits for a connect, and the first call after kvd is back finds a
+session ready.
+
+`attempt` is the one door for every call: it answers `None` when kvd cannot serve. A call
+that finds the daemon gone, or that takes longer than `call_timeout` (a daemon that
+hangs), drops the session locally, without a call to the daemon that just failed to
+answer: the daemon ends the session, and whatever the call did with it, once it sees
+the session's stream end. So a hung daemon costs the engine one call timeout, then kvd is
+skipped until the thread has a new session. One warning is logged per outage, and one
+line when kvd is back. A call the daemon refuses for another reason (budget exhausted, a
 sequence it no longer knows) is logged and also answers `None`.
 
 `session` names the current session: sequences and pins belong to it and end with it.
 
 `instance` names the daemon instance of the current session (`SessionOpened.daemon_instance`):
 page ids are meaningful only within one instance, so processes that hand page ids to each
-other (vLLM's scheduler and workers) compare it.
+other (vLLM's scheduler and workers) compare it. `serving_instance()` says the same for a
+process that reports whether its link can serve (vLLM's workers to the scheduler).
 """
 
 from __future__ import annotations
@@ -25,7 +34,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -38,6 +46,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# A call that fails with one of these has no session behind it any more.
+SESSION_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
 
 @dataclass(frozen=True)
 class NamespaceSpec:
@@ -49,6 +60,18 @@ class NamespaceSpec:
     tp_rank: int = 0
     tp_size: int = 1
     extra: tuple[tuple[str, str], ...] = ()  # engine-specific identity, e.g. a page byte order
+
+
+@dataclass(frozen=True)
+class _Session:
+    """A session with the namespace registered in it."""
+
+    client: KVDClient
+    ns: int
+
+    @property
+    def alive(self) -> bool:
+        return not self.client.session_lost.is_set()
 
 
 class KVDLink:
@@ -71,18 +94,24 @@ class KVDLink:
         self.max_retry_seconds = max_retry_seconds
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
-        self._client: KVDClient | None = None
-        self._ns = 0
-        self._next_try = 0.0
-        self._backoff = retry_seconds
+        self._session: _Session | None = None  # the engine's thread's alone: only it sets and drops it
+        self._opened: _Session | None = None  # opened by the reconnect thread, not taken yet; under _lock
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._first_try = threading.Event()  # the reconnect thread tried once
+        self._reconnector: threading.Thread | None = None
+        self._why_down = "no connect finished"
         self._warned = False
-        self._ever_tried = False
-        self._connecting: threading.Thread | None = None
-        self._outcome: tuple[KVDClient, int] | str | None = None  # what the last connect left
-        self.instance = ""
-        self.session = ""
         # kvd names sequences per namespace, not per session: ours carry this process's mark
         self.seq_prefix = f"{client_name}-{os.getpid()}-{secrets.token_hex(4)}/"
+
+    @property
+    def session(self) -> str:
+        return self._session.client.session if self._session is not None else ""
+
+    @property
+    def instance(self) -> str:
+        return self._session.client.daemon_instance if self._session is not None else ""
 
     def seq_id(self, request_id: str) -> str:
         """The kvd sequence id of an engine request, unique to this link."""
@@ -90,57 +119,106 @@ class KVDLink:
 
     def attempt(self, what: str, action: Callable[[KVDClient, int], T]) -> T | None:
         """`action(client, namespace_id)`, or None when kvd cannot serve it now."""
-        if not self._ensure_connected():
+        current = self._current()
+        if current is None:
             return None
         try:
-            return action(self._client, self._ns)
+            return action(current.client, current.ns)
         except KVDError as e:
-            if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._lost(f"{what}: {e.message}")
+            if e.code in SESSION_GONE:
+                self._drop(f"{what}: {e.message}")
+                self._warn_once()
             else:
                 log.warning("kvd refused %s: %s", what, e)
             return None
 
-    def _ensure_connected(self) -> bool:
-        """Whether a session is ready now. Only the first connect waits (an engine that
-        starts beside a running daemon hits from its first request); later ones run in the
-        background, so that a daemon that hangs never stalls the engine for a connect."""
-        if self._client is not None and not self._client.session_lost.is_set():
-            return True
-        if self._client is not None:
-            self._lost("the session ended")
-        if self._connecting is not None and not self._connecting.is_alive():
-            self._connecting.join()
-            self._connecting = None
-            if self._take_outcome():
-                return True
-        now = time.monotonic()
-        if self._connecting is not None or now < self._next_try:
-            return False
-        if not self._ever_tried:
-            self._ever_tried = True
-            self._connect()
-            return self._take_outcome()
-        self._connecting = threading.Thread(target=self._connect, name="kvd-link-connect", daemon=True)
-        self._connecting.start()
-        return False
+    def serving_instance(self) -> str:
+        """The daemon instance this link's calls go to now, "" while kvd cannot serve them
+        (takes a session the reconnect thread opened; waits only for the first connect)."""
+        self._current()
+        return self.instance
 
-    def _take_outcome(self) -> bool:
-        """Adopts what the last connect left (True), or schedules the next try (False)."""
-        outcome, self._outcome = self._outcome, None
-        if isinstance(outcome, tuple):
-            self._adopt(*outcome)
-            return True
-        self._schedule_retry(time.monotonic(), outcome or "no connect finished")
-        return False
+    def _current(self) -> _Session | None:
+        """The live session calls use now, or None. The first use starts the reconnect
+        thread and waits for its first try (a bounded while); later ones take what it
+        opened, never wait."""
+        if self._reconnector is None:
+            self._reconnector = threading.Thread(target=self._keep_connected, name="kvd-link", daemon=True)
+            self._reconnector.start()
+            self._first_try.wait(self.connect_timeout + self.call_timeout)
+        if self._session is not None and not self._session.alive:
+            self._drop("the session ended")
+        if self._session is None:
+            with self._lock:
+                opened, self._opened = self._opened, None
+            if opened is not None:
+                self._adopt(opened)  # should it have ended meanwhile, the call fails and drops it
+            else:
+                self._warn_once()
+        return self._session
 
-    def _connect(self) -> None:
-        """Opens a session and registers the namespace; leaves (client, namespace id) or why not in `_outcome`."""
+    def _warn_once(self) -> None:
+        """One warning per outage: the first time a call finds kvd unable to serve."""
+        if not self._warned:
+            log.warning(
+                "kvd on %s cannot serve (%s); the engine computes without it and reconnects in the background",
+                self.socket or "the default socket",
+                self._why_down,
+            )
+            self._warned = True
+
+    def _adopt(self, opened: _Session) -> None:
+        self._session = opened
+        if self._warned:
+            log.warning(
+                "kvd on %s is back (daemon instance %s); prefix hits resume",
+                self.socket or "the default socket",
+                self.instance,
+            )
+        self._warned = False
+
+    def _drop(self, why: str) -> None:
+        """Lets the session go without a call to the daemon (it may be the one not answering);
+        the reconnect thread opens the next one."""
+        self._session.client.drop()
+        self._session, self._why_down = None, why
+
+    def _keep_connected(self) -> None:
+        """The reconnect thread: while the link has no live session (neither the engine's
+        nor one waiting for it), opens one at once, then again after each `delay`."""
+        delay = self.retry_seconds
+        while not self._closing.is_set():
+            if self._has_live_session():
+                delay = self.retry_seconds
+                self._closing.wait(self.retry_seconds)
+                continue
+            try:
+                opened = self._open()
+            except Exception:  # noqa: BLE001 - a bug in one try must not end the reconnects
+                log.exception("kvd link: a reconnect failed unexpectedly")
+                opened = None
+            self._first_try.set()
+            if opened is None:
+                self._closing.wait(delay)
+                delay = min(delay * 2, self.max_retry_seconds)
+        self._first_try.set()
+
+    def _has_live_session(self) -> bool:
+        current = self._session
+        with self._lock:
+            if self._opened is not None and not self._opened.alive:
+                self._opened.client.drop()
+                self._opened = None
+            return self._opened is not None or (current is not None and current.alive)
+
+    def _open(self) -> _Session | None:
+        """Opens a session and registers the namespace, for the engine's thread to take;
+        None (and why, in `_why_down`) when kvd cannot."""
         try:
             client = KVDClient.connect(self.socket, client_name=self.client_name, timeout=self.connect_timeout)
         except KVDError as e:
-            self._outcome = f"cannot connect: {e.message}"
-            return
+            self._why_down = f"cannot connect: {e.message}"
+            return None
         client.call_timeout = self.call_timeout
         try:
             spec = self.namespace
@@ -153,45 +231,26 @@ class KVDLink:
                 extra=dict(spec.extra),
             )
         except KVDError as e:
-            client.close()
-            self._outcome = f"cannot register the namespace: {e.message}"
-            return
-        self._outcome = (client, ns)
-
-    def _adopt(self, client: KVDClient, ns: int) -> None:
-        self._client, self._ns = client, ns
-        self.instance, self.session = client.daemon_instance, client.session
-        self._backoff = self.retry_seconds
-        if self._warned:
-            log.warning(
-                "kvd on %s is back (daemon instance %s); prefix hits resume",
-                self.socket or "the default socket",
-                self.instance,
-            )
-        self._warned = False
-
-    def _lost(self, why: str) -> None:
-        if self._client is not None:
-            self._client.close()
-        self._client, self.instance, self.session = None, "", ""
-        self._schedule_retry(time.monotonic(), why)
-
-    def _schedule_retry(self, now: float, why: str) -> None:
-        if not self._warned:
-            log.warning(
-                "kvd on %s cannot serve (%s); the engine computes without it and retries",
-                self.socket or "the default socket",
-                why,
-            )
-            self._warned = True
-        self._next_try = now + self._backoff
-        self._backoff = min(self._backoff * 2, self.max_retry_seconds)
+            client.drop()
+            self._why_down = f"cannot register the namespace: {e.message}"
+            return None
+        opened = _Session(client, ns)
+        with self._lock:
+            if self._closing.is_set():
+                client.close()
+            else:
+                self._opened = opened
+        return opened
 
     def close(self) -> None:
-        if self._connecting is not None:
-            self._connecting.join()
-            if isinstance(self._outcome, tuple):
-                self._outcome[0].close()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Ends the link: its reconnect thread stops (a connect under way is waited for at
+        most `connect_timeout` more), and its session is closed."""
+        self._closing.set()
+        if self._reconnector is not None:
+            self._reconnector.join(timeout=self.connect_timeout)
+        with self._lock:
+            opened, self._opened = self._opened, None
+        for s in (self._session, opened):
+            if s is not None:
+                s.client.close()
+        self._session = None

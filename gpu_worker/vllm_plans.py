@@ -67,16 +67,22 @@ class KVDConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVDWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per request, the blocks [start, end) a worker published in kvd this step."""
+    """What a worker tells the scheduler after each step: per request, the blocks [start,
+    end) it published in kvd this step, and the daemon instance its own kvd session is with
+    now ("" while kvd cannot serve it). The scheduler offers loads only while that is the
+    instance of its own session: a load the workers cannot perform would be recomputed."""
 
     published: dict[str, tuple[int, int]] = field(default_factory=dict)
+    daemon_instance: str = ""
 
     def aggregate(self, other: KVDWorkerMetadata) -> KVDWorkerMetadata:
-        """Blocks count as published only where every worker published them."""
+        """Blocks count as published only where every worker published them; the workers
+        serve an instance only when every one of them does."""
         both = {}
         for req_id, (start, end) in self.published.items():
             if req_id in other.published:
                 o_start, o_end = other.published[req_id]
                 if max(start, o_start) < min(end, o_end):
                     both[req_id] = (max(start, o_start), min(end, o_end))
-        return KVDWorkerMetadata(both)
+        instance = self.daemon_instance if self.daemon_instance == other.daemon_instance else ""
+        return KVDWorkerMetadata(both, instance)

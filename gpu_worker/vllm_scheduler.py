@@ -6,6 +6,10 @@ It holds no tensors and writes no page:
    without pinning anything, and offers the block-aligned hit beyond vLLM's own local hit,
    never the whole prompt (vLLM computes at least the last token). While kvd fetches
    more of the prompt from its remote store it answers None: vLLM asks again next step.
+   It offers nothing while the workers cannot load: their last report (each step's
+   `KVDWorkerMetadata`) must name the daemon instance of this half's session (before
+   the first report they are assumed to), so after an outage, in which the two halves
+   reconnect each on its own, no load is promised that the workers would fail.
 2. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, a kvd sequence
    of this session pins the hit pages (they cannot be evicted before the workers load
    them); the load plan maps them to the vLLM blocks just allocated. A block whose page
@@ -16,7 +20,7 @@ It holds no tensors and writes no page:
    `save_generated` is off); each worker saves them into its own kvd sequence and
    publishes them (gpu_worker/vllm_worker.py). So the next turn of a conversation, whose
    prompt holds this turn's answer, hits that answer too.
-4. `update_from_workers` turns what the workers published into vLLM KV events
+4. `update_from_workers` notes the workers' daemon instance and turns what they published into vLLM KV events
    (`BlockStored`); with KV events on, it remembers the kvd keys of those blocks, and
    `take_events` adds `BlockRemoved` for them once kvd evicts or drops them
    (gpu_worker/kvd_events.py).
@@ -97,6 +101,7 @@ class KVDSchedulerSide:
         # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
         self._stored = StoredBlocks(link) if track_removals else None
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
+        self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
         self._finished: set[str] = set()  # for the workers, with the next metadata
@@ -121,7 +126,7 @@ class KVDSchedulerSide:
                 ns, [SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)]
             ),
         )
-        if not found:
+        if not found or not self._workers_can_load():
             return 0
         if found[0].remote_pending_tokens:
             return None
@@ -214,7 +219,9 @@ class KVDSchedulerSide:
         return meta
 
     def update_from_workers(self, worker_meta: KVDWorkerMetadata | None) -> None:
-        """vLLM KV events for the blocks the workers published."""
+        """The workers' daemon instance, and vLLM KV events for the blocks they published."""
+        if worker_meta is not None:
+            self._workers_instance = worker_meta.daemon_instance
         for req_id, (start, end) in (worker_meta.published if worker_meta else {}).items():
             t = self._tracked.get(req_id) or self._finished_requests.get(req_id)
             if t is not None:
@@ -245,6 +252,11 @@ class KVDSchedulerSide:
             self._stored.close()
 
     # ---- helpers --------------------------------------------------------------------
+
+    def _workers_can_load(self) -> bool:
+        """Whether the workers' kvd sessions are with this half's daemon instance (their
+        last report says so, or none came yet), so that they can load what it pins."""
+        return self._workers_instance is None or self._workers_instance == self.link.instance
 
     def _remember(self, t: _Tracked, end: int, hashes: list) -> None:
         """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes.

@@ -277,12 +277,11 @@ class KVDWorkerSide:
             self._published[req_id] = (start, end)
             seq.published = end
 
-    def worker_metadata(self) -> KVDWorkerMetadata | None:
-        """What this worker published since the last step, for the scheduler's KV events."""
-        if not self._published:
-            return None
+    def worker_metadata(self) -> KVDWorkerMetadata:
+        """What this worker published since the last step (for the scheduler's KV events)
+        and the daemon instance it can load from now (the scheduler's offers wait for it)."""
         published, self._published = self._published, {}
-        return KVDWorkerMetadata(published)
+        return KVDWorkerMetadata(published, self.link.serving_instance())
 
     def _finished(self, req_ids: set[str]) -> None:
         """The requests are done: release their sequences (published pages stay cached).

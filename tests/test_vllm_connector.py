@@ -101,6 +101,7 @@ class Engine:
         self._accepted: list = []
         threading.Thread(target=lambda: self._accepted.append(self._listener.accept()), daemon=True).start()
         self.channel = None
+        self.shared_memory: set[tuple[int, int]] = set()  # (device, inode) of /dev/shm files its processes held
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
@@ -131,11 +132,11 @@ class Engine:
 
     def kill(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            self.shared_memory |= kill_noting_shared_memory(self.process)
 
     def stop(self) -> None:
         if self.process.poll() is None and self.channel is not None:
+            self.shared_memory |= shared_memory_of_group(self.process.pid)  # its exit may leave some
             try:
                 self.send("stop")
                 self.process.wait(timeout=30)
@@ -149,9 +150,54 @@ class Engine:
             return f.read()
 
 
-def _vllm_leftovers() -> set[str]:
-    """What a killed vLLM leaves in /dev/shm (its message queues and semaphores)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+def shared_memory_of_group(pgid: int) -> set[tuple[int, int]]:
+    """(device, inode) of every /dev/shm file that a process of group `pgid` maps or holds open.
+
+    By inode, not by name: a live semaphore is mapped under the temporary name glibc created
+    it with (`sem.XXXXXX (deleted)`), not its own (`sem.mp-...`)."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # after "pid (comm)": state, ppid, pgrp
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        major, minor = (int(n, 16) for n in fields[3].split(":"))
+                        held.add((os.makedev(major, minor), int(fields[4])))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    held.add((st.st_dev, st.st_ino))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # a process that has just ended, or one of another user
+    return held
+
+
+def kill_noting_shared_memory(process: subprocess.Popen) -> set[tuple[int, int]]:
+    """SIGKILLs the process group that `process` leads; returns what its processes held in
+    /dev/shm, noted while they were stopped (so that nothing changed meanwhile)."""
+    os.killpg(process.pid, signal.SIGSTOP)
+    held = shared_memory_of_group(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return held
+
+
+def unlink_vllm_shared_memory(held: set[tuple[int, int]]) -> None:
+    """Unlinks vLLM's message queues and semaphores (`psm_*`, `sem.*`) among the /dev/shm
+    files `held`, whose processes are dead: a SIGKILLed vLLM cannot remove its own. A file
+    no process of ours held is left alone: it may be another vLLM's, running beside the tests."""
+    for name in os.listdir("/dev/shm"):
+        path = os.path.join("/dev/shm", name)
+        try:
+            st = os.stat(path)
+            if name.startswith(("psm_", "sem.")) and (st.st_dev, st.st_ino) in held:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +217,6 @@ def setup(tmp_path_factory):
         "16MiB",
         log_path=os.path.join(workdir, "kvd.log"),
     )
-    shm_before = _vllm_leftovers()
     faults = {"fault_file": os.path.join(workdir, "b.fault"), "errors_file": os.path.join(workdir, "b.load_errors")}
     events = f"ipc://{workdir}/a.events"
     engines = {"a": Engine("a", model, workdir, socket, env={"KVD_TEST_KV_EVENTS": events})}
@@ -212,8 +257,7 @@ def setup(tmp_path_factory):
             engine.stop()
         daemon.stop()
         remove_shared_memory(socket)
-        for name in _vllm_leftovers() - shm_before:
-            os.unlink(os.path.join("/dev/shm", name))
+        unlink_vllm_shared_memory(set().union(*(engine.shared_memory for engine in engines.values())))
 
 
 def kvd_stats(socket: str) -> dict:
@@ -405,6 +449,49 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     assert got == expected
 
 
+CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon
+
+
+def test_a_hung_daemon_costs_each_half_one_call_timeout_and_hits_resume_once_it_answers(setup):
+    """kvd SIGSTOPped under a live engine: the next request's lookup (scheduler half) and its
+    worker's first call each wait one call timeout, then drop their sessions without asking
+    the hung daemon again; later requests are not delayed; tokens equal vLLM's without kvd.
+    After SIGCONT both halves reconnect by themselves and hits resume."""
+    a, baseline = setup["engines"]["a"], setup["engines"]["baseline"]
+    daemon = setup["daemon"]
+    expected = setup["baseline"]["a"][:16]
+
+    def timed(engine: Engine) -> tuple[float, list[int], int]:
+        engine.forget_local_cache()
+        start = time.monotonic()
+        [tokens], hits = engine.generate([{"tokens": prompt("a")}])
+        return time.monotonic() - start, tokens, hits
+
+    a.forget_local_cache()
+    a.generate([{"tokens": prompt("a")}])  # kvd holds every block of a's prompt (saves what it misses)
+    assert timed(a)[2] == loadable("a")
+    computed, _, _ = timed(baseline)  # the same request computed, without kvd
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        first, first_tokens, first_hits = timed(a)
+        later, later_tokens, later_hits = timed(a)
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    print(f"without kvd: {computed:.2f} s; kvd stopped: the first request {first:.2f} s, the next {later:.2f} s")
+    assert first_tokens == later_tokens == expected and first_hits == later_hits == 0
+    assert later < computed + 2.0, f"a later request took {later:.2f} s, vLLM without kvd {computed:.2f} s"
+    assert first - later < 2 * CALL_TIMEOUT + 2.0, (
+        f"the first request took {first:.2f} s, the next {later:.2f} s: more than one call timeout per half"
+    )
+
+    def hits_again() -> int:
+        _, tokens, hits = timed(a)
+        assert tokens == expected
+        return hits
+
+    assert wait_until(hits_again, "hits from kvd once it answers again", timeout=40) == loadable("a")
+
+
 def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup):
     a, b, c = (setup["engines"][n] for n in "abc")
     c.forget_local_cache()
@@ -445,3 +532,43 @@ def test_engines_keep_serving_through_a_kvd_restart(setup):
     assert wait_until(hits_again, "hits from the restarted kvd (warm restart kept the pages)", timeout=30) == loadable(
         "a"
     )
+
+
+HOLDER = """
+import multiprocessing, time
+from multiprocessing import shared_memory
+
+if __name__ == "__main__":  # what a vLLM process holds: a shared-memory queue, a semaphore
+    lock = multiprocessing.get_context("spawn").Lock()
+    queue = shared_memory.SharedMemory(create=True, size=4096)
+    print(queue.name, "sem." + lock._semlock.name.lstrip("/"), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_teardown_removes_what_killed_engines_held_and_nothing_of_a_vllm_beside_the_tests(tmp_path):
+    """The teardown's way with /dev/shm, on stand-ins for two vLLM processes: one of the tests'
+    own, killed, and one running beside the tests (whose start would fail, in
+    multiprocessing/synchronize.py, without its semaphore)."""
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+
+    def holder() -> tuple[subprocess.Popen, list[str]]:
+        process = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        return process, process.stdout.readline().split()
+
+    ours, our_files = holder()
+    beside, their_files = holder()
+    try:
+        held = kill_noting_shared_memory(ours)
+        assert all(os.path.exists(f"/dev/shm/{name}") for name in our_files), "a SIGKILLed process leaves them"
+        unlink_vllm_shared_memory(held)
+        assert not any(os.path.exists(f"/dev/shm/{name}") for name in our_files)
+        assert all(os.path.exists(f"/dev/shm/{name}") for name in their_files), "a live process's files went"
+    finally:
+        kill_noting_shared_memory(beside)
+        for name in our_files + their_files:
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")

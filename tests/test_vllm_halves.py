@@ -9,6 +9,9 @@ between a plan and its load, no daemon at all.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,6 +24,7 @@ from conftest import raw_page, wait_until  # noqa: E402
 
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
 from gpu_worker.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
+from gpu_worker.vllm_plans import KVDWorkerMetadata  # noqa: E402
 from gpu_worker.vllm_scheduler import KVDSchedulerSide  # noqa: E402
 from gpu_worker.vllm_worker import KVDWorkerSide  # noqa: E402
 
@@ -58,16 +62,43 @@ def scheduled(req, block_ids: list[int], computed: int = 0, num_tokens: int | No
     )
 
 
-class VllmProcess:
-    """One vLLM instance's connector halves over a KV cache of random blocks on CPU."""
+_OPENED: list[VllmProcess] = []  # closed after each test (their links' threads stop)
 
-    def __init__(self, socket: str, seed: int, save_generated: bool = True) -> None:
-        self.scheduler = KVDSchedulerSide(KVDLink(socket, "test-scheduler", SPEC), BLOCK, save_generated)
-        self.worker = KVDWorkerSide(KVDLink(socket, "test-worker", SPEC), LAYERS)
+
+@pytest.fixture(autouse=True)
+def _close_processes():
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
+class VllmProcess:
+    """One vLLM instance's connector halves over a KV cache of random blocks on CPU.
+
+    `link` takes KVDLink's keyword arguments for both halves; `worker_socket` points the
+    worker half elsewhere than the scheduler half."""
+
+    def __init__(
+        self,
+        socket: str,
+        seed: int,
+        save_generated: bool = True,
+        name: str = "test",
+        worker_socket: str | None = None,
+        **link,
+    ) -> None:
+        self.scheduler = KVDSchedulerSide(KVDLink(socket, f"{name}-scheduler", SPEC, **link), BLOCK, save_generated)
+        self.worker = KVDWorkerSide(KVDLink(worker_socket or socket, f"{name}-worker", SPEC, **link), LAYERS)
         generator = torch.Generator().manual_seed(seed)
         # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
         self.kv = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=generator) for name in LAYERS}
         self.worker.register(self.kv)
+        _OPENED.append(self)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.scheduler.link.close()
+        self.worker.link.close()
 
     def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
@@ -105,6 +136,10 @@ class VllmProcess:
         """The request finished; vLLM then runs a step with nothing scheduled that tells the
         workers (its connector metadata lists the finished request)."""
         self.scheduler.finished(req)
+        self.empty_step()
+
+    def empty_step(self) -> None:
+        """A step that schedules nothing: the workers' report still comes back."""
         self._step(
             SimpleNamespace(
                 scheduled_new_reqs=[],
@@ -240,16 +275,21 @@ def test_no_daemon_means_no_hits_and_one_warning(tmp_path, caplog):
     scheduler = KVDSchedulerSide(KVDLink(absent, "test-scheduler", SPEC, connect_timeout=0.2), BLOCK)
     worker = KVDWorkerSide(KVDLink(absent, "test-worker", SPEC, connect_timeout=0.2), LAYERS)
     worker.register({name: torch.zeros(8, 2, BLOCK, 64) for name in LAYERS})
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.kvd_link"):
-        for i in range(5):
-            r = request(f"r{i}", tokens(4 * BLOCK))
-            assert scheduler.matched_tokens(r, 0) == 0
-            scheduler.allocated(r, list(range(4)), 0)
-            meta = scheduler.build_metadata(scheduled(r, list(range(4))))
-            assert meta.loads == []
-            worker.start_step(meta)
-            worker.wait_for_save()
-            assert worker.worker_metadata() is None and worker.load_errors() == set()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpu_worker.kvd_link"):
+            for i in range(5):
+                r = request(f"r{i}", tokens(4 * BLOCK))
+                assert scheduler.matched_tokens(r, 0) == 0
+                scheduler.allocated(r, list(range(4)), 0)
+                meta = scheduler.build_metadata(scheduled(r, list(range(4))))
+                assert meta.loads == []
+                worker.start_step(meta)
+                worker.wait_for_save()
+                assert worker.worker_metadata() == KVDWorkerMetadata({}, "") and worker.load_errors() == set()
+    finally:
+        scheduler.close()
+        scheduler.link.close()
+        worker.link.close()
     warnings = [r.message for r in caplog.records if "cannot serve" in r.message]
     assert len(warnings) == 2, f"expected one warning per half for the outage: {warnings}"
 
@@ -274,6 +314,7 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     for p in (a, b):
         p.kv = {name: t.cuda() for name, t in p.kv.items()}
+        p.worker.link.close()
         p.worker = KVDWorkerSide(KVDLink(daemon.socket, "test-worker", SPEC), LAYERS)
         p.worker.register(p.kv)
     prompt = tokens(10 * BLOCK + 5)
@@ -286,23 +327,90 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(10))))
 
 
-def test_a_hung_daemon_costs_one_timeout_then_kvd_is_skipped_until_it_answers(daemon):
-    import os
-    import signal
-    import time
-
-    scheduler = KVDSchedulerSide(KVDLink(daemon.socket, "test-scheduler", SPEC, call_timeout=0.5), BLOCK)
+def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon):
+    """SIGSTOP: the first call of each half waits one call timeout and drops its session
+    without asking the hung daemon again (a close would wait another timeout); later calls
+    skip kvd at once. After SIGCONT the daemon ends the dropped sessions, with what the
+    timed-out calls left in them, and each half's link reconnects by itself, before any
+    call asks for it: the first lookup once the worker has reported back hits."""
+    timeout = 1.5
+    a = VllmProcess(daemon.socket, 1)
+    b = VllmProcess(daemon.socket, 2, name="b", call_timeout=timeout)
     prompt = tokens(4 * BLOCK + 1)
-    assert scheduler.matched_tokens(request("r0", prompt), 0) == 0  # connected, nothing cached
+    ra = request("a", prompt)
+    a.run(ra, list(range(5)))
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert b.scheduler.matched_tokens(rb, 0) == 4 * BLOCK  # both halves connected
+    b.empty_step()
+    with KVDClient.connect(daemon.socket) as kvd:
+        sessions = kvd.stats()["sessions"] - 1  # not this one
+    assert daemon.log().count("opened by b-") == 2
     os.kill(daemon.process.pid, signal.SIGSTOP)
     try:
+        r1 = request("r1", tokens(4 * BLOCK + 1, seed=5))  # not in kvd: no hit, a save
         start = time.monotonic()
-        for i in range(5):
-            assert scheduler.matched_tokens(request(f"r{i + 1}", prompt), 0) == 0
-        assert time.monotonic() - start < 2.0, "each call waited for the hung daemon"
+        assert b.scheduler.matched_tokens(r1, 0) == 0
+        lookup = time.monotonic() - start
+        start = time.monotonic()
+        assert b.run(r1, list(range(10, 15))) == set()  # the worker allocates a sequence to save into
+        save = time.monotonic() - start
+        start = time.monotonic()
+        for i in range(3):
+            r = request(f"later-{i}", prompt)
+            assert b.scheduler.matched_tokens(r, 0) == 0
+            b.run(r, list(range(20, 25)))
+        later = time.monotonic() - start
     finally:
         os.kill(daemon.process.pid, signal.SIGCONT)
-    assert wait_until(lambda: scheduler.link.attempt("probe", lambda kvd, ns: kvd.session), "a new session", timeout=10)
+    assert timeout <= lookup < timeout + 0.5, f"the scheduler half's lookup took {lookup:.2f} s"
+    assert timeout <= save < timeout + 0.5, f"the worker half's step took {save:.2f} s"
+    assert later < 0.5, f"three more requests took {later:.2f} s: kvd was not skipped"
+    with KVDClient.connect(daemon.socket) as kvd:  # one session, polled
+        wait_until(
+            lambda: daemon.log().count("opened by b-") == 4 and kvd.stats()["sessions"] - 1 == sessions,
+            "both halves reconnected, by themselves, and the daemon ended their dropped sessions",
+            timeout=15,
+        )
+        assert kvd.stats()["sequences"] == 0, "a sequence of a dropped session outlived it"
+    assert b.scheduler.matched_tokens(rb, 0) == 0, "the workers reported no session with the last step"
+    b.empty_step()
+    assert b.scheduler.matched_tokens(rb, 0) == 4 * BLOCK
+    assert b.run(rb, list(range(30, 35)), num_external=4 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(30, 34))), a.blocks(list(range(4))))
+
+
+def test_the_scheduler_offers_loads_only_while_the_workers_can_perform_them(daemon, daemon_factory, tmp_path):
+    """The workers report with each step the daemon instance their own session is with: the
+    scheduler half offers kvd's hits only while that is its own (until the first report
+    it assumes so), so a load the workers would fail is never promised."""
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(4 * BLOCK + 1)
+    ra = request("a", prompt)
+    a.run(ra, list(range(5)))
+    a.finish(ra)
+    late = str(tmp_path / "late.sock")  # the worker half's kvd socket, there only later
+    b = VllmProcess(daemon.socket, 2, worker_socket=late, connect_timeout=0.2, max_retry_seconds=0.2)
+    rb = request("b", prompt)
+    assert b.scheduler.matched_tokens(rb, 0) == 4 * BLOCK, "before the workers' first report"
+    b.empty_step()
+    assert b.scheduler.matched_tokens(rb, 0) == 0, "offered a load the workers cannot perform"
+    os.symlink(daemon.socket, late)
+
+    def offered() -> int:
+        b.empty_step()
+        return b.scheduler.matched_tokens(rb, 0)
+
+    assert wait_until(offered, "an offer once the workers reported their session", timeout=10) == 4 * BLOCK
+    assert b.run(rb, list(range(10, 15)), num_external=4 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(4))))
+    b.finish(rb)
+
+    elsewhere = daemon_factory("--host-bytes", "16MiB", "--extent-bytes", "4MiB", name="elsewhere")
+    other = VllmProcess(daemon.socket, 3, worker_socket=elsewhere.socket)
+    assert other.scheduler.matched_tokens(request("c", prompt), 0) == 4 * BLOCK
+    other.empty_step()
+    assert other.scheduler.matched_tokens(request("c", prompt), 0) == 0, "the workers load from another daemon"
 
 
 def test_a_multimodal_item_across_the_cacheable_end_cuts_the_prefix_before_it():
