@@ -1,14 +1,17 @@
-"""A daemon whose host budget /dev/shm cannot hold, filled by a client (issue 11).
+"""Daemons whose host budget /dev/shm cannot hold, driven by a client (issues 11 and 22).
 
 tests/test_crash_safety.py runs this inside a private mount namespace whose /dev/shm is a
-small tmpfs (``unshare -m``), so daemon and client see the same small /dev/shm. It prints
-one JSON object saying what happened; the test judges it.
+small tmpfs (``unshare -m``), so daemon and client see the same small /dev/shm:
+``python small_shm.py SCENARIO WORKDIR``. It prints one JSON object saying what happened,
+the daemon's log and exit status included; the test judges it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,43 +21,99 @@ from engine_client.types import KVDError
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")  # 2 KiB pages
 CHUNK = 512 * LAYOUT.page_size  # tokens of one allocation: 1 MiB of pages
+EXTENT_ARGS = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+EXTENT_TOKENS = 2048 * LAYOUT.page_size  # an extent's pages
 
 
-def allocate_and_touch(client: KVDClient, ns: int, seq_id: str, first_token: int) -> None:
-    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq_id, np.arange(CHUNK) + first_token)])
+def allocate_and_touch(client: KVDClient, ns: int, seq_id: str, first_token: int, num_tokens: int = CHUNK) -> None:
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq_id, np.arange(num_tokens) + first_token)])
     for page in alloc.pages:  # every page written: a page the tmpfs cannot back would SIGBUS here
         client.page_array(ns, page)[...] = 1
 
 
-def main(workdir: str) -> None:
-    daemon = DaemonProcess.start(
-        f"{workdir}/kvd.sock", "--host-bytes", "64MiB", "--extent-bytes", "4MiB", log_path=f"{workdir}/kvd.log"
+def start(workdir: str, *args: str, **env: str) -> DaemonProcess:
+    return DaemonProcess.start(
+        f"{workdir}/kvd.sock", *args, log_path=f"{workdir}/kvd.log", env={**os.environ, **env} if env else None
     )
-    out: dict = {"allocated": 0}
-    try:
-        with KVDClient.connect(daemon.socket) as client:
-            ns = client.register_namespace("small-shm", LAYOUT)
-            for i in range(64):
-                try:
-                    allocate_and_touch(client, ns, f"s{i}", i * CHUNK)
-                except KVDError as e:
-                    out["refused"] = [e.code.name, str(e)]
-                    break
-                out["allocated"] += 1
+
+
+def budget_over_shm(workdir: str, out: dict) -> None:
+    """A client fills what /dev/shm holds; further calls are refused, the rest still served."""
+    daemon = start(workdir, *EXTENT_ARGS)
+    with finished(daemon, out), KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace("small-shm", LAYOUT)
+        out["allocated"] = 0
+        for i in range(64):
             try:
-                allocate_and_touch(client, ns, "again", 10**6)
+                allocate_and_touch(client, ns, f"s{i}", i * CHUNK)
             except KVDError as e:
-                out["refused_again"] = e.code.name
-            out["alive"] = daemon.process.poll() is None
-            out["shm_refusals"] = client.stats()["shm_refusals"]
-            client.release(ns, ["s0"])
-            allocate_and_touch(client, ns, "after-release", 2 * 10**6)  # what fits is still served
-            out["served_after_release"] = True
-    finally:
-        out["exit"] = daemon.stop()
-        out["log"] = daemon.log()
-        print(json.dumps(out))
+                out["refused"] = [e.code.name, str(e)]
+                break
+            out["allocated"] += 1
+        try:
+            allocate_and_touch(client, ns, "again", 10**6)
+        except KVDError as e:
+            out["refused_again"] = e.code.name
+        out["shm_refusals"] = client.stats()["shm_refusals"]
+        client.release(ns, ["s0"])
+        allocate_and_touch(client, ns, "after-release", 2 * 10**6)  # what fits is still served
+        out["served_after_release"] = True
+
+
+def evict_when_refused(grow: str) -> Callable[[str, dict], None]:
+    """/dev/shm holds one extent. Half of it is published and released; then ``grow``
+    ("allocate": AllocateWithPrefix, which makes room in steps; "extend": Extend, in one
+    piece) asks for more pages than are free, and the second extent it needs is refused."""
+
+    def scenario(workdir: str, out: dict) -> None:
+        daemon = start(workdir, *EXTENT_ARGS)
+        with finished(daemon, out), KVDClient.connect(daemon.socket) as client:
+            ns = client.register_namespace("small-shm", LAYOUT)  # its first extent, built ahead
+            half = EXTENT_TOKENS // 2
+            # Half the extent in use leaves as many free pages as keep the next build from starting.
+            client.allocate_with_prefix(
+                ns, [SequenceRequest("a", np.arange(half - LAYOUT.page_size)), SequenceRequest("s", [7])]
+            )
+            client.publish(ns, ["a"])
+            client.release(ns, ["a"])
+            out["before"] = client.stats()
+            if grow == "allocate":
+                allocate_and_touch(client, ns, "b", 10**6, half + half // 2)
+            else:
+                client.extend(ns, "s", half + half // 2)
+            out["served"] = True
+            out["stats"] = client.stats()
+
+    return scenario
+
+
+class finished:
+    """Records what a scenario's daemon left: whether it lived, its exit status and log, and
+    the error that ended the scenario (a daemon killed by a signal fails the calls after it)."""
+
+    def __init__(self, daemon: DaemonProcess, out: dict) -> None:
+        self.daemon, self.out = daemon, out
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind, error, tb) -> bool:
+        self.out["alive"] = self.daemon.process.poll() is None
+        if isinstance(error, KVDError):
+            self.out["error"] = [error.code.name, str(error)]
+        self.out["exit"] = self.daemon.stop()
+        self.out["log"] = self.daemon.log()
+        return isinstance(error, KVDError)
+
+
+SCENARIOS = {
+    "budget-over-shm": budget_over_shm,
+    "evict-when-refused-allocate": evict_when_refused("allocate"),
+    "evict-when-refused-extend": evict_when_refused("extend"),
+}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    result: dict = {}
+    SCENARIOS[sys.argv[1]](sys.argv[2], result)
+    print(json.dumps(result))

@@ -106,35 +106,44 @@ def test_a_kill_before_any_seal_loses_no_published_page(daemon_factory, tmp_path
     assert recovery["recovered_pages"] == 40 and recovery["resealed_pages"] == 40
 
 
-@pytest.mark.skipif(
+needs_private_shm = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
     reason="a private /dev/shm needs root and unshare (CI runs as root)",
 )
-def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_daemon(tmp_path):
-    """A 64 MiB budget over a 16 MiB /dev/shm: the fourth extent of 4 MiB does not fit."""
-    script = 'mount -t tmpfs -o size=16m kvdtest /dev/shm && exec "$0" "$1" "$2"'
+
+
+def in_small_shm(tmp_path, size: str, scenario: str) -> dict:
+    """What a scenario of tests/small_shm.py reports, run in a private mount namespace whose
+    /dev/shm is a tmpfs of ``size`` (daemon and client both inside)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = f'mount -t tmpfs -o size={size} kvdtest /dev/shm && exec "$0" "$1" "$2" "$3"'
+    small_shm = str(pathlib.Path(__file__).with_name("small_shm.py"))
     result = subprocess.run(
-        [
-            "unshare",
-            "-m",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            script,
-            sys.executable,
-            str(pathlib.Path(__file__).with_name("small_shm.py")),
-            str(tmp_path),
-        ],
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable, small_shm, scenario]
+        + [str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=120,
         env=clean_env(tmp_path),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    out = json.loads(result.stdout.splitlines()[-1])
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def assert_lived(out: dict) -> None:
+    """The scenario ran to its end, and its daemon lived through it and exited cleanly."""
     log = out["log"]
-    assert out["alive"] and out["exit"] == 0, log
+    assert "error" not in out, f"{out['error']}\n{log}"
+    assert out["alive"] and out["exit"] == 0, f"the daemon exited with {out['exit']}:\n{log}"
+    assert "Traceback" not in log, log
+
+
+@needs_private_shm
+def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_daemon(tmp_path):
+    """A 64 MiB budget over a 16 MiB /dev/shm: the fourth extent of 4 MiB does not fit."""
+    out = in_small_shm(tmp_path, "16m", "budget-over-shm")
+    assert_lived(out)
+    log = out["log"]
     assert out["allocated"] >= 8, "what /dev/shm holds is served"
     code, message = out["refused"]
     assert code == "RESOURCE_EXHAUSTED" and "/dev/shm has" in message and "bytes free" in message, message
@@ -142,3 +151,18 @@ def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_dae
     assert out["shm_refusals"] >= 1
     assert "/dev/shm has" in log and "but the host budget needs" in log, "warned at start"
     assert log.count("serving from the extents there are") == 1, log
+
+
+@needs_private_shm
+@pytest.mark.parametrize("grow", ["allocate", "extend"])
+def test_an_extent_dev_shm_refuses_is_made_up_by_evicting_cached_pages(tmp_path, grow):
+    """/dev/shm (7 MiB: the manifest, a token buffer, one extent) holds one extent of 2,048
+    pages: 1,023 are cached, 1 in use, and the call under
+    test (an allocate, made room for in steps; an extend, in one piece) needs 1,536. It is the
+    first to meet the refusal of the second extent, and takes 512 cached pages instead."""
+    out = in_small_shm(tmp_path, "7m", f"evict-when-refused-{grow}")
+    assert_lived(out)
+    before, after = out["before"], out["stats"]
+    assert (before["shm_refusals"], before["cached_pages"], before["free_pages"]) == (0, 1023, 1024)
+    assert out["served"]
+    assert (after["shm_refusals"], after["evicted_pages"], after["cached_pages"]) == (1, 512, 511)
