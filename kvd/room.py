@@ -121,10 +121,10 @@ class Room:
         available = (
             self.pool.free_count(ns.id)
             + self.supply.building_pages(ns.id)
-            + self.arena.creatable_pages(ns.page_bytes)
+            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
             + self.pool.cached_count(ns.id)
             - held_cached
-            + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
+            + self.arena.pages_within(sum(e.plan.footprint for e in self._reclaimable(ns)), ns.page_bytes, ns.page_size)
             + self._freeable_on_hold(ns, protect, held)
         )
         if need > available:
@@ -142,7 +142,7 @@ class Room:
         return (
             self.pool.free_count(ns.id)
             + self.supply.building_pages(ns.id)
-            + self.arena.creatable_pages(ns.page_bytes)
+            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
             + self.pool.cached_count(ns.id)
         )
 

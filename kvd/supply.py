@@ -17,9 +17,10 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvd import collector
-from kvd.arena import Arena, Extent, ExtentPlan, ShmFull
+from kvd.arena import Arena, Extent, ExtentPlan
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
+from kvd.shm import ShmFull
 from kvd.types import NamespaceId
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,10 @@ LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtyp
 CHUNK = 512 * LAYOUT.page_size  # tokens of one allocation: 1 MiB of pages
 EXTENT_ARGS = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
 EXTENT_TOKENS = 2048 * LAYOUT.page_size  # an extent's pages
+# Issue 22's reproduction: 64 KiB pages, an extent of 16 MiB holds one 4,096-token prompt.
+RACE_LAYOUT = PageLayout(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16, dtype="float16")
+RACE_ARGS = ("--enable-prefix-reuse", "--host-bytes", "512MiB", "--extent-bytes", "16MiB")
+RACE_PROMPTS, RACE_TOKENS = 12, 4096
 
 
 def allocate_and_touch(client: KVDClient, ns: int, seq_id: str, first_token: int, num_tokens: int = CHUNK) -> None:
@@ -60,6 +64,22 @@ def budget_over_shm(workdir: str, out: dict) -> None:
         out["served_after_release"] = True
 
 
+def fill_after_reservation(workdir: str, out: dict) -> None:
+    """/dev/shm fills up right after the first extent is reserved (``KVD_FILL_SHM_AT``). A whole
+    extent of pages is published (a record for each: the metadata segment is written page by
+    page) and released; an allocation of as many pages finds no room for a second extent, and
+    is served from the cached pages."""
+    daemon = start(workdir, *EXTENT_ARGS, KVD_FILL_SHM_AT="extent-reserved")
+    with finished(daemon, out), KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace("small-shm", LAYOUT)  # builds the first extent, then fills /dev/shm
+        allocate_and_touch(client, ns, "a", 0, EXTENT_TOKENS)
+        out["published"] = client.publish(ns, ["a"])[0].published_pages
+        client.release(ns, ["a"])
+        allocate_and_touch(client, ns, "b", 10**6, EXTENT_TOKENS)
+        out["published_after"] = client.publish(ns, ["b"])[0].published_pages
+        out["stats"] = client.stats()
+
+
 def evict_when_refused(grow: str) -> Callable[[str, dict], None]:
     """/dev/shm holds one extent. Half of it is published and released; then ``grow``
     ("allocate": AllocateWithPrefix, which makes room in steps; "extend": Extend, in one
@@ -87,6 +107,21 @@ def evict_when_refused(grow: str) -> Callable[[str, dict], None]:
     return scenario
 
 
+def race(workdir: str, out: dict) -> None:
+    """Issue 22's reproduction: prompts allocated, published without writing their pages and
+    released back to back, while extents are built ahead on a worker thread until /dev/shm
+    is full; the cached pages serve the prompts from then on."""
+    daemon = start(workdir, *RACE_ARGS)
+    with finished(daemon, out), KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace("race", RACE_LAYOUT)
+        for i in range(RACE_PROMPTS):
+            client.allocate_with_prefix(ns, [SequenceRequest(f"p{i}", np.arange(RACE_TOKENS) + i * RACE_TOKENS)])
+            client.publish(ns, [f"p{i}"])
+            client.release(ns, [f"p{i}"])
+        out["served"] = RACE_PROMPTS
+        out["stats"] = client.stats()
+
+
 class finished:
     """Records what a scenario's daemon left: whether it lived, its exit status and log, and
     the error that ended the scenario (a daemon killed by a signal fails the calls after it)."""
@@ -108,8 +143,10 @@ class finished:
 
 SCENARIOS = {
     "budget-over-shm": budget_over_shm,
+    "fill-after-reservation": fill_after_reservation,
     "evict-when-refused-allocate": evict_when_refused("allocate"),
     "evict-when-refused-extend": evict_when_refused("extend"),
+    "race": race,
 }
 
 

@@ -20,7 +20,7 @@ from test_restart import ARGS, PAGE, assert_prefix_served, publish_prefix
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
 
 
-@pytest.mark.parametrize("step", ["extent-meta", "extent-data"])
+@pytest.mark.parametrize("step", ["extent-meta", "extent-reserved", "extent-data"])
 def test_a_kill_while_an_extent_is_created_keeps_the_published_cache(daemon_factory, tmp_path, step):
     """The namespace's second extent is built when its first runs low; the daemon dies
     right after ``step`` of that build. The restart drops only the incomplete extent."""
@@ -154,6 +154,20 @@ def test_a_dev_shm_smaller_than_the_budget_refuses_calls_and_never_kills_the_dae
 
 
 @needs_private_shm
+def test_dev_shm_filled_right_after_an_extent_is_reserved_never_kills_the_daemon(tmp_path):
+    """/dev/shm is filled (KVD_FILL_SHM_AT) right after the first extent's reservation, on the
+    worker thread that builds it. Publishing that extent's 2,048 pages writes a record each
+    into its metadata segment, 64 KiB of tmpfs pages touched for the first time (issue 22:
+    SIGBUS); then the second extent /dev/shm refuses is made up by evicting cached pages."""
+    out = in_small_shm(tmp_path, "16m", "fill-after-reservation")
+    assert_lived(out)
+    assert out["published"] == out["published_after"] == 2048
+    stats = out["stats"]
+    assert stats["shm_refusals"] >= 1 and stats["evicted_pages"] == 2048
+    assert "/dev/shm has 0 bytes free, too few for metadata segment" in out["log"], out["log"]
+
+
+@needs_private_shm
 @pytest.mark.parametrize("grow", ["allocate", "extend"])
 def test_an_extent_dev_shm_refuses_is_made_up_by_evicting_cached_pages(tmp_path, grow):
     """/dev/shm (7 MiB: the manifest, a token buffer, one extent) holds one extent of 2,048
@@ -166,3 +180,18 @@ def test_an_extent_dev_shm_refuses_is_made_up_by_evicting_cached_pages(tmp_path,
     assert (before["shm_refusals"], before["cached_pages"], before["free_pages"]) == (0, 1023, 1024)
     assert out["served"]
     assert (after["shm_refusals"], after["evicted_pages"], after["cached_pages"]) == (1, 512, 511)
+
+
+@needs_private_shm
+@pytest.mark.parametrize("size", ["64m", "66700k", "67800k"])
+def test_prompts_back_to_back_over_a_full_dev_shm_never_kill_the_daemon(tmp_path, size):
+    """Issue 22's reproduction: 12 prompts of one 16 MiB extent each allocated, published and
+    released back to back while extents are built ahead on a worker thread until /dev/shm is
+    full. At 64 MiB the fourth extent never fits; 65 MiB + 140 KiB (beside a token buffer of
+    1 MiB) is where, before the fix, it fit in what metadata pages not yet touched needed (the
+    daemon died of SIGBUS in 3 runs of 3); at 66 MiB + 212 KiB it fits beside the reserved
+    metadata with 72 KiB to spare."""
+    out = in_small_shm(tmp_path, size, "race")
+    assert_lived(out)
+    stats = out["stats"]
+    assert out["served"] == 12 and stats["shm_refusals"] >= 1 and stats["evicted_pages"] > 0, stats
