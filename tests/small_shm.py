@@ -8,10 +8,11 @@ the daemon's log and exit status included; the test judges it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -122,23 +123,18 @@ def race(workdir: str, out: dict) -> None:
         out["stats"] = client.stats()
 
 
-class finished:
+@contextlib.contextmanager
+def finished(daemon: DaemonProcess, out: dict) -> Iterator[None]:
     """Records what a scenario's daemon left: whether it lived, its exit status and log, and
     the error that ended the scenario (a daemon killed by a signal fails the calls after it)."""
-
-    def __init__(self, daemon: DaemonProcess, out: dict) -> None:
-        self.daemon, self.out = daemon, out
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, kind, error, tb) -> bool:
-        self.out["alive"] = self.daemon.process.poll() is None
-        if isinstance(error, KVDError):
-            self.out["error"] = [error.code.name, str(error)]
-        self.out["exit"] = self.daemon.stop()
-        self.out["log"] = self.daemon.log()
-        return isinstance(error, KVDError)
+    try:
+        yield
+    except KVDError as e:
+        out["error"] = [e.code.name, str(e)]
+    finally:
+        out["alive"] = daemon.process.poll() is None
+        out["exit"] = daemon.stop()
+        out["log"] = daemon.log()
 
 
 SCENARIOS = {
