@@ -13,6 +13,11 @@ the event loop, so the daemon can build the next extent off the request path.
 Each extent has a companion metadata segment ``{name}.meta`` (kvd/meta.py) with one
 record per page, and the arena keeps a manifest segment ``{prefix}-manifest``; with
 them a restarted daemon re-attaches the extents (``attach``) instead of deleting them.
+
+Every segment is reserved in /dev/shm when it is created (kvd/shm.py), so a full
+/dev/shm refuses a new extent (``ShmFull``, ``shm_refused``) and never raises SIGBUS
+later. The host budget counts each extent's data and metadata segments together
+(``ExtentPlan.footprint``): a budget that /dev/shm holds is never refused by it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
-import errno
 import logging
 import mmap
 import operator
@@ -33,13 +37,21 @@ import numpy as np
 import posix_ipc
 
 from kvd import crashpoints
-from kvd.errors import ResourceExhausted
-from kvd.meta import META_SUFFIX, ExtentHeader, ExtentMeta, manifest_name, unlink_quietly, write_manifest
+from kvd.meta import (
+    HEADER_BYTES,
+    MANIFEST_BYTES,
+    META_SUFFIX,
+    ExtentHeader,
+    ExtentMeta,
+    manifest_name,
+    record_size,
+    write_manifest,
+)
+from kvd.shm import SHM_DIR, ShmFull, create_segment, reserve, unlink_quietly
 from kvd.types import NamespaceId, PageId
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 # Touching one byte per OS page faults the whole extent in; first touch of shared
 # memory runs ~25x slower than resident memory, so it must not happen on a request.
 _OS_PAGE = mmap.PAGESIZE
@@ -64,7 +76,18 @@ class ExtentPlan:
 
     @property
     def size(self) -> int:
+        """Bytes of the data segment."""
         return self.num_pages * self.page_bytes
+
+    @property
+    def header(self) -> ExtentHeader:
+        """What the metadata segment's header records."""
+        return ExtentHeader(self.namespace, self.root, self.first_page, self.num_pages, self.page_size, self.page_bytes)
+
+    @property
+    def footprint(self) -> int:
+        """Bytes the extent takes of /dev/shm and of the host budget: data and metadata."""
+        return self.size + self.header.segment_bytes
 
 
 class Extent:
@@ -100,30 +123,6 @@ class Extent:
         if unlink:  # the data first: the reverse of Arena.build
             posix_ipc.unlink_shared_memory(self.name)
         self.meta.close(unlink)
-
-
-class ShmFull(ResourceExhausted):
-    """/dev/shm cannot back a new extent (a container's default is 64 MiB)."""
-
-
-def shm_free_bytes() -> int:
-    """Bytes /dev/shm can still allocate."""
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
-
-
-def _reserve(fd: int, plan: ExtentPlan) -> None:
-    """Allocates the extent's memory in the tmpfs now, so a full /dev/shm is this error and
-    never a SIGBUS later, in the daemon or in a client touching a page."""
-    try:
-        os.posix_fallocate(fd, 0, plan.size)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.ENOMEM):
-            raise
-        raise ShmFull(
-            f"{SHM_DIR} has {shm_free_bytes()} bytes free, too few for extent {plan.name} of {plan.size} bytes; "
-            f"give {SHM_DIR} more room (docker run --shm-size) or lower --host-bytes"
-        ) from None
 
 
 class _MemoryLocker:
@@ -173,7 +172,7 @@ class Arena:
         self.group = group
         self.meta_mode = meta_mode
         self._locker = _MemoryLocker() if lock_memory else None
-        self._reserved_bytes = 0  # planned + adopted extents
+        self._reserved_bytes = 0  # footprints of the planned and adopted extents
         self._next_page = 0
         self._next_extent = 0
         self._extents: dict[str, Extent] = {}
@@ -190,15 +189,34 @@ class Arena:
     def reserved_bytes(self) -> int:
         return self._reserved_bytes
 
-    def creatable_pages(self, page_bytes: int) -> int:
-        """Pages of this size that new extents could still hold within the budget."""
+    @property
+    def shm_bytes_to_come(self) -> int:
+        """Bytes this arena may still take of /dev/shm: the budget not reserved yet, and the
+        manifest's segment until it exists."""
+        return self.budget_bytes - self._reserved_bytes + (MANIFEST_BYTES if self._manifest is None else 0)
+
+    def creatable_pages(self, page_bytes: int, page_size: int) -> int:
+        """Pages of this size (``page_size`` tokens each, for their metadata records) that new
+        extents could still hold within the budget."""
         if time.monotonic() < self._shm_retry_at:
             return 0  # /dev/shm refused the last extent (shm_refused)
-        return (self.budget_bytes - self._reserved_bytes) // page_bytes
+        return self.pages_within(self.budget_bytes - self._reserved_bytes, page_bytes, page_size)
+
+    def pages_within(self, budget: int, page_bytes: int, page_size: int) -> int:
+        """Pages of this size that new extents taking at most ``budget`` bytes would hold, as
+        ``plan`` cuts them: whole extents, then one smaller one, each with its metadata segment."""
+        per_page = page_bytes + record_size(page_size)
+        whole = self._extent_pages(page_bytes)
+        extents, rest = divmod(budget, HEADER_BYTES + whole * per_page)
+        return extents * whole + max(0, (rest - HEADER_BYTES) // per_page)
+
+    def _extent_pages(self, page_bytes: int) -> int:
+        """Pages of a whole extent of this page size."""
+        return min(max(1, self.extent_bytes // page_bytes), MAX_EXTENT_PAGES)
 
     def plan(self, namespace: NamespaceId, page_bytes: int, page_size: int = 1, root: bytes = b"") -> ExtentPlan | None:
-        """Reserves budget for the next extent of a namespace; None when none fits."""
-        num_pages = min(max(1, self.extent_bytes // page_bytes), MAX_EXTENT_PAGES, self.creatable_pages(page_bytes))
+        """Reserves budget for the next extent of a namespace (its footprint); None when none fits."""
+        num_pages = min(self._extent_pages(page_bytes), self.creatable_pages(page_bytes, page_size))
         if num_pages == 0:
             return None
         plan = ExtentPlan(
@@ -212,40 +230,27 @@ class Arena:
         )
         self._next_extent += 1
         self._next_page += num_pages
-        self._reserved_bytes += plan.size
+        self._reserved_bytes += plan.footprint
         return plan
 
     def build(self, plan: ExtentPlan) -> Extent:
-        """Creates the extent's metadata, then its data segment: reserved in /dev/shm, mapped,
-        pre-faulted and locked. Touches no arena state; raises ``ShmFull`` when /dev/shm
-        cannot hold it.
+        """Creates the extent's metadata, then its data segment, each reserved in /dev/shm;
+        maps, pre-faults and locks the data. Touches no arena state; raises ``ShmFull``,
+        leaving neither segment behind, when /dev/shm cannot hold them.
 
         Metadata comes first, so a crash at any instant leaves either a complete extent or
         one whose data segment is missing or short, which recovery drops on its own
         (kvd/recovery.py) without mistaking it for another configuration."""
-        meta = ExtentMeta.create(
-            plan.name,
-            ExtentHeader(
-                plan.namespace,
-                plan.root,
-                plan.first_page,
-                plan.num_pages,
-                plan.page_size,
-                plan.page_bytes,
-            ),
-            self.meta_mode,
-        )
+        meta = ExtentMeta.create(plan.name, plan.header, self.meta_mode)
         crashpoints.reached("extent-meta")
         try:
-            shm = posix_ipc.SharedMemory(plan.name, flags=posix_ipc.O_CREX, mode=0o660, size=plan.size)
+            # 0660 whatever the umask: engines in the group (the tenant's, or the daemon's) map it read-write.
+            shm = create_segment(plan.name, plan.size, f"extent {plan.name}", 0o660, self.group)
         except BaseException:
             meta.close(unlink=True)
             raise
+        crashpoints.reached("extent-reserved")
         try:
-            os.fchmod(shm.fd, 0o660)  # whatever the umask: engines in the daemon's group map it read-write
-            if self.group is not None:
-                os.fchown(shm.fd, -1, self.group)  # only the tenant's group maps it
-            _reserve(shm.fd, plan)
             memory = mmap.mmap(shm.fd, plan.size)
         except BaseException:
             meta.close(unlink=True)
@@ -270,7 +275,9 @@ class Arena:
                 raise ValueError(f"extent {plan.name} holds {shm.size} bytes, its metadata says {plan.size}")
             if self.group is not None:  # the tenant's group may have changed since
                 os.fchown(shm.fd, -1, self.group)
-            _reserve(shm.fd, plan)  # a killed daemon may have died before reserving it
+            # A killed daemon may have died before it reserved them.
+            meta.reserve()
+            reserve(shm.fd, plan.size, f"extent {plan.name}")
             memory = mmap.mmap(shm.fd, plan.size)
         finally:
             shm.close_fd()
@@ -283,7 +290,7 @@ class Arena:
 
     def adopt_recovered(self, extent: Extent) -> None:
         """Adopts an attached extent: it takes its budget, and new ids and names follow it."""
-        self._reserved_bytes += extent.plan.size
+        self._reserved_bytes += extent.plan.footprint
         self._next_page = max(self._next_page, extent.first_page + extent.num_pages)
         self._next_extent = max(self._next_extent, int(extent.name.rsplit("-", 1)[1]) + 1)
         self.adopt(extent)
@@ -301,13 +308,13 @@ class Arena:
         """Unmaps and unlinks an extent whose pages are all free; returns its budget."""
         del self._extents[extent.name]
         self._by_first_page.remove(extent)
-        self._reserved_bytes -= extent.plan.size
+        self._reserved_bytes -= extent.plan.footprint
         extent.close(unlink=True)
         self._shm_retry_at = 0.0  # its memory is back in /dev/shm
 
     def cancel(self, plan: ExtentPlan) -> None:
         """Returns the budget of a plan whose build failed."""
-        self._reserved_bytes -= plan.size
+        self._reserved_bytes -= plan.footprint
 
     def shm_refused(self, error: ShmFull) -> None:
         """/dev/shm could not hold a new extent: no further one is planned for a while, so

@@ -1,47 +1,96 @@
-"""Crash points: a debug hook that makes the daemon SIGKILL itself right after a named step.
+"""Crash points: debug hooks that act right after a named step of the daemon.
 
-Crash consistency is about instants a ``kill -9`` rarely hits by chance, so the tests aim
-at them: ``KVD_CRASH_AT=STEP[:N]`` in the daemon's environment kills it (SIGKILL, as
-``kill -9`` would) the N-th time (default 1) it completes STEP. Steps:
+Crash consistency and a full /dev/shm are about instants that chance rarely hits, so the
+tests aim at them with a variable in the daemon's environment, read once at import:
+
+- ``KVD_CRASH_AT=STEP[:N]`` kills the daemon (SIGKILL, as ``kill -9`` would) the N-th time
+  (default 1) it completes STEP;
+- ``KVD_FILL_SHM_AT=STEP[:N]`` takes every byte /dev/shm has left, as another process could
+  at that instant, with a segment named ``FILLER`` that stays until someone unlinks it.
+  Only in a private mount namespace with a small tmpfs on /dev/shm (tests/small_shm.py):
+  on a host's /dev/shm it starves every other user.
+
+Steps:
 
 - ``extent-meta``: an extent's metadata segment exists, its data segment does not yet;
+- ``extent-reserved``: the data segment is created and reserved in /dev/shm, not yet
+  mapped (on the thread that builds it: a worker's, ahead of need, or the event loop);
 - ``extent-data``: the data segment is created, reserved and pre-faulted, and the extent
   is not yet adopted (its pages were never handed out);
 - ``publish-recorded``: a publish wrote its pages' records (state PUBLISHED) and has not
   handed them to the sealer, so none has a checksum yet.
 
-The variable is read once, at import; unset (always, in production) a crash point costs
-one dictionary lookup.
+Unset (always, in production) a step costs one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import signal
 import threading
+from collections.abc import Callable
 
-STEPS = ("extent-meta", "extent-data", "publish-recorded")
+import posix_ipc
+
+STEPS = ("extent-meta", "extent-reserved", "extent-data", "publish-recorded")
+FILLER = "/kvd-test-shm-filler"  # the segment KVD_FILL_SHM_AT fills /dev/shm with
 
 
-def _parse(value: str) -> tuple[str, int] | None:
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fill_shm() -> None:
+    """Grows ``FILLER`` by reserved chunks, smaller and smaller, until /dev/shm has no page left."""
+    shm = posix_ipc.SharedMemory(FILLER, flags=posix_ipc.O_CREAT, mode=0o600)
+    try:
+        size = os.fstat(shm.fd).st_size
+        for chunk in (1 << 20, mmap.PAGESIZE):
+            while True:
+                try:
+                    os.posix_fallocate(shm.fd, size, chunk)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+                size += chunk
+    finally:
+        shm.close_fd()
+
+
+def _parse(variable: str, value: str) -> tuple[str, int] | None:
     if not value:
         return None
     step, _, nth = value.partition(":")
     if step not in STEPS or (nth and not nth.isdigit()):
-        raise ValueError(f"KVD_CRASH_AT={value!r}: expected one of {', '.join(STEPS)}, optionally ':N'")
+        raise ValueError(f"{variable}={value!r}: expected one of {', '.join(STEPS)}, optionally ':N'")
     return step, int(nth or 1)
 
 
-_TARGET = _parse(os.environ.get("KVD_CRASH_AT", ""))
+def _armed() -> dict[str, list[tuple[int, Callable[[], None]]]]:
+    """Step → (N, action) of every hook the environment sets."""
+    armed: dict[str, list[tuple[int, Callable[[], None]]]] = {}
+    for variable, action in (("KVD_CRASH_AT", _kill), ("KVD_FILL_SHM_AT", _fill_shm)):
+        target = _parse(variable, os.environ.get(variable, ""))
+        if target is not None:
+            armed.setdefault(target[0], []).append((target[1], action))
+    return armed
+
+
+_ARMED = _armed()
 _seen: dict[str, int] = {}
 _lock = threading.Lock()  # extents are built on a worker thread as well as the event loop
 
 
 def reached(step: str) -> None:
-    """Marks ``step`` as done; SIGKILLs this process if it is the targeted crash point."""
-    if _TARGET is None or _TARGET[0] != step:
+    """Marks ``step`` as done; runs the hook set for this occurrence of it, if any."""
+    hooks = _ARMED.get(step)
+    if hooks is None:
         return
     with _lock:
-        _seen[step] = _seen.get(step, 0) + 1
-        if _seen[step] == _TARGET[1]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        _seen[step] = seen = _seen.get(step, 0) + 1
+        for nth, action in hooks:
+            if nth == seen:
+                action()

@@ -76,7 +76,14 @@ class Sealer:
             future = self._executor.submit(_hash_all, batch)
             self._pending.append((batch, future))
             if self.notify is not None:
-                future.add_done_callback(lambda _: self.notify())
+                future.add_done_callback(self._done)
+
+    def _done(self, _future: Future) -> None:
+        """On the sealer thread: tells the loop a batch is done, unless the server stopped
+        taking callbacks (``notify`` is None) since the batch was submitted."""
+        notify = self.notify
+        if notify is not None:
+            notify()
 
     def finished(self, wait: bool = False):
         """(job, checksum) of one finished batch (each batch notifies once, so every one is

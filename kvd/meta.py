@@ -35,21 +35,24 @@ drops to FREE before the page can be written again. A SEALED record is recovered
 when its checksum matches, so the checksum also covers the record's own fields; a
 PUBLISHED one is complete (its state byte is written last) and recovery seals it itself.
 The metadata segment is created before its extent's data segment and unlinked after it.
-Metadata segments are not counted in the host budget: per page they take
-64 + 4 * page_size bytes (0.1% of a 2 MiB page).
+Every segment here is reserved in /dev/shm when it is created (kvd/shm.py): a record
+written into a page of it never meets a full /dev/shm. An extent's metadata segment
+(``ExtentHeader.segment_bytes``: 64 + (64 + 4 * page_size) bytes per page, 0.006% of a
+2 MiB page of 16 tokens) counts in the host budget with the extent (kvd/arena.py).
 """
 
 from __future__ import annotations
 
 import json
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 import xxhash
+
+from kvd.shm import create_segment, reserve, unlink_quietly
 
 FORMAT_VERSION = 1
 MANIFEST_MAGIC = b"KVDMANIF"
@@ -80,11 +83,14 @@ def page_checksum(covered: bytes | memoryview, page: np.ndarray) -> int:
     return h.intdigest()
 
 
-def _create(name: str, size: int, mode: int = 0o660) -> mmap.mmap:
-    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREAT, mode=mode, size=size)
+def _create(name: str, size: int, what: str, mode: int) -> mmap.mmap:
+    """The segment, reserved in /dev/shm and mapped; ``ShmFull`` when /dev/shm cannot hold it."""
+    shm = create_segment(name, size, what, mode, exclusive=False)
     try:
-        os.fchmod(shm.fd, mode)
         return mmap.mmap(shm.fd, size)
+    except BaseException:
+        unlink_quietly(name)
+        raise
     finally:
         shm.close_fd()
 
@@ -115,7 +121,7 @@ def write_manifest(prefix: str, doc: dict, memory: mmap.mmap | None, mode: int =
     if _MANIFEST_HEAD.size + len(body) > MANIFEST_BYTES:
         raise MetaError(f"manifest of {len(body)} bytes does not fit its {MANIFEST_BYTES}-byte segment")
     if memory is None:
-        memory = _create(manifest_name(prefix), MANIFEST_BYTES, mode)
+        memory = _create(manifest_name(prefix), MANIFEST_BYTES, "the manifest", mode)
     memory[_MANIFEST_HEAD.size : _MANIFEST_HEAD.size + len(body)] = body
     memory[: _MANIFEST_HEAD.size] = _MANIFEST_HEAD.pack(
         MANIFEST_MAGIC, FORMAT_VERSION, len(body), xxhash.xxh3_64_intdigest(body)
@@ -150,6 +156,11 @@ def read_manifest(prefix: str) -> dict:
 # ---- per-extent records -------------------------------------------------------------
 
 
+def record_size(page_size: int) -> int:
+    """Bytes of the record of one page of ``page_size`` tokens."""
+    return RECORD_HEAD + 4 * page_size
+
+
 @dataclass(frozen=True)
 class ExtentHeader:
     namespace: int
@@ -161,7 +172,12 @@ class ExtentHeader:
 
     @property
     def record_bytes(self) -> int:
-        return RECORD_HEAD + 4 * self.page_size
+        return record_size(self.page_size)
+
+    @property
+    def segment_bytes(self) -> int:
+        """The size of the metadata segment: the header and one record per page."""
+        return HEADER_BYTES + self.num_pages * self.record_bytes
 
 
 @dataclass(frozen=True)
@@ -190,7 +206,7 @@ class ExtentMeta:
     @classmethod
     def create(cls, extent_name: str, header: ExtentHeader, mode: int = 0o660) -> ExtentMeta:
         name = extent_name + META_SUFFIX
-        memory = _create(name, HEADER_BYTES + header.num_pages * header.record_bytes, mode)
+        memory = _create(name, header.segment_bytes, f"metadata segment {name}", mode)
         memory[: _HEADER.size] = _HEADER.pack(
             EXTENT_MAGIC,
             FORMAT_VERSION,
@@ -215,7 +231,7 @@ class ExtentMeta:
             if magic != EXTENT_MAGIC or version != FORMAT_VERSION:
                 raise MetaError(f"{name} has magic {magic!r} version {version}, not {EXTENT_MAGIC!r} {FORMAT_VERSION}")
             header = ExtentHeader(ns, root, first, count, page_size, page_bytes)
-            if record_bytes != header.record_bytes or len(memory) < HEADER_BYTES + count * record_bytes:
+            if record_bytes != header.record_bytes or len(memory) < header.segment_bytes:
                 raise MetaError(f"{name} does not hold {count} records of {header.record_bytes} bytes")
         except BaseException:
             memory.close()
@@ -267,14 +283,16 @@ class ExtentMeta:
             covered[_RECORD_FIELDS.size :],
         )
 
+    def reserve(self) -> None:
+        """Reserves the segment in /dev/shm, as ``create`` does: for one a killed daemon left,
+        which may have died before it reserved it. ``ShmFull`` when /dev/shm cannot hold it."""
+        shm = posix_ipc.SharedMemory(self.name)
+        try:
+            reserve(shm.fd, self.header.segment_bytes, f"metadata segment {self.name}")
+        finally:
+            shm.close_fd()
+
     def close(self, unlink: bool) -> None:
         self.memory.close()
         if unlink:
             unlink_quietly(self.name)
-
-
-def unlink_quietly(name: str) -> None:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass  # gone already

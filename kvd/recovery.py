@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from kvd.arena import SHM_DIR, Extent, ExtentPlan, ShmFull, daemon_segments, leftover_segments, unlink_segments
+from kvd.arena import Extent, ExtentPlan, daemon_segments, leftover_segments, unlink_segments
 from kvd.errors import KVDError
 from kvd.index import PageContent
 from kvd.meta import (
@@ -46,9 +46,9 @@ from kvd.meta import (
     manifest_name,
     page_checksum,
     read_manifest,
-    unlink_quietly,
 )
 from kvd.namespaces import NamespaceIdentity, NamespaceRegistry, identity_from_doc
+from kvd.shm import SHM_DIR, ShmFull, unlink_quietly
 from kvd.types import NamespaceId, PageId, PageKey
 
 log = logging.getLogger(__name__)
@@ -236,8 +236,8 @@ def _check(arena, prefix: str, segments: list[str], opened: list[ExtentMeta]) ->
     spans = sorted((m.header.first_page, m.header.first_page + m.header.num_pages) for m in found.metas)
     if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
         raise Mismatch("two extents claim the same page ids")
-    total = sum(m.header.num_pages * m.header.page_bytes for m in found.metas)
-    if total > arena.budget_bytes:
+    total = sum(m.header.num_pages * m.header.page_bytes + m.header.segment_bytes for m in found.metas)
+    if total > arena.budget_bytes:  # data and metadata, as the budget counts them (kvd/arena.py)
         raise Mismatch(f"the extents hold {total} bytes, over the host budget of {arena.budget_bytes}")
     return found
 

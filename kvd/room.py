@@ -2,7 +2,8 @@
 
 When a namespace needs more free pages than it has, room is made in this order:
 
-1. a new extent, while the budget has bytes no extent holds (kvd/supply.py builds them);
+1. a new extent, while the budget has bytes no extent holds (kvd/supply.py builds them)
+   and /dev/shm has room for it (when it refuses one, the next steps make the room);
 2. the namespace's next CACHED page in the eviction policy's order (kvd/eviction.py);
 3. an extent of another namespace that holds no referenced page: its budget moves here;
 4. an ON_HOLD sequence of the namespace, chosen by kvd/eviction.py's ``held_victim`` (its
@@ -80,7 +81,8 @@ class Room:
     def steps(self, ns: Namespace, need: int, seconds: float = STEP_SECONDS) -> Iterator[Future | None]:
         """Makes ``need`` pages free as ``ensure_free`` would, in parts between which the
         caller lets the event loop serve other calls: yields a Future while an extent is
-        built in the background (await it), None after evicting cached pages for about
+        built in the background (await it: it never raises for a full /dev/shm, and cached
+        pages are evicted after such a refusal), None after evicting cached pages for about
         ``seconds`` (yield the loop, then go on). Stops early when what is left needs more
         than new extents and cached pages (reclaiming, on-hold sequences): ``ensure_free``
         does that, and whatever other calls took meanwhile, when the caller's call runs."""
@@ -119,10 +121,10 @@ class Room:
         available = (
             self.pool.free_count(ns.id)
             + self.supply.building_pages(ns.id)
-            + self.arena.creatable_pages(ns.page_bytes)
+            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
             + self.pool.cached_count(ns.id)
             - held_cached
-            + sum(e.num_pages * e.plan.page_bytes for e in self._reclaimable(ns)) // ns.page_bytes
+            + self.arena.pages_within(sum(e.plan.footprint for e in self._reclaimable(ns)), ns.page_bytes, ns.page_size)
             + self._freeable_on_hold(ns, protect, held)
         )
         if need > available:
@@ -140,7 +142,7 @@ class Room:
         return (
             self.pool.free_count(ns.id)
             + self.supply.building_pages(ns.id)
-            + self.arena.creatable_pages(ns.page_bytes)
+            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
             + self.pool.cached_count(ns.id)
         )
 

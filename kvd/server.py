@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__, collector, handshake, pins, recovery, token_buffers
-from kvd.arena import SHM_DIR, Arena, daemon_segments, shm_free_bytes, unlink_segments
+from kvd.arena import Arena, daemon_segments, unlink_segments
 from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
 from kvd.manager import KVCacheManager
@@ -35,6 +35,7 @@ from kvd.messages import SERVICE
 from kvd.offload import Offload
 from kvd.requests import Limits
 from kvd.service import KvdServicer, add_to_server
+from kvd.shm import SHM_DIR, shm_free_bytes
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import auth_socket, tenant_socket
@@ -192,7 +193,7 @@ def _event_publisher(config: ServeConfig):
 def _check_shm_room(tenants: Tenants) -> None:
     """Warns when /dev/shm cannot hold the rest of the host budget (a container's default is
     64 MiB): extents beyond it will be refused with RESOURCE_EXHAUSTED, never a SIGBUS."""
-    needed = sum(m.arena.budget_bytes - m.arena.reserved_bytes for m in tenants.managers())
+    needed = sum(m.arena.shm_bytes_to_come for m in tenants.managers())
     free = shm_free_bytes()
     if free < needed:
         log.warning(

@@ -5,6 +5,10 @@ runs at ~0.5 GB/s. When a namespace's free pages run low, the next extent is bui
 worker thread and adopted on the event loop at the next call; a request that needs room
 before then takes the build in flight, or builds one itself. Once adopted, the extent's
 objects are frozen out of the garbage collector's walks (kvd/collector.py).
+
+A build /dev/shm refuses (``ShmFull``) is an outcome, not an error: its budget is given
+back, the arena stops planning extents for a while (``Arena.shm_refused``), and whoever
+waited for the build makes room from the cached pages instead (kvd/room.py).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvd import collector
-from kvd.arena import Arena, Extent, ExtentPlan, ShmFull
+from kvd.arena import Arena, Extent, ExtentPlan
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
+from kvd.shm import ShmFull
 from kvd.types import NamespaceId
 
 log = logging.getLogger(__name__)
@@ -43,18 +48,19 @@ class ExtentSupply:
             return
         plan = self.arena.plan(ns.id, ns.page_bytes, ns.page_size, ns.root)
         if plan is not None:
-            self._building[ns.id] = (plan, self._builder.submit(self.arena.build, plan))
+            self._building[ns.id] = (plan, self._builder.submit(self._build, plan))
 
     def build_ahead(self, ns: Namespace) -> Future | None:
         """The namespace's extent being built in the background, started now if none is;
         None when the budget holds no further extent (for a caller that waits for it
-        without holding the event loop, ``Room.steps``)."""
+        without holding the event loop, ``Room.steps``). The future's result is the extent,
+        or the ``ShmFull`` that refused it: awaiting it never raises for a full /dev/shm."""
         self.adopt_built()
         if ns.id not in self._building:
             plan = self.arena.plan(ns.id, ns.page_bytes, ns.page_size, ns.root)
             if plan is None:
                 return None
-            self._building[ns.id] = (plan, self._builder.submit(self.arena.build, plan))
+            self._building[ns.id] = (plan, self._builder.submit(self._build, plan))
         return self._building[ns.id][1]
 
     def adopt_built(self) -> None:
@@ -80,35 +86,41 @@ class ExtentSupply:
         if plan is None:
             return False
         try:
-            extent = self.arena.build(plan)
-        except ShmFull as e:
-            self.arena.cancel(plan)
-            self.arena.shm_refused(e)
-            return False
+            built = self._build(plan)
         except BaseException:
             self.arena.cancel(plan)
             raise
-        self._adopt(extent)
-        return True
+        return self._settle(plan, built)
 
     def close(self) -> None:
         self.settle()
         self._builder.shutdown()
 
-    def _take(self, plan: ExtentPlan, future: Future) -> bool:
-        """Adopts a background build (True), or returns the budget of one that failed (False)."""
+    def _build(self, plan: ExtentPlan) -> Extent | ShmFull:
+        """``Arena.build``, with a refusal by /dev/shm returned (on any thread)."""
         try:
-            extent = future.result()
+            return self.arena.build(plan)
         except ShmFull as e:
-            self.arena.cancel(plan)
-            self.arena.shm_refused(e)
-            return False
+            return e
+
+    def _take(self, plan: ExtentPlan, future: Future) -> bool:
+        """Settles a background build: adopted (True), or its budget returned (False)."""
+        try:
+            built = future.result()
         except Exception:
             # The next build runs on the request path (add_extent) and reports the error there.
             self.arena.cancel(plan)
             log.exception("building extent %s in the background failed; its budget is returned", plan.name)
             return False
-        self._adopt(extent)
+        return self._settle(plan, built)
+
+    def _settle(self, plan: ExtentPlan, built: Extent | ShmFull) -> bool:
+        """Adopts a built extent (True), or returns the budget of one /dev/shm refused (False)."""
+        if isinstance(built, ShmFull):
+            self.arena.cancel(plan)
+            self.arena.shm_refused(built)
+            return False
+        self._adopt(built)
         return True
 
     def _adopt(self, extent: Extent) -> None:

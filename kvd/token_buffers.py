@@ -19,25 +19,24 @@ Why it is safe:
   the event loop free; ``close`` (the session ended, or opened another buffer) may come
   from the loop meanwhile and waits for no one: the last read in flight closes the
   descriptor, and a read that starts after ``close`` is refused.
-- The segment is reserved in /dev/shm when created (``posix_fallocate``), so a full
-  /dev/shm refuses the buffer and never raises SIGBUS on a write; it is not part of the
-  host budget, but one buffer per session is at most ``Limits.max_call_tokens`` ids.
+- The segment is reserved in /dev/shm when created (kvd/shm.py), so a full /dev/shm
+  refuses the buffer and never raises SIGBUS on a write; it is not part of the host
+  budget, but one buffer per session is at most ``Limits.max_call_tokens`` ids.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import threading
 
 import posix_ipc
 
-from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.errors import FailedPrecondition, InvalidArgument
+from kvd.shm import SHM_DIR, create_segment
 from kvd.wire.codec import TOKEN_BYTES
 
 NAME_INFIX = "tok-"  # "{arena prefix}-tok-{random}": never a page extent's name (digits)
-SHM_DIR = "/dev/shm"
 
 
 def leftovers(name_prefix: str) -> list[str]:
@@ -62,20 +61,14 @@ class TokenBuffer:
 
     @classmethod
     def create(cls, name_prefix: str, size: int, group: int | None) -> TokenBuffer:
-        """A new segment of ``size`` bytes, reserved in /dev/shm; raises ResourceExhausted
-        when /dev/shm cannot hold it."""
+        """A new segment of ``size`` bytes, reserved in /dev/shm (mode 0660: the client maps it
+        read-write); raises ``ShmFull`` when /dev/shm cannot hold it."""
         name = f"/{name_prefix.lstrip('/')}-{NAME_INFIX}{secrets.token_hex(16)}"
-        shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o660, size=size)
+        shm = create_segment(name, size, "a token buffer", 0o660, group)
         try:
-            os.fchmod(shm.fd, 0o660)  # whatever the umask: the client maps it read-write
-            if group is not None:
-                os.fchown(shm.fd, -1, group)
-            os.posix_fallocate(shm.fd, 0, size)
             fd = os.dup(shm.fd)
-        except OSError as e:
+        except BaseException:
             posix_ipc.unlink_shared_memory(name)
-            if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise ResourceExhausted(f"/dev/shm cannot hold a token buffer of {size} bytes") from None
             raise
         finally:
             shm.close_fd()

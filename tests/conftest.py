@@ -12,6 +12,7 @@ from engine_client.launch import DaemonProcess
 from kvd.arena import SHM_DIR, Arena, leftover_segments, unlink_segments
 from kvd.config import ServeConfig
 from kvd.manager import KVCacheManager
+from kvd.meta import HEADER_BYTES, record_size
 from kvd.namespaces import NamespaceIdentity, make_layout
 from kvd.server import socket_answers
 from kvd.types import SequenceState
@@ -50,6 +51,12 @@ def allocate_in_steps(m: KVCacheManager, session_id: str, namespace_id: int, req
             if build is not None:
                 build.result()
         return job.commit()
+
+
+def budget_for(pages: int, page_bytes: int, page_size: int, extents: int = 1) -> int:
+    """The host budget ``pages`` pages in ``extents`` extents take: their data and their
+    metadata records and headers, as the arena counts them (kvd/arena.py)."""
+    return pages * (page_bytes + record_size(page_size)) + extents * HEADER_BYTES
 
 
 def wait_until(predicate, what: str, timeout: float = 2.0):

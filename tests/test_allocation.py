@@ -10,7 +10,7 @@ from __future__ import annotations
 import agents
 import numpy as np
 import pytest
-from conftest import allocate_in_steps, identity
+from conftest import allocate_in_steps, budget_for, identity
 
 from engine_client import KVDClient, KVDError, SequenceRequest
 from kvd import invariants
@@ -21,6 +21,11 @@ LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB
 PAGE = LAYOUT.page_size
 
 
+def budget(pages: int, extents: int = 1) -> str:
+    """The host budget of ``pages`` pages of LAYOUT in ``extents`` extents."""
+    return str(budget_for(pages, LAYOUT.page_bytes, PAGE, extents))
+
+
 def tokens(first: int, pages: int) -> np.ndarray:
     return np.arange(first, first + pages * PAGE, dtype=np.int32)
 
@@ -28,7 +33,7 @@ def tokens(first: int, pages: int) -> np.ndarray:
 def test_computed_blocks_not_evicted(daemon_factory):
     """vLLM's test of the same name, through a daemon: a budget of two pages; P0 (the
     oldest cached page) is request 2's hit and must stay, P1 gives its slot."""
-    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "4KiB", "--extent-bytes", "4KiB")
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget(2), "--extent-bytes", "4KiB")
     with KVDClient.connect(d.socket, client_name="vllm-like") as kvd:
         ns = kvd.register_namespace(agents.MODEL, LAYOUT)
         [r0] = kvd.allocate_with_prefix(ns, [SequenceRequest("r0", tokens(0, 1))])
@@ -48,7 +53,7 @@ def test_a_long_prompts_whole_prefix_hits_when_it_is_the_oldest_cached_under_a_f
     """A 50K-token prefix, the least recently used cached pages of a full budget: the room
     made for its suffix comes from the newer cached pages, and all of it hits."""
     prefix_pages, other_pages, suffix_pages = 3125, 875, 800  # 4,000 pages fill the budget
-    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "8000KiB", "--extent-bytes", "1000KiB")
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget(4000, extents=8), "--extent-bytes", "1000KiB")
     with KVDClient.connect(d.socket, client_name="agents") as kvd:
         ns = kvd.register_namespace(agents.MODEL, LAYOUT)
         prefix = tokens(1_000_000, prefix_pages)
@@ -67,7 +72,7 @@ def test_a_long_prompts_whole_prefix_hits_when_it_is_the_oldest_cached_under_a_f
 
 @pytest.mark.parametrize("stepped", [True, False], ids=["in-steps", "in-one-piece"])
 def test_the_oldest_cached_prefix_is_a_hit_in_both_paths_and_matched_once(make_manager, stepped):
-    m = make_manager(budget_bytes=4 * 2048, extent_bytes=4 * 2048)
+    m = make_manager(budget_bytes=int(budget(4)), extent_bytes=4 * 2048)
     ns = m.catalog.register_namespace(identity(page_size=PAGE))
     session = m.open_session("engine", 1).id
 
@@ -93,7 +98,7 @@ def test_the_oldest_cached_prefix_is_a_hit_in_both_paths_and_matched_once(make_m
 
 
 def test_a_batch_that_does_not_commit_releases_its_held_hits(make_manager):
-    m = make_manager(budget_bytes=4 * 2048, extent_bytes=4 * 2048)
+    m = make_manager(budget_bytes=int(budget(4)), extent_bytes=4 * 2048)
     ns = m.catalog.register_namespace(identity(page_size=PAGE))
     session = m.open_session("engine", 1).id
     prefix = tokens(0, 2).astype("<i4").tobytes()
@@ -116,7 +121,7 @@ def test_a_batch_that_does_not_commit_releases_its_held_hits(make_manager):
 
 
 def test_a_refused_batch_evicts_nothing_and_holds_nothing(daemon_factory):
-    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "8KiB", "--extent-bytes", "8KiB")
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget(4), "--extent-bytes", "8KiB")
     with KVDClient.connect(d.socket, client_name="engine") as kvd:
         ns = kvd.register_namespace(agents.MODEL, LAYOUT)
         kvd.allocate_with_prefix(ns, [SequenceRequest("a", tokens(0, 2))])

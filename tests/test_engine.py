@@ -14,6 +14,7 @@ import hashlib
 
 import pytest
 import torch
+from conftest import budget_for
 from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine_client import KVDClient
@@ -265,11 +266,14 @@ def test_no_room_on_the_gpu_changes_nothing(client: KVDClient) -> None:
 
 
 def test_no_room_on_the_host_changes_nothing(daemon_factory) -> None:
-    small = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64KiB", "--extent-bytes", "32KiB", name="small")
+    r = runner("llama")
+    layout = r.spec.page_layout(PAGE, r.dtype)
+    host_pages = (64 << 10) // layout.page_bytes  # in two extents of 32 KiB
+    budget = budget_for(host_pages, layout.page_bytes, PAGE, extents=2)
+    flags = ("--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", "32KiB")
+    small = daemon_factory(*flags, name="small")
     with KVDClient.connect(small.socket) as client:
-        engine = make_engine(client, runner("llama"))
-        page_bytes = engine.layout.page_bytes
-        host_pages = (64 << 10) // page_bytes
+        engine = make_engine(client, r)
         engine.prefill([("a", tokens(host_pages * PAGE, seed=14))])  # every host page
         snapshot, info, daemon_stats = engine.pool.snapshot(), engine.info("a"), client.stats()
         with pytest.raises(NoRoom, match="host"):

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import zmq
-from conftest import raw_page
+from conftest import budget_for, raw_page
 
 from engine_client import ExtraKey, KVDClient, SequenceRequest
 from kvd import config as config_mod
@@ -103,12 +103,12 @@ def endpoints():
 
 @pytest.fixture
 def events_daemon(daemon_factory, endpoints):
-    """A daemon publishing KV events, with a 64 KiB budget: 32 pages, one extent."""
+    """A daemon publishing KV events, with a budget of 32 pages (64 KiB and their metadata), one extent."""
     publish, replay = endpoints
     d = daemon_factory(
         "--enable-prefix-reuse",
         "--host-bytes",
-        "64KiB",
+        str(budget_for(32, agents.LAYOUT.page_bytes, agents.LAYOUT.page_size)),
         "--extent-bytes",
         "64KiB",
         "--events-endpoint",

@@ -8,7 +8,7 @@ import hashlib
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import identity
+from conftest import budget_for, identity
 from hypothesis import HealthCheck, given, settings
 
 import kvd.index
@@ -374,7 +374,7 @@ def test_a_sequence_that_continues_a_run_extends_it(core):
 
 
 def test_evicting_a_run_tail_cuts_the_run_and_republishing_grows_it_again(make_manager):
-    m = make_manager(budget_bytes=8 * 512, extent_bytes=8 * 512)  # 8 pages of 512 bytes
+    m = make_manager(budget_bytes=budget_for(8, 512, PAGE_SIZE), extent_bytes=8 * 512)  # 8 pages of 512 bytes
     sid = m.open_session("test", 1).id
     ns = m.catalog.register_namespace(identity(page_size=PAGE_SIZE)).id
     ids = list(range(300, 324))  # 6 pages

@@ -13,7 +13,7 @@ from concurrent import futures
 
 import numpy as np
 import pytest
-from conftest import STATE_STEPS, identity
+from conftest import STATE_STEPS, budget_for, identity
 
 from kvd import invariants, stats
 from kvd.arena import leftover_segments
@@ -90,8 +90,9 @@ class Core:
         if pages is None:
             self.m = make_manager(prefix_reuse=prefix_reuse)
         else:
-            nbytes = pages * PAGE_BYTES  # one extent holds the whole budget
-            self.m = make_manager(budget_bytes=nbytes, extent_bytes=nbytes, prefix_reuse=prefix_reuse)
+            # one extent holds the whole budget
+            budget = budget_for(pages, PAGE_BYTES, PAGE_SIZE)
+            self.m = make_manager(budget_bytes=budget, extent_bytes=pages * PAGE_BYTES, prefix_reuse=prefix_reuse)
         self.sid = self.m.open_session("test", 1).id
         self.ns = self.m.catalog.register_namespace(identity(**ident)).id
         self.evicted: list[tuple[int, list[str]]] = []  # what the session stream heard
@@ -429,7 +430,7 @@ def test_reentry_is_only_for_the_owner(make_manager):
 
 
 def test_a_namespace_reclaims_another_namespaces_unreferenced_extent(make_manager):
-    m = make_manager(budget_bytes=8 * PAGE_BYTES, extent_bytes=8 * PAGE_BYTES)
+    m = make_manager(budget_bytes=budget_for(8, PAGE_BYTES, PAGE_SIZE), extent_bytes=8 * PAGE_BYTES)
     sid = m.open_session("test", 1).id
     small = m.catalog.register_namespace(identity(page_size=4)).id  # 512-byte pages
     m.allocate(sid, small, [req("a", prompt(0, 8)), req("p", prompt(50, 8))])
@@ -686,7 +687,8 @@ def evict(c: Core, seq_id: str) -> None:
     """Makes the daemon evict the on-hold ``seq_id``: a batch that needs every page of the
     budget takes its pages, then goes."""
     assert c.seq(seq_id).state is SequenceState.ON_HOLD
-    free = c.m.pool.free_count(c.ns) + c.m.arena.creatable_pages(c.m.namespaces.get(c.ns).page_bytes)
+    ns = c.m.namespaces.get(c.ns)
+    free = c.m.pool.free_count(c.ns) + c.m.arena.creatable_pages(ns.page_bytes, ns.page_size)
     c.alloc1("pressure", prompt(5000, (free + len(c.seq(seq_id).private_pages)) * PAGE_SIZE))
     c.release("pressure")
     assert c.seq(seq_id).state is SequenceState.EVICTED and c.replied[-1] == [seq_id]
@@ -961,7 +963,8 @@ def test_stats_in_a_small_scenario(make_manager):
     [ns] = s.namespaces
     assert ns.pages.as_dict() == {**expected, "sessions": 1}  # the idle session holds nothing here
     assert (ns.namespace_id, ns.model, ns.page_bytes) == (c.ns, "tiny", PAGE_BYTES)
-    assert (s.host_bytes, s.arena_bytes, s.prefix_reuse) == (64 * PAGE_BYTES, 64 * PAGE_BYTES, True)
+    budget = budget_for(64, PAGE_BYTES, PAGE_SIZE)
+    assert (s.host_bytes, s.arena_bytes, s.prefix_reuse) == (budget, budget, True)
     assert list(s.as_dict())[:17] == list(stats.STAT_FIELDS)
     check(c.m)
 
@@ -975,7 +978,7 @@ def no_space(plan):
 
 
 def test_a_failed_background_build_returns_its_budget(make_manager):
-    m = make_manager(budget_bytes=4 * PAGE_BYTES, extent_bytes=2 * PAGE_BYTES)
+    m = make_manager(budget_bytes=budget_for(4, PAGE_BYTES, PAGE_SIZE, extents=2), extent_bytes=2 * PAGE_BYTES)
     sid = m.open_session("test", 1).id
     build = m.arena.build
     m.arena.build = no_space

@@ -17,7 +17,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from conftest import clean_env, remove_shared_memory, start_daemon, wait_until
+from conftest import budget_for, clean_env, remove_shared_memory, start_daemon, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
@@ -195,7 +195,8 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
 
 def test_with_policy_evict_pages_reach_the_store_only_when_evicted(fleet, daemon_factory):
     master, _, db = fleet
-    small = ("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "1MiB")  # 64 pages of 16 KiB
+    budget = budget_for(64, LAYOUT.page_bytes, LAYOUT.page_size)  # 64 pages of 16 KiB, one extent
+    small = ("--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", "1MiB")
     da = daemon_factory(*small, *master.daemon_args(), "--remote-policy", "evict", name="evicting")
     with clients(da, db) as ((_, a), (_, b)):
         ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)

@@ -9,17 +9,14 @@ import threading
 
 import agents
 import numpy as np
+from conftest import budget_for
+from test_events import read_into
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 
 LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB: 64 pages an extent of 128 KiB
 OTHER = PageLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=16, dtype="float16")  # also 2 KiB
 PAGE = LAYOUT.page_size
-
-
-def read_into(stream, batches: queue.Queue) -> None:
-    for batch in stream:
-        batches.put(batch)
 
 
 def removed_keys(batches: queue.Queue) -> list[bytes]:
@@ -34,7 +31,8 @@ def removed_keys(batches: queue.Queue) -> list[bytes]:
 def test_a_reclaimed_extent_takes_the_tail_of_every_chain_through_it(daemon_factory):
     # 4 extents of 64 pages: a 256-page conversation fills them, its first 64 pages in the
     # first extent, the one another namespace takes
-    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "512KiB", "--extent-bytes", "128KiB")
+    budget = budget_for(256, LAYOUT.page_bytes, PAGE, extents=4)
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", "128KiB")
     with KVDClient.connect(d.socket, client_name="a") as c, KVDClient.connect(d.socket, client_name="b") as other:
         ns = c.register_namespace(agents.MODEL, LAYOUT)
         conversation = np.arange(256 * PAGE, dtype=np.int32)

@@ -618,12 +618,12 @@ def test_debug_log_level_shows_kvds_own_lines(daemon_factory):
 
 
 def test_every_core_error_class_maps_to_a_status_through_its_hierarchy():
-    """A subclass (arena.ShmFull is a ResourceExhausted) maps like its base, not to a KeyError."""
+    """A subclass (shm.ShmFull is a ResourceExhausted) maps like its base, not to a KeyError."""
     import grpc
 
     from kvd import errors
-    from kvd.arena import ShmFull
     from kvd.service import status_for
+    from kvd.shm import ShmFull
 
     assert status_for(ShmFull("/dev/shm is full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND

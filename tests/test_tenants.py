@@ -420,7 +420,7 @@ with KVDClient.connect(socket) as kvd:
         kvd.page_array(ns, a.private_pages[0])
         out["extents"] = [e.name for e in kvd.mapped_extents(ns)]
     if op == "fill":  # twice this tenant's whole budget: its own cache must be evicted
-        pages = kvd.host_bytes // 512
+        pages = kvd.host_bytes // (512 + 80)  # a page and its metadata record (kvd/meta.py)
         for round in range(2):
             tokens = [50000 + round * 10000 + i for i in range(pages * 4)]
             kvd.allocate_with_prefix(ns, [SequenceRequest("f", tokens)])
@@ -584,7 +584,8 @@ def test_two_os_users_are_isolated(two_tenants):
     assert b["mapped"] == []  # and the OS refuses to map A's extents
     assert b["admin"] == "PERMISSION_DENIED"  # only the daemon's uid or root sees every tenant
     assert b["stats"]["host_bytes"] == 64 << 10 and b["stats"]["evicted_pages"] > 0
-    assert b["stats"]["lookup_tokens"] == 2 * (64 << 10) // 512 * 4  # B's counters only: A's lookups absent
+    # B's counters only (two rounds of its budget's pages of 4 tokens): A's lookups absent
+    assert b["stats"]["lookup_tokens"] == 2 * 4 * ((64 << 10) // (512 + 80))
     again = t.run(t.ua, t.ga, client, "lookup", socket)
     assert again["hit_tokens"] == 16  # B's pressure evicted nothing of A's
     assert again["stats"]["evicted_pages"] == 0 and again["stats"]["lookup_tokens"] == 16
