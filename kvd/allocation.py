@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from kvd.errors import FailedPrecondition
 from kvd.eviction import release_order
+from kvd.index import Match
 from kvd.requests import Batch, PreparedRequest, SequencePlan, WithEvictions
 from kvd.sequences import Sequence
 from kvd.sessions import Session
@@ -48,15 +49,13 @@ class AllocationJob:
         self.session = session
         self.ns = batch.namespace
         self.prepared: list[PreparedRequest] = batch.requests
-        self._check_reentries()
-        if manager.prefix_reuse:
-            for p in self.prepared:
-                p.hits, p.hit_keys = manager.match_prefix(self.ns, p.chain, p.tokens, p.num_tokens // self.ns.page_size)
-        self.need = sum(-(-p.num_tokens // self.ns.page_size) - len(p.hits) for p in self.prepared)
-        self.held: list[PageId] = [page for p in self.prepared for page in p.hits]
+        self.reentries = self._reentries()
+        self.matches: list[Match] = [manager.match_prefix(self.ns, p) for p in self.prepared]
+        self.need = sum(self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, self.matches))
+        self.held: list[PageId] = [page for hit in self.matches for page in hit.pages]
         manager.room.check(self.ns, self.need, held=self.held)  # raises before anything moves
-        for p in self.prepared:  # one request at a time: a page two requests hit is held twice
-            manager.pool.acquire_all(p.hits)
+        for hit in self.matches:  # one request at a time: a page two requests hit is held twice
+            manager.pool.acquire_all(hit.pages)
         manager.allocations.add(self)
         self._open = True
 
@@ -80,28 +79,28 @@ class AllocationJob:
         assert self._open, "an allocation job committed twice or after it was closed"
         m, ns = self._m, self.ns
         m.sessions.get(self.session.id)  # its session may have ended between steps
-        self._check_reentries()
+        self.reentries = self._reentries()  # another call of the session may have taken an id
         m.make_room(ns, self.need)
         self._open = False  # the holds become the sequences' references
         m.allocations.discard(self)
         plans = []
         counters = m.counters.of(ns.id)
-        for p in self.prepared:
+        for p, hit, reentry in zip(self.prepared, self.matches, self.reentries):
             aux = b""
-            if p.reentry is not None:
-                aux = p.reentry.aux
-                m.forget_sequence(p.reentry)
-            private = m.pool.allocate(ns.id, -(-p.num_tokens // ns.page_size) - len(p.hits))
-            hit_tokens = len(p.hits) * ns.page_size
+            if reentry is not None:
+                aux = reentry.aux
+                m.forget_sequence(reentry)
+            private = m.pool.allocate(ns.id, self._pages(p) - len(hit.pages))
+            hit_tokens = hit.tokens(ns.page_size)
             seq = Sequence(
                 seq_id=SeqId(p.request.seq_id),
                 namespace=ns.id,
                 session=self.session.id,
                 chain=p.chain,
-                pages=p.hits + private,
+                pages=hit.pages + private,
                 num_tokens=p.num_tokens,
                 tokens=bytearray(p.tokens),
-                keys=p.hit_keys,
+                keys=list(hit.keys),
                 shared_prefix_tokens=hit_tokens,
                 extra_keys=p.request.extra_keys,
                 aux=aux,
@@ -109,12 +108,12 @@ class AllocationJob:
             m.add_sequence(self.session, seq)
             counters.lookup_tokens += p.num_tokens
             counters.hit_tokens += hit_tokens
-            plans.append(SequencePlan(seq.seq_id, list(p.hits), private, hit_tokens, hit_tokens, p.num_tokens))
+            plans.append(SequencePlan(seq.seq_id, list(hit.pages), private, hit_tokens, hit_tokens, p.num_tokens))
         m.supply.provision(ns)
         if m.remote is not None and m.prefix_reuse:
-            for p in self.prepared:
-                m.remote.served(p.hits, ns.page_size)
-                m.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, p.hits, p.hit_keys)
+            for p, hit in zip(self.prepared, self.matches):
+                m.remote.served(hit.pages, ns.page_size)
+                m.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
         return WithEvictions(plans, m.report_evictions(self.session))
 
     def close(self) -> None:
@@ -124,19 +123,24 @@ class AllocationJob:
             return
         self._open = False
         self._m.allocations.discard(self)
-        for p in reversed(self.prepared):
-            self._m.pool.release_all(release_order(p.hits))
+        for hit in reversed(self.matches):
+            self._m.pool.release_all(release_order(hit.pages))
 
-    def _check_reentries(self) -> None:
-        """Each request's id against the namespace's sequences: new, or an EVICTED sequence of
-        this session that re-enters (``PreparedRequest.reentry``); anything else is refused."""
+    def _pages(self, p: PreparedRequest) -> int:
+        return -(-p.num_tokens // self.ns.page_size)
+
+    def _reentries(self) -> list[Sequence | None]:
+        """Each request's id against the namespace's sequences: new (None), or an EVICTED
+        sequence of this session that re-enters; anything else is refused."""
         m, ns = self._m, self.ns
+        found = []
         for p in self.prepared:
-            p.reentry = m.sequences.find(ns.id, p.request.seq_id)
-            if p.reentry is not None:
+            seq = m.sequences.find(ns.id, p.request.seq_id)
+            if seq is not None:
                 m.sequences.owned(ns.id, p.request.seq_id, self.session.id)
-                if p.reentry.state is not SequenceState.EVICTED:
+                if seq.state is not SequenceState.EVICTED:
                     raise FailedPrecondition(
-                        f"sequence {p.request.seq_id!r} already exists ({p.reentry.state.name}); "
-                        "release it or use another id"
+                        f"sequence {p.request.seq_id!r} already exists ({seq.state.name}); release it or use another id"
                     )
+            found.append(seq)
+        return found

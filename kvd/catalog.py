@@ -14,8 +14,7 @@ from kvd.arena import Arena, ExtentPlan
 from kvd.counters import Counters
 from kvd.errors import ResourceExhausted
 from kvd.events import EventLog
-from kvd.eviction import restore_order
-from kvd.index import PageContent, PrefixIndex
+from kvd.index import PageContent
 from kvd.integrity import Integrity
 from kvd.meta import MetaError
 from kvd.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
@@ -38,7 +37,6 @@ class Catalog:
         arena: Arena,
         namespaces: NamespaceRegistry,
         pool: PagePool,
-        index: PrefixIndex,
         integrity: Integrity,
         supply: ExtentSupply,
         counters: Counters,
@@ -47,7 +45,6 @@ class Catalog:
         self.arena = arena
         self.namespaces = namespaces
         self.pool = pool
-        self.index = index
         self.integrity = integrity
         self.supply = supply
         self.counters = counters
@@ -101,7 +98,6 @@ class Catalog:
         by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
         keys: dict[PageId, PageKey] = {}
         for page_index, content in found.pages:  # parents first
-            self.index.insert(content, page_index)
             ns_id = self.pool.namespace_of(content.page)
             by_ns.setdefault(ns_id, []).append((page_index, content))
             keys[content.page] = content.key
@@ -111,7 +107,7 @@ class Catalog:
                 ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
             )
         for ns_id, contents in by_ns.items():
-            self.pool.restore(ns_id, restore_order(contents))
+            self.pool.restore(ns_id, contents)
         for ns_id, corrupted in found.corrupted.items():
             self.counters.of(ns_id).corrupted_pages += corrupted
         self.integrity.restore(found.checksums)
@@ -125,9 +121,7 @@ class Catalog:
         ids = {ns.id for ns in namespaces}
         dropped = 0
         for ns_id in ids:
-            for content in self.pool.evict_many(ns_id, self.pool.cached_count(ns_id)):
-                self.index.remove(content)
-                dropped += 1
+            dropped += len(self.pool.evict_many(ns_id, self.pool.cached_count(ns_id)))
         kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
         log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
         return ResetResult(dropped, kept)

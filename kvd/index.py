@@ -57,6 +57,24 @@ class PageContent:
         return self.parent == parent and self.tokens == tokens and self.local == local
 
 
+@dataclass(frozen=True)
+class Match:
+    """What matching a request found: its longest run of leading full-page hits.
+
+    ``pages[i]`` holds the request's page ``i`` (equal tokens, parent and local bytes),
+    ``keys[i]`` is that page's key; both empty on a miss."""
+
+    pages: list[PageId]
+    keys: list[PageKey]
+
+    def tokens(self, page_size: int) -> int:
+        """The tokens the hit covers."""
+        return len(self.pages) * page_size
+
+
+MISS = Match([], [])
+
+
 @dataclass
 class _Run:
     """Published pages that follow one another in one chain, with their token ids back to back.
@@ -145,17 +163,16 @@ class PrefixIndex:
 
     Pages are also threaded into runs (``_Run``): matching a long prompt hashes and looks
     up one page per run it crosses and compares the rest of each run's tokens at once.
-    Every page of a run is indexed, and no indexed page lacks its parent: eviction takes
-    a chain's tail first (kvd/eviction.py), and what removes a page out of that order
-    (reclaiming an extent, a failed checksum) removes its ``descendants`` with it.
+    Every page of a run is indexed, and no indexed page lacks its parent: ``remove`` names
+    the pages that followed the one removed, and the pool removes them too.
     """
 
     def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
         self._entries = _Shards()  # PageKey -> PageContent
         self._runs = _Shards()  # PageId -> (its _Run, its position in it)
         # PageId -> the pages that start a run of their own under it (a chain that branches
-        # off where its parent is not the last page of a run): with the runs, every
-        # indexed descendant of a page is found (``descendants``)
+        # off where its parent is not the last page of a run): with the runs, what follows
+        # a removed page (``remove``)
         self._branches: dict[PageId, list[PageId]] = {}
         # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
         # a failed checksum): the one place that knows a page stopped being findable.
@@ -190,9 +207,14 @@ class PrefixIndex:
         self._runs[content.page] = (run, len(run.pages))
         run.append(content)
 
-    def remove(self, content: PageContent) -> None:
+    def remove(self, content: PageContent) -> list[PageContent]:
+        """Takes the page's entry out; returns the indexed pages that followed it (the rest of
+        its run, the runs branching off it): no match reaches them any more. Only the pool
+        calls this (kvd/pool.py), and it takes those out too, so no indexed page lacks its
+        parent; a chain's tail, removed first as eviction goes, returns none."""
         held = self._entries.pop(content.key)
         assert held.page == content.page, f"index held page {held.page} under the key of page {content.page}"
+        orphans = []
         place = self._runs.pop(content.page, None)
         if place is not None:
             run, position = place
@@ -202,37 +224,18 @@ class PrefixIndex:
                     siblings.remove(content.page)
                     if not siblings:
                         del self._branches[content.parent]
+            keys = run.keys[position + 1 :]
             for page in run.truncate(position, len(content.tokens))[1:]:
                 del self._runs[page]
-        self._branches.pop(content.page, None)
+            orphans += (self._entries[key] for key in keys)
+        for branch in self._branches.pop(content.page, ()):
+            branch_run, at = self._runs[branch]
+            orphans.append(self._entries[branch_run.keys[at]])
         if self._on_remove is not None:
             self._on_remove(held)
+        return orphans
 
-    def descendants(self, page: PageId) -> list[PageContent]:
-        """The indexed pages whose chain runs through ``page`` (``page`` excluded): what no
-        match can reach once ``page`` leaves the index. The caller takes them out with it
-        (kvd/room.py reclaiming an extent, kvd/integrity.py dropping a corrupted page), so
-        no page stays indexed without its parent."""
-        found: list[PageContent] = []
-        heads = [page]
-        while heads:
-            head = heads.pop()
-            line = [head]
-            place = self._runs.get(head)
-            if place is not None:
-                run, position = place
-                line += run.pages[position + 1 :]
-                found += (self._entries[key] for key in run.keys[position + 1 :])
-            for p in line:
-                for branch in self._branches.get(p, ()):
-                    branch_run, at = self._runs[branch]
-                    found.append(self._entries[branch_run.keys[at]])
-                    heads.append(branch)
-        return found
-
-    def match(
-        self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int
-    ) -> tuple[list[PageId], list[PageKey]]:
+    def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> Match:
         """The longest run of leading full pages whose stored content equals the request's.
 
         ``page_bytes`` is the size of one page's token ids. Each step hashes and looks up
@@ -262,7 +265,7 @@ class PrefixIndex:
             keys += followed_keys
             i += len(followed)
             parent_key, parent = keys[-1], pages[-1]
-        return pages, keys
+        return Match(pages, keys)
 
     def _follow_run(
         self, page: PageId, tokens: bytes, i: int, stop: int, page_bytes: int

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvd.arena import Arena
 from kvd.counters import Counters
-from kvd.index import PageContent, PrefixIndex
+from kvd.index import PageContent
 from kvd.meta import ExtentMeta, page_checksum
 from kvd.pool import PagePool
 from kvd.types import PageId
@@ -109,10 +109,9 @@ class Sealer:
 class Integrity:
     """The checksums of sealed published or cached pages, and what to do when one fails."""
 
-    def __init__(self, arena: Arena, pool: PagePool, index: PrefixIndex, counters: Counters) -> None:
+    def __init__(self, arena: Arena, pool: PagePool, counters: Counters) -> None:
         self.arena = arena
         self.pool = pool
-        self.index = index
         self.counters = counters
         self.sealer = Sealer()
         self.checksums: dict[PageId, int] = {}
@@ -194,11 +193,6 @@ class Integrity:
             content.key.hex()[:16],
         )
         self.forget(page)
-        if self.pool.is_indexed(page):
-            for tail in reversed(self.index.descendants(page)):  # no match reaches them without it; tail first
-                self.pool.unindex(tail.page)
-                self.index.remove(tail)
-            self.index.remove(content)
         self.pool.unindex(page)
 
     def forget(self, page: PageId) -> None:

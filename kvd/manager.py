@@ -31,7 +31,7 @@ from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
 from kvd.eviction import release_order
-from kvd.index import ChainSpec, ExtraKey, PrefixIndex
+from kvd.index import MISS, ExtraKey, Match, PrefixIndex
 from kvd.integrity import Integrity
 from kvd.namespaces import Namespace, NamespaceRegistry
 from kvd.pins import PinTable
@@ -44,6 +44,7 @@ from kvd.requests import (
     Limits,
     LookupResult,
     PinResult,
+    PreparedRequest,
     PublishResult,
     SequencePlan,
     SequenceRequest,
@@ -62,7 +63,7 @@ from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Session, SessionRegistry
 from kvd.supply import ExtentSupply
 from kvd.token_buffers import TokenBuffer
-from kvd.types import NamespaceId, PageId, PageKey, SeqId, SequenceState, SessionId
+from kvd.types import NamespaceId, PageId, SeqId, SequenceState, SessionId
 
 if TYPE_CHECKING:
     from kvd.remote import RemoteTier
@@ -88,12 +89,12 @@ class KVCacheManager:
         self.events = events or EventLog()
         # A page that stops being published loses its checksum and record (kvd/integrity.py).
         self.counters = Counters()
-        self.pool = PagePool(self.counters, on_unpublish=self._unpublished)
         # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
         self.index = PrefixIndex(
             on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
         )
-        self.integrity = Integrity(arena, self.pool, self.index, self.counters)
+        self.pool = PagePool(self.counters, self.index, on_unpublish=self._unpublished)  # owns the index's entries
+        self.integrity = Integrity(arena, self.pool, self.counters)
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
         self.pins = PinTable(self.pool)
@@ -101,7 +102,6 @@ class KVCacheManager:
         self.room = Room(
             arena,
             self.pool,
-            self.index,
             self.supply,
             self.sequences,
             self.counters,
@@ -109,7 +109,7 @@ class KVCacheManager:
             evict_held=self._evict_held,
         )
         self.catalog = Catalog(
-            arena, self.namespaces, self.pool, self.index, self.integrity, self.supply, self.counters, self.events
+            arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters, self.events
         )
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
@@ -214,14 +214,10 @@ class KVCacheManager:
         part, deadline = [], time.perf_counter() + seconds
         for p in batch.requests:
             r = p.request
-            if not self.prefix_reuse:
-                part.append(LookupResult(r.seq_id, [], 0))
-            else:
-                hits, keys = self.match_prefix(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)
-                pending = 0
-                if self.remote is not None:
-                    pending = self.remote.missed(ns, p.chain, r.extra_keys, p.tokens, hits, keys)
-                part.append(LookupResult(r.seq_id, hits, len(hits) * ns.page_size, pending))
+            found, pending = self.match_prefix(ns, p), 0
+            if self.remote is not None and self.prefix_reuse:
+                pending = self.remote.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
+            part.append(LookupResult(r.seq_id, found.pages, found.tokens(ns.page_size), pending))
             if time.perf_counter() > deadline:
                 yield part
                 part, deadline = [], time.perf_counter() + seconds
@@ -379,7 +375,7 @@ class KVCacheManager:
         if not ttl_seconds >= 0 or ttl_seconds == float("inf"):
             raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
         p = prepare(self.limits, ns, SequenceRequest("pin", tokens, extra_keys))
-        pages = self.match_prefix(ns, p.chain, p.tokens, p.num_tokens // ns.page_size)[0] if self.prefix_reuse else []
+        pages = self.match_prefix(ns, p).pages
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
         pin = self.pins.take(session.id, ns.id, pages, expires)
         return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
@@ -401,11 +397,12 @@ class KVCacheManager:
 
     # ---- internals: matching ---------------------------------------------------
 
-    def match_prefix(
-        self, ns: Namespace, chain: ChainSpec, tokens: bytes, full_pages: int
-    ) -> tuple[list[PageId], list[PageKey]]:
-        """Longest run of full-page hits; a hit needs equal tokens, parent and extras."""
-        return self.index.match(chain, tokens, ns.page_size * TOKEN_BYTES, full_pages)
+    def match_prefix(self, ns: Namespace, p: PreparedRequest) -> Match:
+        """The request's longest run of full-page hits (a hit needs equal tokens, parent and
+        extras); a miss without prefix reuse."""
+        if not self.prefix_reuse:
+            return MISS
+        return self.index.match(p.chain, p.tokens, ns.page_size * TOKEN_BYTES, p.num_tokens // ns.page_size)
 
     # ---- internals: sequence bookkeeping ------------------------------------------
 

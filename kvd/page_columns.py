@@ -20,9 +20,12 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvd.types import PageId
+from kvd.types import PageId, PageState
 
-FREE, PRIVATE, PUBLISHED, CACHED = range(4)  # the codes of ``state`` (kvd.types.PageState)
+STATES = tuple(PageState)  # ``state`` holds a page's position here (its code)
+FREE, PRIVATE, PUBLISHED, CACHED = (
+    STATES.index(s) for s in (PageState.FREE, PageState.PRIVATE, PageState.PUBLISHED, PageState.CACHED)
+)
 
 
 class PageColumns:

@@ -25,14 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.counters import Counters
-from kvd.eviction import CachedQueue
-from kvd.index import PageContent
-from kvd.page_columns import CACHED, FREE, PRIVATE, PUBLISHED, PageColumns
+from kvd.eviction import CachedQueue, restore_order
+from kvd.index import PageContent, PrefixIndex
+from kvd.page_columns import CACHED, FREE, PRIVATE, PUBLISHED, STATES, PageColumns
 from kvd.types import NamespaceId, PageId, PageState
 
 BATCH_PAGES = 32  # batches of at least this many pages take the array path
-
-_STATES = (PageState.FREE, PageState.PRIVATE, PageState.PUBLISHED, PageState.CACHED)  # by column code
 
 
 @dataclass
@@ -44,11 +42,19 @@ class _NamespacePages:
 class PagePool:
     """States, refcounts, free lists and LRU of every host page of the daemon."""
 
-    def __init__(self, counters: Counters, on_unpublish: Callable[[PageId], None] | None = None) -> None:
+    def __init__(
+        self, counters: Counters, index: PrefixIndex, on_unpublish: Callable[[PageId], None] | None = None
+    ) -> None:
+        """``index``: the prefix index of this pool's published pages. Only the pool inserts
+        and removes its entries: a page enters it when published (or restored) and leaves it
+        in the same call that evicts, frees or unindexes the page; everyone else matches."""
+        self.index = index
         # Called when a published page stops being published (freed), before it can be reused.
         self._on_unpublish = on_unpublish
         self._columns = PageColumns()
         self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
+        self._orphans: list[PageContent] = []  # indexed pages that followed a page that left the index
+        self._dropping = False  # _drop_orphans is running
         self._extents: dict[str, range] = {}  # slots of each extent's pages
         self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
         self._counters = counters  # refcount changes and evictions are counted here
@@ -74,11 +80,13 @@ class PagePool:
         pages = self._ns(namespace)
         pages.free = [p for p in pages.free if p not in gone]
 
-    def restore(self, namespace: NamespaceId, contents: list[PageContent]) -> None:
-        """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered.
-
-        ``contents`` come in eviction order: first in the list, first evicted."""
+    def restore(self, namespace: NamespaceId, recovered: list[tuple[int, PageContent]]) -> None:
+        """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered: (chain page
+        index, content), parents first; queued in eviction order (kvd/eviction.py)."""
         c, pages = self._columns, self._ns(namespace)
+        for page_index, content in recovered:
+            self.index.insert(content, page_index)
+        contents = restore_order(recovered)
         slots = []
         for content in contents:
             slot = c.slot(content.page)
@@ -107,7 +115,7 @@ class PagePool:
         return NamespaceId(self._columns.namespace_at[self._columns.slot(page)])
 
     def state(self, page: PageId) -> PageState:
-        return _STATES[self._columns.state_at[self._columns.slot(page)]]
+        return STATES[self._columns.state_at[self._columns.slot(page)]]
 
     def refcount(self, page: PageId) -> int:
         return self._columns.refcount_at[self._columns.slot(page)]
@@ -142,7 +150,7 @@ class PagePool:
             at = slice(slots.start, slots.stop)
             rows = zip(c.state[at].tolist(), c.refcount[at].tolist(), c.pins[at].tolist(), c.namespace[at].tolist())
             for page, (state, refcount, pins, namespace) in enumerate(rows, start=first):
-                yield PageId(page), _STATES[state], refcount, pins, NamespaceId(namespace)
+                yield PageId(page), STATES[state], refcount, pins, NamespaceId(namespace)
 
     # ---- transitions --------------------------------------------------------------
 
@@ -224,7 +232,7 @@ class PagePool:
         states = c.state[slots]
         unshared = np.flatnonzero((states != PUBLISHED) & (states != CACHED))
         assert not unshared.size, (
-            f"page {c.page[slots[unshared[0]]]} acquired while {_STATES[states[unshared[0]]].value}; "
+            f"page {c.page[slots[unshared[0]]]} acquired while {STATES[states[unshared[0]]].value}; "
             "only published pages are shared"
         )
         cached = slots[states == CACHED]
@@ -299,23 +307,29 @@ class PagePool:
         self._cache(slots[cache], pages)
         self._free(slots[~cache], pages)
 
-    def publish(self, page: PageId, content: PageContent, indexed: bool) -> None:
-        """PRIVATE → PUBLISHED: the page is immutable from now on."""
+    def publish(self, page: PageId, content: PageContent, page_index: int | None) -> None:
+        """PRIVATE → PUBLISHED: the page is immutable from now on; indexed ``page_index`` pages
+        from its chain's start, or left out of the index (None: a verified hash collision)."""
         c = self._columns
         slot = c.slot(page)
         assert c.state_at[slot] == PRIVATE and c.refcount_at[slot] == 1, (
             f"page {page} published while {self.state(page).value} with refcount {c.refcount_at[slot]}"
         )
         c.state_at[slot] = PUBLISHED
-        c.indexed_at[slot] = indexed
+        c.indexed_at[slot] = page_index is not None
         self._content[page] = content
+        if page_index is not None:
+            self.index.insert(content, page_index)
 
     def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
         """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
         when fewer); returns what they held, in eviction order."""
         pages = self._ns(namespace)
         if min(count, len(pages.cached)) < BATCH_PAGES:
-            return [self._evict(pages.cached.victim(), pages) for _ in range(min(count, len(pages.cached)))]
+            contents = []
+            while len(contents) < count and len(pages.cached):
+                contents.append(self._evict(pages.cached.victim(), pages))
+            return contents
         victims = pages.cached.victims(count)
         contents = [self._content[page] for page in self._columns.page[victims].tolist()]
         self._counters.of(namespace).evicted_pages += len(victims)
@@ -323,7 +337,8 @@ class PagePool:
         return contents
 
     def evict(self, page: PageId) -> PageContent:
-        """CACHED → FREE for one page (integrity failures, extent reclaim)."""
+        """CACHED → FREE for one page out of the policy's order (an extent reclaimed), with
+        the cached pages of its chain after it."""
         c = self._columns
         slot = c.slot(page)
         assert c.state_at[slot] == CACHED, f"page {page} evicted while {self.state(page).value}"
@@ -332,17 +347,50 @@ class PagePool:
         return self._evict(slot, pages)
 
     def unindex(self, page: PageId) -> None:
-        """Takes a published page out of sharing (it failed its checksum, or a page before it
-        in its chain did): a CACHED one is freed now, a referenced one stays with its holders
-        and is freed, never cached, on its last release. The caller removes its index entry."""
+        """Takes a published page out of sharing (it failed its checksum): out of the index,
+        with the pages of its chain after it; a CACHED one is freed now, a referenced one
+        stays with its holders and is freed, never cached, on its last release."""
         c = self._columns
         slot = c.slot(page)
-        assert page in self._content, f"page {page} unindexed while {self.state(page).value}"
-        c.indexed_at[slot] = False
+        content = self._content.get(page)
+        assert content is not None, f"page {page} unindexed while {self.state(page).value}"
+        if c.indexed_at[slot]:
+            c.indexed_at[slot] = False
+            self._orphans += self.index.remove(content)
         if c.state_at[slot] == CACHED:
             pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
             pages.cached.left(1)
             self._free_one(slot, pages)
+        self._drop_orphans()
+
+    def _drop_orphans(self) -> None:
+        """The pages that followed one that left the index leave it too (a match walks from
+        a chain's first page, so none could hit again): cached ones are evicted, referenced
+        ones stay with their holders, unindexed. Eviction in the policy's order (a chain's
+        tail first) leaves none. Called once a change is complete (after a batch is freed);
+        the evictions it makes call it again, which returns at once: this loop drains them."""
+        if self._dropping:
+            return
+        self._dropping = True
+        try:
+            self._drain_orphans()
+        finally:
+            self._dropping = False
+
+    def _drain_orphans(self) -> None:
+        c = self._columns
+        while self._orphans:
+            content = self._orphans.pop()
+            slot = c.slot(content.page)
+            if self._content.get(content.page) is not content or not c.indexed_at[slot]:
+                continue  # freed or unindexed meanwhile (in the same batch)
+            if c.state_at[slot] == CACHED:
+                pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+                pages.cached.left(1)
+                self._evict(slot, pages)
+            else:
+                c.indexed_at[slot] = False
+                self._orphans += self.index.remove(content)
 
     def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
         """A CACHED page out of its queue → FREE; returns what it held."""
@@ -371,24 +419,30 @@ class PagePool:
         c = self._columns
         ids = c.page[slots].tolist()
         for at in np.flatnonzero(c.state[slots] != PRIVATE).tolist():
-            self._unpublish(ids[at])
+            self._unpublish(ids[at], int(slots[at]))
         c.state[slots] = FREE
         c.indexed[slots] = False
         pages.free += ids
+        self._drop_orphans()
 
     def _free_one(self, slot: int, pages: _NamespacePages) -> None:
         c = self._columns
         page: PageId = c.page_at[slot]
         if c.state_at[slot] != PRIVATE:
-            self._unpublish(page)
+            self._unpublish(page, slot)
         c.state_at[slot] = FREE
         c.indexed_at[slot] = False
         pages.free.append(page)
+        self._drop_orphans()
 
-    def _unpublish(self, page: PageId) -> None:
+    def _unpublish(self, page: PageId, slot: int) -> None:
+        """A published page is freed: out of the index (what followed it is dropped by the
+        public method's ``_drop_orphans``), its content forgotten."""
         if self._on_unpublish is not None:
             self._on_unpublish(page)
-        del self._content[page]
+        content = self._content.pop(page)
+        if self._columns.indexed_at[slot]:
+            self._orphans += self.index.remove(content)
 
     def _ns(self, namespace: NamespaceId) -> _NamespacePages:
         pages = self._by_namespace.get(namespace)

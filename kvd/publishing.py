@@ -126,9 +126,8 @@ class PublishJob:
         # On a (verified) hash collision the page is published but left out of the index.
         content = PageContent(page, key, page_tokens, parent, local)
         indexed = existing is None
-        self.pool.publish(page, content, indexed)
+        self.pool.publish(page, content, i if indexed else None)
         if indexed:
-            self.index.insert(content, i)
             ns = self.ns
             self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
             if self.remote is not None:

@@ -315,8 +315,7 @@ class RemoteTier:
                 parent = existing.page
                 continue
             content = PageContent(page, want.key, want.tokens, parent, want.local)
-            self.pool.publish(page, content, indexed=True)
-            self.index.insert(content, want.page_index)
+            self.pool.publish(page, content, want.page_index)
             self.integrity.describe(content, want.page_index)
             parent_key = want.parent_key if want.page_index else None
             self.events.stored(

@@ -6,7 +6,7 @@ so bad input raises ``InvalidArgument`` and loses nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Generic, TypeVar
 
@@ -17,7 +17,7 @@ from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.index import ChainSpec, ExtraKey, ExtraKind, chain_spec
 from kvd.namespaces import Namespace
 from kvd.sequences import Sequence
-from kvd.types import PageId, PageKey, PinId, SeqId, SequenceState
+from kvd.types import PageId, PinId, SeqId, SequenceState
 from kvd.wire.codec import TOKEN_BYTES, token_array, unpack_tokens
 
 _SMALL_TOKEN_BYTES = 1024
@@ -161,17 +161,14 @@ class PinResult:
     tokens: int
 
 
-@dataclass(slots=True)  # slots: see SequenceRequest
+@dataclass(frozen=True, slots=True)  # slots: see SequenceRequest
 class PreparedRequest:
-    """A validated request with its chain spec; the manager fills in what matching finds."""
+    """A validated request with its chain spec (matching it gives an ``index.Match``)."""
 
     request: SequenceRequest
     tokens: bytes
     num_tokens: int
     chain: ChainSpec
-    reentry: Sequence | None = None
-    hits: list[PageId] = field(default_factory=list)
-    hit_keys: list[PageKey] = field(default_factory=list)
 
 
 def check_call(limits: Limits, sequences, tokens: int | None = None) -> None:

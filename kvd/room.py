@@ -26,7 +26,6 @@ from kvd.arena import Arena, Extent
 from kvd.counters import Counters
 from kvd.errors import ResourceExhausted
 from kvd.eviction import held_victim
-from kvd.index import PrefixIndex
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
 from kvd.sequences import Sequence, SequenceTable
@@ -44,7 +43,6 @@ class Room:
         self,
         arena: Arena,
         pool: PagePool,
-        index: PrefixIndex,
         supply: ExtentSupply,
         sequences: SequenceTable,
         counters: Counters,
@@ -53,7 +51,6 @@ class Room:
     ) -> None:
         self.arena = arena
         self.pool = pool
-        self.index = index
         self.supply = supply
         self.sequences = sequences
         self.counters = counters  # read for the log line of what was evicted
@@ -101,9 +98,7 @@ class Room:
                 break
             deadline = time.perf_counter() + seconds
             while self.pool.free_count(ns.id) < need and self.pool.cached_count(ns.id):
-                for content in self.pool.evict_many(ns.id, min(EVICT_PAGES, need - self.pool.free_count(ns.id))):
-                    self.index.remove(content)
-                    evicted += 1
+                evicted += len(self.pool.evict_many(ns.id, min(EVICT_PAGES, need - self.pool.free_count(ns.id))))
                 if time.perf_counter() > deadline:
                     break
             yield None
@@ -169,8 +164,7 @@ class Room:
         if self.arena.shm_refusals != refusals:
             self.check(ns, need, protect)  # without the budget /dev/shm cannot back, it may not fit
         if self.pool.cached_count(ns.id):  # all that are missing at once: evicting adds no budget for an extent
-            for content in self.pool.evict_many(ns.id, need - self.pool.free_count(ns.id)):
-                self.index.remove(content)
+            self.pool.evict_many(ns.id, need - self.pool.free_count(ns.id))
             return 0
         reclaimable = self._reclaimable(ns)
         if reclaimable:
@@ -188,20 +182,18 @@ class Room:
     def _reclaim(self, extent: Extent) -> None:
         self._settle_seals()  # the sealer may still read this extent's pages
         first, count = extent.first_page, extent.num_pages
-        inside = [c for c in map(self.pool.content, map(PageId, range(first, first + count))) if c is not None]
-        # the tails of chains that run through the extent: cached too (a referenced page's
-        # whole prefix is referenced), unreachable without it, so they go with it
-        tails = {
-            d.page: d for c in inside for d in self.index.descendants(c.page) if not first <= d.page < first + count
-        }
-        for content in reversed(inside + list(tails.values())):  # the tails first, as eviction goes
-            self.pool.evict(content.page)
-            self.index.remove(content)
-        self.pool.remove_pages(extent.plan.namespace, extent.name, first, count)
+        ns_id = extent.plan.namespace
+        evicted_before = self.counters.of(ns_id).evicted_pages
+        for page in map(PageId, range(first, first + count)):
+            # each goes with the cached pages of its chain after it, elsewhere too (cached as
+            # well: a referenced page's whole prefix is referenced): none could hit again
+            if self.pool.content(page) is not None:
+                self.pool.evict(page)
+        self.pool.remove_pages(ns_id, extent.name, first, count)
         self.arena.release(extent)
         log.info(
-            "reclaimed extent %s (%d pages) for another namespace, with %d cached pages of chains through it",
+            "reclaimed extent %s (%d pages) for another namespace, evicting %d cached pages of chains through it",
             extent.name,
             count,
-            len(tails),
+            self.counters.of(ns_id).evicted_pages - evicted_before,
         )

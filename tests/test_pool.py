@@ -12,7 +12,7 @@ import pytest
 import kvd.eviction
 import kvd.pool
 from kvd.counters import Counters
-from kvd.index import PageContent
+from kvd.index import PageContent, PrefixIndex
 from kvd.page_columns import PageColumns
 from kvd.pool import PagePool
 from kvd.types import NamespaceId, PageId, PageKey, PageState
@@ -58,11 +58,11 @@ def test_slots_of_live_extents_and_reuse_of_removed_ones():
 
 
 def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path):
-    pool, ns = PagePool(Counters()), NamespaceId(0)
+    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 64)
     pages = pool.allocate(ns, 40)
     for page in pages:
-        pool.publish(page, content(page), indexed=True)
+        pool.publish(page, content(page), 0)  # a chain of its own
     pool.release_all(reversed(pages))  # tail first
     assert pool.lru_order(ns) == pages[::-1] and pool.cached_count(ns) == 40
     pool.acquire_all(pages[:30])  # a hit on the first 30 leaves their entries behind
@@ -76,11 +76,11 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
 
 def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch):
     monkeypatch.setattr(kvd.eviction, "STALE_ENTRIES", 8)
-    pool, ns = PagePool(Counters()), NamespaceId(0)
+    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 16)
     pages = pool.allocate(ns, 16)
     for page in pages:
-        pool.publish(page, content(page), indexed=True)
+        pool.publish(page, content(page), 0)  # a chain of its own
     pool.release_all(pages)
     for _ in range(100):  # every round trip leaves 16 entries behind
         pool.acquire_all(pages)
@@ -92,7 +92,7 @@ def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch
 
 @pytest.mark.parametrize("count", [1, 40])
 def test_broken_invariants_name_the_page(batch_path, count):
-    pool, ns = PagePool(Counters()), NamespaceId(0)
+    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 64)
     pool.add_pages(NamespaceId(1), "f", PageId(64), 8)
     pages = pool.allocate(ns, count)
@@ -178,7 +178,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
     monkeypatch.setattr(kvd.eviction, "STALE_ENTRIES", 4)  # drop left-behind entries often
     rng = random.Random(15)
     model = Model()
-    pool = PagePool(Counters(), on_unpublish=lambda page: unpublished.append(page))
+    pool = PagePool(Counters(), PrefixIndex(), on_unpublish=lambda page: unpublished.append(page))
     unpublished: list[int] = []
     refs: list[tuple[int, bool]] = []  # references taken: (page, pinned)
     extents: dict[str, tuple[int, int, int]] = {}  # name -> (namespace, first, count)
@@ -210,7 +210,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
         elif op < 0.35 and [p for p in live if model.state[p] is PageState.PRIVATE]:
             page = rng.choice([p for p in live if model.state[p] is PageState.PRIVATE])
             indexed = rng.random() < 0.8
-            pool.publish(PageId(page), content(page), indexed)
+            pool.publish(PageId(page), content(page), 0 if indexed else None)
             model.state[page], model.indexed[page] = PageState.PUBLISHED, indexed
         elif op < 0.5 and shared:
             pages = rng.sample(shared, rng.randint(1, min(len(shared), 60)))
