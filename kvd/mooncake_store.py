@@ -35,6 +35,12 @@ class PutOutcome(enum.Enum):
     REFUSED = "refused"  # any other per-key refusal
 
 
+class GetOutcome(enum.Enum):
+    ARRIVED = "arrived"  # exactly the buffers' size arrived
+    MISMATCHED = "mismatched"  # the stored value has another size: not the object asked for
+    FAILED = "failed"  # nothing arrived: the transfer failed (the host holding it died) or the object went
+
+
 @dataclass(frozen=True)
 class MooncakeSettings:
     master: str  # host:port of mooncake_master's RPC service
@@ -114,14 +120,25 @@ class MooncakeStore:
             for c in codes
         ]
 
-    def get(self, keys: list[str], parts: list[tuple[list[int], list[int]]]) -> list[bool]:
-        """Reads each key's value into its buffers; True where exactly their size arrived."""
+    def get(self, keys: list[str], parts: list[tuple[list[int], list[int]]]) -> list[GetOutcome]:
+        """Reads each key's value into its buffers."""
         codes = self._store.batch_get_into_multi_buffers(
             keys, [addresses for addresses, _ in parts], [sizes for _, sizes in parts]
         )
         if _unreachable(codes):
             raise StoreUnavailable(f"get of {len(keys)} pages failed: the master is unreachable (code {codes[0]})")
-        return [c == sum(sizes) for c, (_, sizes) in zip(codes, parts)]
+        return [self._got(key, code, sum(sizes)) for key, code, (_, sizes) in zip(keys, codes, parts)]
+
+    def _got(self, key: str, code: int, size: int) -> GetOutcome:
+        """Mooncake answers a value of another size with an error code (TRANSFER_FAIL into larger
+        buffers, INVALID_PARAMS into smaller ones), as it answers a transfer that failed: the
+        object's stored size tells the two apart."""
+        if code == size:
+            return GetOutcome.ARRIVED
+        if code >= 0:
+            return GetOutcome.MISMATCHED
+        stored = self._store.get_size(key)
+        return GetOutcome.MISMATCHED if stored >= 0 and stored != size else GetOutcome.FAILED
 
     def close(self) -> None:
         self._store.close()

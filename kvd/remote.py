@@ -22,6 +22,11 @@ order, as CACHED: the next lookup hits them locally. The first page that fails e
 chain there; pages not landed are freed. A fetch is asynchronous: while it is in flight,
 lookups of the same prompt report ``remote_pending_tokens``, and the client asks again.
 
+A page that did not arrive (the store could not transfer it: the host holding it died,
+or it went meanwhile) is an error, counted in ``errors`` and asked for again by a later
+lookup; a page whose bytes arrived but fail a check is rejected (``rejected_pages``) and
+its key is never fetched again.
+
 Every hold is a pool reference (kvd/pool.py), so a page the store is reading or writing
 is never evicted or reused; ``holds`` lists them for kvd/invariants.py.
 """
@@ -42,7 +47,7 @@ from kvd.eviction import release_order
 from kvd.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
 from kvd.meta import page_checksum
-from kvd.mooncake_store import PutOutcome
+from kvd.mooncake_store import GetOutcome, PutOutcome
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
 from kvd.remote_format import PageHeader, header_bytes, read_header, store_key, write_header
@@ -69,7 +74,7 @@ class RemoteCounters:
     refused_pages: int = 0  # puts the store refused (full or otherwise): the page stays local only
     skipped_pages: int = 0  # published while the link was down or the backlog full: not stored
     rejected_pages: int = 0  # fetched pages whose header or checksum did not match: a miss
-    errors: int = 0  # store calls that failed (the master unreachable)
+    errors: int = 0  # store calls that failed (the master unreachable, a page that did not arrive)
 
 
 @dataclass(frozen=True)
@@ -287,7 +292,7 @@ class RemoteTier:
             lambda headers, error: self._arrived(ident, headers, error),
         )
 
-    def _arrived(self, ident: tuple, headers, error) -> None:
+    def _arrived(self, ident: tuple, got, error) -> None:
         """Publishes the fetched pages that match the request, in chain order, as CACHED."""
         fetch = self._fetches[ident]
         ns = fetch.ns
@@ -296,7 +301,16 @@ class RemoteTier:
         landed: list[PageId] = []
         for n, (key, want) in enumerate(fetch.expected if error is None else []):
             page = fetch.landing[n]
-            if headers[n] != want:
+            if got[n] is GetOutcome.FAILED:
+                self.counters.errors += 1
+                log.error(
+                    "namespace %d: page %d of a prompt did not arrive from the remote store (the host holding "
+                    "it may be gone); not served, asked for again by a later lookup",
+                    ns.id,
+                    want.page_index,
+                )
+                break
+            if got[n] != want:
                 self.counters.rejected_pages += 1
                 self._rejected[key] = None
                 if len(self._rejected) > MAX_REJECTED_KEYS:
@@ -431,16 +445,22 @@ def _find(
     return wanted[:run]
 
 
-def _get(store, found: list[tuple[str, PageHeader]], views: list[np.ndarray], staging: np.ndarray):
-    """The verified header of each fetched page (None where it did not arrive whole or fails its checksum)."""
+def _get(
+    store, found: list[tuple[str, PageHeader]], views: list[np.ndarray], staging: np.ndarray
+) -> list[PageHeader | GetOutcome]:
+    """For each fetched page: its header, once its checksum holds for the bytes that arrived;
+    FAILED when nothing arrived; MISMATCHED when what arrived is not a page of this size or
+    fails its checksum."""
     size = header_bytes(len(found[0][1].tokens) // TOKEN_BYTES)
-    headers: list[PageHeader | None] = []
+    got: list[PageHeader | GetOutcome] = []
     for start in range(0, len(found), MAX_BATCH_PAGES):
         chunk = found[start : start + MAX_BATCH_PAGES]
         parts = [
             ([staging[n].ctypes.data, views[start + n].ctypes.data], [size, views[start + n].nbytes])
             for n in range(len(chunk))
         ]
-        arrived = store.get([k for k, _ in chunk], parts)
-        headers += [read_header(staging[n, :size], views[start + n]) if ok else None for n, ok in enumerate(arrived)]
-    return headers
+        for n, outcome in enumerate(store.get([k for k, _ in chunk], parts)):
+            if outcome is GetOutcome.ARRIVED:
+                outcome = read_header(staging[n, :size], views[start + n]) or GetOutcome.MISMATCHED
+            got.append(outcome)
+    return got

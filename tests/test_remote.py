@@ -27,7 +27,7 @@ from kvd.index import chain_spec, page_key
 from kvd.namespaces import NamespaceIdentity as Identity
 from kvd.namespaces import NamespaceRegistry, make_layout
 from kvd.remote import RECHECK_SECONDS as RECHECK
-from kvd.remote_format import header_bytes, store_key
+from kvd.remote_format import PageHeader, header_bytes, store_key, write_header
 from kvd.wire.codec import TOKEN_BYTES
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
@@ -263,16 +263,22 @@ def metrics(d) -> str:
         return reply.read().decode()
 
 
-def store_keys(tokens: np.ndarray) -> list[str]:
-    """The store's keys of a prompt's pages, computed as any host computes them."""
+def chain_pages(tokens: np.ndarray) -> list[tuple[str, PageHeader]]:
+    """Each page of a prompt: its store key and header, computed as any host computes them."""
     ident = Identity(MODEL, make_layout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 16, LAYOUT.dtype))
     root = NamespaceRegistry().register(ident).root
     chain = chain_spec(root, LAYOUT.page_size, [])
-    raw, step, keys, parent = tokens.astype("<i4").tobytes(), LAYOUT.page_size * TOKEN_BYTES, [], chain.root
+    raw, step, pages, parent = tokens.astype("<i4").tobytes(), LAYOUT.page_size * TOKEN_BYTES, [], chain.root
     for i in range(len(tokens) // LAYOUT.page_size):
-        parent = page_key(parent, i, raw[i * step : (i + 1) * step], chain.local_bytes(i))
-        keys.append(store_key("", root, parent))
-    return keys
+        page_tokens = raw[i * step : (i + 1) * step]
+        key = page_key(parent, i, page_tokens, chain.local_bytes(i))
+        pages.append((store_key("", root, key), PageHeader(i, key, parent, chain.local_digest(i), page_tokens)))
+        parent = key
+    return pages
+
+
+def store_keys(tokens: np.ndarray) -> list[str]:
+    return [name for name, _ in chain_pages(tokens)]
 
 
 def test_a_full_store_refuses_pages_and_nothing_local_is_lost(master, daemon_factory):
@@ -401,3 +407,55 @@ def test_the_remote_table_flags_and_environment(tmp_path):
         file.write_text(table)
         with pytest.raises(config.ConfigError, match=re.escape(problem)):
             config.load({}, environ={}, config_file=str(file))
+
+
+def test_a_page_whose_host_died_is_an_error_asked_for_again_not_a_rejected_page(tmp_path, master):
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    da, db = start_hosts(tmp_path, master)
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+            tokens = prompt(80)
+            pages = publish_prompt(a, ns_a, "p", tokens)
+            stored(a, PAGES)
+            before = b.stats()["remote"]
+
+            da.process.kill()  # host A dies; the master lists its pages until A's lease runs out
+            da.process.wait()
+            hit = fetch(b, ns_b, tokens, 0)
+            failed = b.stats()["remote"]
+            assert hit < len(tokens), "some of A's pages lay in A's own segment"
+            assert failed["errors"] == before["errors"] + 1 and failed["rejected_pages"] == before["rejected_pages"]
+            assert re.search(r"ERROR kvd\.remote: .* did not arrive from the remote store", db.log()), db.log()
+
+            # A third client stores the prompt's pages again, the last one a byte short.
+            store = MooncakeDistributedStore()
+            assert store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+            try:
+                config = ReplicateConfig()
+                config.replica_num = 1
+                config.preferred_segment = store.get_hostname()  # never the dead host's segment
+                head = header_bytes(LAYOUT.page_size)
+                for n, ((key, header), page) in enumerate(zip(chain_pages(tokens), pages)):
+                    raw = page.view(np.uint8).reshape(-1)
+                    value = np.concatenate([np.zeros(head, np.uint8), raw])
+                    write_header(value[:head], header, raw)
+                    value = value[:-1] if n == PAGES - 1 else value
+                    store.remove(key, True)  # the dead host's copy, if it held this one
+                    assert store.upsert_from(key, value.ctypes.data, value.nbytes, config) == 0
+
+                time.sleep(RECHECK)  # B's last look at this prompt ended just now
+                assert fetch(b, ns_b, tokens, (PAGES - 1) * LAYOUT.page_size) == (PAGES - 1) * LAYOUT.page_size
+            finally:
+                store.close()
+            got = hit_bytes(b, ns_b, "q", tokens)
+            assert len(got) == PAGES - 1 and all(np.array_equal(x, y) for x, y in zip(got, pages))
+            after = b.stats()["remote"]
+            assert after["errors"] == failed["errors"]  # every page arrived this time
+            assert after["rejected_pages"] == before["rejected_pages"] + 1  # the short one: not a page of this layout
+            assert b.check_invariants() == []
+    finally:
+        assert db.stop() == 0 and "Traceback" not in db.log(), db.log()
+        for d in (da, db):
+            remove_shared_memory(d.socket)
