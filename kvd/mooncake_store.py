@@ -9,6 +9,11 @@ with the page's header (kvd/remote_format.py) as a second buffer of the same obj
 
 Mooncake reports per key with negative codes; the ones kvd tells apart are below. Any
 code of the RPC group means the master cannot be reached: ``StoreUnavailable``.
+
+While the master is down each call waits on Mooncake's RPC timeouts (~4 s, measured
+here) with the GIL released, but ``close`` (and the client's teardown at process exit)
+waits longer (~10 s) holding the GIL: ``master_unreachable`` tells beforehand whether
+closing is worth trying (kvd/remote_link.py abandons the client otherwise).
 """
 
 from __future__ import annotations
@@ -56,16 +61,24 @@ def _unreachable(codes: list[int]) -> bool:
     return bool(codes) and all(c in _RPC_CODES for c in codes)
 
 
+def master_unreachable(master: str, timeout: float) -> str | None:
+    """Why the master (host:port) accepts no TCP connection within ``timeout``; None when it does."""
+    host, port = master.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        return f"master {master} accepts no connection ({e.strerror or e})"
+    return None
+
+
 class MooncakeStore:
     """One Mooncake client: set up on construction, closed by ``close``."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
         # Mooncake's setup retries an absent master for ~90 s; a closed port is known at once.
-        host, port = settings.master.rsplit(":", 1)
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except OSError as e:
-            raise StoreUnavailable(f"master {settings.master} accepts no connection ({e.strerror or e})") from None
+        problem = master_unreachable(settings.master, 1.0)
+        if problem is not None:
+            raise StoreUnavailable(problem)
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             settings.local_hostname,

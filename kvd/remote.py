@@ -33,6 +33,7 @@ is never evicted or reused; ``holds`` lists them for kvd/invariants.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -224,7 +225,7 @@ class RemoteTier:
         header = PageHeader(page_index, content.key, parent_key, content.local, content.tokens)
         self._held_bytes += copy.nbytes
         if not self._queued:
-            self.link.post(self.submit)  # once the eviction's call is done: one batch
+            asyncio.get_running_loop().call_soon(self.submit)  # once the eviction's call is done: one batch
         self._queued.append(
             _Put(store_key(self.scope, ns.root, content.key), None, copy, header, ns, extra_keys, sealed)
         )
