@@ -19,6 +19,10 @@ brings the store's registrations in line with the extents its submitter named (n
 extents registered, released ones unregistered), in the same queue, so a job never
 names memory the store does not know.
 
+Each time the link turns UP (connected first, or back after an outage) it calls the
+``on_up`` callbacks on the loop: a restarted master has lost everything, so the tiers
+offer their pages again (kvd/remote.py).
+
 ``close`` is bounded: when the master cannot be reached, closing the client would wait
 on Mooncake's RPC timeouts (seconds, holding the GIL, kvd/mooncake_store.py), so the
 client is abandoned instead; the worker is a daemon thread, so a job stuck in a call
@@ -66,6 +70,7 @@ class RemoteLink:
         self._owned: dict[str, frozenset[Region]] = {}
         self.state = RemoteState.CONNECTING  # written by the worker, read by the loop
         self.outages = 0  # times the link went DOWN
+        self.on_up: list[Callable[[], None]] = []  # called on the loop each time the link turns UP
         self._post: Callable[..., Any] | None = None  # the loop's call_soon_threadsafe, from start()
         # Daemon threads: one that close() abandons in a call to a dead master must not hold the process.
         self._worker = threading.Thread(target=self._work, name="kvd-remote", daemon=True)
@@ -73,7 +78,7 @@ class RemoteLink:
 
     def start(self, post: Callable[..., Any]) -> None:
         """Starts connecting, once every tier has attached; ``post`` is the loop's
-        ``call_soon_threadsafe``: job outcomes run through it."""
+        ``call_soon_threadsafe``: job outcomes and ``on_up`` run through it."""
         self._post = post
         self._submit(self._recover, 0.0)
         self._worker.start()
@@ -209,3 +214,5 @@ class RemoteLink:
             log.warning("remote store at %s is back; storing and fetching pages again", self.settings.master)
         else:
             log.info("remote store at %s connected", self.settings.master)
+        for callback in self.on_up:
+            self._to_loop(callback)

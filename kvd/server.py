@@ -226,8 +226,8 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
         )
     )
     for name, manager in tenants.items():
-        manager.attach_remote(link, name, remote.backlog_bytes, remote.policy)
-    link.start(loop.call_soon_threadsafe)  # its threads run once every tier is attached
+        manager.attach_remote(link, name, remote)
+    link.start(loop.call_soon_threadsafe)  # once every tier listens: the first UP offers recovered pages
     return link
 
 

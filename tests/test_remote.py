@@ -249,9 +249,12 @@ def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db
     master.start()
     for c in (a, b):
         wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon sees the store back", 20)
+    # The restarted master knows no page; A offers its own again, "during" (never stored) too.
+    assert fetch(b, ns_b, during, len(during)) == len(during)
     after = prompt(12)
     pages = publish_prompt(a, ns_a, "after", after)
-    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 2 * PAGES, "pages stored after the restart", 30)
+    # A stored "before", then "during" and "after" (and "before" again, unless B, which fetched it, did)
+    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 3 * PAGES, "pages stored after the restart", 30)
     assert fetch(b, ns_b, after, len(after)) == len(after)
     got = hit_bytes(b, ns_b, "after", after)
     assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and len(got) == PAGES
@@ -381,6 +384,7 @@ def test_without_a_remote_table_nothing_changes_and_mooncake_is_never_loaded(dae
             ),
             "errors": 0,
             "outages": 0,
+            "reoffered_pages": 0,
         }
         ns = c.register_namespace(MODEL, LAYOUT)
         tokens = prompt(30, 4)
@@ -410,6 +414,84 @@ def test_the_remote_table_flags_and_environment(tmp_path):
         file.write_text(table)
         with pytest.raises(config.ConfigError, match=re.escape(problem)):
             config.load({}, environ={}, config_file=str(file))
+
+
+def test_after_the_master_restarts_each_host_offers_its_pages_again_and_its_lru_order_stays(tmp_path, master):
+    small = ("--enable-prefix-reuse", "--host-bytes", "4MiB", "--extent-bytes", "1MiB")  # 256 pages of 16 KiB
+    da = start_daemon(tmp_path, *small, *master.daemon_args(), name="a")
+    db = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), name="b")
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+            older, old, hot = prompt(70), prompt(71), prompt(72)
+            publish_prompt(a, ns_a, "older", older)
+            a.release(ns_a, ["older"])
+            publish_prompt(a, ns_a, "old", old)
+            a.release(ns_a, ["old"])
+            pages = publish_prompt(a, ns_a, "hot", hot)  # in use
+            stored(a, 3 * PAGES)
+            events = a.subscribe_events()
+            batches: queue.Queue = queue.Queue()
+            reader = threading.Thread(target=read_into, args=(events, batches), daemon=True)
+            reader.start()
+
+            master.kill()  # the store's index lives in the master's memory: every page is gone
+            master.start()
+            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == 3 * PAGES, "A's pages offered again", 30)
+            offered = []
+            while len(offered) < 3 * PAGES:
+                for event in batches.get(timeout=30).events:
+                    if event.stored.medium == "REMOTE":
+                        offered += event.stored.block_hashes
+            events.cancel()
+            reader.join(timeout=10)
+            # In use first, then cached in eviction order: each chain tail first.
+            assert offered == [header.key for p in (hot, older, old) for _, header in reversed(chain_pages(p))]
+            assert b.stats()["remote"]["reoffered_pages"] == 0  # B holds none of them
+            assert fetch(b, ns_b, hot, len(hot)) == len(hot)
+            got = hit_bytes(b, ns_b, "hot", hot)
+            assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+
+            # Offering held and released every cached page, yet "older" is still evicted first.
+            publish_prompt(a, ns_a, "big", prompt(73, 256 - 2 * PAGES))  # all free pages and 40 more
+            assert a.lookup(ns_a, [SequenceRequest("x", older)])[0].hit_tokens == 0
+            assert a.lookup(ns_a, [SequenceRequest("y", old)])[0].hit_tokens == len(old)
+            assert a.check_invariants() == [] and b.check_invariants() == []
+    finally:
+        stop_both(da, db)
+
+
+def test_a_daemon_restarted_warm_offers_its_recovered_pages_again_at_a_bounded_rate(tmp_path, master):
+    rate = 256 << 10  # 16 pages of 16 KiB a second
+    args = (*DAEMON, *master.daemon_args(), "--remote-reoffer-bytes-per-second", str(rate))
+    da = start_daemon(tmp_path, *args, name="a")
+    db = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), name="b")
+    n = 16
+    tokens = prompt(75, n)
+    with KVDClient.connect(da.socket) as a:
+        wait_until(lambda: a.stats()["remote"]["state"] == "up", "A's remote store is up", 15)
+        pages = publish_prompt(a, a.register_namespace(MODEL, LAYOUT), "p", tokens)
+        stored(a, n)
+    assert da.stop() == 0  # its pages stay in shared memory for the next start
+    master.kill()
+    master.start()
+
+    da = start_daemon(tmp_path, *args, name="a")  # the same socket: a warm restart
+    try:
+        with KVDClient.connect(da.socket) as a:
+            assert a.stats()["recovery"]["recovered_pages"] == n
+            up = wait_until(lambda: a.stats()["remote"]["state"] == "up" and time.monotonic(), "A's store is up", 15)
+            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == n, "recovered pages offered again", 30)
+            took = time.monotonic() - up
+        # A batch holds a quarter second's worth (4 pages); each next one waits for the bytes sent.
+        assert took >= (n - 4) * LAYOUT.page_bytes / rate - 0.25, took
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_b = b.register_namespace(MODEL, LAYOUT)
+            assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+            got = hit_bytes(b, ns_b, "q", tokens)
+            assert len(got) == n and all(np.array_equal(x, y) for x, y in zip(got, pages))
+    finally:
+        stop_both(da, db)
 
 
 def test_a_page_whose_host_died_is_an_error_asked_for_again_not_a_rejected_page(tmp_path, master):
