@@ -175,7 +175,7 @@ class RemoteTier:
         self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
         self._fetched: set[PageId] = set()  # published pages that came from the store
         # Published pages whose place in their chain is known: what storing them needs.
-        self._placed: dict[PageId, _Place] = _recovered_places(arena, pool, index, namespaces)
+        self._placed: dict[PageId, _Place] = _recovered_places(pool, index, namespaces)
         # Store keys whose value failed its checks: a fetch stops before them (read by the worker).
         self._rejected: OrderedDict[str, None] = OrderedDict()
         self._staging = np.zeros((MAX_BATCH_PAGES, 0), dtype=np.uint8)  # headers: [pages, header bytes]
@@ -540,24 +540,29 @@ class RemoteTier:
         self.link.run(self.scope, frozenset(regions), job, done)
 
 
-def _recovered_places(
-    arena: Arena, pool: PagePool, index: PrefixIndex, namespaces: NamespaceRegistry
-) -> dict[PageId, _Place]:
-    """Where each page a warm restart recovered sits in its chain, from its record and its
-    parent's key. Page 0's parent key is its chain root, which records do not keep: it is
-    known only for a chain without request-wide extra keys (LoRA, cache salt) and without a
-    multimodal item on page 0, whose local digest is then that of the namespace's plain root."""
+def _recovered_places(pool: PagePool, index: PrefixIndex, namespaces: NamespaceRegistry) -> dict[PageId, _Place]:
+    """Where each page a warm restart recovered sits in its chain: how many parents it has
+    (each page is walked once) and its parent's key. Page 0's parent key is its chain root,
+    which records do not keep: it is known only for a chain without request-wide extra keys
+    (LoRA, cache salt) nor a multimodal item on page 0, whose local digest is then that of
+    the namespace's plain root."""
     places: dict[PageId, _Place] = {}
+    depth: dict[PageId, int] = {}
     plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
-    for _, page in index.items():
-        content = pool.content(page)
-        ns = namespaces.get(pool.namespace_of(page))
-        extent = arena.extent_of(page)
-        page_index = extent.meta.record(page - extent.first_page).page_index
-        if content.parent is not None:
-            places[page] = _Place(ns, page_index, pool.content(content.parent).key, ())
-        elif content.local == plain[ns.id].local_digest(0):
-            places[page] = _Place(ns, page_index, plain[ns.id].root, ())
+    for _, at in index.items():
+        walk = []  # the page and its ancestors not walked yet, deepest first
+        while at is not None and at not in depth:
+            walk.append(at)
+            at = pool.content(at).parent
+        page_index = -1 if at is None else depth[at]
+        for page in reversed(walk):
+            page_index += 1
+            depth[page] = page_index
+            content, ns = pool.content(page), namespaces.get(pool.namespace_of(page))
+            if content.parent is not None:
+                places[page] = _Place(ns, page_index, pool.content(content.parent).key, ())
+            elif content.local == plain[ns.id].local_digest(0):
+                places[page] = _Place(ns, page_index, plain[ns.id].root, ())
     return places
 
 

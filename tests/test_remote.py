@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import clean_env, remove_shared_memory, start_daemon, wait_until
 
-from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client import ExtraKey, KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
 from engine_client.mooncake_master import MooncakeMaster, free_port
 from kvd import config
@@ -114,9 +114,9 @@ def read_into(stream, batches: queue.Queue) -> None:
         assert e.code() == grpc.StatusCode.CANCELLED, e
 
 
-def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
+def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray, extra=()) -> list[np.ndarray]:
     """Computes (random K/V for what missed) and publishes a prompt on one host; returns its pages' bytes."""
-    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens, extra)])
     rng = np.random.default_rng(int(tokens[-1]))
     for page in alloc.private_pages:
         view = client.page_array(ns, page)
@@ -126,9 +126,9 @@ def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> 
     return [client.page_array(ns, page).copy() for page in alloc.pages]
 
 
-def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int) -> int:
+def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int, extra=()) -> int:
     """Asks like an engine whose connector loads asynchronously: again while a fetch is pending."""
-    req = [SequenceRequest("ask", tokens)]
+    req = [SequenceRequest("ask", tokens, extra)]
 
     def settled():
         [r] = client.lookup(ns, req)
@@ -467,11 +467,13 @@ def test_a_daemon_restarted_warm_offers_its_recovered_pages_again_at_a_bounded_r
     da = start_daemon(tmp_path, *args, name="a")
     db = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), name="b")
     n = 16
-    tokens = prompt(75, n)
+    tokens, salted, salt = prompt(75, n), prompt(76, n), (ExtraKey.cache_salt("tenant-x"),)
     with KVDClient.connect(da.socket) as a:
         wait_until(lambda: a.stats()["remote"]["state"] == "up", "A's remote store is up", 15)
-        pages = publish_prompt(a, a.register_namespace(MODEL, LAYOUT), "p", tokens)
-        stored(a, n)
+        ns_a = a.register_namespace(MODEL, LAYOUT)
+        pages = publish_prompt(a, ns_a, "p", tokens)
+        salted_pages = publish_prompt(a, ns_a, "s", salted, salt)
+        stored(a, 2 * n)
     assert da.stop() == 0  # its pages stay in shared memory for the next start
     master.kill()
     master.start()
@@ -479,17 +481,26 @@ def test_a_daemon_restarted_warm_offers_its_recovered_pages_again_at_a_bounded_r
     da = start_daemon(tmp_path, *args, name="a")  # the same socket: a warm restart
     try:
         with KVDClient.connect(da.socket) as a:
-            assert a.stats()["recovery"]["recovered_pages"] == n
+            assert a.stats()["recovery"]["recovered_pages"] == 2 * n
             up = wait_until(lambda: a.stats()["remote"]["state"] == "up" and time.monotonic(), "A's store is up", 15)
-            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == n, "recovered pages offered again", 30)
+            # The records keep no cache salt: the salted chain's first page cannot be offered.
+            offered = 2 * n - 1
+            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == offered, "recovered pages offered again", 30)
             took = time.monotonic() - up
         # A batch holds a quarter second's worth (4 pages); each next one waits for the bytes sent.
-        assert took >= (n - 4) * LAYOUT.page_bytes / rate - 0.25, took
+        assert took >= (offered - 4) * LAYOUT.page_bytes / rate - 0.25, took
         with clients(da, db) as ((_, a), (_, b)):
             ns_b = b.register_namespace(MODEL, LAYOUT)
             assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
             got = hit_bytes(b, ns_b, "q", tokens)
             assert len(got) == n and all(np.array_equal(x, y) for x, y in zip(got, pages))
+            # With the salted prompt's first page computed here, B fetches the rest of A's chain.
+            publish_prompt(b, ns_b, "s0", salted[: LAYOUT.page_size], salt)
+            assert fetch(b, ns_b, salted, len(salted), salt) == len(salted)
+            [alloc] = b.allocate_with_prefix(ns_b, [SequenceRequest("s", salted, salt)])
+            got = [b.page_array(ns_b, page) for page in alloc.shared_pages[1:]]
+            assert all(np.array_equal(x, y) for x, y in zip(got, salted_pages[1:])) and len(got) == n - 1
+            assert b.stats()["remote"]["rejected_pages"] == 0
     finally:
         stop_both(da, db)
 
