@@ -234,10 +234,15 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
 def _close_all(tenants: Tenants, link, keep_cache: bool, seconds: float) -> bool:
     """Unmaps every tenant's extents; keeps them (sealed, consistent) for a warm restart.
     The remote link stops first, within ``seconds``: its worker must not touch memory being
-    unmapped. False when the store's client was left unclosed (kvd/remote_link.py)."""
+    unmapped. False when the store's client was left unclosed (kvd/remote_link.py): a call
+    of its may still read pages, so the extents stay mapped, only the pending seals are
+    recorded, and the process leaves at once (``serve``)."""
     closed = link is None or link.close(seconds)
     for manager in tenants.managers():
-        manager.close(unlink=not keep_cache)
+        if closed:
+            manager.close(unlink=not keep_cache)
+        else:
+            manager.integrity.close()
     return closed
 
 

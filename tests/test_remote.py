@@ -577,6 +577,9 @@ def test_sigterm_while_the_master_is_dead_stops_within_the_shutdown_grace(tmp_pa
         assert rc == 0 and "Traceback" not in d.log(), d.log()
         assert took < grace + 1.0, f"SIGTERM took {took:.1f} s"
         assert "remote store client left unclosed: master" in d.log()
+        d = start_daemon(tmp_path, *DAEMON, env=env, name="alone")  # its pages stayed, sealed
+        with KVDClient.connect(d.socket) as c:
+            assert c.stats()["recovery"]["recovered_pages"] == 4
     finally:
         d.stop()
         remove_shared_memory(d.socket)
