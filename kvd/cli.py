@@ -58,6 +58,7 @@ _REMOTE_FLAGS = {
     "segment_bytes": "memory this host lends to the store, e.g. 4GiB (default 1GiB)",
     "backend": "the remote store (mooncake, the default and only one)",
     "policy": "when pages go to the store: publish (write-behind, the default) or evict (only evicted pages)",
+    "reoffer_bytes_per_second": "how fast pages are offered again when the store comes back (default 1GiB)",
 }
 
 
@@ -83,7 +84,8 @@ def stats_table(stats: dict) -> str:
     r = stats["remote"]
     if r["state"] != "off":
         lines.append(
-            f"remote store {r['state']}: {r['stored_pages']:,} pages stored, {r['fetched_pages']:,} fetched "
+            f"remote store {r['state']}: {r['stored_pages']:,} pages stored "
+            f"({r['reoffered_pages']:,} offered again), {r['fetched_pages']:,} fetched "
             f"({r['hit_tokens']:,} hit tokens), {r['refused_pages']:,} refused, {r['skipped_pages']:,} skipped, "
             f"{r['rejected_pages']:,} rejected, {r['errors']:,} errors, {r['outages']:,} outages"
         )

@@ -30,6 +30,7 @@ as ``KVD_REMOTE_<KEY>`` or as ``--remote-<key>`` flags::
     local_hostname = "10.0.0.7"                # how other hosts reach this one (default: its hostname)
     segment_bytes = "4GiB"                     # memory this host lends to the store
     policy = "publish"                         # store pages when published (write-behind), or "evict"
+    reoffer_bytes_per_second = "1GiB"          # pages offered again when the store comes back, at most
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class RemoteConfig:
     segment_bytes: int = 1 << 30
     backlog_bytes: int = 1 << 30  # published pages held for the store at most (per tenant)
     policy: str = "publish"  # "publish": store published pages (write-behind); "evict": only evicted ones
+    reoffer_bytes_per_second: int = 1 << 30  # pages offered again when the store comes back, at most this fast
 
     @property
     def metadata_server(self) -> str:
@@ -142,7 +144,7 @@ def _remote(values: dict[str, tuple[object, str]]) -> RemoteConfig | None:
     for key, (value, source) in values.items():
         if key not in _REMOTE_KEYS:
             raise ConfigError(f"remote: unknown setting {key!r}; known: {sorted(_REMOTE_KEYS)} (from {source})")
-        if key in ("segment_bytes", "backlog_bytes"):
+        if key in ("segment_bytes", "backlog_bytes", "reoffer_bytes_per_second"):
             value = parse_bytes(value, f"remote.{key}")
         elif not isinstance(value, str):
             raise ConfigError(f"remote.{key}: expected a string, got {value!r} (from {source})")

@@ -25,7 +25,6 @@ from typing import TypeVar
 import numpy as np
 
 from kvd.page_columns import CACHED, PageColumns
-from kvd.types import PageId
 
 STALE_ENTRIES = 1024  # entries left behind in a queue, beyond its live ones, before they are dropped
 
@@ -160,9 +159,9 @@ class CachedQueue:
         self._slot_at, self._stamp_at = memoryview(slots), memoryview(stamps)
 
 
-def release_order(pages: Sequence[PageId]) -> Iterable[PageId]:
-    """The order to drop references to a chain's pages in (``pages`` parents first): the
-    tail first, so it is evicted before its parents."""
+def release_order(pages: Sequence[T]) -> Iterable[T]:
+    """The order to drop references to a chain's pages (or what holds them) in (``pages``
+    parents first): the tail first, so it is evicted before its parents."""
     return reversed(pages)
 
 

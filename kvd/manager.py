@@ -26,7 +26,7 @@ from kvd.allocation import AllocationJob
 from kvd.arena import Arena
 from kvd.aux_state import AuxBudget
 from kvd.catalog import Catalog
-from kvd.config import AUX_BYTES
+from kvd.config import AUX_BYTES, RemoteConfig
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
@@ -116,7 +116,7 @@ class KVCacheManager:
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
         self.remote: RemoteTier | None = None  # set by attach_remote
 
-    def attach_remote(self, link: RemoteLink, scope: str, backlog_bytes: int, policy: str = "publish") -> None:
+    def attach_remote(self, link: RemoteLink, scope: str, settings: RemoteConfig) -> None:
         """Shares published pages with other hosts through the remote store (kvd/remote.py);
         ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
         from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
@@ -124,14 +124,14 @@ class KVCacheManager:
         self.remote = RemoteTier(
             link,
             scope,
+            settings,
             self.arena,
             self.pool,
             self.index,
             self.integrity,
             self.room,
             self.events,
-            backlog_bytes,
-            policy,
+            self.namespaces,
         )
 
     def _unpublished(self, page: PageId) -> None:

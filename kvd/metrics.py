@@ -54,8 +54,9 @@ _REMOTE_COUNTERS = {
     "refused_pages": "Pages the remote store refused (full): kept local only",
     "skipped_pages": "Published pages not stored: the remote store unreachable or the backlog full",
     "rejected_pages": "Fetched pages whose header or checksum did not match: served as a miss",
-    "errors": "Remote store calls that failed (the master unreachable)",
+    "errors": "Remote store calls that failed (the master unreachable, a page that did not arrive)",
     "outages": "Times the remote store became unreachable",
+    "reoffered_pages": "Pages offered again after the remote store came back, and accepted",
 }
 _REMOTE_STATES = ("off", "connecting", "up", "down")
 

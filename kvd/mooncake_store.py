@@ -9,6 +9,11 @@ with the page's header (kvd/remote_format.py) as a second buffer of the same obj
 
 Mooncake reports per key with negative codes; the ones kvd tells apart are below. Any
 code of the RPC group means the master cannot be reached: ``StoreUnavailable``.
+
+While the master is down each call waits on Mooncake's RPC timeouts (~4 s, measured
+here) with the GIL released, but ``close`` (and the client's teardown at process exit)
+waits longer (~10 s) holding the GIL: ``master_unreachable`` tells beforehand whether
+closing is worth trying (kvd/remote_link.py abandons the client otherwise).
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ class PutOutcome(enum.Enum):
     REFUSED = "refused"  # any other per-key refusal
 
 
+class GetOutcome(enum.Enum):
+    ARRIVED = "arrived"  # exactly the buffers' size arrived
+    MISMATCHED = "mismatched"  # the stored value has another size: not the object asked for
+    FAILED = "failed"  # nothing arrived: the transfer failed (the host holding it died) or the object went
+
+
 @dataclass(frozen=True)
 class MooncakeSettings:
     master: str  # host:port of mooncake_master's RPC service
@@ -50,16 +61,24 @@ def _unreachable(codes: list[int]) -> bool:
     return bool(codes) and all(c in _RPC_CODES for c in codes)
 
 
+def master_unreachable(master: str, timeout: float) -> str | None:
+    """Why the master (host:port) accepts no TCP connection within ``timeout``; None when it does."""
+    host, port = master.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        return f"master {master} accepts no connection ({e.strerror or e})"
+    return None
+
+
 class MooncakeStore:
     """One Mooncake client: set up on construction, closed by ``close``."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
         # Mooncake's setup retries an absent master for ~90 s; a closed port is known at once.
-        host, port = settings.master.rsplit(":", 1)
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except OSError as e:
-            raise StoreUnavailable(f"master {settings.master} accepts no connection ({e.strerror or e})") from None
+        problem = master_unreachable(settings.master, 1.0)
+        if problem is not None:
+            raise StoreUnavailable(problem)
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             settings.local_hostname,
@@ -114,14 +133,25 @@ class MooncakeStore:
             for c in codes
         ]
 
-    def get(self, keys: list[str], parts: list[tuple[list[int], list[int]]]) -> list[bool]:
-        """Reads each key's value into its buffers; True where exactly their size arrived."""
+    def get(self, keys: list[str], parts: list[tuple[list[int], list[int]]]) -> list[GetOutcome]:
+        """Reads each key's value into its buffers."""
         codes = self._store.batch_get_into_multi_buffers(
             keys, [addresses for addresses, _ in parts], [sizes for _, sizes in parts]
         )
         if _unreachable(codes):
             raise StoreUnavailable(f"get of {len(keys)} pages failed: the master is unreachable (code {codes[0]})")
-        return [c == sum(sizes) for c, (_, sizes) in zip(codes, parts)]
+        return [self._got(key, code, sum(sizes)) for key, code, (_, sizes) in zip(keys, codes, parts)]
+
+    def _got(self, key: str, code: int, size: int) -> GetOutcome:
+        """Mooncake answers a value of another size with an error code (TRANSFER_FAIL into larger
+        buffers, INVALID_PARAMS into smaller ones), as it answers a transfer that failed: the
+        object's stored size tells the two apart."""
+        if code == size:
+            return GetOutcome.ARRIVED
+        if code >= 0:
+            return GetOutcome.MISMATCHED
+        stored = self._store.get_size(key)
+        return GetOutcome.MISMATCHED if stored >= 0 and stored != size else GetOutcome.FAILED
 
     def close(self) -> None:
         self._store.close()

@@ -5,9 +5,11 @@ tenants, one more grpc.aio server per tenant on the same loop, each on the tenan
 socket and serving only its sessions (kvd/tenants.py says why); all share one core.
 The daemon tells systemd it is ready (``READY=1`` on ``$NOTIFY_SOCKET``) only once the
 socket accepts calls. SIGTERM/SIGINT stop it gracefully: no new calls, calls in flight
-finish, then the arena is unmapped and unlinked. A daemon that dies instead (``kill -9``,
-a crash) leaves its extents and their metadata; the next one on the same socket
-re-attaches them and serves the published pages again (warm restart, kvd/recovery.py).
+finish, the remote store's client closes (the two within ``shutdown_grace_seconds``; a
+client whose master is gone is left unclosed and ``serve`` exits without Mooncake's
+teardown, kvd/remote_link.py says why), then the arena is unmapped and unlinked. A
+daemon that dies instead (``kill -9``, a crash) leaves its extents and their metadata;
+the next one on the same socket re-attaches them and serves the published pages again (warm restart, kvd/recovery.py).
 """
 
 from __future__ import annotations
@@ -224,19 +226,25 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
             segment_bytes=remote.segment_bytes,
         )
     )
-    link.post = loop.call_soon_threadsafe
     for name, manager in tenants.items():
-        manager.attach_remote(link, name, remote.backlog_bytes, remote.policy)
+        manager.attach_remote(link, name, remote)
+    link.start(loop.call_soon_threadsafe)  # once every tier listens: the first UP offers recovered pages
     return link
 
 
-def _close_all(tenants: Tenants, link=None, keep_cache: bool = False) -> None:
+def _close_all(tenants: Tenants, link, keep_cache: bool, seconds: float) -> bool:
     """Unmaps every tenant's extents; keeps them (sealed, consistent) for a warm restart.
-    The remote link stops first: its worker must not touch memory being unmapped."""
-    if link is not None:
-        link.close()
+    The remote link stops first, within ``seconds``: its worker must not touch memory being
+    unmapped. False when the store's client was left unclosed (kvd/remote_link.py): a call
+    of its may still read pages, so the extents stay mapped, only the pending seals are
+    recorded, and the process leaves at once (``serve``)."""
+    closed = link is None or link.close(seconds)
     for manager in tenants.managers():
-        manager.close(unlink=not keep_cache)
+        if closed:
+            manager.close(unlink=not keep_cache)
+        else:
+            manager.integrity.close()
+    return closed
 
 
 class _Daemon:
@@ -259,6 +267,7 @@ class _Daemon:
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []
         self.auth: asyncio.AbstractServer | None = None  # the tenant handshake (kvd/handshake.py)
+        self.store_left_open = False  # the remote store's client was abandoned on close (serve says why it matters)
 
     async def start(self) -> None:
         """Serves metrics, then each tenant's socket and the handshake, then the main socket:
@@ -328,6 +337,8 @@ class _Daemon:
             self.auth = None
 
     async def _close(self, grace: float | None, keep_cache: bool) -> None:
+        # The servers' grace and the remote store's close together take at most the shutdown grace.
+        deadline = time.monotonic() + self.config.shutdown_grace_seconds
         self._close_handshake()
         await asyncio.gather(*(each.stop(grace) for each in self.servers))
         self.offload.close()  # before the caches close: no call's work runs past them
@@ -335,7 +346,9 @@ class _Daemon:
             manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
         # Kept, published pages stay in shared memory, sealed, so `kvd serve` finds them again
         # (systemctl restart keeps the cache); `kvd clean` removes them for good.
-        _close_all(self.tenants, self.link, keep_cache)
+        self.store_left_open = not _close_all(
+            self.tenants, self.link, keep_cache, max(0.0, deadline - time.monotonic())
+        )
         if self.publisher is not None:
             self.publisher.close()  # after the last call's batch: the loop ran it before the servers stopped
         if self.metrics is not None:
@@ -370,7 +383,8 @@ async def _sweep_pins(tenants: Tenants) -> None:
             manager.expire_pins(time.monotonic())
 
 
-async def run(config: ServeConfig, metrics=None) -> None:
+async def run(config: ServeConfig, metrics=None) -> bool:
+    """Serves until SIGTERM or SIGINT; True when the remote store's client was left unclosed."""
     _prepare_sockets(config)
     started = time.perf_counter()
     daemon = _Daemon(config, metrics)
@@ -392,6 +406,7 @@ async def run(config: ServeConfig, metrics=None) -> None:
     await daemon.stop()
     gc_policy.uninstall()
     log.info("stopped")
+    return daemon.store_left_open
 
 
 def serve(config: ServeConfig, metrics=None) -> None:
@@ -402,4 +417,11 @@ def serve(config: ServeConfig, metrics=None) -> None:
     # holds it keeps it up to the switch interval (5 ms by default) once the loop asks,
     # and every call waits that long. 0.2 ms keeps that wait under an empty round trip.
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    uvloop.run(run(config, metrics))
+    if uvloop.run(run(config, metrics)):
+        # The remote store's client could not be closed (its master is gone): Mooncake's
+        # teardown at exit would wait on the same RPC timeouts, holding the GIL, for ~10 s.
+        # Everything of kvd's own is closed and sealed by now; leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

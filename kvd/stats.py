@@ -58,6 +58,7 @@ class RemoteStats:
     rejected_pages: int = 0
     errors: int = 0
     outages: int = 0
+    reoffered_pages: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

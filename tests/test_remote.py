@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import budget_for, clean_env, remove_shared_memory, start_daemon, wait_until
 
-from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client import ExtraKey, KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
 from engine_client.mooncake_master import MooncakeMaster, free_port
 from kvd import config
@@ -27,7 +27,7 @@ from kvd.index import chain_spec, page_key
 from kvd.namespaces import NamespaceIdentity as Identity
 from kvd.namespaces import NamespaceRegistry, make_layout
 from kvd.remote import RECHECK_SECONDS as RECHECK
-from kvd.remote_format import header_bytes, store_key
+from kvd.remote_format import PageHeader, header_bytes, store_key, write_header
 from kvd.wire.codec import TOKEN_BYTES
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
@@ -63,8 +63,11 @@ def stop_both(a: DaemonProcess, b: DaemonProcess) -> None:
     for d in (a, b):
         d.process.send_signal(signal.SIGTERM)
     for d in (a, b):
-        rc = d.stop()
+        # Once, as systemd does: a second SIGTERM just as the daemon swaps its handler for
+        # SIG_IGN (kvd/server.py run) would still find the default action.
+        rc = d.process.wait(timeout=30)
         assert rc == 0 and "Traceback" not in d.log(), f"kvd serve exited with {rc}:\n{d.log()}"
+        assert "left unclosed" not in d.log(), "a reachable master's client is closed"
         remove_shared_memory(d.socket)
 
 
@@ -111,9 +114,9 @@ def read_into(stream, batches: queue.Queue) -> None:
         assert e.code() == grpc.StatusCode.CANCELLED, e
 
 
-def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> list[np.ndarray]:
+def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray, extra=()) -> list[np.ndarray]:
     """Computes (random K/V for what missed) and publishes a prompt on one host; returns its pages' bytes."""
-    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens)])
+    [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens, extra)])
     rng = np.random.default_rng(int(tokens[-1]))
     for page in alloc.private_pages:
         view = client.page_array(ns, page)
@@ -123,9 +126,9 @@ def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray) -> 
     return [client.page_array(ns, page).copy() for page in alloc.pages]
 
 
-def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int) -> int:
+def fetch(client: KVDClient, ns: int, tokens: np.ndarray, want_tokens: int, extra=()) -> int:
     """Asks like an engine whose connector loads asynchronously: again while a fetch is pending."""
-    req = [SequenceRequest("ask", tokens)]
+    req = [SequenceRequest("ask", tokens, extra)]
 
     def settled():
         [r] = client.lookup(ns, req)
@@ -247,9 +250,12 @@ def kill_and_restart(master: MooncakeMaster, da: DaemonProcess, a: KVDClient, db
     master.start()
     for c in (a, b):
         wait_until(lambda c=c: c.stats()["remote"]["state"] == "up", "the daemon sees the store back", 20)
+    # The restarted master knows no page; A offers its own again, "during" (never stored) too.
+    assert fetch(b, ns_b, during, len(during)) == len(during)
     after = prompt(12)
     pages = publish_prompt(a, ns_a, "after", after)
-    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 2 * PAGES, "pages stored after the restart", 30)
+    # A stored "before", then "during" and "after" (and "before" again, unless B, which fetched it, did)
+    wait_until(lambda: a.stats()["remote"]["stored_pages"] >= 3 * PAGES, "pages stored after the restart", 30)
     assert fetch(b, ns_b, after, len(after)) == len(after)
     got = hit_bytes(b, ns_b, "after", after)
     assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and len(got) == PAGES
@@ -264,16 +270,22 @@ def metrics(d) -> str:
         return reply.read().decode()
 
 
-def store_keys(tokens: np.ndarray) -> list[str]:
-    """The store's keys of a prompt's pages, computed as any host computes them."""
+def chain_pages(tokens: np.ndarray) -> list[tuple[str, PageHeader]]:
+    """Each page of a prompt: its store key and header, computed as any host computes them."""
     ident = Identity(MODEL, make_layout(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 16, LAYOUT.dtype))
     root = NamespaceRegistry().register(ident).root
     chain = chain_spec(root, LAYOUT.page_size, [])
-    raw, step, keys, parent = tokens.astype("<i4").tobytes(), LAYOUT.page_size * TOKEN_BYTES, [], chain.root
+    raw, step, pages, parent = tokens.astype("<i4").tobytes(), LAYOUT.page_size * TOKEN_BYTES, [], chain.root
     for i in range(len(tokens) // LAYOUT.page_size):
-        parent = page_key(parent, i, raw[i * step : (i + 1) * step], chain.local_bytes(i))
-        keys.append(store_key("", root, parent))
-    return keys
+        page_tokens = raw[i * step : (i + 1) * step]
+        key = page_key(parent, i, page_tokens, chain.local_bytes(i))
+        pages.append((store_key("", root, key), PageHeader(i, key, parent, chain.local_digest(i), page_tokens)))
+        parent = key
+    return pages
+
+
+def store_keys(tokens: np.ndarray) -> list[str]:
+    return [name for name, _ in chain_pages(tokens)]
 
 
 def test_a_full_store_refuses_pages_and_nothing_local_is_lost(master, daemon_factory):
@@ -373,6 +385,7 @@ def test_without_a_remote_table_nothing_changes_and_mooncake_is_never_loaded(dae
             ),
             "errors": 0,
             "outages": 0,
+            "reoffered_pages": 0,
         }
         ns = c.register_namespace(MODEL, LAYOUT)
         tokens = prompt(30, 4)
@@ -402,3 +415,172 @@ def test_the_remote_table_flags_and_environment(tmp_path):
         file.write_text(table)
         with pytest.raises(config.ConfigError, match=re.escape(problem)):
             config.load({}, environ={}, config_file=str(file))
+
+
+def test_after_the_master_restarts_each_host_offers_its_pages_again_and_its_lru_order_stays(tmp_path, master):
+    small = ("--enable-prefix-reuse", "--host-bytes", "4MiB", "--extent-bytes", "1MiB")  # 256 pages of 16 KiB
+    da = start_daemon(tmp_path, *small, *master.daemon_args(), name="a")
+    db = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), name="b")
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+            older, old, hot = prompt(70), prompt(71), prompt(72)
+            publish_prompt(a, ns_a, "older", older)
+            a.release(ns_a, ["older"])
+            publish_prompt(a, ns_a, "old", old)
+            a.release(ns_a, ["old"])
+            pages = publish_prompt(a, ns_a, "hot", hot)  # in use
+            stored(a, 3 * PAGES)
+            events = a.subscribe_events()
+            batches: queue.Queue = queue.Queue()
+            reader = threading.Thread(target=read_into, args=(events, batches), daemon=True)
+            reader.start()
+
+            master.kill()  # the store's index lives in the master's memory: every page is gone
+            master.start()
+            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == 3 * PAGES, "A's pages offered again", 30)
+            offered = []
+            while len(offered) < 3 * PAGES:
+                for event in batches.get(timeout=30).events:
+                    if event.stored.medium == "REMOTE":
+                        offered += event.stored.block_hashes
+            events.cancel()
+            reader.join(timeout=10)
+            # In use first, then cached in eviction order: each chain tail first.
+            assert offered == [header.key for p in (hot, older, old) for _, header in reversed(chain_pages(p))]
+            assert b.stats()["remote"]["reoffered_pages"] == 0  # B holds none of them
+            assert fetch(b, ns_b, hot, len(hot)) == len(hot)
+            got = hit_bytes(b, ns_b, "hot", hot)
+            assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+
+            # Offering held and released every cached page, yet "older" is still evicted first.
+            publish_prompt(a, ns_a, "big", prompt(73, 256 - 2 * PAGES))  # all free pages and 40 more
+            assert a.lookup(ns_a, [SequenceRequest("x", older)])[0].hit_tokens == 0
+            assert a.lookup(ns_a, [SequenceRequest("y", old)])[0].hit_tokens == len(old)
+            assert a.check_invariants() == [] and b.check_invariants() == []
+    finally:
+        stop_both(da, db)
+
+
+def test_a_daemon_restarted_warm_offers_its_recovered_pages_again_at_a_bounded_rate(tmp_path, master):
+    rate = 256 << 10  # 16 pages of 16 KiB a second
+    args = (*DAEMON, *master.daemon_args(), "--remote-reoffer-bytes-per-second", str(rate))
+    da = start_daemon(tmp_path, *args, name="a")
+    db = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), name="b")
+    n = 16
+    tokens, salted, salt = prompt(75, n), prompt(76, n), (ExtraKey.cache_salt("tenant-x"),)
+    with KVDClient.connect(da.socket) as a:
+        wait_until(lambda: a.stats()["remote"]["state"] == "up", "A's remote store is up", 15)
+        ns_a = a.register_namespace(MODEL, LAYOUT)
+        pages = publish_prompt(a, ns_a, "p", tokens)
+        salted_pages = publish_prompt(a, ns_a, "s", salted, salt)
+        stored(a, 2 * n)
+    assert da.stop() == 0  # its pages stay in shared memory for the next start
+    master.kill()
+    master.start()
+
+    da = start_daemon(tmp_path, *args, name="a")  # the same socket: a warm restart
+    try:
+        with KVDClient.connect(da.socket) as a:
+            assert a.stats()["recovery"]["recovered_pages"] == 2 * n
+            up = wait_until(lambda: a.stats()["remote"]["state"] == "up" and time.monotonic(), "A's store is up", 15)
+            # The records keep no cache salt: the salted chain's first page cannot be offered.
+            offered = 2 * n - 1
+            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == offered, "recovered pages offered again", 30)
+            took = time.monotonic() - up
+        # A batch holds a quarter second's worth (4 pages); each next one waits for the bytes sent.
+        assert took >= (offered - 4) * LAYOUT.page_bytes / rate - 0.25, took
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_b = b.register_namespace(MODEL, LAYOUT)
+            assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+            got = hit_bytes(b, ns_b, "q", tokens)
+            assert len(got) == n and all(np.array_equal(x, y) for x, y in zip(got, pages))
+            # With the salted prompt's first page computed here, B fetches the rest of A's chain.
+            publish_prompt(b, ns_b, "s0", salted[: LAYOUT.page_size], salt)
+            assert fetch(b, ns_b, salted, len(salted), salt) == len(salted)
+            [alloc] = b.allocate_with_prefix(ns_b, [SequenceRequest("s", salted, salt)])
+            got = [b.page_array(ns_b, page) for page in alloc.shared_pages[1:]]
+            assert all(np.array_equal(x, y) for x, y in zip(got, salted_pages[1:])) and len(got) == n - 1
+            assert b.stats()["remote"]["rejected_pages"] == 0
+    finally:
+        stop_both(da, db)
+
+
+def test_a_page_whose_host_died_is_an_error_asked_for_again_not_a_rejected_page(tmp_path, master):
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    da, db = start_hosts(tmp_path, master)
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+            tokens = prompt(80)
+            pages = publish_prompt(a, ns_a, "p", tokens)
+            stored(a, PAGES)
+            before = b.stats()["remote"]
+
+            da.process.kill()  # host A dies; the master lists its pages until A's lease runs out
+            da.process.wait()
+            hit = fetch(b, ns_b, tokens, 0)
+            failed = b.stats()["remote"]
+            assert hit < len(tokens), "some of A's pages lay in A's own segment"
+            assert failed["errors"] == before["errors"] + 1 and failed["rejected_pages"] == before["rejected_pages"]
+            assert re.search(r"ERROR kvd\.remote: .* did not arrive from the remote store", db.log()), db.log()
+
+            # A third client stores the prompt's pages again, the last one a byte short.
+            store = MooncakeDistributedStore()
+            assert store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+            try:
+                config = ReplicateConfig()
+                config.replica_num = 1
+                config.preferred_segment = store.get_hostname()  # never the dead host's segment
+                head = header_bytes(LAYOUT.page_size)
+                for n, ((key, header), page) in enumerate(zip(chain_pages(tokens), pages)):
+                    raw = page.view(np.uint8).reshape(-1)
+                    value = np.concatenate([np.zeros(head, np.uint8), raw])
+                    write_header(value[:head], header, raw)
+                    value = value[:-1] if n == PAGES - 1 else value
+                    store.remove(key, True)  # the dead host's copy, if it held this one
+                    assert store.upsert_from(key, value.ctypes.data, value.nbytes, config) == 0
+
+                time.sleep(RECHECK)  # B's last look at this prompt ended just now
+                assert fetch(b, ns_b, tokens, (PAGES - 1) * LAYOUT.page_size) == (PAGES - 1) * LAYOUT.page_size
+            finally:
+                store.close()
+            got = hit_bytes(b, ns_b, "q", tokens)
+            assert len(got) == PAGES - 1 and all(np.array_equal(x, y) for x, y in zip(got, pages))
+            after = b.stats()["remote"]
+            assert after["errors"] == failed["errors"]  # every page arrived this time
+            assert after["rejected_pages"] == before["rejected_pages"] + 1  # the short one: not a page of this layout
+            assert b.check_invariants() == []
+    finally:
+        assert db.stop() == 0 and "Traceback" not in db.log(), db.log()
+        for d in (da, db):
+            remove_shared_memory(d.socket)
+
+
+def test_sigterm_while_the_master_is_dead_stops_within_the_shutdown_grace(tmp_path, master):
+    grace = 2.0
+    env = clean_env(tmp_path, KVD_SHUTDOWN_GRACE_SECONDS=str(grace))
+    d = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), env=env, name="alone")
+    try:
+        with KVDClient.connect(d.socket) as c:
+            wait_until(lambda: c.stats()["remote"]["state"] == "up", "the remote store is up", 15)
+            publish_prompt(c, c.register_namespace(MODEL, LAYOUT), "p", prompt(90, 4))
+            stored(c, 4)
+            master.kill()
+            wait_until(lambda: c.stats()["remote"]["state"] == "down", "the daemon sees the store down", 30)
+        # The link's worker probes for the master 0.25 s after the outage, and a call to a dead
+        # master waits ~4 s on Mooncake's RPC timeouts: the worker is in one now.
+        time.sleep(0.5)
+        started = time.monotonic()
+        rc = d.stop(timeout=60)
+        took = time.monotonic() - started
+        assert rc == 0 and "Traceback" not in d.log(), d.log()
+        assert took < grace + 1.0, f"SIGTERM took {took:.1f} s"
+        assert "remote store client left unclosed: master" in d.log()
+        d = start_daemon(tmp_path, *DAEMON, env=env, name="alone")  # its pages stayed, sealed
+        with KVDClient.connect(d.socket) as c:
+            assert c.stats()["recovery"]["recovered_pages"] == 4
+    finally:
+        d.stop()
+        remove_shared_memory(d.socket)
