@@ -60,10 +60,17 @@ class AllocationJob:
         self._open = True
 
     def __enter__(self) -> AllocationJob:
+        """What the job evicts, and whatever calls served between its steps announce, is one
+        event batch, as for a call in one piece (kvd/events.py)."""
+        self._events_held = self._m.events.held()
+        self._events_held.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            self._events_held.__exit__(None, None, None)
 
     def steps(self) -> Iterator[Future | None]:
         """Frees the pages the batch still needs, in parts between which the caller lets the

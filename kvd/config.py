@@ -77,6 +77,9 @@ _UNITS = {
 
 
 # Defaults of the aux state settings, also the core's when it runs without a config (tests).
+# A call done in steps (a publish, an allocation's room, a wide lookup) holds the event loop
+# about this long at a time; the servicer lets other calls run between two steps.
+STEP_SECONDS = 0.0002
 AUX_BYTES = 256 << 20
 AUX_BYTES_PER_SEQUENCE = 16 << 20
 

@@ -26,7 +26,7 @@ from kvd.allocation import AllocationJob
 from kvd.arena import Arena
 from kvd.aux_state import AuxBudget
 from kvd.catalog import Catalog
-from kvd.config import AUX_BYTES, RemoteConfig
+from kvd.config import AUX_BYTES, STEP_SECONDS, RemoteConfig
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
@@ -105,14 +105,12 @@ class KVCacheManager:
             self.supply,
             self.sequences,
             self.counters,
-            settle_seals=lambda: self.integrity.apply(wait=True),
-            evict_held=self._evict_held,
+            self.integrity,
         )
         self.catalog = Catalog(
             arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters, self.events
         )
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
-        self._evicted_now: list[Sequence] = []  # on-hold sequences the current call evicted
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
         self.remote: RemoteTier | None = None  # set by attach_remote
 
@@ -205,7 +203,9 @@ class KVCacheManager:
         batch = self.batch(namespace_id, requests, unique=False)
         return [x for part in self.lookup_parts(session_id, batch, float("inf")) for x in part]
 
-    def lookup_parts(self, session_id: str, batch: Batch, seconds: float) -> Iterator[list[LookupResult]]:
+    def lookup_parts(
+        self, session_id: str, batch: Batch, seconds: float = STEP_SECONDS
+    ) -> Iterator[list[LookupResult]]:
         """``lookup``'s results in parts of about ``seconds`` of matching each. A lookup
         changes nothing, so the caller may let other calls run between parts (4,096
         sequences with LoRA keys: ~12 ms); each result is what matching found when its part ran."""
@@ -420,16 +420,10 @@ class KVCacheManager:
             self.report_evictions(None)
             raise
 
-    def _evict_held(self, seq: Sequence) -> None:
-        """ON_HOLD → EVICTED under memory pressure: its pages go; the call reports it."""
-        self.sequences.evict(seq)
-        self._release_pages(seq)
-        self._evicted_now.append(seq)
-
     def report_evictions(self, caller: Session | None) -> list[SeqId]:
         """Hands out what the current call evicted: the ids of the caller's own sequences are
         returned for its reply; every other owner hears of its own on its session stream."""
-        evicted, self._evicted_now = self._evicted_now, []
+        evicted = self.room.take_evicted()
         own: list[SeqId] = []
         others: dict[tuple[SessionId, NamespaceId], list[SeqId]] = {}
         for seq in evicted:
@@ -443,15 +437,11 @@ class KVCacheManager:
                 listener(ns_id, seq_ids)
         return own
 
-    def _release_pages(self, seq: Sequence) -> None:
-        self.pool.release_all(release_order(seq.pages))
-        seq.pages, seq.keys, seq.num_tokens, seq.tokens = [], [], 0, bytearray()
-
     def forget_sequence(self, seq: Sequence) -> None:
         self.aux.removed(seq)
         self.sequences.remove(seq)
         self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
 
     def _drop(self, seq: Sequence) -> None:
-        self._release_pages(seq)
+        self.pool.release_all(release_order(seq.take_pages()))
         self.forget_sequence(seq)

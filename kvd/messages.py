@@ -19,16 +19,19 @@ from kvd import stats as stats_mod
 from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent
 from kvd.index import ExtraKey
-from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.namespaces import Namespace, NamespaceIdentity, make_layout
 from kvd.offload import LARGE_REQUEST_BYTES
 from kvd.recovery import RecoveryReport
 from kvd.requests import (
     MAX_REQUEST_FIELDS,
+    Batch,
+    Limits,
     LookupResult,
     SequencePlan,
     SequenceRequest,
     SequenceStatus,
     WithEvictions,
+    check_call,
 )
 from kvd.stats import PageStats, Stats
 from kvd.token_buffers import TokenBuffer
@@ -58,10 +61,12 @@ def call_tokens(sequences) -> int:
     return sum(len(s.tokens) // TOKEN_BYTES + s.tokens_at.num_tokens for s in sequences)
 
 
-def requests_from(sequences, buffer: TokenBuffer | None) -> list[SequenceRequest]:
-    """Core requests; ids given as a span are copied out of the session's token ``buffer``
-    here, before the core checks them (kvd/token_buffers.py)."""
-    return [request_from(s, buffer) for s in sequences]
+def batch_from(limits: Limits, ns: Namespace, sequences, buffer: TokenBuffer | None, unique: bool) -> Batch:
+    """An Allocate's or Lookup's sequences as a core ``Batch``: their sizes checked (once,
+    on the protos) before a core object per sequence and key is built, or a token id is
+    copied out of the session's token ``buffer`` (kvd/token_buffers.py)."""
+    check_call(limits, sequences, call_tokens(sequences))
+    return Batch.of(limits, ns, [request_from(s, buffer) for s in sequences], unique)
 
 
 def request_from(s, buffer: TokenBuffer | None) -> SequenceRequest:

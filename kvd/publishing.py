@@ -25,10 +25,12 @@ as consistent as any step's; they are handed to the sealer with the next publish
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd import crashpoints
+from kvd.config import STEP_SECONDS
 from kvd.events import EventLog
 from kvd.index import PageContent, PrefixIndex, page_key
 from kvd.integrity import Integrity
@@ -41,8 +43,6 @@ from kvd.wire.codec import TOKEN_BYTES
 
 if TYPE_CHECKING:
     from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
-
-STEP_SECONDS = 0.0002  # one step's time on the loop; the servicer lets others run between steps
 
 
 @dataclass
@@ -93,6 +93,13 @@ class PublishJob:
             if self.remote is not None:
                 self.remote.submit()
         return self.done
+
+    def steps(self) -> Iterator[None]:
+        """``step`` until done, yielding between steps (the servicer lets other calls run
+        there); what it indexes is one event batch, as for a call in one piece."""
+        with self.events.held():
+            while not self.step():
+                yield None
 
     def run(self) -> list[PublishResult]:
         """Every step at once (in-process callers: tests, benchmarks)."""

@@ -7,7 +7,7 @@ When a namespace needs more free pages than it has, room is made in this order:
 2. the namespace's next CACHED page in the eviction policy's order (kvd/eviction.py);
 3. an extent of another namespace that holds no referenced page: its budget moves here;
 4. an ON_HOLD sequence of the namespace, chosen by kvd/eviction.py's ``held_victim`` (its
-   owner is told, see ``KVCacheManager._evict_held``).
+   owner is told by the manager, ``take_evicted``).
 
 ``check`` counts what all of that could free and raises ``ResourceExhausted`` when it is
 not enough, so a call that cannot fit fails before evicting anything. The manager decides
@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 from kvd.arena import Arena, Extent
+from kvd.config import STEP_SECONDS
 from kvd.counters import Counters
 from kvd.errors import ResourceExhausted
-from kvd.eviction import held_victim
+from kvd.eviction import held_victim, release_order
+from kvd.integrity import Integrity
 from kvd.namespaces import Namespace
 from kvd.pool import PagePool
 from kvd.sequences import Sequence, SequenceTable
@@ -34,7 +36,6 @@ from kvd.types import PageId, PageState
 
 log = logging.getLogger(__name__)
 
-STEP_SECONDS = 0.0002  # evicting in ``steps``: loop time per step
 EVICT_PAGES = 32  # cached pages ``steps`` evicts between two looks at the clock (~0.1 ms)
 
 
@@ -46,16 +47,20 @@ class Room:
         supply: ExtentSupply,
         sequences: SequenceTable,
         counters: Counters,
-        settle_seals: Callable[[], None],
-        evict_held: Callable[[Sequence], None],
+        integrity: Integrity,
     ) -> None:
         self.arena = arena
         self.pool = pool
         self.supply = supply
         self.sequences = sequences
         self.counters = counters  # read for the log line of what was evicted
-        self._settle_seals = settle_seals  # waits for checksums still reading pages
-        self._evict_held = evict_held  # ON_HOLD → EVICTED: drops its pages, tells its owner
+        self.integrity = integrity  # its sealer may still read the pages of an extent reclaimed
+        self._evicted: list[Sequence] = []  # on-hold sequences evicted since ``take_evicted``
+
+    def take_evicted(self) -> list[Sequence]:
+        """The on-hold sequences evicted since the last call (the manager tells their owners)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """Makes ``need`` pages free in the namespace, or raises before evicting anything.
@@ -172,7 +177,9 @@ class Room:
             return 0
         victim = held_victim(self.sequences.on_hold(ns.id), protect)
         assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
-        self._evict_held(victim)
+        self.sequences.evict(victim)  # ON_HOLD → EVICTED: its pages go, its owner is told
+        self.pool.release_all(release_order(victim.take_pages()))
+        self._evicted.append(victim)
         return 1
 
     def _reclaimable(self, ns: Namespace) -> list[Extent]:
@@ -180,7 +187,7 @@ class Room:
         return [e for e in self.arena.extents() if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0]
 
     def _reclaim(self, extent: Extent) -> None:
-        self._settle_seals()  # the sealer may still read this extent's pages
+        self.integrity.apply(wait=True)  # the sealer may still read this extent's pages
         first, count = extent.first_page, extent.num_pages
         ns_id = extent.plan.namespace
         evicted_before = self.counters.of(ns_id).evicted_pages

@@ -73,6 +73,12 @@ class Sequence:
     def private_pages(self) -> list[PageId]:
         return self.pages[self.num_published :]
 
+    def take_pages(self) -> list[PageId]:
+        """Its page table, emptied (with its keys and tokens): the pages to release."""
+        pages = self.pages
+        self.pages, self.keys, self.num_tokens, self.tokens = [], [], 0, bytearray()
+        return pages
+
     @property
     def known_tokens(self) -> int:
         return len(self.tokens) // TOKEN_BYTES

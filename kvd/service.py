@@ -16,7 +16,8 @@ import inspect
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -34,12 +35,10 @@ from kvd.errors import (
 )
 from kvd.events import Subscription
 from kvd.manager import KVCacheManager
-from kvd.namespaces import Namespace
 from kvd.offload import Offload, large_call
 from kvd.recovery import RecoveryReport
-from kvd.requests import Batch, Limits, ResetResult, check_call, extend_items
+from kvd.requests import Batch, ResetResult, extend_items
 from kvd.tenants import IMPLICIT, Tenants
-from kvd.token_buffers import TokenBuffer
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.codec import pack_pages
@@ -89,12 +88,20 @@ def add_to_server(servicer: KvdServicer, server: grpc.aio.Server) -> None:
 # back-to-back 50K-token publishes, an empty round trip took 2 ms (p50) with one turn
 # after 0.2 ms steps, 0.9 ms with six. When nothing else waits a turn costs ~10 µs.
 TURNS_BETWEEN_STEPS = 6
-STEP_SECONDS = 0.0002  # a stepped call's work between two of those (as kvd/publishing.py's steps)
 
 
 async def _let_others_run() -> None:
     for _ in range(TURNS_BETWEEN_STEPS):
         await asyncio.sleep(0)
+
+
+async def _drive(steps: Iterator[Future | None]) -> None:
+    """Runs a core job's steps (kvd/allocation.py, kvd/publishing.py), letting other calls
+    run between them; a Future is an extent built in the background, awaited first."""
+    for build in steps:
+        if build is not None:
+            await asyncio.wrap_future(build)
+        await _let_others_run()
 
 
 def _unary(method):
@@ -148,14 +155,6 @@ class SessionStreams:
 
 
 T, R, M = TypeVar("T"), TypeVar("R"), TypeVar("M")
-
-
-def _batch_of(limits: Limits, ns: Namespace, sequences, buffer: TokenBuffer | None, unique: bool) -> Batch:
-    """An Allocate's or Lookup's sequences as a core ``Batch``: their sizes checked (once,
-    on the protos) before a core object per sequence and key is built, or a token id is
-    read out of the ``buffer``."""
-    check_call(limits, sequences, messages.call_tokens(sequences))
-    return Batch.of(limits, ns, messages.requests_from(sequences, buffer), unique)
 
 
 def _reply(build: Callable[[R], M], result: R, spent: Batch) -> M:
@@ -292,21 +291,17 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         """What makes an Allocate's or Lookup's ``Batch``, given what it needs of the core,
         read here on the loop: the session's token buffer and the namespace."""
         buffer = m.sessions.get(r.session).token_buffer
-        return functools.partial(_batch_of, m.limits, m.namespaces.get(r.namespace_id), r.sequences, buffer, unique)
+        return functools.partial(
+            messages.batch_from, m.limits, m.namespaces.get(r.namespace_id), r.sequences, buffer, unique
+        )
 
     @_unary
     async def AllocateWithPrefix(self, r):
         m = self._manager_of(r.session)
         large = large_call(r.sequences)
         batch = await self._off_loop_if(large, self._batch_work(m, r, unique=True))
-        # what it evicts is one event batch, as for a call in one piece; its hits stay held
-        # until it commits, and are released if it does not (kvd/allocation.py)
-        with m.events.held(), m.allocation(r.session, batch) as job:
-            for build in job.steps():
-                # other calls run while pages are evicted or an extent is built (kvd/room.py)
-                if build is not None:
-                    await asyncio.wrap_future(build)
-                await _let_others_run()
+        with m.allocation(r.session, batch) as job:  # its hits held until it commits (kvd/allocation.py)
+            await _drive(job.steps())
             done = job.commit()
         return await self._off_loop_if(large, functools.partial(_reply, messages.allocate_reply, done, batch))
 
@@ -318,7 +313,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         large = large_call(r.sequences)
         batch = await self._off_loop_if(large, self._batch_work(m, r, unique=False))
         results = []
-        for part in m.lookup_parts(r.session, batch, STEP_SECONDS):
+        for part in m.lookup_parts(r.session, batch):
             results += part
             await _let_others_run()
         return await self._off_loop_if(large, functools.partial(_reply, messages.lookup_reply, results, batch))
@@ -327,9 +322,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     async def Publish(self, r):
         m = self._manager_of(r.session)
         job = m.publish_job(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
-        with m.events.held():  # the pages it indexes are one event batch, as for a call in one piece
-            while not job.step():
-                await _let_others_run()  # between the steps (kvd/publishing.py)
+        await _drive(job.steps())
         results = job.results()
         return pb.PublishReply(
             results=[
