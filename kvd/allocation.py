@@ -117,10 +117,10 @@ class AllocationJob:
             counters.hit_tokens += hit_tokens
             plans.append(SequencePlan(seq.seq_id, list(hit.pages), private, hit_tokens, hit_tokens, p.num_tokens))
         m.supply.provision(ns)
-        if m.remote is not None and m.prefix_reuse:
+        if m.prefix_reuse:
             for p, hit in zip(self.prepared, self.matches):
-                m.remote.served(hit.pages, ns.page_size)
-                m.remote.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
+                m.tier.served(hit.pages, ns.page_size)
+                m.tier.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
         return WithEvictions(plans, m.report_evictions(self.session))
 
     def close(self) -> None:

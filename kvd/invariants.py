@@ -76,8 +76,8 @@ def _references(manager, found: list[str]) -> _References:
             refs.pinned[page] += 1
     for job in manager.allocations:  # hits an allocation in progress holds (kvd/allocation.py)
         refs.expected.update(job.held)
-    if manager.remote is not None:  # pages the remote store reads or writes right now
-        refs.held = manager.remote.holds()
+    refs.held = manager.tier.holds()  # pages the remote store reads or writes right now
+    if refs.held:
         refs.expected.update(refs.held)
         refs.counted = "sequences + pins + remote holds"
     return refs

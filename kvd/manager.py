@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from kvd.allocation import AllocationJob
 from kvd.arena import Arena
 from kvd.aux_state import AuxBudget
 from kvd.catalog import Catalog
-from kvd.config import AUX_BYTES, STEP_SECONDS, RemoteConfig
+from kvd.config import AUX_BYTES, STEP_SECONDS
 from kvd.counters import Counters
 from kvd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.events import EventLog
@@ -62,12 +61,9 @@ from kvd.room import Room
 from kvd.sequences import Sequence, SequenceTable
 from kvd.sessions import Session, SessionRegistry
 from kvd.supply import ExtentSupply
+from kvd.tier import NO_TIER, Tier
 from kvd.token_buffers import TokenBuffer
 from kvd.types import NamespaceId, PageId, SeqId, SequenceState, SessionId
-
-if TYPE_CHECKING:
-    from kvd.remote import RemoteTier
-    from kvd.remote_link import RemoteLink
 
 
 class KVCacheManager:
@@ -112,29 +108,10 @@ class KVCacheManager:
         )
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
-        self.remote: RemoteTier | None = None  # set by attach_remote
-
-    def attach_remote(self, link: RemoteLink, scope: str, settings: RemoteConfig) -> None:
-        """Shares published pages with other hosts through the remote store (kvd/remote.py);
-        ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
-        from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
-
-        self.remote = RemoteTier(
-            link,
-            scope,
-            settings,
-            self.arena,
-            self.pool,
-            self.index,
-            self.integrity,
-            self.room,
-            self.events,
-            self.namespaces,
-        )
+        self.tier: Tier = NO_TIER  # the remote store's tier, set by attach_remote (kvd/tier.py)
 
     def _unpublished(self, page: PageId) -> None:
-        if self.remote is not None:  # first: with policy "evict" it reads the page's seal
-            self.remote.unpublished(page)
+        self.tier.unpublished(page)  # first: with policy "evict" it reads the page's seal
         self.integrity.forget(page)
 
     def close(self, unlink: bool = True) -> None:
@@ -215,8 +192,8 @@ class KVCacheManager:
         for p in batch.requests:
             r = p.request
             found, pending = self.match_prefix(ns, p), 0
-            if self.remote is not None and self.prefix_reuse:
-                pending = self.remote.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
+            if self.prefix_reuse:
+                pending = self.tier.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
             part.append(LookupResult(r.seq_id, found.pages, found.tokens(ns.page_size), pending))
             if time.perf_counter() > deadline:
                 yield part
@@ -243,7 +220,7 @@ class KVCacheManager:
             seq = self._live(ns, seq_id, session)
             upto = publish_pages(seq, num_tokens, ns.page_size)
             targets.append((seq, upto if self.prefix_reuse else 0))
-        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, self.remote, targets)
+        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, self.tier, targets)
 
     def extend(
         self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvd import crashpoints
 from kvd.config import STEP_SECONDS
@@ -38,11 +37,9 @@ from kvd.namespaces import Namespace
 from kvd.pool import PagePool
 from kvd.requests import PublishResult, Rebind
 from kvd.sequences import Sequence, SequenceTable
+from kvd.tier import Tier
 from kvd.types import SequenceState
 from kvd.wire.codec import TOKEN_BYTES
-
-if TYPE_CHECKING:
-    from kvd.remote import RemoteTier  # imports the store's client: only with [remote]
 
 
 @dataclass
@@ -55,7 +52,7 @@ class PublishJob:
     integrity: Integrity
     sequences: SequenceTable
     events: EventLog  # pages indexed are announced (kvd/events.py)
-    remote: RemoteTier | None  # pages indexed are offered to the remote store (kvd/remote.py)
+    tier: Tier  # hears of the pages indexed (kvd/tier.py: the remote store's, or none)
     targets: list[tuple[Sequence, int]]
     published: list[int] = field(init=False)
     rebinds: list[list[Rebind]] = field(init=False)
@@ -90,8 +87,7 @@ class PublishJob:
         if self.done:
             crashpoints.reached("publish-recorded")
             self.integrity.submit()  # once, with every page: the sealer thread stays off the GIL meanwhile
-            if self.remote is not None:
-                self.remote.submit()
+            self.tier.submit()
         return self.done
 
     def steps(self) -> Iterator[None]:
@@ -137,7 +133,6 @@ class PublishJob:
         if indexed:
             ns = self.ns
             self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
-            if self.remote is not None:
-                self.remote.published(ns, content, i, parent_key, seq.extra_keys)
+            self.tier.published(ns, content, i, parent_key, seq.extra_keys)
         self.integrity.describe(content, i)
         return None

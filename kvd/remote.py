@@ -49,7 +49,8 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -67,8 +68,12 @@ from kvd.pool import PagePool
 from kvd.remote_format import PageHeader, header_bytes, read_header, store_key, write_header
 from kvd.remote_link import RemoteLink
 from kvd.room import Room
+from kvd.stats import RemoteStats
 from kvd.types import PageId, PageKey
 from kvd.wire.codec import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from kvd.manager import KVCacheManager
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +158,9 @@ class RemoteTier:
         events: EventLog,
         namespaces: NamespaceRegistry,
     ) -> None:
-        """Built before the daemon takes any call: the pages a warm restart recovered are all
-        the published pages there are, and each one's parent is still the page its record names."""
+        """Built before the daemon takes any call (``beside``): the pages a warm restart
+        recovered are all the published pages there are, and each one's parent is still
+        the page its record names."""
         self.link = link
         self.scope = scope  # the tenant: tenants never share pages through the store
         self.arena = arena
@@ -182,6 +188,13 @@ class RemoteTier:
         self._reoffer: list[PageId] = []  # pages left to offer again, the next one last
         self._reoffering = False  # a batch offered again is in flight, or the next one is scheduled
         link.on_up.append(self._store_came_back)
+
+    @classmethod
+    def beside(cls, manager: KVCacheManager, link: RemoteLink, scope: str, settings: RemoteConfig) -> RemoteTier:
+        """The tier of one tenant's cache (``manager``, which calls it as its ``Tier``);
+        ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
+        m = manager
+        return cls(link, scope, settings, m.arena, m.pool, m.index, m.integrity, m.room, m.events, m.namespaces)
 
     # ---- store ----------------------------------------------------------------------
 
@@ -509,6 +522,10 @@ class RemoteTier:
     def holds(self) -> Counter[PageId]:
         """Pool references the tier holds, by page (kvd/invariants.py)."""
         return Counter(+self._held)
+
+    def stats(self) -> RemoteStats:
+        """The link's state and outages, and this tier's counters (kvd/stats.py)."""
+        return RemoteStats(state=self.link.state.value, outages=self.link.outages, **asdict(self.counters))
 
     # ---- internals --------------------------------------------------------------------
 

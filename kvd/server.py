@@ -214,6 +214,7 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
     if remote is None:
         return None
     from kvd.mooncake_store import MooncakeSettings  # the store's client loads only with [remote]
+    from kvd.remote import RemoteTier
     from kvd.remote_link import RemoteLink
 
     link = RemoteLink(
@@ -226,8 +227,8 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
             segment_bytes=remote.segment_bytes,
         )
     )
-    for name, manager in tenants.items():
-        manager.attach_remote(link, name, remote)
+    for name, manager in tenants.items():  # beside each tenant's page core, which it hears through Tier
+        manager.tier = RemoteTier.beside(manager, link, name, remote)
     link.start(loop.call_soon_threadsafe)  # once every tier listens: the first UP offers recovered pages
     return link
 

@@ -64,13 +64,6 @@ class RemoteStats:
         return asdict(self)
 
 
-def remote_stats(manager) -> RemoteStats:
-    tier = manager.remote
-    if tier is None:
-        return RemoteStats()
-    return RemoteStats(state=tier.link.state.value, outages=tier.link.outages, **asdict(tier.counters))
-
-
 def combined_remote(parts: list[RemoteStats]) -> RemoteStats:
     """Tenants share one link: its state and outages once, the tiers' counters summed."""
     total = RemoteStats(state=parts[0].state if parts else "off", outages=parts[0].outages if parts else 0)
@@ -180,7 +173,7 @@ def collect(manager) -> Stats:
         manager.aux.per_sequence,
         arena.shm_refusals,
         manager.catalog.last_recovery or RecoveryReport(),
-        remote_stats(manager),
+        manager.tier.stats(),
     )
 
 

@@ -66,3 +66,7 @@ def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     assert _violations("kvd/wire", ("kvd",), allowed=("kvd.wire",)) == set()
     assert _violations("engine_client", ("kvd", "gpu_worker"), allowed=("kvd.wire",)) == set()
     assert _violations("gpu_worker", ("kvd",), allowed=("kvd.wire",)) == set()
+    # the remote tier hangs beside the page core (kvd/tier.py): only the launcher builds it
+    tier = ("kvd.remote", "kvd.remote_link", "kvd.remote_format", "kvd.mooncake_store", "mooncake")
+    beside = ("remote.py", "remote_link.py", "remote_format.py", "mooncake_store.py", "server.py")
+    assert {v for v in _violations("kvd", tier) if v.split(":")[0].rsplit("/", 1)[-1] not in beside} == set()

@@ -418,7 +418,8 @@ def test_the_remote_table_flags_and_environment(tmp_path):
 
 
 def test_after_the_master_restarts_each_host_offers_its_pages_again_and_its_lru_order_stays(tmp_path, master):
-    small = ("--enable-prefix-reuse", "--host-bytes", "4MiB", "--extent-bytes", "1MiB")  # 256 pages of 16 KiB
+    budget = budget_for(256, LAYOUT.page_bytes, LAYOUT.page_size, extents=4)
+    small = ("--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", "1MiB")  # 256 pages of 16 KiB
     da = start_daemon(tmp_path, *small, *master.daemon_args(), name="a")
     db = start_daemon(tmp_path, *DAEMON, *master.daemon_args(), name="b")
     try:
