@@ -5,6 +5,7 @@ Imports only the wire contract (``kvd.wire``), never the daemon's internals.
 
 from engine_client.client import KVDClient
 from engine_client.types import (
+    ErrorCode,
     ExtendItem,
     ExtendResult,
     ExtraKey,
@@ -35,6 +36,7 @@ __all__ = [
     "ExtraKey",
     "ExtraKind",
     "KVDError",
+    "ErrorCode",
     "SequenceState",
     "SequenceStatus",
 ]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import numpy as np
 
 from engine_client import messages
@@ -32,6 +31,7 @@ from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.token_buffer import MIN_TOKENS, ClientTokenBuffer
 from engine_client.types import (
+    ErrorCode,
     ExtendItem,
     ExtendResult,
     ExtraKey,
@@ -223,7 +223,7 @@ class KVDClient:
         try:
             return self._namespaces[ns]
         except KeyError:
-            raise KVDError(grpc.StatusCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
+            raise KVDError(ErrorCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
 
     def _locate(self, ns: int, page_id: int):
         self._namespace(ns)
@@ -234,7 +234,7 @@ class KVDClient:
             page_map.refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
             found = page_map.find(page_id)
             if found is None:
-                raise KVDError(grpc.StatusCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")
+                raise KVDError(ErrorCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")
         return found
 
     def page_array(self, ns: int, page_id: int, writable: bool | None = None) -> np.ndarray:
@@ -265,7 +265,7 @@ class KVDClient:
         mine = self._private.writable(ns, page_id)
         if writable and not mine:
             raise KVDError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorCode.FAILED_PRECONDITION,
                 (
                     f"page {page_id} of namespace {ns} is not a private page of a live sequence of this client; "
                     "published pages are immutable"

@@ -17,12 +17,13 @@ from collections.abc import Callable
 
 import grpc
 
-from engine_client.types import KVDError
+from engine_client.types import ErrorCode, KVDError
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import admit
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket
+from kvd.wire.status import error_from_rpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -41,7 +42,7 @@ def find_daemon(socket: str | None) -> str:
     problem = _no_listener(choice.path)
     if problem:
         raise KVDError(
-            grpc.StatusCode.UNAVAILABLE,
+            ErrorCode.UNAVAILABLE,
             (
                 f"no kvd daemon on {choice.path}: {problem} (looked at: {'; '.join(choice.tried)}); "
                 "start one with `kvd serve`, or pass the socket of a running one"
@@ -70,7 +71,7 @@ def _ready_channel(path: str, timeout: float) -> grpc.Channel:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
         channel.close()
-        raise KVDError(grpc.StatusCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
+        raise KVDError(ErrorCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
     return channel
 
 
@@ -104,7 +105,7 @@ class Connection:
             opened = next(self._stream).opened
         except grpc.RpcError as e:
             channel.close()
-            raise KVDError.from_rpc(e) from None
+            raise error_from_rpc(e) from None
         self.session = opened.session
         self.prefix_reuse = opened.prefix_reuse
         self.host_bytes = opened.host_bytes
@@ -130,7 +131,7 @@ class Connection:
         most likely one that did not survive a daemon restart."""
         if self.lost.is_set():
             raise KVDError(
-                grpc.StatusCode.UNAVAILABLE,
+                ErrorCode.UNAVAILABLE,
                 (
                     f"the session with the kvd daemon on {self.socket} ended (the daemon stopped, died or restarted); "
                     "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
@@ -139,8 +140,8 @@ class Connection:
         try:
             return getattr(self._stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            error = KVDError.from_rpc(e)
-        if error.code == grpc.StatusCode.UNAVAILABLE:
+            error = error_from_rpc(e)
+        if error.code is ErrorCode.UNAVAILABLE:
             error = KVDError(
                 error.code,
                 (
@@ -148,7 +149,7 @@ class Connection:
                     "call reconnect() once it is back"
                 ),
             )
-        elif error.code == grpc.StatusCode.NOT_FOUND and after_reconnect and "sequence" in error.message:
+        elif error.code is ErrorCode.NOT_FOUND and after_reconnect and "sequence" in error.message:
             error = KVDError(
                 error.code,
                 (

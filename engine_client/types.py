@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvd.wire.codec import pack_tokens, unpack_pages  # noqa: F401 - part of the client API
 from kvd.wire.enums import ExtraKind, SequenceState  # noqa: F401 - part of the client API
-from kvd.wire.errors import KVDError  # noqa: F401 - part of the client API
+from kvd.wire.errors import ErrorCode, KVDError  # noqa: F401 - part of the client API
 from kvd.wire.layout import PageLayout
 
 

@@ -33,10 +33,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
-from engine_client import KVDError, SequenceRequest
+from engine_client import ErrorCode, KVDError, SequenceRequest
 from gpu_worker.kvd_link import KVDLink
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
@@ -306,7 +305,7 @@ class KVDWorkerSide:
 
         def locate(kvd, ns):
             if daemon_instance is not None and kvd.daemon_instance != daemon_instance:
-                raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
+                raise KVDError(ErrorCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
             groups = kvd.pages_by_extent(ns, page_ids, writable)
             if self._cuda:  # both maps; registered memory must stay mapped, so its extents are kept
                 extents = kvd.mapped_extents(ns)

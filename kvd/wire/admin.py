@@ -13,7 +13,7 @@ import grpc
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import fetch_ticket
-from kvd.wire.errors import KVDError
+from kvd.wire.status import error_from_rpc
 
 
 def _fields(msg) -> dict:
@@ -63,13 +63,18 @@ def stats_dict(reply: pb.StatsReply) -> dict:
     }
 
 
-def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
+def _admin_call(socket: str, method: str, request, timeout: float):
+    """The reply of ``method`` from the daemon on ``socket``; a ``KVDError`` when it fails."""
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         try:
-            request = pb.StatsRequest(ticket=fetch_ticket(socket, timeout))
-            return stats_dict(kvd_pb2_grpc.KVDStub(channel).GetStats(request, timeout=timeout))
+            return getattr(kvd_pb2_grpc.KVDStub(channel), method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+            raise error_from_rpc(e) from None
+
+
+def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
+    request = pb.StatsRequest(ticket=fetch_ticket(socket, timeout))
+    return stats_dict(_admin_call(socket, "GetStats", request, timeout))
 
 
 def verify_dict(reply: pb.VerifyPagesReply) -> dict:
@@ -78,12 +83,8 @@ def verify_dict(reply: pb.VerifyPagesReply) -> dict:
 
 def verify_pages(socket: str, timeout: float = 600.0) -> dict:
     """Runs VerifyPages: every published page re-hashed (~35 ms per GiB), corrupted ones dropped."""
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        try:
-            request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
-            return verify_dict(kvd_pb2_grpc.KVDStub(channel).VerifyPages(request, timeout=timeout))
-        except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+    request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
+    return verify_dict(_admin_call(socket, "VerifyPages", request, timeout))
 
 
 def reset_request(namespace: int | None, session: str = "", ticket: str = "") -> pb.ResetPrefixCacheRequest:
@@ -98,9 +99,5 @@ def reset_dict(reply: pb.ResetPrefixCacheReply) -> dict:
 
 def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> dict:
     """Runs ResetPrefixCache daemon-wide (every tenant): cached pages dropped, pages in use kept."""
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        try:
-            request = reset_request(namespace, ticket=fetch_ticket(socket))
-            return reset_dict(kvd_pb2_grpc.KVDStub(channel).ResetPrefixCache(request, timeout=timeout))
-        except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+    request = reset_request(namespace, ticket=fetch_ticket(socket))
+    return reset_dict(_admin_call(socket, "ResetPrefixCache", request, timeout))
