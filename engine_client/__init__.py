@@ -4,6 +4,7 @@ Imports only the wire contract (``kvd.wire``), never the daemon's internals.
 """
 
 from engine_client.client import KVDClient
+from engine_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from engine_client.types import (
     ErrorCode,
     ExtendItem,
@@ -39,4 +40,8 @@ __all__ = [
     "ErrorCode",
     "SequenceState",
     "SequenceStatus",
+    "KVEventBatch",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
 ]

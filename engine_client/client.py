@@ -26,7 +26,8 @@ import threading
 import numpy as np
 
 from engine_client import messages
-from engine_client.connection import Connection, find_daemon
+from engine_client.connection import Connection, ReplyStream, find_daemon
+from engine_client.events import KVEventBatch
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.token_buffer import MIN_TOKENS, ClientTokenBuffer
@@ -496,16 +497,19 @@ class KVDClient:
 
         return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
 
-    def subscribe_events(self, from_seq: int | None = None):
+    def subscribe_events(self, from_seq: int | None = None) -> ReplyStream[KVEventBatch]:
         """The KV events of this client's tenant as they happen (routers' view of which pages
-        kvd holds): an iterator of ``kvd_pb2.KVEventBatch`` (``seq``, ``ts``, ``events``, each
-        ``stored``, ``removed`` or ``cleared``) over its own stream, which ends with this
-        session; ``cancel()`` it to stop early. ``from_seq`` resumes with the batches the
-        daemon still buffers from that one on: a first ``seq`` above it means some were missed."""
+        kvd holds): an iterator of ``KVEventBatch`` (``seq``, ``ts``, ``events``: each a
+        ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``, engine_client/events.py)
+        over its own stream, which ends with this session; ``cancel()`` ends it early, from
+        any thread. A stream the daemon breaks off raises ``KVDError`` (UNAVAILABLE: it
+        went away; RESOURCE_EXHAUSTED: this reader fell too far behind). ``from_seq``
+        resumes with the batches the daemon still buffers from that one on: a first ``seq``
+        above it means some were missed."""
         request = pb.SubscribeEventsRequest(
             session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
         )
-        return self._connection.stream("SubscribeEvents", request)
+        return self._connection.stream("SubscribeEvents", request, messages.event_batch)
 
     def ping(self) -> None:
         self._call("Ping", pb.PingRequest())

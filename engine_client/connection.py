@@ -14,6 +14,7 @@ import socket as socket_mod
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -32,6 +33,8 @@ CHANNEL_OPTIONS = [
 
 # Called with (namespace id, seq ids) when the daemon evicts some of the session's sequences.
 EvictionListener = Callable[[int, list[str]], None]
+
+T = TypeVar("T")
 
 
 def find_daemon(socket: str | None) -> str:
@@ -73,6 +76,31 @@ def _ready_channel(path: str, timeout: float) -> grpc.Channel:
         channel.close()
         raise KVDError(ErrorCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
     return channel
+
+
+class ReplyStream(Generic[T]):
+    """A server stream's replies as the client's types. It ends when the daemon ends it (the
+    session ended) or ``cancel()`` is called, from any thread; a stream the daemon breaks
+    off (it died, or the reader fell behind) raises a ``KVDError`` saying why."""
+
+    def __init__(self, call, convert: Callable[[Any], T]) -> None:
+        self._call = call
+        self._convert = convert
+
+    def __iter__(self) -> ReplyStream[T]:
+        return self
+
+    def __next__(self) -> T:
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:  # cancel(), or the session's channel closed
+                raise StopIteration from None
+            raise error_from_rpc(e) from None
+        return self._convert(reply)
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class Connection:
@@ -159,9 +187,9 @@ class Connection:
             )
         raise error from None
 
-    def stream(self, method: str, request):
-        """The reply stream of server-streaming ``method``; ``cancel()`` it to stop early."""
-        return getattr(self._stub, method)(request)
+    def stream(self, method: str, request, convert: Callable[[Any], T]) -> ReplyStream[T]:
+        """The replies of server-streaming ``method``, each passed through ``convert``."""
+        return ReplyStream(getattr(self._stub, method)(request), convert)
 
     def close(self, timeout: float) -> None:
         """Ends the session cleanly: the daemon releases its references and logs a close

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from itertools import accumulate, chain
 
+from engine_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from engine_client.types import (
     ExtendItem,
     ExtendResult,
@@ -20,7 +21,7 @@ from engine_client.types import (
     SequenceStatus,
 )
 from kvd.wire import kvd_pb2 as pb
-from kvd.wire.codec import TOKEN_BYTES, pack_tokens, unpack_pages
+from kvd.wire.codec import TOKEN_BYTES, pack_tokens, token_array, unpack_pages
 from kvd.wire.layout import PageLayout
 
 
@@ -147,3 +148,30 @@ def sequence_statuses(reply: pb.DescribeSequencesReply) -> list[SequenceStatus]:
         )
         for s in reply.sequences
     ]
+
+
+def event_batch(msg: pb.KVEventBatch) -> KVEventBatch:
+    """A batch of the event stream, without the events of kinds newer than this client."""
+    events = [e for e in map(_event, msg.events) if e is not None]
+    return KVEventBatch(msg.seq, msg.ts, events)
+
+
+def _event(msg: pb.KVEvent) -> KVEvent | None:
+    """One event; None for a kind of event this client does not know (a newer daemon's)."""
+    kind = msg.WhichOneof("event")
+    if kind == "stored":
+        s = msg.stored
+        return BlockStored(
+            namespace_id=s.namespace_id,
+            block_hashes=list(s.block_hashes),
+            parent_block_hash=s.parent_block_hash or None,
+            token_ids=token_array(s.token_ids).tolist(),
+            block_size=s.block_size,
+            lora_name=s.lora_name or None,
+            medium=s.medium,
+        )
+    if kind == "removed":
+        return BlockRemoved(msg.removed.namespace_id, list(msg.removed.block_hashes), msg.removed.medium)
+    if kind == "cleared":
+        return AllBlocksCleared()
+    return None
