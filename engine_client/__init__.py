@@ -16,10 +16,13 @@ from engine_client.types import (
     PinResult,
     PublishResult,
     Rebind,
+    ResetReport,
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
     SequenceStatus,
+    Stats,
+    VerifyReport,
 )
 from kvd.wire.layout import PageLayout
 
@@ -40,6 +43,9 @@ __all__ = [
     "ErrorCode",
     "SequenceState",
     "SequenceStatus",
+    "Stats",
+    "VerifyReport",
+    "ResetReport",
     "KVEventBatch",
     "BlockStored",
     "BlockRemoved",

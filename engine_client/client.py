@@ -41,10 +41,13 @@ from engine_client.types import (
     Namespace,
     PinResult,
     PublishResult,
+    ResetReport,
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
     SequenceStatus,
+    Stats,
+    VerifyReport,
 )
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire.auth import fetch_ticket
@@ -471,7 +474,7 @@ class KVDClient:
     def unpin(self, pin_id: int) -> None:
         self._call("Unpin", pb.UnpinRequest(session=self.session, pin_id=pin_id))
 
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
         """The daemon's page statistics, as ``kvd stats --json`` prints them (with tenants: this tenant's)."""
         from kvd.wire.admin import stats_dict
 
@@ -481,14 +484,14 @@ class KVDClient:
         """Broken invariants of the daemon's state (empty when healthy)."""
         return list(self._call("CheckInvariants", pb.CheckInvariantsRequest(session=self.session)).violations)
 
-    def verify_pages(self) -> dict:
+    def verify_pages(self) -> VerifyReport:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
         from kvd.wire.admin import verify_dict
 
         ticket = fetch_ticket(self._connection.socket)
         return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=ticket)))
 
-    def reset_prefix_cache(self, ns: int | None = None) -> dict:
+    def reset_prefix_cache(self, ns: int | None = None) -> ResetReport:
         """Drops the cached (unreferenced) published pages of namespace ``ns``, or of every
         namespace (with tenants: this tenant's), as vLLM's ``reset_prefix_cache`` after a
         weight update. Pages a sequence or pin references are untouched.

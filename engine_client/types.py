@@ -8,6 +8,15 @@ from kvd.wire.codec import pack_tokens, unpack_pages  # noqa: F401 - part of the
 from kvd.wire.enums import ExtraKind, SequenceState  # noqa: F401 - part of the client API
 from kvd.wire.errors import ErrorCode, KVDError  # noqa: F401 - part of the client API
 from kvd.wire.layout import PageLayout
+from kvd.wire.reports import (  # noqa: F401 - part of the client API
+    NamespaceStats,
+    PageStats,
+    RecoveryStats,
+    RemoteStats,
+    ResetReport,
+    Stats,
+    VerifyReport,
+)
 
 
 @dataclass(frozen=True)

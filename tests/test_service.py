@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.request
 import uuid
 
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_client import ErrorCode, KVDClient, KVDError, PageLayout, SequenceRequest
+from engine_client import ErrorCode, KVDClient, KVDError, PageLayout, ResetReport, SequenceRequest, Stats, VerifyReport
 from kvd import __version__
 from kvd import config as config_mod
 from kvd.arena import leftover_segments
@@ -652,3 +653,36 @@ def test_the_client_raises_its_own_error_codes_never_grpc_types(daemon, tmp_path
     assert str(refused.value) == f"NOT_FOUND: {refused.value.message}" and "'never'" in refused.value.message
     with pytest.raises(TypeError, match="ErrorCode"):
         KVDError(grpc.StatusCode.NOT_FOUND, "a code of the old API")
+
+
+def _check_typed(value: dict, declared: type, where: str) -> None:
+    """``value`` holds the keys the typed dict ``declared`` names (optional ones may be
+    missing) and no other, each of its declared type; nested typed dicts and lists of them too."""
+    hints = typing.get_type_hints(declared)
+    assert declared.__required_keys__ <= value.keys() <= hints.keys(), (where, set(value) ^ set(hints))
+    for key, item in value.items():
+        hint = hints[key]
+        if typing.is_typeddict(hint):
+            _check_typed(item, hint, f"{where}.{key}")
+        elif typing.get_origin(hint) is list:
+            [element] = typing.get_args(hint)
+            for i, each in enumerate(item):
+                _check_typed(each, element, f"{where}.{key}[{i}]")
+        else:
+            assert isinstance(item, typing.get_origin(hint) or hint), (where, key, item)
+
+
+def test_stats_verify_and_reset_answer_the_typed_dicts_they_declare(daemon):
+    """Every field the daemon sends is declared (kvd/wire/reports.py), with its type: a
+    field added to the wire and not to the declarations fails here."""
+    from kvd.wire.admin import fetch_stats
+
+    with KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace("tiny", LAYOUT)
+        client.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX)])
+        stats = client.stats()
+        assert len(stats["namespaces"]) == 1 and stats["remote"]["state"] == "off"
+        _check_typed(stats, Stats, "stats()")
+        _check_typed(fetch_stats(daemon.socket), Stats, "fetch_stats")
+        _check_typed(client.verify_pages(), VerifyReport, "verify_pages()")
+        _check_typed(client.reset_prefix_cache(ns), ResetReport, "reset_prefix_cache()")

@@ -1,6 +1,7 @@
 """Session-less admin calls (stats, verify, reset), for ``kvd stats`` / ``verify`` / ``reset``,
-monitoring, and the client library's ``stats()`` / ``verify()`` / ``reset_prefix_cache()``.
-It lives in kvd/wire/ so that the daemon's CLI uses it without depending on the client.
+monitoring, and the client library's ``stats()`` / ``verify()`` / ``reset_prefix_cache()``,
+and their replies as the typed dicts of kvd/wire/reports.py. It lives in kvd/wire/ so that
+the daemon's CLI uses it without depending on the client.
 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
 an admin ticket through the handshake (kvd/wire/auth.py), when the daemon has one.
@@ -13,6 +14,7 @@ import grpc
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import fetch_ticket
+from kvd.wire.reports import RecoveryStats, ResetReport, Stats, VerifyReport
 from kvd.wire.status import error_from_rpc
 
 
@@ -29,13 +31,13 @@ DROP_REASONS = {
 }
 
 
-def recovery_dict(msg: pb.RecoveryStats) -> dict:
+def recovery_dict(msg: pb.RecoveryStats) -> RecoveryStats:
     """What the daemon's start found in shared memory, with the pages it dropped by reason."""
     found = _fields(msg)
     return {**found, "dropped_pages": {reason: found[name] for reason, name in DROP_REASONS.items()}}
 
 
-def stats_dict(reply: pb.StatsReply) -> dict:
+def stats_dict(reply: pb.StatsReply) -> Stats:
     """The flat JSON form: totals at top level, one entry per namespace."""
     return {
         **_fields(reply.totals),
@@ -72,16 +74,16 @@ def _admin_call(socket: str, method: str, request, timeout: float):
             raise error_from_rpc(e) from None
 
 
-def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
+def fetch_stats(socket: str, timeout: float = 5.0) -> Stats:
     request = pb.StatsRequest(ticket=fetch_ticket(socket, timeout))
     return stats_dict(_admin_call(socket, "GetStats", request, timeout))
 
 
-def verify_dict(reply: pb.VerifyPagesReply) -> dict:
+def verify_dict(reply: pb.VerifyPagesReply) -> VerifyReport:
     return {**_fields(reply), "recovery": recovery_dict(reply.recovery)}
 
 
-def verify_pages(socket: str, timeout: float = 600.0) -> dict:
+def verify_pages(socket: str, timeout: float = 600.0) -> VerifyReport:
     """Runs VerifyPages: every published page re-hashed (~35 ms per GiB), corrupted ones dropped."""
     request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
     return verify_dict(_admin_call(socket, "VerifyPages", request, timeout))
@@ -93,11 +95,11 @@ def reset_request(namespace: int | None, session: str = "", ticket: str = "") ->
     )
 
 
-def reset_dict(reply: pb.ResetPrefixCacheReply) -> dict:
+def reset_dict(reply: pb.ResetPrefixCacheReply) -> ResetReport:
     return _fields(reply)
 
 
-def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> dict:
+def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> ResetReport:
     """Runs ResetPrefixCache daemon-wide (every tenant): cached pages dropped, pages in use kept."""
     request = reset_request(namespace, ticket=fetch_ticket(socket))
     return reset_dict(_admin_call(socket, "ResetPrefixCache", request, timeout))
