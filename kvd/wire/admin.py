@@ -89,17 +89,13 @@ def verify_pages(socket: str, timeout: float = 600.0) -> VerifyReport:
     return verify_dict(_admin_call(socket, "VerifyPages", request, timeout))
 
 
-def reset_request(namespace: int | None, session: str = "", ticket: str = "") -> pb.ResetPrefixCacheRequest:
-    return pb.ResetPrefixCacheRequest(
-        session=session, ticket=ticket, has_namespace=namespace is not None, namespace_id=namespace or 0
-    )
-
-
 def reset_dict(reply: pb.ResetPrefixCacheReply) -> ResetReport:
     return _fields(reply)
 
 
 def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> ResetReport:
     """Runs ResetPrefixCache daemon-wide (every tenant): cached pages dropped, pages in use kept."""
-    request = reset_request(namespace, ticket=fetch_ticket(socket))
+    request = pb.ResetPrefixCacheRequest(
+        ticket=fetch_ticket(socket), has_namespace=namespace is not None, namespace_id=namespace or 0
+    )
     return reset_dict(_admin_call(socket, "ResetPrefixCache", request, timeout))
