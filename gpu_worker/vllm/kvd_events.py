@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict, deque
 
 from engine_client import BlockRemoved, KVDError
-from gpu_worker.kvd_link import KVDLink
+from gpu_worker.vllm.kvd_link import KVDLink
 
 log = logging.getLogger(__name__)
 
