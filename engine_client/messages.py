@@ -1,6 +1,7 @@
-"""The client's types to and from the wire's messages (kvd/wire/kvd.proto): what the
+"""The client's types to and from the wire's messages (protos/kvd.proto): what the
 client sends and how it reads the replies, apart from when and why it calls
 (engine_client/client.py). The daemon's side of the same conversions is kvd/messages.py.
+With connection.py (the transport), the only client module that sees protobuf messages.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Requests and results of the client API, and the one error type it raises."""
+"""Requests and results of the client API, and the one error type it raises with its codes;
+the stats, verify and reset answers (typed dicts) come from kvd/wire/reports.py, KV events
+from engine_client/events.py."""
 
 from __future__ import annotations
 

