@@ -4,7 +4,9 @@ Imports only the wire contract (``kvd.wire``), never the daemon's internals.
 """
 
 from engine_client.client import KVDClient
+from engine_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from engine_client.types import (
+    ErrorCode,
     ExtendItem,
     ExtendResult,
     ExtraKey,
@@ -14,10 +16,13 @@ from engine_client.types import (
     PinResult,
     PublishResult,
     Rebind,
+    ResetReport,
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
     SequenceStatus,
+    Stats,
+    VerifyReport,
 )
 from kvd.wire.layout import PageLayout
 
@@ -35,6 +40,14 @@ __all__ = [
     "ExtraKey",
     "ExtraKind",
     "KVDError",
+    "ErrorCode",
     "SequenceState",
     "SequenceStatus",
+    "Stats",
+    "VerifyReport",
+    "ResetReport",
+    "KVEventBatch",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
 ]

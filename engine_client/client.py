@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import numpy as np
 
 from engine_client import messages
-from engine_client.connection import Connection, find_daemon
+from engine_client.connection import Connection, ReplyStream, find_daemon
+from engine_client.events import KVEventBatch
 from engine_client.ownership import PrivatePages
 from engine_client.pages import PageMap, extent_tensor
 from engine_client.token_buffer import MIN_TOKENS, ClientTokenBuffer
 from engine_client.types import (
+    ErrorCode,
     ExtendItem,
     ExtendResult,
     ExtraKey,
@@ -40,12 +41,14 @@ from engine_client.types import (
     Namespace,
     PinResult,
     PublishResult,
+    ResetReport,
     SequenceAllocation,
     SequenceRequest,
     SequenceState,
     SequenceStatus,
+    Stats,
+    VerifyReport,
 )
-from kvd.wire import kvd_pb2 as pb
 from kvd.wire.auth import fetch_ticket
 from kvd.wire.codec import TOKEN_BYTES, pack_tokens
 from kvd.wire.keys import chain_keys
@@ -58,7 +61,7 @@ class KVDClient:
     def __init__(self, socket: str, client_name: str | None = None, timeout: float = 10.0) -> None:
         self._client_name = client_name
         self._namespaces: dict[int, Namespace] = {}
-        self._registrations: dict[int, pb.NamespaceIdentity] = {}
+        self._registrations: dict[int, object] = {}  # each namespace's identity message, for reconnect
         self._page_maps: dict[int, PageMap] = {}
         self._evicted: set[tuple[int, str]] = set()
         self._private = PrivatePages()  # pages this client may write; under _lock (evictions arrive on a thread)
@@ -116,9 +119,7 @@ class KVDClient:
             self._private.clear()
         renamed = {}
         for old_id, identity in registrations.items():
-            reply = self._call(
-                "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity)
-            )
+            reply = self._call("RegisterNamespace", session=self.session, identity=identity)
             self._namespaces[reply.namespace_id] = Namespace(
                 reply.namespace_id, namespaces[old_id].layout, reply.page_bytes, reply.root
             )
@@ -165,7 +166,9 @@ class KVDClient:
             evicted, self._evicted = self._evicted, set()
         return evicted
 
-    def _call(self, method: str, request):
+    def _call(self, method: str, **fields):
+        """The reply of unary ``method`` (protos/kvd.proto) to a request with these fields."""
+        request = messages.request(method, **fields)
         return self._connection.call(method, request, self.call_timeout, self._reconnected)
 
     # ---- namespaces and pages -----------------------------------------------------
@@ -184,9 +187,7 @@ class KVDClient:
     ) -> int:
         """The namespace id for this KV identity; equal identities get equal ids."""
         identity_msg = messages.identity(model, layout, revision, tp_rank, tp_size, attention, vocab_size, extra or {})
-        reply = self._call(
-            "RegisterNamespace", pb.RegisterNamespaceRequest(session=self.session, identity=identity_msg)
-        )
+        reply = self._call("RegisterNamespace", session=self.session, identity=identity_msg)
         self._namespaces[reply.namespace_id] = Namespace(reply.namespace_id, layout, reply.page_bytes, reply.root)
         self._registrations[reply.namespace_id] = identity_msg
         self._page_maps.setdefault(reply.namespace_id, PageMap(layout))
@@ -223,18 +224,18 @@ class KVDClient:
         try:
             return self._namespaces[ns]
         except KeyError:
-            raise KVDError(grpc.StatusCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
+            raise KVDError(ErrorCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
 
     def _locate(self, ns: int, page_id: int):
         self._namespace(ns)
         page_map = self._page_maps[ns]
         found = page_map.find(page_id)
         if found is None:
-            reply = self._call("DescribeExtents", pb.DescribeExtentsRequest(session=self.session, namespace_id=ns))
+            reply = self._call("DescribeExtents", session=self.session, namespace_id=ns)
             page_map.refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
             found = page_map.find(page_id)
             if found is None:
-                raise KVDError(grpc.StatusCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")
+                raise KVDError(ErrorCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")
         return found
 
     def page_array(self, ns: int, page_id: int, writable: bool | None = None) -> np.ndarray:
@@ -265,7 +266,7 @@ class KVDClient:
         mine = self._private.writable(ns, page_id)
         if writable and not mine:
             raise KVDError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                ErrorCode.FAILED_PRECONDITION,
                 (
                     f"page {page_id} of namespace {ns} is not a private page of a live sequence of this client; "
                     "published pages are immutable"
@@ -300,7 +301,7 @@ class KVDClient:
     def allocate_with_prefix(self, ns: int, requests: list[SequenceRequest]) -> list[SequenceAllocation]:
         """Pins the longest full-page prefix hit of each request and allocates private pages
         for the rest, in one atomic step; the whole batch or nothing."""
-        reply = self._sequences_call("AllocateWithPrefix", pb.AllocateRequest, ns, requests)
+        reply = self._sequences_call("AllocateWithPrefix", ns, requests)
         allocations = [messages.allocation(s) for s in reply.sequences]
         self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:
@@ -311,7 +312,7 @@ class KVDClient:
 
     allocate_pages_for_sequences_with_prefix = allocate_with_prefix
 
-    def _sequences_call(self, method: str, message, ns: int, requests: list[SequenceRequest]):
+    def _sequences_call(self, method: str, ns: int, requests: list[SequenceRequest]):
         """An Allocate or Lookup call. One of ``MIN_TOKENS`` ids or more passes them through the
         session's token buffer when no other thread's call holds it; any other goes inline."""
         total = sum(messages.num_tokens(r.token_ids) for r in requests)
@@ -321,21 +322,19 @@ class KVDClient:
                 if buffer is not None:
                     spans = buffer.spans(ClientTokenBuffer.arrays([r.token_ids for r in requests]))
                     sequences = messages.spanned_requests(requests, spans)
-                    return self._call(method, message(session=self.session, namespace_id=ns, sequences=sequences))
+                    return self._call(method, session=self.session, namespace_id=ns, sequences=sequences)
             finally:
                 self._token_lock.release()
         sequences = messages.inline_requests(requests)
-        return self._call(method, message(session=self.session, namespace_id=ns, sequences=sequences))
+        return self._call(method, session=self.session, namespace_id=ns, sequences=sequences)
 
     def _token_buffer_for(self, num_tokens: int) -> ClientTokenBuffer | None:
         """The session's token buffer, opened or grown to hold ``num_tokens`` ids; None when
         the daemon refuses one (the call then goes inline, and the daemon says what is wrong)."""
         if self._token_buffer is None or self._token_buffer.size < num_tokens * TOKEN_BYTES:
             try:
-                reply = self._call(
-                    "OpenTokenBuffer",
-                    pb.OpenTokenBufferRequest(session=self.session, size_bytes=ClientTokenBuffer.size_for(num_tokens)),
-                )
+                size = ClientTokenBuffer.size_for(num_tokens)
+                reply = self._call("OpenTokenBuffer", session=self.session, size_bytes=size)
             except KVDError:
                 return None
             self._token_buffer = ClientTokenBuffer(reply.shm_name, reply.size_bytes)
@@ -343,7 +342,7 @@ class KVDClient:
 
     def lookup(self, ns: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The prefix hits allocate_with_prefix would find now, without pinning anything."""
-        return messages.lookup_results(self._sequences_call("Lookup", pb.LookupRequest, ns, requests))
+        return messages.lookup_results(self._sequences_call("Lookup", ns, requests))
 
     def publish(self, ns: int, seq_ids: list[str], num_tokens: dict[str, int] | None = None) -> list[PublishResult]:
         """Makes the sequences' full private pages immutable and shareable.
@@ -352,15 +351,8 @@ class KVDClient:
         whole number of pages). A page identical to one published meanwhile is replaced
         by it; the result's ``rebinds`` say which page ids changed.
         """
-        num_tokens = num_tokens or {}
-        reply = self._call(
-            "Publish",
-            pb.PublishRequest(
-                session=self.session,
-                namespace_id=ns,
-                items=[pb.PublishItem(seq_id=s, num_tokens=num_tokens.get(s, 0)) for s in seq_ids],
-            ),
-        )
+        items = messages.publish_items(seq_ids, num_tokens or {})
+        reply = self._call("Publish", session=self.session, namespace_id=ns, items=items)
         with self._lock:
             for r in reply.results:
                 self._private.published(ns, r.seq_id, r.published_pages)
@@ -372,7 +364,7 @@ class KVDClient:
 
     def extend_batch(self, ns: int, items: list[ExtendItem]) -> list[ExtendResult]:
         """extend() for a whole decode batch in one call; all or nothing."""
-        reply = self._call("Extend", messages.extend_request(self.session, ns, items))
+        reply = self._call("Extend", session=self.session, namespace_id=ns, **messages.extend_columns(items))
         self._note_evicted(ns, reply.evicted_seq_ids)
         results = messages.extend_results(items, reply)
         if reply.new_pages:
@@ -384,9 +376,7 @@ class KVDClient:
 
     def fork(self, ns: int, src: str, dst: str) -> SequenceAllocation:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
-        reply = self._call(
-            "Fork", pb.ForkRequest(session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst)
-        )
+        reply = self._call("Fork", session=self.session, namespace_id=ns, src_seq_id=src, dst_seq_id=dst)
         allocation = messages.allocation(reply.sequence)
         self._note_evicted(ns, reply.evicted_seq_ids)
         with self._lock:
@@ -395,9 +385,7 @@ class KVDClient:
 
     def release(self, ns: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns the number of page references released."""
-        released = self._call(
-            "Release", pb.ReleaseRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)
-        ).released_pages
+        released = self._call("Release", session=self.session, namespace_id=ns, seq_ids=seq_ids).released_pages
         with self._lock:
             for seq_id in seq_ids:
                 self._private.drop(ns, seq_id)
@@ -408,9 +396,7 @@ class KVDClient:
         returns the previous state. A refused transition is FAILED_PRECONDITION; EVICTED is the
         daemon's to set; COMPLETED releases the sequence."""
         state = SequenceState[state] if isinstance(state, str) else state
-        reply = self._call(
-            "SetState", pb.SetStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value)
-        )
+        reply = self._call("SetState", session=self.session, namespace_id=ns, seq_id=seq_id, state=state.value)
         if state is SequenceState.COMPLETED:  # its pages are released
             with self._lock:
                 self._private.drop(ns, seq_id)
@@ -420,8 +406,7 @@ class KVDClient:
         """`set_state` for a batch in one call: every sequence moves, or none does (the error
         names the first refused one); returns the previous states in order."""
         state = SequenceState[state] if isinstance(state, str) else state
-        request = pb.SetStatesRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids, state=state.value)
-        reply = self._call("SetStates", request)
+        reply = self._call("SetStates", session=self.session, namespace_id=ns, seq_ids=seq_ids, state=state.value)
         if state is SequenceState.COMPLETED:  # their pages are released
             with self._lock:
                 for seq_id in seq_ids:
@@ -431,9 +416,7 @@ class KVDClient:
     def describe_sequences(self, ns: int, seq_ids: list[str]) -> list[SequenceStatus]:
         """The sequences' states and sizes, read without changing them (all or nothing:
         NOT_FOUND for an id that was never allocated, or was released or completed)."""
-        reply = self._call(
-            "DescribeSequences", pb.DescribeSequencesRequest(session=self.session, namespace_id=ns, seq_ids=seq_ids)
-        )
+        reply = self._call("DescribeSequences", session=self.session, namespace_id=ns, seq_ids=seq_ids)
         return messages.sequence_statuses(reply)
 
     def set_aux_state(self, ns: int, seq_id: str, data: bytes) -> None:
@@ -442,14 +425,10 @@ class KVDClient:
         Allowed in every state, EVICTED too, and kept when an evicted sequence re-enters. At
         most the daemon's ``aux_bytes_per_sequence`` (INVALID_ARGUMENT above it); all
         sequences together share ``aux_bytes`` (RESOURCE_EXHAUSTED when it is full)."""
-        self._call(
-            "SetAuxState", pb.SetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id, data=data)
-        )
+        self._call("SetAuxState", session=self.session, namespace_id=ns, seq_id=seq_id, data=data)
 
     def get_aux_state(self, ns: int, seq_id: str) -> bytes:
-        return self._call(
-            "GetAuxState", pb.GetAuxStateRequest(session=self.session, namespace_id=ns, seq_id=seq_id)
-        ).data
+        return self._call("GetAuxState", session=self.session, namespace_id=ns, seq_id=seq_id).data
 
     # ---- pins, stats --------------------------------------------------------------
 
@@ -457,55 +436,57 @@ class KVDClient:
         """Keeps the cached pages of this prefix resident until unpin, ttl seconds, or session end."""
         reply = self._call(
             "Pin",
-            pb.PinRequest(
-                session=self.session,
-                namespace_id=ns,
-                tokens=pack_tokens(token_ids),
-                extra_keys=messages.extra_keys(extra_keys),
-                ttl_seconds=ttl or 0.0,
-            ),
+            session=self.session,
+            namespace_id=ns,
+            tokens=pack_tokens(token_ids),
+            extra_keys=messages.extra_keys(extra_keys),
+            ttl_seconds=ttl or 0.0,
         )
         return PinResult(reply.pin_id, reply.pinned_pages, reply.pinned_tokens)
 
     def unpin(self, pin_id: int) -> None:
-        self._call("Unpin", pb.UnpinRequest(session=self.session, pin_id=pin_id))
+        self._call("Unpin", session=self.session, pin_id=pin_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
         """The daemon's page statistics, as ``kvd stats --json`` prints them (with tenants: this tenant's)."""
         from kvd.wire.admin import stats_dict
 
-        return stats_dict(self._call("GetStats", pb.StatsRequest(session=self.session)))
+        return stats_dict(self._call("GetStats", session=self.session))
 
     def check_invariants(self) -> list[str]:
         """Broken invariants of the daemon's state (empty when healthy)."""
-        return list(self._call("CheckInvariants", pb.CheckInvariantsRequest(session=self.session)).violations)
+        return list(self._call("CheckInvariants", session=self.session).violations)
 
-    def verify_pages(self) -> dict:
+    def verify_pages(self) -> VerifyReport:
         """Audits every published page against its checksum (admin; ``kvd verify``)."""
         from kvd.wire.admin import verify_dict
 
         ticket = fetch_ticket(self._connection.socket)
-        return verify_dict(self._call("VerifyPages", pb.VerifyPagesRequest(ticket=ticket)))
+        return verify_dict(self._call("VerifyPages", ticket=ticket))
 
-    def reset_prefix_cache(self, ns: int | None = None) -> dict:
+    def reset_prefix_cache(self, ns: int | None = None) -> ResetReport:
         """Drops the cached (unreferenced) published pages of namespace ``ns``, or of every
         namespace (with tenants: this tenant's), as vLLM's ``reset_prefix_cache`` after a
         weight update. Pages a sequence or pin references are untouched.
         Returns {"dropped_pages", "kept_pages"}."""
-        from kvd.wire.admin import reset_dict, reset_request
+        from kvd.wire.admin import reset_dict
 
-        return reset_dict(self._call("ResetPrefixCache", reset_request(ns, session=self.session)))
+        reply = self._call("ResetPrefixCache", session=self.session, has_namespace=ns is not None, namespace_id=ns or 0)
+        return reset_dict(reply)
 
-    def subscribe_events(self, from_seq: int | None = None):
+    def subscribe_events(self, from_seq: int | None = None) -> ReplyStream[KVEventBatch]:
         """The KV events of this client's tenant as they happen (routers' view of which pages
-        kvd holds): an iterator of ``kvd_pb2.KVEventBatch`` (``seq``, ``ts``, ``events``, each
-        ``stored``, ``removed`` or ``cleared``) over its own stream, which ends with this
-        session; ``cancel()`` it to stop early. ``from_seq`` resumes with the batches the
-        daemon still buffers from that one on: a first ``seq`` above it means some were missed."""
-        request = pb.SubscribeEventsRequest(
-            session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
+        kvd holds): an iterator of ``KVEventBatch`` (``seq``, ``ts``, ``events``: each a
+        ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``, engine_client/events.py)
+        over its own stream, which ends with this session; ``cancel()`` ends it early, from
+        any thread. A stream the daemon breaks off raises ``KVDError`` (UNAVAILABLE: it
+        went away; RESOURCE_EXHAUSTED: this reader fell too far behind). ``from_seq``
+        resumes with the batches the daemon still buffers from that one on: a first ``seq``
+        above it means some were missed."""
+        request = messages.request(
+            "SubscribeEvents", session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
         )
-        return self._connection.stream("SubscribeEvents", request)
+        return self._connection.stream("SubscribeEvents", request, messages.event_batch)
 
     def ping(self) -> None:
-        self._call("Ping", pb.PingRequest())
+        self._call("Ping")

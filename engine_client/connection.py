@@ -14,15 +14,17 @@ import socket as socket_mod
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import grpc
 
-from engine_client.types import KVDError
+from engine_client.types import ErrorCode, KVDError
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import admit
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import find_socket
+from kvd.wire.status import error_from_rpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -31,6 +33,8 @@ CHANNEL_OPTIONS = [
 
 # Called with (namespace id, seq ids) when the daemon evicts some of the session's sequences.
 EvictionListener = Callable[[int, list[str]], None]
+
+T = TypeVar("T")
 
 
 def find_daemon(socket: str | None) -> str:
@@ -41,7 +45,7 @@ def find_daemon(socket: str | None) -> str:
     problem = _no_listener(choice.path)
     if problem:
         raise KVDError(
-            grpc.StatusCode.UNAVAILABLE,
+            ErrorCode.UNAVAILABLE,
             (
                 f"no kvd daemon on {choice.path}: {problem} (looked at: {'; '.join(choice.tried)}); "
                 "start one with `kvd serve`, or pass the socket of a running one"
@@ -70,8 +74,33 @@ def _ready_channel(path: str, timeout: float) -> grpc.Channel:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
         channel.close()
-        raise KVDError(grpc.StatusCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
+        raise KVDError(ErrorCode.UNAVAILABLE, f"no kvd daemon answers on {path} within {timeout} s") from None
     return channel
+
+
+class ReplyStream(Generic[T]):
+    """A server stream's replies as the client's types. It ends when the daemon ends it (the
+    session ended) or ``cancel()`` is called, from any thread; a stream the daemon breaks
+    off (it died, or the reader fell behind) raises a ``KVDError`` saying why."""
+
+    def __init__(self, call, convert: Callable[[Any], T]) -> None:
+        self._call = call
+        self._convert = convert
+
+    def __iter__(self) -> ReplyStream[T]:
+        return self
+
+    def __next__(self) -> T:
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:  # cancel(), or the session's channel closed
+                raise StopIteration from None
+            raise error_from_rpc(e) from None
+        return self._convert(reply)
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class Connection:
@@ -104,7 +133,7 @@ class Connection:
             opened = next(self._stream).opened
         except grpc.RpcError as e:
             channel.close()
-            raise KVDError.from_rpc(e) from None
+            raise error_from_rpc(e) from None
         self.session = opened.session
         self.prefix_reuse = opened.prefix_reuse
         self.host_bytes = opened.host_bytes
@@ -130,7 +159,7 @@ class Connection:
         most likely one that did not survive a daemon restart."""
         if self.lost.is_set():
             raise KVDError(
-                grpc.StatusCode.UNAVAILABLE,
+                ErrorCode.UNAVAILABLE,
                 (
                     f"the session with the kvd daemon on {self.socket} ended (the daemon stopped, died or restarted); "
                     "call reconnect() for a new session: sequences do not survive a daemon restart, published pages do"
@@ -139,8 +168,8 @@ class Connection:
         try:
             return getattr(self._stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            error = KVDError.from_rpc(e)
-        if error.code == grpc.StatusCode.UNAVAILABLE:
+            error = error_from_rpc(e)
+        if error.code is ErrorCode.UNAVAILABLE:
             error = KVDError(
                 error.code,
                 (
@@ -148,7 +177,7 @@ class Connection:
                     "call reconnect() once it is back"
                 ),
             )
-        elif error.code == grpc.StatusCode.NOT_FOUND and after_reconnect and "sequence" in error.message:
+        elif error.code is ErrorCode.NOT_FOUND and after_reconnect and "sequence" in error.message:
             error = KVDError(
                 error.code,
                 (
@@ -158,9 +187,9 @@ class Connection:
             )
         raise error from None
 
-    def stream(self, method: str, request):
-        """The reply stream of server-streaming ``method``; ``cancel()`` it to stop early."""
-        return getattr(self._stub, method)(request)
+    def stream(self, method: str, request, convert: Callable[[Any], T]) -> ReplyStream[T]:
+        """The replies of server-streaming ``method``, each passed through ``convert``."""
+        return ReplyStream(getattr(self._stub, method)(request), convert)
 
     def close(self, timeout: float) -> None:
         """Ends the session cleanly: the daemon releases its references and logs a close

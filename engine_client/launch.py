@@ -44,10 +44,8 @@ class DaemonProcess:
         return daemon
 
     def wait_ready(self, timeout: float) -> None:
-        import grpc
-
         from engine_client.client import KVDClient
-        from engine_client.types import KVDError
+        from engine_client.types import ErrorCode, KVDError
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -58,7 +56,7 @@ class DaemonProcess:
                     KVDClient.connect(self.socket, client_name="launcher", timeout=1).close()
                     return
                 except KVDError as e:
-                    if e.code == grpc.StatusCode.PERMISSION_DENIED:
+                    if e.code is ErrorCode.PERMISSION_DENIED:
                         return  # it answers; this uid is just no tenant of it
                 except Exception:  # noqa: BLE001 - not accepting calls yet
                     pass

@@ -1,12 +1,14 @@
-"""The client's types to and from the wire's messages (kvd/wire/kvd.proto): what the
+"""The client's types to and from the wire's messages (protos/kvd.proto): what the
 client sends and how it reads the replies, apart from when and why it calls
 (engine_client/client.py). The daemon's side of the same conversions is kvd/messages.py.
+With connection.py (the transport), the only client module that sees protobuf messages.
 """
 
 from __future__ import annotations
 
 from itertools import accumulate, chain
 
+from engine_client.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from engine_client.types import (
     ExtendItem,
     ExtendResult,
@@ -20,8 +22,16 @@ from engine_client.types import (
     SequenceStatus,
 )
 from kvd.wire import kvd_pb2 as pb
-from kvd.wire.codec import TOKEN_BYTES, pack_tokens, unpack_pages
+from kvd.wire.codec import TOKEN_BYTES, pack_tokens, token_array, unpack_pages
 from kvd.wire.layout import PageLayout
+
+# Each unary and streaming method's request type, from the service in protos/kvd.proto.
+REQUEST_TYPES = {m.name: getattr(pb, m.input_type.name) for m in pb.DESCRIPTOR.services_by_name["KVD"].methods}
+
+
+def request(method: str, **fields):
+    """The request of ``method`` with these fields (each field as protos/kvd.proto names it)."""
+    return REQUEST_TYPES[method](**fields)
 
 
 def identity(
@@ -65,11 +75,16 @@ def inline_requests(requests: list[SequenceRequest]) -> list[pb.SequenceRequest]
     ]
 
 
-def spanned_requests(requests: list[SequenceRequest], spans: list[pb.TokenSpan]) -> list[pb.SequenceRequest]:
-    """Sequence requests whose token ids lie in the session's token buffer at ``spans``."""
+def spanned_requests(requests: list[SequenceRequest], spans: list[tuple[int, int]]) -> list[pb.SequenceRequest]:
+    """Sequence requests whose token ids lie in the session's token buffer at ``spans``
+    ((byte offset, number of ids) each, engine_client/token_buffer.py)."""
     return [
-        pb.SequenceRequest(seq_id=r.seq_id, tokens_at=span, extra_keys=extra_keys(r.extra_keys))
-        for r, span in zip(requests, spans)
+        pb.SequenceRequest(
+            seq_id=r.seq_id,
+            tokens_at=pb.TokenSpan(offset=offset, num_tokens=count),
+            extra_keys=extra_keys(r.extra_keys),
+        )
+        for r, (offset, count) in zip(requests, spans)
     ]
 
 
@@ -104,23 +119,27 @@ def publish_results(reply: pb.PublishReply) -> list[PublishResult]:
     ]
 
 
-def extend_request(session: str, ns: int, items: list[ExtendItem]) -> pb.ExtendRequest:
-    """The request as columns (see ExtendRequest in protos/kvd.proto): a few C-level calls
-    per batch instead of one message per sequence."""
+def publish_items(seq_ids: list[str], num_tokens: dict[str, int]) -> list[pb.PublishItem]:
+    """What to publish of each sequence: its pages covering ``num_tokens[seq_id]`` tokens, or all (0)."""
+    return [pb.PublishItem(seq_id=s, num_tokens=num_tokens.get(s, 0)) for s in seq_ids]
+
+
+def extend_columns(items: list[ExtendItem]) -> dict:
+    """An Extend request's fields beside the session and namespace, as columns (see
+    ExtendRequest in protos/kvd.proto): a few C-level calls per batch instead of one
+    message per sequence."""
     ids = [i.token_ids for i in items]
     if all(type(t) is list for t in ids):  # a decode step: short lists of ints, packed at once
         counts, token_ids = [len(t) for t in ids], pack_tokens(list(chain.from_iterable(ids)))
     else:
         packed = [b"" if t is None else pack_tokens(t) for t in ids]
         counts, token_ids = [len(p) // TOKEN_BYTES for p in packed], b"".join(packed)
-    return pb.ExtendRequest(
-        session=session,
-        namespace_id=ns,
-        seq_ids=[i.seq_id for i in items],
-        num_tokens=[i.num_tokens for i in items],
-        token_id_counts=counts,
-        token_ids=token_ids,
-    )
+    return {
+        "seq_ids": [i.seq_id for i in items],
+        "num_tokens": [i.num_tokens for i in items],
+        "token_id_counts": counts,
+        "token_ids": token_ids,
+    }
 
 
 def extend_results(items: list[ExtendItem], reply: pb.ExtendReply) -> list[ExtendResult]:
@@ -147,3 +166,30 @@ def sequence_statuses(reply: pb.DescribeSequencesReply) -> list[SequenceStatus]:
         )
         for s in reply.sequences
     ]
+
+
+def event_batch(msg: pb.KVEventBatch) -> KVEventBatch:
+    """A batch of the event stream, without the events of kinds newer than this client."""
+    events = [e for e in map(_event, msg.events) if e is not None]
+    return KVEventBatch(msg.seq, msg.ts, events)
+
+
+def _event(msg: pb.KVEvent) -> KVEvent | None:
+    """One event; None for a kind of event this client does not know (a newer daemon's)."""
+    kind = msg.WhichOneof("event")
+    if kind == "stored":
+        s = msg.stored
+        return BlockStored(
+            namespace_id=s.namespace_id,
+            block_hashes=list(s.block_hashes),
+            parent_block_hash=s.parent_block_hash or None,
+            token_ids=token_array(s.token_ids).tolist(),
+            block_size=s.block_size,
+            lora_name=s.lora_name or None,
+            medium=s.medium,
+        )
+    if kind == "removed":
+        return BlockRemoved(msg.removed.namespace_id, list(msg.removed.block_hashes), msg.removed.medium)
+    if kind == "cleared":
+        return AllBlocksCleared()
+    return None

@@ -13,7 +13,6 @@ import mmap
 import numpy as np
 import posix_ipc
 
-from kvd.wire import kvd_pb2 as pb
 from kvd.wire.codec import TOKEN_BYTES, TOKEN_DTYPE, token_ids_array
 
 MIN_TOKENS = 4096  # below this, packing ids into the message costs less than the span's bookkeeping
@@ -37,14 +36,15 @@ class ClientTokenBuffer:
         """The buffer to ask for when a call of ``num_tokens`` ids does not fit: a power of two."""
         return max(MIN_BYTES, 1 << (num_tokens * TOKEN_BYTES - 1).bit_length())
 
-    def spans(self, arrays: list[np.ndarray]) -> list[pb.TokenSpan]:
-        """Writes the int32 arrays one after another from the start; their spans, in order.
-        The caller holds the buffer for the whole call (the daemon reads it during the call)."""
+    def spans(self, arrays: list[np.ndarray]) -> list[tuple[int, int]]:
+        """Writes the int32 arrays one after another from the start; where each lies, in
+        order: (byte offset, number of ids). The caller holds the buffer for the whole call
+        (the daemon reads it during the call)."""
         spans, start = [], 0
         for ids in arrays:
             end = start + len(ids)
             self._ids[start:end] = ids
-            spans.append(pb.TokenSpan(offset=start * TOKEN_BYTES, num_tokens=len(ids)))
+            spans.append((start * TOKEN_BYTES, len(ids)))
             start = end
         return spans
 

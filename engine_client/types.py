@@ -1,4 +1,6 @@
-"""Requests and results of the client API, and the one error type it raises."""
+"""Requests and results of the client API, and the one error type it raises with its codes;
+the stats, verify and reset answers (typed dicts) come from kvd/wire/reports.py, KV events
+from engine_client/events.py."""
 
 from __future__ import annotations
 
@@ -6,8 +8,17 @@ from dataclasses import dataclass, field
 
 from kvd.wire.codec import pack_tokens, unpack_pages  # noqa: F401 - part of the client API
 from kvd.wire.enums import ExtraKind, SequenceState  # noqa: F401 - part of the client API
-from kvd.wire.errors import KVDError  # noqa: F401 - part of the client API
+from kvd.wire.errors import ErrorCode, KVDError  # noqa: F401 - part of the client API
 from kvd.wire.layout import PageLayout
+from kvd.wire.reports import (  # noqa: F401 - part of the client API
+    NamespaceStats,
+    PageStats,
+    RecoveryStats,
+    RemoteStats,
+    ResetReport,
+    Stats,
+    VerifyReport,
+)
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
 import torch
 
-from engine_client import ExtendItem, KVDClient, KVDError, SequenceAllocation, SequenceRequest, SequenceState
+from engine_client import ErrorCode, ExtendItem, KVDClient, KVDError, SequenceAllocation, SequenceRequest, SequenceState
 from gpu_worker.gpu_stats import GpuPoolStats
 from gpu_worker.host_pages import ClientHostPages
 from gpu_worker.loader import CopyBatch, PageLoader, PageStore
@@ -439,6 +438,6 @@ class Engine:
 
 
 def _no_room_or(e: KVDError) -> Exception:
-    if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if e.code is ErrorCode.RESOURCE_EXHAUSTED:
         return NoRoom("host", e.message)
     return e

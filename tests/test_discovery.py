@@ -12,11 +12,10 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 from conftest import clean_env, remember_socket, remove_shared_memory
 
-from engine_client import KVDClient, KVDError
+from engine_client import ErrorCode, KVDClient, KVDError
 from kvd.wire.paths import SYSTEM_SOCKET, find_socket, user_socket
 
 CLIENT = """
@@ -87,7 +86,7 @@ def test_connect_without_a_daemon_fails_at_once_naming_what_it_tried(tmp_path, m
     with pytest.raises(KVDError) as e:
         KVDClient.connect(timeout=10)
     assert time.monotonic() - started < 1.0, "not after the whole timeout"
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.code == ErrorCode.UNAVAILABLE
     assert f"no kvd daemon on {missing}: the socket does not exist" in e.value.message
     assert f"KVD_SOCKET={missing}" in e.value.message and "no socket argument" in e.value.message
 

@@ -20,7 +20,8 @@ import pytest
 import zmq
 from conftest import budget_for, raw_page
 
-from engine_client import ExtraKey, KVDClient, SequenceRequest
+from engine_client import ErrorCode, ExtraKey, KVDClient, KVDError, SequenceRequest
+from engine_client import events as client_events
 from kvd import config as config_mod
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
@@ -207,14 +208,12 @@ def test_eviction_and_a_failed_checksum_are_removals(events_daemon):
 
 
 def read_into(stream, batches: queue.Queue) -> None:
-    try:
-        for batch in stream:
-            batches.put(batch)
-    except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.CANCELLED, e  # the test cancels it
+    """Reads an event stream on a thread until it ends (``cancel()``, or its session's end)."""
+    for batch in stream:
+        batches.put(batch)
 
 
-def test_grpc_stream_carries_the_same_events_and_resumes(daemon_factory):
+def test_the_client_stream_carries_the_same_events_typed_and_resumes(daemon_factory):
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
     with open(f"/proc/{d.process.pid}/maps") as f:
         assert "zmq" not in f.read(), "without events_endpoint the daemon does not load zmq"
@@ -227,27 +226,37 @@ def test_grpc_stream_carries_the_same_events_and_resumes(daemon_factory):
         ids = tokens(2, 1, extra=3)
         published(c, ns, "a", ids)
         batch = batches.get(timeout=10)
-        [event] = batch.events
-        assert event.WhichOneof("event") == "stored"
-        stored = event.stored
-        assert (stored.namespace_id, stored.block_size, stored.medium, stored.parent_block_hash) == (
-            ns,
-            PAGE,
-            "CPU",
-            b"",
+        assert isinstance(batch, client_events.KVEventBatch) and batch.ts > 0
+        [stored] = batch.events
+        assert stored == client_events.BlockStored(
+            namespace_id=ns,
+            block_hashes=c.page_keys(ns, ids),
+            parent_block_hash=None,
+            token_ids=ids[: 2 * PAGE].tolist(),
+            block_size=PAGE,
+            lora_name=None,
+            medium="CPU",
         )
-        assert np.frombuffer(stored.token_ids, "<i4").tolist() == ids[: 2 * PAGE].tolist()
         c.release(ns, ["a"])
         c.reset_prefix_cache()
         removal = batches.get(timeout=10)
         assert removal.seq == batch.seq + 1
-        assert sorted(removal.events[0].removed.block_hashes) == sorted(stored.block_hashes)
+        [removed] = removal.events
+        assert isinstance(removed, client_events.BlockRemoved) and (removed.namespace_id, removed.medium) == (ns, "CPU")
+        assert sorted(removed.block_hashes) == sorted(stored.block_hashes)
 
         resumed = watcher.subscribe_events(from_seq=batch.seq)
         assert [next(resumed).seq, next(resumed).seq] == [batch.seq, batch.seq + 1], "buffered batches first"
         resumed.cancel()
+        assert list(resumed) == [], "a cancelled stream ends, without an error"
         stream.cancel()
         reading.join(timeout=10)
+        assert not reading.is_alive()
+
+        ended = c.subscribe_events()
+        published(c, ns, "c", tokens(1, 6))
+        assert isinstance(next(ended).events[0], client_events.BlockStored)
+    assert list(ended) == [], "the stream ends with its session"
 
     with grpc.insecure_channel(f"unix:{d.socket}") as channel:
         stub = kvd_pb2_grpc.KVDStub(channel)
@@ -260,6 +269,19 @@ def test_grpc_stream_carries_the_same_events_and_resumes(daemon_factory):
         with pytest.raises(grpc.RpcError) as e:
             next(stub.SubscribeEvents(pb.SubscribeEventsRequest(session=c.session)))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND, "only a live session sees its tenant's events"
+
+
+def test_a_stream_whose_daemon_dies_raises_unavailable(daemon_factory):
+    d = daemon_factory("--enable-prefix-reuse")
+    c = KVDClient.connect(d.socket)
+    stream = c.subscribe_events()
+    published(c, c.register_namespace(agents.MODEL, agents.LAYOUT), "a", tokens(1, 1))
+    next(stream)
+    d.stop(signal.SIGKILL)
+    with pytest.raises(KVDError) as e:
+        next(stream)
+    assert e.value.code is ErrorCode.UNAVAILABLE, e.value
+    c.drop()
 
 
 def test_settings(tmp_path):
@@ -351,7 +373,7 @@ def test_with_tenants_a_session_streams_its_own_tenants_events_on_its_own_socket
     with KVDClient.connect(d.socket) as c:  # a session of tenant "mine", on <socket>.t-mine
         stream = c.subscribe_events()
         published(c, c.register_namespace(agents.MODEL, agents.LAYOUT), "a", tokens(1, 1))
-        assert next(stream).events[0].stored.block_hashes
+        assert next(stream).events[0].block_hashes
         stream.cancel()
         with grpc.insecure_channel(f"unix:{d.socket}") as channel:  # the main socket serves no tenant's session
             with pytest.raises(grpc.RpcError) as e:

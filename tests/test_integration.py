@@ -11,7 +11,7 @@ import agents
 import numpy as np
 import pytest
 
-from engine_client import ExtendItem, KVDClient, KVDError, SequenceRequest
+from engine_client import ErrorCode, ExtendItem, KVDClient, KVDError, SequenceRequest
 
 SPAWN = multiprocessing.get_context("spawn")
 PREFIX = 5000
@@ -141,8 +141,6 @@ def test_sigkill_of_a_client_releases_its_references_within_a_second(daemon):
 
 
 def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(daemon):
-    import grpc
-
     with KVDClient.connect(daemon.socket) as a, KVDClient.connect(daemon.socket) as b:
         ns = a.register_namespace(agents.MODEL, agents.LAYOUT, vocab_size=50000)
         b.register_namespace(agents.MODEL, agents.LAYOUT, vocab_size=50000)
@@ -151,36 +149,36 @@ def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(da
         cases = [
             (
                 lambda: a.allocate_with_prefix(ns + 7, [SequenceRequest("x", [1])]),
-                grpc.StatusCode.NOT_FOUND,
+                ErrorCode.NOT_FOUND,
                 "namespace",
             ),
-            (lambda: a.release(ns, ["nope"]), grpc.StatusCode.NOT_FOUND, "'nope'"),
-            (lambda: b.release(ns, ["mine"]), grpc.StatusCode.PERMISSION_DENIED, "another session"),
+            (lambda: a.release(ns, ["nope"]), ErrorCode.NOT_FOUND, "'nope'"),
+            (lambda: b.release(ns, ["mine"]), ErrorCode.PERMISSION_DENIED, "another session"),
             (
                 lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", b"\x01\x00\x00")]),
-                grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorCode.INVALID_ARGUMENT,
                 "multiple of 4",
             ),
             (
                 lambda: a.allocate_with_prefix(ns, [SequenceRequest("x", [1, 60000])]),
-                grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorCode.INVALID_ARGUMENT,
                 "out of range",
             ),
             (
                 lambda: a.allocate_with_prefix(ns, [SequenceRequest(f"s{i}", [1]) for i in range(5000)]),
-                grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorCode.INVALID_ARGUMENT,
                 "over the limit",
             ),
             (
                 lambda: a.publish(ns, ["mine"], num_tokens={"mine": 20}),
-                grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorCode.INVALID_ARGUMENT,
                 "only full pages",
             ),
-            (lambda: a.page(ns, 10**9), grpc.StatusCode.NOT_FOUND, "not a page"),
-            (lambda: a.set_state(ns, "mine", "EVICTED"), grpc.StatusCode.FAILED_PRECONDITION, "PREFILLED to EVICTED"),
-            (lambda: a.set_states(ns, ["mine", "nope"], "IN_DECODE"), grpc.StatusCode.NOT_FOUND, "'nope'"),
-            (lambda: b.set_states(ns, ["mine"], "IN_DECODE"), grpc.StatusCode.PERMISSION_DENIED, "another session"),
-            (lambda: a.extend(ns, "mine", 10**8), grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
+            (lambda: a.page(ns, 10**9), ErrorCode.NOT_FOUND, "not a page"),
+            (lambda: a.set_state(ns, "mine", "EVICTED"), ErrorCode.FAILED_PRECONDITION, "PREFILLED to EVICTED"),
+            (lambda: a.set_states(ns, ["mine", "nope"], "IN_DECODE"), ErrorCode.NOT_FOUND, "'nope'"),
+            (lambda: b.set_states(ns, ["mine"], "IN_DECODE"), ErrorCode.PERMISSION_DENIED, "another session"),
+            (lambda: a.extend(ns, "mine", 10**8), ErrorCode.INVALID_ARGUMENT, "over the limit"),
         ]
         for call, code, words in cases:
             with pytest.raises(KVDError) as e:
@@ -192,15 +190,13 @@ def test_bad_input_gets_a_status_that_says_what_was_wrong_and_changes_nothing(da
         a.release(ns, ["mine"])
         with pytest.raises(KVDError) as e:
             a.release(ns, ["mine"])
-        assert e.value.code == grpc.StatusCode.NOT_FOUND and "already released" in e.value.message
+        assert e.value.code == ErrorCode.NOT_FOUND and "already released" in e.value.message
         assert a.check_invariants() == []
 
 
 def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
     """One decode batch gives ids for some sequences (a list, a numpy array, bytes) and not for
     others: each grows, and only the pages whose ids are all known can be published and hit."""
-    import grpc
-
     page = agents.LAYOUT.page_size
     with KVDClient.connect(daemon.socket) as client:
         ns = client.register_namespace(agents.MODEL, agents.LAYOUT)
@@ -232,7 +228,7 @@ def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
         assert [p.published_pages for p in published] == [1, 0, 1, 2]
         with pytest.raises(KVDError) as e:
             client.extend(ns, "b", 1, [7])
-        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "never given" in e.value.message
+        assert e.value.code == ErrorCode.FAILED_PRECONDITION and "never given" in e.value.message
         # The recorded ids are the given ones, in order: the published pages hit.
         full = {
             "a": prompts["a"] + new_ids["a"],
@@ -248,7 +244,7 @@ def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
         assert [(r.num_tokens, len(r.new_pages)) for r in results] == [(page + 1, 1), (page + 2, 0)]
         with pytest.raises(KVDError) as e:
             client.extend_batch(ns, [ExtendItem("a", 1, [40006]), ExtendItem("c", 2, [40007])])
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code == ErrorCode.INVALID_ARGUMENT
         assert "sequence 'c': 1 token ids given for 2 new tokens" in e.value.message
         assert [r.num_tokens for r in client.extend_batch(ns, [ExtendItem("a", 1), ExtendItem("c", 1)])] == [
             page + 2,
@@ -258,8 +254,6 @@ def test_extend_batch_mixes_sequences_with_and_without_token_ids(daemon):
 
 
 def test_budget_exhaustion_is_resource_exhausted_and_rolls_back(daemon_factory):
-    import grpc
-
     d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "1MiB", "--extent-bytes", "256KiB")
     with KVDClient.connect(d.socket) as client:
         ns = client.register_namespace(agents.MODEL, agents.LAYOUT)  # 2 KiB pages: 512 fit
@@ -273,7 +267,7 @@ def test_budget_exhaustion_is_resource_exhausted_and_rolls_back(daemon_factory):
                     SequenceRequest("c", agents.prompt(16 * 200, 2, 0)),
                 ],
             )
-        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "host budget" in e.value.message
+        assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED and "host budget" in e.value.message
         after = client.stats()
         assert {k: after[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")} == {
             k: before[k] for k in ("logical_pages", "physical_pages", "free_pages", "sequences")

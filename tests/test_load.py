@@ -17,12 +17,11 @@ import threading
 import time
 
 import agents
-import grpc
 import numpy as np
 import pytest
 from conftest import vm_kib, wait_until
 
-from engine_client import KVDClient, KVDError, SequenceRequest
+from engine_client import ErrorCode, KVDClient, KVDError, SequenceRequest
 from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
 
@@ -284,7 +283,7 @@ def pressure_client(socket: str, worker: int, rounds: int, results) -> None:
                 [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq_id, tokens)])
                 counts["prompt_ok"] += 1
             except KVDError as e:
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if e.code != ErrorCode.RESOURCE_EXHAUSTED:
                     other.append(str(e))
                 counts["prompt_exhausted"] += 1
                 continue
@@ -302,7 +301,7 @@ def pressure_client(socket: str, worker: int, rounds: int, results) -> None:
                     client.release(ns, [f"hog{worker}-{r}"])
                     counts["hog_ok"] += 1
                 except KVDError as e:
-                    if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if e.code != ErrorCode.RESOURCE_EXHAUSTED:
                         other.append(str(e))
                     counts["hog_exhausted"] += 1
         counts["evicted_events"] = len(client.take_evicted())
@@ -360,7 +359,7 @@ def test_budget_smaller_than_the_working_set_evicts_refuses_and_stays_bounded(da
         before = observer.stats()
         with pytest.raises(KVDError) as e:
             observer.allocate_with_prefix(ns, [SequenceRequest("too-big", np.arange(1400 * PAGE, dtype=np.int32))])
-        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.code == ErrorCode.RESOURCE_EXHAUSTED
         after = observer.stats()
         assert after["cached_pages"] == before["cached_pages"] and after["evicted_pages"] == before["evicted_pages"]
         stop.set()
@@ -431,7 +430,7 @@ def test_aux_state_stays_within_its_budget(daemon_factory):
             try:
                 client.set_aux_state(ns, f"aux-{i}", blob)
             except KVDError as e:
-                assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                assert e.code == ErrorCode.RESOURCE_EXHAUSTED, e
                 refused += 1
         assert refused == 8 and client.stats()["aux_bytes_used"] == aux
         rss = vm_kib(d.process.pid, "VmRSS") << 10
@@ -445,7 +444,7 @@ def test_tiny_page_layout_cannot_blow_up_daemon_metadata(daemon_factory):
         try:
             ns = client.register_namespace(agents.MODEL, agents.PageLayout(1, 1, 1, 1, "uint8"))  # 2-byte pages
         except KVDError as e:
-            assert e.code == grpc.StatusCode.INVALID_ARGUMENT, e  # refusing such a layout is a fix too
+            assert e.code == ErrorCode.INVALID_ARGUMENT, e  # refusing such a layout is a fix too
             return
         client.allocate_with_prefix(ns, [SequenceRequest("one", [1])])  # adopts the built extent
         hwm = vm_kib(d.process.pid, "VmHWM") << 10

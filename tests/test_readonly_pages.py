@@ -8,12 +8,11 @@ import sys
 import textwrap
 
 import agents
-import grpc
 import numpy as np
 import pytest
 
 from engine_client import KVDClient, SequenceRequest
-from engine_client.types import KVDError
+from engine_client.types import ErrorCode, KVDError
 
 PAGE = agents.LAYOUT.page_size
 
@@ -37,7 +36,7 @@ def test_only_private_pages_of_ones_own_live_sequences_are_writable(daemon):
             assert (view[1:] == 7).all()
             with pytest.raises(KVDError) as e:
                 c.page(ns, page, writable=True)
-            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "immutable" in str(e.value)
+            assert e.value.code == ErrorCode.FAILED_PRECONDITION and "immutable" in str(e.value)
         c.page_array(ns, tail)[...] = 1  # the partial tail stays private
         [ext] = [c.extend(ns, "a", PAGE)]
         c.page_array(ns, ext.new_pages[0])[...] = 2  # and so do pages from extend

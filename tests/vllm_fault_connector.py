@@ -18,8 +18,8 @@ import os
 from conftest import raw_page
 
 from engine_client import SequenceRequest
+from gpu_worker.vllm.scheduler import cacheable_tokens
 from gpu_worker.vllm_connector import KVDConnector
-from gpu_worker.vllm_scheduler import cacheable_tokens
 
 
 class FaultyKVDConnector(KVDConnector):

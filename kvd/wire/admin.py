@@ -1,6 +1,7 @@
 """Session-less admin calls (stats, verify, reset), for ``kvd stats`` / ``verify`` / ``reset``,
-monitoring, and the client library's ``stats()`` / ``verify()`` / ``reset_prefix_cache()``.
-It lives in kvd/wire/ so that the daemon's CLI uses it without depending on the client.
+monitoring, and the client library's ``stats()`` / ``verify()`` / ``reset_prefix_cache()``,
+and their replies as the typed dicts of kvd/wire/reports.py. It lives in kvd/wire/ so that
+the daemon's CLI uses it without depending on the client.
 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
 an admin ticket through the handshake (kvd/wire/auth.py), when the daemon has one.
@@ -13,7 +14,8 @@ import grpc
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import fetch_ticket
-from kvd.wire.errors import KVDError
+from kvd.wire.reports import RecoveryStats, ResetReport, Stats, VerifyReport
+from kvd.wire.status import error_from_rpc
 
 
 def _fields(msg) -> dict:
@@ -29,13 +31,13 @@ DROP_REASONS = {
 }
 
 
-def recovery_dict(msg: pb.RecoveryStats) -> dict:
+def recovery_dict(msg: pb.RecoveryStats) -> RecoveryStats:
     """What the daemon's start found in shared memory, with the pages it dropped by reason."""
     found = _fields(msg)
     return {**found, "dropped_pages": {reason: found[name] for reason, name in DROP_REASONS.items()}}
 
 
-def stats_dict(reply: pb.StatsReply) -> dict:
+def stats_dict(reply: pb.StatsReply) -> Stats:
     """The flat JSON form: totals at top level, one entry per namespace."""
     return {
         **_fields(reply.totals),
@@ -63,44 +65,37 @@ def stats_dict(reply: pb.StatsReply) -> dict:
     }
 
 
-def fetch_stats(socket: str, timeout: float = 5.0) -> dict:
+def _admin_call(socket: str, method: str, request, timeout: float):
+    """The reply of ``method`` from the daemon on ``socket``; a ``KVDError`` when it fails."""
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         try:
-            request = pb.StatsRequest(ticket=fetch_ticket(socket, timeout))
-            return stats_dict(kvd_pb2_grpc.KVDStub(channel).GetStats(request, timeout=timeout))
+            return getattr(kvd_pb2_grpc.KVDStub(channel), method)(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+            raise error_from_rpc(e) from None
 
 
-def verify_dict(reply: pb.VerifyPagesReply) -> dict:
+def fetch_stats(socket: str, timeout: float = 5.0) -> Stats:
+    request = pb.StatsRequest(ticket=fetch_ticket(socket, timeout))
+    return stats_dict(_admin_call(socket, "GetStats", request, timeout))
+
+
+def verify_dict(reply: pb.VerifyPagesReply) -> VerifyReport:
     return {**_fields(reply), "recovery": recovery_dict(reply.recovery)}
 
 
-def verify_pages(socket: str, timeout: float = 600.0) -> dict:
+def verify_pages(socket: str, timeout: float = 600.0) -> VerifyReport:
     """Runs VerifyPages: every published page re-hashed (~35 ms per GiB), corrupted ones dropped."""
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        try:
-            request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
-            return verify_dict(kvd_pb2_grpc.KVDStub(channel).VerifyPages(request, timeout=timeout))
-        except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+    request = pb.VerifyPagesRequest(ticket=fetch_ticket(socket))
+    return verify_dict(_admin_call(socket, "VerifyPages", request, timeout))
 
 
-def reset_request(namespace: int | None, session: str = "", ticket: str = "") -> pb.ResetPrefixCacheRequest:
-    return pb.ResetPrefixCacheRequest(
-        session=session, ticket=ticket, has_namespace=namespace is not None, namespace_id=namespace or 0
-    )
-
-
-def reset_dict(reply: pb.ResetPrefixCacheReply) -> dict:
+def reset_dict(reply: pb.ResetPrefixCacheReply) -> ResetReport:
     return _fields(reply)
 
 
-def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> dict:
+def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float = 60.0) -> ResetReport:
     """Runs ResetPrefixCache daemon-wide (every tenant): cached pages dropped, pages in use kept."""
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
-        try:
-            request = reset_request(namespace, ticket=fetch_ticket(socket))
-            return reset_dict(kvd_pb2_grpc.KVDStub(channel).ResetPrefixCache(request, timeout=timeout))
-        except grpc.RpcError as e:
-            raise KVDError.from_rpc(e) from None
+    request = pb.ResetPrefixCacheRequest(
+        ticket=fetch_ticket(socket), has_namespace=namespace is not None, namespace_id=namespace or 0
+    )
+    return reset_dict(_admin_call(socket, "ResetPrefixCache", request, timeout))

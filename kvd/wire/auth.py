@@ -16,9 +16,7 @@ import os
 import socket as socket_mod
 from dataclasses import dataclass
 
-import grpc
-
-from kvd.wire.errors import KVDError
+from kvd.wire.errors import ErrorCode, KVDError
 from kvd.wire.paths import auth_socket, tenant_socket
 
 MAX_ANSWER = 4096
@@ -53,12 +51,12 @@ def admit(socket: str, timeout: float = 5.0) -> Admission:
                     break
                 answer += chunk
         except OSError as e:
-            code = grpc.StatusCode.PERMISSION_DENIED if e.errno == errno.EACCES else grpc.StatusCode.UNAVAILABLE
+            code = ErrorCode.PERMISSION_DENIED if e.errno == errno.EACCES else ErrorCode.UNAVAILABLE
             raise KVDError(code, f"the tenant handshake on {path} failed: {e.strerror or e}") from None
     line = answer.decode(errors="replace").rstrip("\n")
     if line.startswith("OK "):
         ticket, _, tenant = line[3:].partition(" ")
         return Admission(ticket, tenant_socket(socket, tenant) if tenant else socket)
     if line.startswith("DENIED "):
-        raise KVDError(grpc.StatusCode.PERMISSION_DENIED, line[7:])
-    raise KVDError(grpc.StatusCode.UNAVAILABLE, f"the tenant handshake on {path} gave no ticket (answer {line[:80]!r})")
+        raise KVDError(ErrorCode.PERMISSION_DENIED, line[7:])
+    raise KVDError(ErrorCode.UNAVAILABLE, f"the tenant handshake on {path} gave no ticket (answer {line[:80]!r})")

@@ -38,16 +38,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
-
-from engine_client import KVDClient, KVDError, PageLayout
+from engine_client import ErrorCode, KVDClient, KVDError, PageLayout
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 # A call that fails with one of these has no session behind it any more.
-SESSION_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+SESSION_GONE = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED)
 
 
 @dataclass(frozen=True)

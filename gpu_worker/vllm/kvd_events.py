@@ -3,7 +3,7 @@
 The vLLM connector's scheduler half tells vLLM's KV event stream which blocks kvd stored
 (`BlockStored`, keyed by vLLM's own block hashes). When kvd later evicts or drops such a
 page, routers must hear `BlockRemoved` for the same vLLM hash. kvd announces removals by
-its own page keys (kvd/events.py) on a per-session gRPC stream; this module keeps the
+its own page keys (kvd/events.py) on a per-session stream (`KVDClient.subscribe_events`); this module keeps the
 kvd key → vLLM hash of every block reported as stored (keys computed locally,
 `KVDClient.page_keys`), follows the stream on a thread of its own, and turns the removals
 of remembered keys into vLLM events. Keys it never reported (pages of other processes,
@@ -22,9 +22,8 @@ import logging
 import threading
 from collections import OrderedDict, deque
 
-import grpc
-
-from gpu_worker.kvd_link import KVDLink
+from engine_client import BlockRemoved, KVDError
+from gpu_worker.vllm.kvd_link import KVDLink
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +83,7 @@ class StoredBlocks:
             for batch in stream:
                 self._next_seq = batch.seq + 1
                 for event in batch.events:
-                    if event.WhichOneof("event") == "removed":
-                        self._removed.extend(event.removed.block_hashes)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                log.info("kvd event stream ended (%s); removals are heard again once the link reconnects", e.code())
+                    if isinstance(event, BlockRemoved):
+                        self._removed.extend(event.block_hashes)
+        except KVDError as e:
+            log.info("kvd event stream ended (%s); removals are heard again once the link reconnects", e)

@@ -1,6 +1,6 @@
 """KVDConnector's worker half: copies pages between kvd's shared memory and vLLM's KV blocks.
 
-It holds no policy: the scheduler half's plans (gpu_worker/vllm_plans.py) say which kvd
+It holds no policy: the scheduler half's plans (gpu_worker/vllm/plans.py) say which kvd
 page goes to which vLLM block, and which of a request's blocks this step completes.
 Loads run before the forward pass, from pages the scheduler's kvd sequence pins. Saves go
 into a kvd sequence of this worker's own session (allocated at a request's first plan,
@@ -33,13 +33,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
-from engine_client import KVDError, SequenceRequest
-from gpu_worker.kvd_link import KVDLink
+from engine_client import ErrorCode, KVDError, SequenceRequest
 from gpu_worker.loader import register_host_extents
-from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
     (K and V of a token side by side), which is kvd's order. vLLM's CPU backend
     (`k_then_v_rows`) stores each head's block as `[2 * block_size, head_dim]`, all K rows
     then all V rows, each in an arrangement of its own kernel's: its pages are kept apart
-    in a namespace of their own (vllm_connector.cpu_kv_layout), and the view only has to
+    in a namespace of their own (connector.cpu_kv_layout), and the view only has to
     map the block's bytes one to one."""
     blocks, heads, block_size, width = kv_layer.shape
     if heads != num_kv_heads or width != 2 * head_dim:
@@ -306,7 +305,7 @@ class KVDWorkerSide:
 
         def locate(kvd, ns):
             if daemon_instance is not None and kvd.daemon_instance != daemon_instance:
-                raise KVDError(grpc.StatusCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
+                raise KVDError(ErrorCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
             groups = kvd.pages_by_extent(ns, page_ids, writable)
             if self._cuda:  # both maps; registered memory must stay mapped, so its extents are kept
                 extents = kvd.mapped_extents(ns)

@@ -18,12 +18,12 @@ It holds no tensors and writes no page:
 3. `build_metadata` hands the workers the loads and, for every scheduled request, the
    full blocks that this step completes (prompt blocks, then generated ones, unless
    `save_generated` is off); each worker saves them into its own kvd sequence and
-   publishes them (gpu_worker/vllm_worker.py). So the next turn of a conversation, whose
+   publishes them (gpu_worker/vllm/worker.py). So the next turn of a conversation, whose
    prompt holds this turn's answer, hits that answer too.
 4. `update_from_workers` notes the workers' daemon instance and turns what they published into vLLM KV events
    (`BlockStored`); with KV events on, it remembers the kvd keys of those blocks, and
    `take_events` adds `BlockRemoved` for them once kvd evicts or drops them
-   (gpu_worker/kvd_events.py).
+   (gpu_worker/vllm/kvd_events.py).
 5. `finished` releases the pinning sequence and tells the workers to release theirs.
    Published pages stay cached in kvd.
 
@@ -39,9 +39,9 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
-from gpu_worker.kvd_events import StoredBlocks
-from gpu_worker.kvd_link import KVDLink
-from gpu_worker.vllm_plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+from gpu_worker.vllm.kvd_events import StoredBlocks
+from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 MEDIUM = "kvd"  # the medium of the connector's KV events
 

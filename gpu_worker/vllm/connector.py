@@ -1,0 +1,164 @@
+"""`KVDConnector`: kvd as vLLM's shared host KV cache (a vLLM v1 KV connector).
+
+Enable it with vLLM's own configuration, nothing else:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVDConnector",
+        "kv_connector_module_path": "gpu_worker.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": "/run/kvd/kvd.sock"}}'
+
+Every vLLM process on the host that points at the same kvd shares one host copy of each
+prompt prefix: a prefix one process computed is loaded by the others instead of being
+computed again. vLLM's scheduler process runs the scheduler half
+(gpu_worker/vllm/scheduler.py: lookups, pins, save plans, publish); each worker runs the
+worker half (gpu_worker/vllm/worker.py: page copies). Each half opens its own kvd
+session, so a killed vLLM process's references are dropped by the daemon like any
+client's. (``gpu_worker.vllm_connector``, the path configurations name, re-exports this class.)
+
+kvd is a cache: when it cannot serve (not running, restarting, out of room) vLLM
+computes. A page that cannot be loaded is reported to vLLM as a load error and
+recomputed; for that the connector sets vLLM's `kv_load_failure_policy` to "recompute"
+unless `kv_connector_extra_config` says `"load_failure_policy": "fail"`.
+
+`kv_connector_extra_config` keys: `socket` (default: found as kvd/wire/paths.py says: `KVD_SOCKET`,
+the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`,
+`load_failure_policy` ("recompute" or "fail"), `save_generated` (default true: generated
+full blocks are saved like prompt blocks; false: prompt blocks only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from engine_client import PageLayout
+from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec
+from gpu_worker.vllm.plans import KVDConnectorMetadata
+from gpu_worker.vllm.scheduler import KVDSchedulerSide
+from gpu_worker.vllm.worker import KVDWorkerSide
+
+
+def namespace_spec(vllm_config, kv_cache_config) -> tuple[NamespaceSpec, list[str]]:
+    """The kvd namespace of this vLLM instance's KV bytes, and its attention layers in page order.
+
+    Refuses (ValueError, at vLLM's start) what kvd's page layout cannot hold yet."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            "KVDConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 for now "
+            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"KVDConnector needs one KV cache group of full-attention layers; this model has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    if (
+        not isinstance(spec, AttentionSpec)
+        or getattr(spec, "sliding_window", None)
+        or type(spec).__name__ != "FullAttentionSpec"
+    ):
+        raise ValueError(f"KVDConnector supports full attention only; this model's KV cache is {type(spec).__name__}")
+    if spec.head_size_v != spec.head_size or spec.num_head_slots is not None or spec.page_size_padded is not None:
+        raise ValueError("KVDConnector needs dense K/V of equal head sizes (no MLA, packed or padded pages)")
+    dtype = str(spec.dtype).removeprefix("torch.")
+    layout = PageLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        page_size=spec.block_size,
+        dtype=dtype,
+    )
+    model = vllm_config.model_config
+    extra = (("kv_layout", cpu_kv_layout(vllm_config, spec)),) if current_platform.is_cpu() else ()
+    return NamespaceSpec(model.model, layout, revision=model.revision or "", extra=extra), list(groups[0].layer_names)
+
+
+def cpu_kv_layout(vllm_config, spec) -> str:
+    """vLLM's CPU attention backend arranges K and V inside a block in an order of its own
+    that depends on the kernel it picked for this CPU and dtype (its "ISA"), not in kvd's
+    page order. Its pages are shared only with engines that use the same arrangement."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    isa = cpu_attn._get_attn_isa(
+        vllm_config.model_config.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+    )
+    return f"vllm-cpu-{isa}"
+
+
+class KVDConnector(KVConnectorBase_V1):
+    """A facade over the scheduler half or the worker half, whichever this process runs."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if extra.get("load_failure_policy", "recompute") == "recompute":
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        spec, layer_names = namespace_spec(vllm_config, kv_cache_config)
+        half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        link = KVDLink(extra.get("socket"), f"{extra.get('client_name', 'vllm')}-{half}", spec)
+        # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
+        events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+        self._scheduler = (
+            KVDSchedulerSide(
+                link, spec.layout.page_size, save_generated=extra.get("save_generated", True), track_removals=events
+            )
+            if role == KVConnectorRole.SCHEDULER
+            else None
+        )
+        self._worker = KVDWorkerSide(link, layer_names) if role == KVConnectorRole.WORKER else None
+        self._link = link
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVDConnectorMetadata:
+        return self._scheduler.build_metadata(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_from_workers(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request)
+        return False, None
+
+    def take_events(self):
+        return self._scheduler.take_events()
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self.has_connector_metadata():
+            self._worker.start_step(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_metadata()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        self._link.close()

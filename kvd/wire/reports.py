@@ -1,0 +1,106 @@
+"""What the stats, verify and reset calls report, as typed dicts (kvd/wire/admin.py builds
+them; ``KVDClient.stats()`` / ``verify_pages()`` / ``reset_prefix_cache()`` and ``kvd stats``
+/ ``verify`` / ``reset`` return or print them).
+
+Typed dicts, not classes: each is the plain dict that ``kvd stats --json`` prints, so it
+compares, serialises and reads (``stats["physical_pages"]``) as a dict, while a type
+checker knows every key and its type. README's "Stats" table says what each field means;
+tests/test_service.py checks a real daemon's answers against these declarations.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class PageStats(TypedDict):
+    """Page counts, of the whole daemon (or a tenant's part) or of one namespace."""
+
+    logical_pages: int
+    physical_pages: int
+    shared_pages: int
+    private_pages: int
+    cached_pages: int
+    pinned_pages: int
+    free_pages: int
+    host_pages_saved: int
+    host_bytes_saved: int
+    refcount_increments: int
+    refcount_decrements: int
+    lookup_tokens: int
+    hit_tokens: int
+    evicted_pages: int
+    sequences: int
+    sessions: int
+    corrupted_pages: int
+
+
+class _TenantOfNamespace(TypedDict, total=False):
+    tenant: str  # only in a daemon-wide answer of a daemon with tenants
+
+
+class NamespaceStats(PageStats, _TenantOfNamespace):
+    namespace_id: int
+    model: str
+    page_bytes: int
+
+
+class RecoveryStats(TypedDict):
+    """What the daemon's last start found in shared memory."""
+
+    recovered_pages: int
+    resealed_pages: int
+    corrupted_pages: int
+    orphaned_pages: int
+    mismatch_pages: int
+    incomplete_pages: int
+    incomplete_extents: int
+    discarded: str  # why every segment was discarded; "" when none was
+    seconds: float
+    dropped_pages: dict[str, int]  # by reason: corrupted, orphaned, mismatch, incomplete_extent
+
+
+class RemoteStats(TypedDict):
+    """The remote tier's work; ``state`` is "off" without one."""
+
+    state: str  # off, connecting, up, down
+    stored_pages: int
+    fetched_pages: int
+    hit_tokens: int
+    refused_pages: int
+    skipped_pages: int
+    rejected_pages: int
+    errors: int
+    outages: int
+
+
+class Stats(PageStats):
+    """The daemon's totals at top level, then its budgets, its start and each namespace."""
+
+    host_bytes: int
+    host_bytes_used: int
+    host_bytes_free: int
+    aux_bytes: int
+    aux_bytes_used: int
+    aux_bytes_per_sequence: int
+    arena_bytes: int
+    prefix_reuse: bool
+    shm_refusals: int
+    recovery: RecoveryStats
+    remote: RemoteStats
+    namespaces: list[NamespaceStats]
+
+
+class VerifyReport(TypedDict):
+    """One audit of every published page against its checksum."""
+
+    checked_pages: int
+    checked_bytes: int
+    corrupted_pages: int  # found by this audit (and dropped)
+    seconds: float
+    recovery: RecoveryStats
+
+
+class ResetReport(TypedDict):
+    dropped_pages: int  # cached pages dropped from the index and freed
+    kept_pages: int  # published pages still referenced by a sequence or pin, untouched
