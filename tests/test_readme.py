@@ -101,3 +101,16 @@ def test_the_life_cycle_table_is_the_one_the_daemon_enforces():
     assert life_cycle_table(kvd.sequences.__doc__) == TRANSITIONS
     assert set(TRANSITIONS) == set(SequenceState)
     assert all(SequenceState.EVICTED not in targets for targets in TRANSITIONS.values()), "EVICTED is the daemon's"
+
+
+def test_the_list_of_what_has_not_run_on_a_gpu_names_every_cuda_test():
+    """The README's "What has not run on a GPU yet" names each cuda-marked test, and only those."""
+    text = README.read_text()
+    section = text[text.index("### What has not run on a GPU yet") : text.index("## Use with vLLM")]
+    named = set(re.findall(r"`(tests/\w+\.py)::(\w+)`", section))
+    marked = set()
+    for path in sorted((README.parent / "tests").glob("test_*.py")):
+        source = path.read_text()
+        for match in re.finditer(r"@pytest\.mark\.cuda\n(?:@.*\n)*def (\w+)", source):
+            marked.add((f"tests/{path.name}", match.group(1)))
+    assert marked and named == marked
