@@ -387,7 +387,7 @@ def report_text(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvd doctor", description="check, where an engine runs, everything it needs from kvd"
     )
@@ -399,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     checks = examine(args.socket, args.timeout, args.vllm)
     ok = all(c.status is not Status.FAIL for c in checks)
     if args.json:
