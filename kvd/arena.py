@@ -29,6 +29,7 @@ import logging
 import mmap
 import operator
 import os
+import resource
 import threading
 import time
 from dataclasses import dataclass
@@ -123,6 +124,20 @@ class Extent:
         if unlink:  # the data first: the reverse of Arena.build
             posix_ipc.unlink_shared_memory(self.name)
         self.meta.close(unlink)
+
+
+CAP_IPC_LOCK = 14  # capability(7): mlock beyond RLIMIT_MEMLOCK
+
+
+def memlock_limit() -> int | None:
+    """The bytes this process may mlock: None when nothing limits it (an unlimited
+    RLIMIT_MEMLOCK, or CAP_IPC_LOCK in its effective capabilities, which mlock honours first)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    with open("/proc/self/status") as f:
+        effective = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return None if effective >> CAP_IPC_LOCK & 1 else soft
 
 
 class _MemoryLocker:

@@ -1,8 +1,10 @@
-"""``kvd``: serve, stats, verify, reset, clean (the README's synopsis lists every option).
+"""``kvd``: serve, stats, verify, reset, clean, health, doctor (the README's synopsis lists
+every option).
 
 Exit status, one meaning each: 0 done; 1 a runtime failure (no daemon answers, the
 daemon cannot start, ``verify`` found corrupted pages, ``clean`` found a daemon
-running); 2 bad usage or configuration (argparse errors, a setting that cannot be used).
+running, ``health`` is not SERVING, ``doctor`` found a FAIL); 2 bad usage or configuration
+(argparse errors, a setting that cannot be used).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import socket as socket_mod
 import stat
+import subprocess
 import sys
 import time
 
@@ -204,6 +207,27 @@ def _clean(args) -> int:
     return 0
 
 
+def _health(args) -> int:
+    from kvd.wire.errors import KVDError
+    from kvd.wire.health import health_status
+
+    path = _socket(args)
+    try:
+        status = health_status(path, args.timeout)
+    except KVDError as e:
+        print(f"kvd health: no answer from the daemon on {path} ({e})", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _doctor(args) -> int:
+    """The checks are a client's (engine_client/doctor.py): they run in a process of their
+    own, as `kvd serve` runs apart from its clients, since the daemon's package never
+    imports the client (DESIGN.md). Its options are the doctor's own (``kvd doctor --help``)."""
+    return subprocess.run([sys.executable, "-m", "engine_client.doctor", *args.passed_on]).returncode
+
+
 def _common_options(sp: argparse.ArgumentParser) -> None:
     sp.set_defaults(parser=sp)  # main() reports unknown options with this subcommand's usage
     sp.add_argument(
@@ -274,12 +298,22 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
     _common_options(c)
     c.set_defaults(func=_clean)
+
+    h = sub.add_parser("health", help="print the daemon's gRPC health; exit 0 only when SERVING (a readiness probe)")
+    _common_options(h)
+    h.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default 2)")
+    h.set_defaults(func=_health)
+
+    d = sub.add_parser("doctor", add_help=False, help="check, where an engine runs, everything it needs from kvd")
+    d.set_defaults(func=_doctor, parser=d, passes_on=True)  # every option goes to engine_client/doctor.py
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args, unknown = parser().parse_known_args(argv)
-    if unknown:
+    if getattr(args, "passes_on", False):
+        args.passed_on = unknown
+    elif unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # exits 2
     try:
         return args.func(args)

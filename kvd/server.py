@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__, collector, handshake, pins, recovery, token_buffers
-from kvd.arena import Arena, daemon_segments, unlink_segments
+from kvd.arena import Arena, daemon_segments, memlock_limit, unlink_segments
 from kvd.config import ServeConfig
 from kvd.events import Consumer, EventLog
 from kvd.manager import KVCacheManager
@@ -39,6 +39,7 @@ from kvd.requests import Limits
 from kvd.service import KvdServicer, add_to_server
 from kvd.shm import SHM_DIR, shm_free_bytes
 from kvd.tenants import IMPLICIT, Tenants, tenant_prefix
+from kvd.wire import kvd_pb2 as pb
 from kvd.wire.limits import MAX_MESSAGE_BYTES
 from kvd.wire.paths import auth_socket, tenant_socket
 
@@ -248,6 +249,14 @@ def _close_all(tenants: Tenants, link, keep_cache: bool, seconds: float) -> bool
     return closed
 
 
+def _about(config: ServeConfig) -> pb.PingReply:
+    """What Ping tells any process that reaches the socket (``kvd doctor`` reads it): the
+    version, and how much of the budget the daemon's memlock limit leaves unlocked."""
+    limit = memlock_limit()
+    unlocked = 0 if limit is None else max(0, config.host_bytes - limit)
+    return pb.PingReply(version=__version__, lock_memory=config.lock_memory, unlocked_bytes=unlocked)
+
+
 class _Daemon:
     """A daemon's caches and servers: built, started (its main socket last), stopped."""
 
@@ -263,7 +272,10 @@ class _Daemon:
             manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
         self.offload = Offload()  # a large call's work that needs no core (kvd/offload.py)
         self.servicer = KvdServicer(
-            self.tenants, self.offload, observe_latency=metrics.observe_latency if metrics else None
+            self.tenants,
+            self.offload,
+            observe_latency=metrics.observe_latency if metrics else None,
+            about=_about(config),
         )
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []

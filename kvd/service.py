@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvd import invariants, messages
+from kvd import __version__, invariants, messages
 from kvd import stats as stats_mod
 from kvd.errors import (
     FailedPrecondition,
@@ -39,6 +39,7 @@ from kvd.offload import Offload, large_call
 from kvd.recovery import RecoveryReport
 from kvd.requests import Batch, ResetResult, extend_items
 from kvd.tenants import IMPLICIT, Tenants
+from kvd.token_buffers import read_back
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.codec import pack_pages
@@ -173,11 +174,14 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         tenants: Tenants | KVCacheManager,
         offload: Offload,
         observe_latency: LatencyObserver | None = None,
+        about: pb.PingReply | None = None,
     ) -> None:
-        """``offload``: the thread a large call's work that needs no core runs on (kvd/offload.py)."""
+        """``offload``: the thread a large call's work that needs no core runs on (kvd/offload.py);
+        ``about``: what Ping answers (the launcher's facts about the daemon: kvd/server.py)."""
         self.tenants = tenants if isinstance(tenants, Tenants) else Tenants({IMPLICIT: tenants})
         self.offload = offload
         self.observe_latency = observe_latency
+        self.about = about or pb.PingReply(version=__version__)
         self.streams = SessionStreams()
         self.instance = secrets.token_hex(8)  # SessionOpened.daemon_instance
         # Whose sessions this socket serves: the implicit tenant's without tenants; with
@@ -282,6 +286,11 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def OpenTokenBuffer(self, r):
         buffer = self._manager_of(r.session).open_token_buffer(r.session, r.size_bytes)
         return pb.OpenTokenBufferReply(shm_name=buffer.name, size_bytes=buffer.size)
+
+    @_unary
+    def ReadTokenBuffer(self, r):
+        buffer = self._manager_of(r.session).sessions.get(r.session).token_buffer
+        return pb.ReadTokenBufferReply(token_ids=read_back(buffer, r.span.offset, r.span.num_tokens))
 
     async def _off_loop_if(self, large: bool, work: Callable[[], T]) -> T:
         """``work()``: on the offload thread for a large call, inline for a small one."""
@@ -457,4 +466,4 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def Ping(self, r):
-        return pb.PingReply()
+        return self.about

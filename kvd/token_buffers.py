@@ -37,6 +37,7 @@ from kvd.shm import SHM_DIR, create_segment
 from kvd.wire.codec import TOKEN_BYTES
 
 NAME_INFIX = "tok-"  # "{arena prefix}-tok-{random}": never a page extent's name (digits)
+READ_BACK_TOKENS = 1024  # the most ids ReadTokenBuffer returns: a check, not a transfer
 
 
 def leftovers(name_prefix: str) -> list[str]:
@@ -47,6 +48,19 @@ def leftovers(name_prefix: str) -> list[str]:
         return ["/" + n for n in os.listdir(SHM_DIR) if n.startswith(base)]
     except FileNotFoundError:
         return []
+
+
+def read_back(buffer: TokenBuffer | None, offset: int, num_tokens: int) -> bytes:
+    """The ids a span of a session's buffer holds, as the daemon reads them (``ReadTokenBuffer``):
+    ``kvd doctor``'s proof that its process and the daemon map the same memory, since the
+    daemon created the segment in its /dev/shm and the client wrote the ids through its own
+    map. Reads like any call (and so seals the name)."""
+    what = "ReadTokenBuffer"
+    if buffer is None:
+        raise FailedPrecondition(f"{what}: the session has no token buffer (OpenTokenBuffer first)")
+    if num_tokens > READ_BACK_TOKENS:
+        raise InvalidArgument(f"{what}: {num_tokens} token ids asked for, at most {READ_BACK_TOKENS} are read back")
+    return buffer.read(offset, num_tokens, what)
 
 
 class TokenBuffer:

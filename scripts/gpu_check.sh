@@ -5,8 +5,9 @@
 #
 #     bash scripts/gpu_check.sh          every log and summary.txt land in $OUT (or /tmp/kvd-gpu)
 #
-# Steps: the tests marked cuda (registered shared memory → GPU loads, CUDA IPC pool export,
-# GPU prefill vs transformers, the demo's engines on CUDA), the demo itself on CUDA, and
+# Steps: the tests marked cuda (registered shared memory → GPU loads on a side stream, the
+# vLLM connector's CUDA copies, GPU prefill vs transformers, the demo's engines on CUDA),
+# the demo itself on CUDA, and
 # the GPU benchmarks (host→device GB/s from shared-memory pages vs pinned memory; suffix-only
 # prefill speed-up). Each step is capped at 5 minutes; record what it prints in bench/RESULTS.md.
 set -u

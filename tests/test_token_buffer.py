@@ -187,6 +187,27 @@ def test_a_session_reads_only_its_own_buffer(raw, daemon):
     assert token_segments(daemon.socket) == []
 
 
+def test_read_back_returns_what_the_client_wrote_and_refuses_what_it_cannot_read(raw, daemon):
+    """ReadTokenBuffer (kvd doctor's proof of shared memory): the ids the session wrote, as
+    the daemon reads them; a session without a buffer, a span past its end or one over
+    1,024 ids is refused and changes nothing; another session's buffer is out of reach."""
+    a, b = raw("a"), raw("b")
+
+    def read_back(r: Raw, offset: int, num_tokens: int) -> bytes:
+        request = pb.ReadTokenBufferRequest(session=r.session, span=pb.TokenSpan(offset=offset, num_tokens=num_tokens))
+        return r.stub.ReadTokenBuffer(request).token_ids
+
+    assert a.code_of(read_back, a, 0, 4) == grpc.StatusCode.FAILED_PRECONDITION
+    a.open_buffer(8192)
+    a.ids[:] = np.arange(2048) * 7
+    before = a.totals()
+    assert read_back(a, 64, 1024) == (np.arange(16, 16 + 1024, dtype="<i4") * 7).tobytes()
+    assert a.code_of(read_back, a, 0, 1025) == grpc.StatusCode.INVALID_ARGUMENT
+    assert a.code_of(read_back, a, 8192 - 8, 4) == grpc.StatusCode.INVALID_ARGUMENT
+    assert b.code_of(read_back, b, 0, 4) == grpc.StatusCode.FAILED_PRECONDITION  # b has no buffer of its own
+    assert a.totals() == before and token_segments(daemon.socket) == []  # read like a call: the name is gone
+
+
 def test_a_buffer_rewritten_during_calls_is_checked_on_the_daemons_copy(raw):
     """A writer flips the buffer between a valid prompt and out-of-vocabulary ids while
     calls read it. The daemon copies, then checks and matches the copy: each call is

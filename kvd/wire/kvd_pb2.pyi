@@ -193,6 +193,20 @@ class OpenTokenBufferReply(_message.Message):
     size_bytes: int
     def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
+class ReadTokenBufferRequest(_message.Message):
+    __slots__ = ("session", "span")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    span: TokenSpan
+    def __init__(self, session: _Optional[str] = ..., span: _Optional[_Union[TokenSpan, _Mapping]] = ...) -> None: ...
+
+class ReadTokenBufferReply(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ...) -> None: ...
+
 class TokenSpan(_message.Message):
     __slots__ = ("offset", "num_tokens")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -718,8 +732,14 @@ class PingRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PingReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("version", "lock_memory", "unlocked_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCK_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    UNLOCKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    lock_memory: bool
+    unlocked_bytes: int
+    def __init__(self, version: _Optional[str] = ..., lock_memory: _Optional[bool] = ..., unlocked_bytes: _Optional[int] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
     __slots__ = ("session", "has_from_seq", "from_seq")

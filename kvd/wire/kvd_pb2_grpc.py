@@ -59,6 +59,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.OpenTokenBufferRequest.SerializeToString,
                 response_deserializer=kvd__pb2.OpenTokenBufferReply.FromString,
                 _registered_method=True)
+        self.ReadTokenBuffer = channel.unary_unary(
+                '/kvd.v1.KVD/ReadTokenBuffer',
+                request_serializer=kvd__pb2.ReadTokenBufferRequest.SerializeToString,
+                response_deserializer=kvd__pb2.ReadTokenBufferReply.FromString,
+                _registered_method=True)
         self.AllocateWithPrefix = channel.unary_unary(
                 '/kvd.v1.KVD/AllocateWithPrefix',
                 request_serializer=kvd__pb2.AllocateRequest.SerializeToString,
@@ -199,6 +204,14 @@ class KVDServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadTokenBuffer(self, request, context):
+        """The ids a span of the session's token buffer holds, as the daemon reads them: `kvd
+        doctor`'s proof that this client and the daemon share memory, not only names.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AllocateWithPrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -311,7 +324,9 @@ class KVDServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Ping(self, request, context):
-        """An empty round trip, for measuring the transport itself.
+        """A round trip with a few bytes of facts about the daemon (its version, whether it keeps
+        its pages in RAM), for measuring the transport itself and for `kvd doctor`. Needs no
+        session: any process that reaches the socket gets it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -353,6 +368,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.OpenTokenBuffer,
                     request_deserializer=kvd__pb2.OpenTokenBufferRequest.FromString,
                     response_serializer=kvd__pb2.OpenTokenBufferReply.SerializeToString,
+            ),
+            'ReadTokenBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadTokenBuffer,
+                    request_deserializer=kvd__pb2.ReadTokenBufferRequest.FromString,
+                    response_serializer=kvd__pb2.ReadTokenBufferReply.SerializeToString,
             ),
             'AllocateWithPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.AllocateWithPrefix,
@@ -585,6 +605,33 @@ class KVD:
             '/kvd.v1.KVD/OpenTokenBuffer',
             kvd__pb2.OpenTokenBufferRequest.SerializeToString,
             kvd__pb2.OpenTokenBufferReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTokenBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/ReadTokenBuffer',
+            kvd__pb2.ReadTokenBufferRequest.SerializeToString,
+            kvd__pb2.ReadTokenBufferReply.FromString,
             options,
             channel_credentials,
             insecure,

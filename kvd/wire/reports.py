@@ -72,6 +72,7 @@ class RemoteStats(TypedDict):
     rejected_pages: int
     errors: int
     outages: int
+    reoffered_pages: int  # pages offered to the store again after it came back
 
 
 class Stats(PageStats):
