@@ -1,7 +1,7 @@
 """How long the daemon's event loop is held at a stretch while one client sends the largest
 calls the limits allow (issue 17), measured in process.
 
-The daemon (``kvd.server``'s ``_Daemon``, built as ``kvd serve`` builds it, with its garbage
+The daemon (``kvd.server.daemon``'s ``_Daemon``, built as ``kvd serve`` builds it, with its garbage
 collector policy and GIL switch interval) runs on this process's event loop beside a probe
 task that sleeps 1 ms at a time and records how late it wakes. A client process sends the
 heavy client's calls of bench/bench_fairness.py one at a time: a Lookup of two 4M-id
@@ -31,8 +31,9 @@ from bench_fairness import LAYOUT, largest_calls
 
 from engine_client import KVDClient
 from engine_client.launch import DaemonProcess
-from kvd import collector, server
 from kvd.config import ServeConfig
+from kvd.server import collector
+from kvd.server import daemon as server
 
 SPAWN = multiprocessing.get_context("spawn")
 

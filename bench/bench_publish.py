@@ -2,7 +2,7 @@
 
 A publish that returned survives a kill -9 of the daemon: each page's record (key, parent,
 token ids) is written to shared memory before the reply, and a page the sealer had not
-checksummed yet is sealed by recovery (kvd/recovery.py). Printed as ratios:
+checksummed yet is sealed by recovery (kvd/durability/recovery.py). Printed as ratios:
 
 1. over gRPC: p50 of publishing a fresh 50K-token prompt against an empty round trip;
 2. in process: the publish call alone (records before the reply: the contract) against
@@ -61,10 +61,10 @@ def over_grpc(socket: str, layout: PageLayout, repeats: int) -> tuple[float, flo
 
 def in_process(layout: PageLayout, repeats: int) -> tuple[float, float]:
     """(publish alone, publish + every checksum) p50 in ms, on the core without gRPC."""
-    from kvd.arena import Arena
-    from kvd.manager import KVCacheManager
-    from kvd.manager import SequenceRequest as CoreRequest
-    from kvd.namespaces import NamespaceIdentity, make_layout
+    from kvd.cache.manager import KVCacheManager
+    from kvd.cache.manager import SequenceRequest as CoreRequest
+    from kvd.core.arena import Arena
+    from kvd.core.namespaces import NamespaceIdentity, make_layout
 
     identity = NamespaceIdentity(
         "bench", make_layout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype)
@@ -100,10 +100,10 @@ def loop_time(layout: PageLayout, repeats: int) -> tuple[float, float, int, floa
     garbage collection of the heap), ms of the thread's CPU time (on a shared box, wall time
     also counts other processes' turns). The collector is off while steps are timed: a
     full collection lands in whichever step allocates when it is due, and is measured apart."""
-    from kvd.arena import Arena
-    from kvd.manager import KVCacheManager
-    from kvd.manager import SequenceRequest as CoreRequest
-    from kvd.namespaces import NamespaceIdentity, make_layout
+    from kvd.cache.manager import KVCacheManager
+    from kvd.cache.manager import SequenceRequest as CoreRequest
+    from kvd.core.arena import Arena
+    from kvd.core.namespaces import NamespaceIdentity, make_layout
 
     identity = NamespaceIdentity(
         "bench", make_layout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype)

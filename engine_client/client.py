@@ -14,7 +14,7 @@ When the daemon dies, calls fail fast with UNAVAILABLE and ``session_lost`` is s
 ``reconnect()`` opens a new session once a daemon answers again. Sequences do not survive
 a daemon restart (their ids then get NOT_FOUND); published pages do (warm restart).
 
-A daemon that isolates tenants (kvd/tenants.py) sees only this process's tenant: ``connect``
+A daemon that isolates tenants (kvd/cache/tenants.py) sees only this process's tenant: ``connect``
 does the handshake on ``<socket>.auth`` first (kvd/wire/auth.py), and a process whose
 user belongs to no tenant gets PERMISSION_DENIED.
 """
@@ -392,7 +392,7 @@ class KVDClient:
         return released
 
     def set_state(self, ns: int, seq_id: str, state: SequenceState | str) -> SequenceState:
-        """Moves a sequence along the README's life-cycle table (kvd/sequences.py ``TRANSITIONS``);
+        """Moves a sequence along the README's life-cycle table (kvd/cache/sequences.py ``TRANSITIONS``);
         returns the previous state. A refused transition is FAILED_PRECONDITION; EVICTED is the
         daemon's to set; COMPLETED releases the sequence."""
         state = SequenceState[state] if isinstance(state, str) else state

@@ -2,7 +2,7 @@
 tenant became findable (``BlockStored``) or stopped being findable (``BlockRemoved``,
 ``AllBlocksCleared``), in numbered batches.
 
-They are vLLM's KV events (kvd's ZMQ stream sends the same, kvd/event_publisher.py) with
+They are vLLM's KV events (kvd's ZMQ stream sends the same, kvd/server/event_publisher.py) with
 kvd's page keys as block hashes (``KVDClient.page_keys`` computes them locally).
 engine_client/messages.py reads them off the wire.
 """

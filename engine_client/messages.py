@@ -1,6 +1,6 @@
 """The client's types to and from the wire's messages (protos/kvd.proto): what the
 client sends and how it reads the replies, apart from when and why it calls
-(engine_client/client.py). The daemon's side of the same conversions is kvd/messages.py.
+(engine_client/client.py). The daemon's side of the same conversions is kvd/server/messages.py.
 With connection.py (the transport), the only client module that sees protobuf messages.
 """
 

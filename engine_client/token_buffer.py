@@ -1,4 +1,4 @@
-"""The client's half of its session's token buffer (kvd/token_buffers.py is the daemon's).
+"""The client's half of its session's token buffer (kvd/cache/token_buffers.py is the daemon's).
 
 A large Allocate or Lookup writes its token ids into a shared-memory segment of the
 session's own and sends only where they lie (``TokenSpan``), so 200 KB of a 50K-token

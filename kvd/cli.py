@@ -39,11 +39,11 @@ def _serve(args) -> int:
     }
     cfg = config_mod.load(flags, config_file=args.config)
     config_mod.check_socket_directory(cfg)
-    from kvd.server import StartupError, serve  # the daemon's modules load only for `serve`
+    from kvd.server.daemon import StartupError, serve  # the daemon's modules load only for `serve`
 
     metrics = None
     if cfg.metrics_port:
-        from kvd.metrics import MetricsExporter
+        from kvd.server.metrics import MetricsExporter
 
         metrics = MetricsExporter(isolated=bool(cfg.tenants))
     try:
@@ -71,7 +71,7 @@ def _socket(args) -> str:
 
 def stats_table(stats: dict) -> str:
     """A readable table of the JSON stats: totals and one column per namespace."""
-    from kvd.stats import STAT_FIELDS
+    from kvd.cache.stats import STAT_FIELDS
 
     columns = [("total", stats)] + [(f"ns {n['namespace_id']} {n['model']}", n) for n in stats["namespaces"]]
     width = max(len(f) for f in STAT_FIELDS)
@@ -170,8 +170,8 @@ def _reset(args) -> int:
 
 
 def _clean(args) -> int:
-    from kvd import token_buffers
-    from kvd.arena import daemon_segments, leftover_segments, unlink_segments
+    from kvd.cache import token_buffers
+    from kvd.core.arena import daemon_segments, leftover_segments, unlink_segments
 
     cfg = config_mod.load({"socket": args.socket}, config_file=args.config)
     try:
@@ -184,7 +184,7 @@ def _clean(args) -> int:
     except OSError as e:  # e.g. EACCES: a daemon may be running; never pull its memory away
         print(f"kvd clean: cannot tell whether a daemon runs on {cfg.socket} ({e.strerror})", file=sys.stderr)
         return 1
-    from kvd.tenants import tenant_prefix
+    from kvd.cache.tenants import tenant_prefix
 
     prefixes = [cfg.shm_prefix, *(tenant_prefix(cfg.shm_prefix, t.name) for t in cfg.tenants)]
     names = [n for prefix in prefixes for n in leftover_segments(prefix)]

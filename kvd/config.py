@@ -10,7 +10,7 @@ exists) uses the same names as the flags, with underscores::
 
 Each setting can also come from ``KVD_<NAME>`` (``KVD_HOST_BYTES=8GiB``).
 
-Tenants come only from the file (kvd/tenants.py says how clients are mapped to them)::
+Tenants come only from the file (kvd/cache/tenants.py says how clients are mapped to them)::
 
     [tenants.alpha]
     uids = [1001]          # processes of these users, and/or
@@ -20,7 +20,7 @@ Tenants come only from the file (kvd/tenants.py says how clients are mapped to t
 
 Without a ``[tenants]`` table the daemon has one implicit tenant that everyone reaches.
 
-The remote tier (kvd/remote.py) is off unless a master is named, in a ``[remote]`` table,
+The remote tier (kvd/remote/tier.py) is off unless a master is named, in a ``[remote]`` table,
 as ``KVD_REMOTE_<KEY>`` or as ``--remote-<key>`` flags::
 
     [remote]
@@ -186,7 +186,7 @@ class ServeConfig:
     lock_memory: bool = True
     socket_mode: int = 0o660
     shutdown_grace_seconds: float = 5.0
-    events_endpoint: str = ""  # ZMQ PUB endpoint of the KV events (kvd/event_publisher.py); "": none
+    events_endpoint: str = ""  # ZMQ PUB endpoint of the KV events (kvd/server/event_publisher.py); "": none
     events_replay_endpoint: str = ""  # its replay ROUTER endpoint; "": no replay
     events_topic: str = ""
     events_buffer_batches: int = 1000  # batches kept for replay (ZMQ and gRPC subscribers)
@@ -206,7 +206,7 @@ class ServeConfig:
     @property
     def socket_paths(self) -> tuple[str, ...]:
         """Every socket file the daemon listens on: gRPC, and with tenants the handshake's
-        and one gRPC socket per tenant (kvd/tenants.py)."""
+        and one gRPC socket per tenant (kvd/cache/tenants.py)."""
         if not self.tenants:
             return (self.socket,)
         return (self.socket, auth_socket(self.socket), *(tenant_socket(self.socket, t.name) for t in self.tenants))

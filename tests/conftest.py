@@ -9,13 +9,13 @@ import time
 import pytest
 
 from engine_client.launch import DaemonProcess
-from kvd.arena import SHM_DIR, Arena, leftover_segments, unlink_segments
+from kvd.cache.manager import KVCacheManager
 from kvd.config import ServeConfig
-from kvd.manager import KVCacheManager
-from kvd.meta import HEADER_BYTES, record_size
-from kvd.namespaces import NamespaceIdentity, make_layout
-from kvd.server import socket_answers
-from kvd.types import SequenceState
+from kvd.core.arena import SHM_DIR, Arena, leftover_segments, unlink_segments
+from kvd.core.namespaces import NamespaceIdentity, make_layout
+from kvd.core.types import SequenceState
+from kvd.durability.meta import HEADER_BYTES, record_size
+from kvd.server.daemon import socket_answers
 
 _counter = itertools.count()
 
@@ -43,7 +43,7 @@ def make_manager():
 
 
 def allocate_in_steps(m: KVCacheManager, session_id: str, namespace_id: int, requests):
-    """``m.allocate`` as the daemon runs it (kvd/allocation.py): the job's room made in
+    """``m.allocate`` as the daemon runs it (kvd/cache/allocation.py): the job's room made in
     steps (extents built ahead awaited), then committed."""
     m.sessions.get(session_id)
     with m.allocation(session_id, m.batch(namespace_id, requests)) as job:
@@ -55,7 +55,7 @@ def allocate_in_steps(m: KVCacheManager, session_id: str, namespace_id: int, req
 
 def budget_for(pages: int, page_bytes: int, page_size: int, extents: int = 1) -> int:
     """The host budget ``pages`` pages in ``extents`` extents take: their data and their
-    metadata records and headers, as the arena counts them (kvd/arena.py)."""
+    metadata records and headers, as the arena counts them (kvd/core/arena.py)."""
     return pages * (page_bytes + record_size(page_size)) + extents * HEADER_BYTES
 
 

@@ -34,7 +34,7 @@ GARBAGE = {
     "wire type 7": b"\x0f\x01\x02\x03",
     "truncated field": b"\x0a\x40abc",
     "string not UTF-8": b"\x0a\x02\xff\xfe",
-    # over kvd/offload.py's LARGE_REQUEST_BYTES: parsed on the offload thread, refused the same way
+    # over kvd/server/offload.py's LARGE_REQUEST_BYTES: parsed on the offload thread, refused the same way
     "large, truncated field": b"\x0a\x80\x80\x10" + bytes(70_000),
 }
 
@@ -279,7 +279,7 @@ def test_a_wide_allocate_is_checked_off_the_loop_while_others_are_served(daemon,
     """One session allocates 4,096 sequences with 4 LoRA keys each (the widest batch the
     limits allow) whose last sequence holds an id outside the vocabulary: the daemon
     converts and checks every sequence before it can refuse the call. That work needs
-    nothing of the core, so it runs on the offload thread (kvd/offload.py), and another
+    nothing of the core, so it runs on the offload thread (kvd/server/offload.py), and another
     session's pings are answered meanwhile; when it ran on the event loop, in one piece
     (~0.2 s here), a ping that came meanwhile waited for all of it. Each call is compared
     with itself (its longest overlapping ping against its own duration), and the median

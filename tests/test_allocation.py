@@ -1,4 +1,4 @@
-"""An allocation's own hits are never evicted to make room for it (kvd/allocation.py).
+"""An allocation's own hits are never evicted to make room for it (kvd/cache/allocation.py).
 
 The batch is matched once, its hits are held before room is made, in the stepped path
 the daemon takes (``AllocationJob.steps`` between loop turns) and in the one-piece path
@@ -13,9 +13,9 @@ import pytest
 from conftest import allocate_in_steps, budget_for, identity
 
 from engine_client import KVDClient, KVDError, SequenceRequest
-from kvd import invariants
-from kvd.errors import ResourceExhausted
-from kvd.requests import SequenceRequest as CoreRequest
+from kvd.cache import invariants
+from kvd.cache.requests import SequenceRequest as CoreRequest
+from kvd.core.errors import ResourceExhausted
 
 LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB
 PAGE = LAYOUT.page_size

@@ -8,7 +8,7 @@ import time
 from conftest import identity, unique_prefix
 
 from engine_client import KVDClient
-from kvd.arena import Arena, _MemoryLocker
+from kvd.core.arena import Arena, _MemoryLocker
 
 
 def shm_rss_kib(name: str) -> int:
@@ -36,7 +36,7 @@ def test_a_new_extent_is_resident_before_any_request_touches_it():
 
 def test_mlock_failures_warn_once(caplog):
     locker = _MemoryLocker()
-    with caplog.at_level(logging.WARNING, logger="kvd.arena"):
+    with caplog.at_level(logging.WARNING, logger="kvd.core.arena"):
         # Address 4096 is never mapped: mlock fails with ENOMEM, like a low RLIMIT_MEMLOCK would.
         assert locker.lock(4096, 4096) is False
         assert locker.lock(4096, 4096) is False

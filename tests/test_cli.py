@@ -21,8 +21,8 @@ from conftest import clean_env, start_daemon
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from kvd import config as config_mod
-from kvd.arena import leftover_segments
-from kvd.stats import STAT_FIELDS
+from kvd.cache.stats import STAT_FIELDS
+from kvd.core.arena import leftover_segments
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHIPPED_CONFIG = ROOT / "systemd" / "kvd.toml"

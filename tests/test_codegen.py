@@ -31,7 +31,8 @@ def test_daemon_imports_neither_torch_nor_cupy():
     import sys
 
     code = (
-        "import sys, kvd.server, kvd.cli, kvd.metrics; assert 'torch' not in sys.modules and 'cupy' not in sys.modules"
+        "import sys, kvd.server.daemon, kvd.cli, kvd.server.metrics; "
+        "assert 'torch' not in sys.modules and 'cupy' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -78,8 +79,14 @@ TRANSPORT = ("grpc", "google.protobuf", "kvd.wire.kvd_pb2", "kvd.wire.kvd_pb2_gr
 CLIENT_TRANSPORT = ("engine_client/connection.py", "engine_client/messages.py")
 # The vLLM connector; the reference engine, the rest of gpu_worker/, stands without it (and without vLLM).
 CONNECTOR = ("gpu_worker/vllm", "gpu_worker/vllm_connector.py")
-# The remote tier and the launcher that builds it; the page core hears it only through kvd/tier.py.
-REMOTE_TIER = ("kvd/remote.py", "kvd/remote_link.py", "kvd/remote_format.py", "kvd/mooncake_store.py", "kvd/server.py")
+# The remote tier and the launcher that builds it; the page core hears it only through kvd/core/tier.py.
+REMOTE_TIER = (
+    "kvd/remote/tier.py",
+    "kvd/remote/link.py",
+    "kvd/remote/format.py",
+    "kvd/remote/mooncake_store.py",
+    "kvd/server/daemon.py",
+)
 
 
 def test_import_rules_hold_in_the_source_including_imports_inside_functions():
@@ -92,8 +99,8 @@ def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     assert (
         _violations("gpu_worker", ("vllm", "gpu_worker.vllm", "gpu_worker.vllm_connector"), exempt=CONNECTOR) == set()
     )
-    # the remote tier hangs beside the page core (kvd/tier.py): only the launcher builds it
-    tier = ("kvd.remote", "kvd.remote_link", "kvd.remote_format", "kvd.mooncake_store", "mooncake")
+    # the remote tier hangs beside the page core (kvd/core/tier.py): only the launcher builds it
+    tier = ("kvd.remote.tier", "kvd.remote.link", "kvd.remote.format", "kvd.remote.mooncake_store", "mooncake")
     assert _violations("kvd", tier, exempt=REMOTE_TIER) == set()
 
 

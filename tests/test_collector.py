@@ -1,4 +1,4 @@
-"""The daemon's garbage-collector policy (kvd/collector.py): long-lived objects frozen.
+"""The daemon's garbage-collector policy (kvd/server/collector.py): long-lived objects frozen.
 
 A full collection that walks a heap of 512K pages stalls every call for 0.5 s or more;
 the daemon freezes what it keeps so collections walk only what is new, and hands the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
-from kvd import collector
+from kvd.server import collector
 from tests.conftest import identity, stop_cleanly
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")  # 2 KiB pages
@@ -82,5 +82,5 @@ def test_the_daemon_freezes_at_start_up_and_after_each_adopted_extent(daemon_fac
     grown = [int(n) for n in re.findall(r"collector: (\d+) long-lived objects frozen after adopting an extent", log)]
     assert len(started) == 1 and started[0] > 1000, log
     assert len(grown) >= 3, log  # 1,500 pages need three extents
-    # A page is a row of the pool's columns (kvd/page_columns.py), not an object to track.
+    # A page is a row of the pool's columns (kvd/core/page_columns.py), not an object to track.
     assert grown[-1] - grown[0] < 512, f"adopting extents of 512 pages added as many tracked objects: {grown}"

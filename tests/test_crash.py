@@ -20,8 +20,8 @@ import pytest
 from conftest import wait_until
 
 from engine_client import KVDClient, SequenceRequest
-from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
+from kvd.core.arena import SHM_DIR, leftover_segments
 
 SPAWN = multiprocessing.get_context("spawn")
 PAGE = agents.LAYOUT.page_size

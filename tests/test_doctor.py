@@ -23,9 +23,9 @@ from test_crash_safety import in_small_shm, needs_private_shm
 from test_tenants import OTHER_UID, tenant_daemon, user_env
 
 from engine_client import KVDClient, PageLayout
-from kvd import token_buffers
+from kvd.cache import token_buffers
 from kvd.config import ServeConfig
-from kvd.server import socket_answers
+from kvd.server.daemon import socket_answers
 from kvd.wire.admin import fetch_stats
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

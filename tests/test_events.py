@@ -337,8 +337,8 @@ def test_extra_keys_are_the_ones_vllm_publishes():
 
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
-    from kvd.events import event_extras
-    from kvd.index import ExtraKey as CoreKey
+    from kvd.cache.events import event_extras
+    from kvd.core.index import ExtraKey as CoreKey
     from kvd.wire.enums import ExtraKind
 
     def image(name: str, offset: int, length: int):
@@ -382,7 +382,7 @@ def test_with_tenants_a_session_streams_its_own_tenants_events_on_its_own_socket
 
 
 def test_the_log_records_only_while_someone_listens_and_ends_a_subscriber_that_falls_behind():
-    from kvd.events import EventLog
+    from kvd.cache.events import EventLog
 
     log = EventLog(buffer_batches=2)
     log.removed(1, b"k" * 16)

@@ -51,7 +51,7 @@ HOST_BYTES = 16 << 10  # 32 pages of namespace A: a few sequences fill it
 EXTENT_BYTES = 1 << 12
 VOCAB_A = 1000  # namespace A checks ids against its vocabulary; B accepts any id >= 0
 PAGE_SIZE = {"A": 4, "B": 8}
-MAX_TOKENS = 1 << 22  # kvd.manager.Limits.max_tokens_per_sequence
+MAX_TOKENS = 1 << 22  # kvd.cache.manager.Limits.max_tokens_per_sequence
 UNKNOWN_NS = 999
 
 # Stats that only calls change (free_pages also moves when a background extent is adopted).

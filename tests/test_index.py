@@ -11,14 +11,14 @@ import pytest
 from conftest import budget_for, identity
 from hypothesis import HealthCheck, given, settings
 
-import kvd.index
-import kvd.publishing
+import kvd.cache.publishing
+import kvd.core.index
 import kvd.wire.keys
-from kvd import invariants
-from kvd.errors import InvalidArgument, ResourceExhausted
-from kvd.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
-from kvd.manager import SequenceRequest
-from kvd.types import PageId, PageKey, PageState
+from kvd.cache import invariants
+from kvd.cache.manager import SequenceRequest
+from kvd.core.errors import InvalidArgument, ResourceExhausted
+from kvd.core.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.core.types import PageId, PageKey, PageState
 
 PAGE_SIZE = 4
 ROOT = bytes(range(16))
@@ -236,8 +236,8 @@ def test_multimodal_item_outside_the_prompt_is_rejected(core):
 def test_a_forced_hash_collision_costs_a_miss_never_a_wrong_hit(core, monkeypatch):
     m, sid, ns = core
     constant = lambda *args: PageKey(b"\0" * 16)  # noqa: E731
-    monkeypatch.setattr(kvd.index, "page_key", constant)  # matching
-    monkeypatch.setattr(kvd.publishing, "page_key", constant)  # publishing
+    monkeypatch.setattr(kvd.core.index, "page_key", constant)  # matching
+    monkeypatch.setattr(kvd.cache.publishing, "page_key", constant)  # publishing
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]
     plan = allocate_and_publish(m, sid, ns, "ab", a + b)
     assert plan.pages == [0, 1]

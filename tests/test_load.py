@@ -22,8 +22,8 @@ import pytest
 from conftest import vm_kib, wait_until
 
 from engine_client import ErrorCode, KVDClient, KVDError, SequenceRequest
-from kvd.arena import SHM_DIR, leftover_segments
 from kvd.config import ServeConfig
+from kvd.core.arena import SHM_DIR, leftover_segments
 
 SPAWN = multiprocessing.get_context("spawn")
 LAYOUT = agents.LAYOUT  # 16-token pages of 2 KiB

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from conftest import STATE_STEPS, budget_for, identity
 
-from kvd import invariants, stats
-from kvd.arena import leftover_segments
-from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from kvd.manager import Limits, PublishResult, SequenceRequest
-from kvd.requests import Rebind
-from kvd.types import PageState, SequenceState
+from kvd.cache import invariants, stats
+from kvd.cache.manager import Limits, PublishResult, SequenceRequest
+from kvd.cache.requests import Rebind
+from kvd.core.arena import leftover_segments
+from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from kvd.core.types import PageState, SequenceState
 
 PAGE_SIZE = 4
 PAGE_BYTES = 512

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import kvd.eviction
-import kvd.pool
-from kvd.counters import Counters
-from kvd.index import PageContent, PrefixIndex
-from kvd.page_columns import PageColumns
-from kvd.pool import PagePool
-from kvd.types import NamespaceId, PageId, PageKey, PageState
+import kvd.core.eviction
+import kvd.core.pool
+from kvd.core.counters import Counters
+from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.page_columns import PageColumns
+from kvd.core.pool import PagePool
+from kvd.core.types import NamespaceId, PageId, PageKey, PageState
 
 
 def content(page: int) -> PageContent:
@@ -25,7 +25,7 @@ def content(page: int) -> PageContent:
 @pytest.fixture(params=["page-by-page", "arrays"])
 def batch_path(request, monkeypatch):
     """Runs a test once with every batch going page by page, once with every batch on arrays."""
-    monkeypatch.setattr(kvd.pool, "BATCH_PAGES", 10**9 if request.param == "page-by-page" else 1)
+    monkeypatch.setattr(kvd.core.pool, "BATCH_PAGES", 10**9 if request.param == "page-by-page" else 1)
     return request.param
 
 
@@ -75,7 +75,7 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
 
 
 def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch):
-    monkeypatch.setattr(kvd.eviction, "STALE_ENTRIES", 8)
+    monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 8)
     pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 16)
     pages = pool.allocate(ns, 16)
@@ -175,7 +175,7 @@ class Model:
 
 
 def test_both_paths_agree_with_the_model(monkeypatch):
-    monkeypatch.setattr(kvd.eviction, "STALE_ENTRIES", 4)  # drop left-behind entries often
+    monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 4)  # drop left-behind entries often
     rng = random.Random(15)
     model = Model()
     pool = PagePool(Counters(), PrefixIndex(), on_unpublish=lambda page: unpublished.append(page))
@@ -196,7 +196,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
     for ns in (0, 0, 1):
         add_extent(ns)
     for step in range(3000):
-        monkeypatch.setattr(kvd.pool, "BATCH_PAGES", rng.choice([1, 10**9]))  # each call takes either path
+        monkeypatch.setattr(kvd.core.pool, "BATCH_PAGES", rng.choice([1, 10**9]))  # each call takes either path
         ns = rng.choice([0, 1])
         live = [p for p, s in model.state.items() if model.namespace[p] == ns]
         shared = [p for p in live if model.state[p] in (PageState.PUBLISHED, PageState.CACHED)]

@@ -14,9 +14,9 @@ import sys
 
 from conftest import clean_env
 
-import kvd.sequences
-from kvd.sequences import TRANSITIONS
-from kvd.types import SequenceState
+import kvd.cache.sequences
+from kvd.cache.sequences import TRANSITIONS
+from kvd.core.types import SequenceState
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -96,9 +96,9 @@ def life_cycle_table(text: str) -> dict[SequenceState, frozenset[SequenceState]]
 
 
 def test_the_life_cycle_table_is_the_one_the_daemon_enforces():
-    """README and kvd/sequences.py's docstring show the table set_state checks, all 5 rows."""
+    """README and kvd/cache/sequences.py's docstring show the table set_state checks, all 5 rows."""
     assert life_cycle_table(README.read_text()) == TRANSITIONS
-    assert life_cycle_table(kvd.sequences.__doc__) == TRANSITIONS
+    assert life_cycle_table(kvd.cache.sequences.__doc__) == TRANSITIONS
     assert set(TRANSITIONS) == set(SequenceState)
     assert all(SequenceState.EVICTED not in targets for targets in TRANSITIONS.values()), "EVICTED is the daemon's"
 

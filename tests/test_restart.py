@@ -14,13 +14,14 @@ from conftest import raw_page
 
 from engine_client import KVDClient, SequenceRequest
 from engine_client.types import KVDError
-from kvd import invariants, recovery
-from kvd.arena import SHM_DIR, Arena, daemon_segments
+from kvd.cache import invariants
+from kvd.cache.manager import KVCacheManager
+from kvd.cache.manager import SequenceRequest as CoreRequest
 from kvd.config import ServeConfig
-from kvd.manager import KVCacheManager
-from kvd.manager import SequenceRequest as CoreRequest
-from kvd.meta import manifest_name
-from kvd.namespaces import NamespaceIdentity, make_layout
+from kvd.core.arena import SHM_DIR, Arena, daemon_segments
+from kvd.core.namespaces import NamespaceIdentity, make_layout
+from kvd.durability import recovery
+from kvd.durability.meta import manifest_name
 
 PAGE = agents.LAYOUT.page_size
 ARGS = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")

@@ -34,8 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_client import ErrorCode, KVDClient, KVDError, PageLayout, ResetReport, SequenceRequest, Stats, VerifyReport
 from kvd import __version__
 from kvd import config as config_mod
-from kvd.arena import leftover_segments
-from kvd.stats import STAT_FIELDS
+from kvd.cache.stats import STAT_FIELDS
+from kvd.core.arena import leftover_segments
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.paths import DEFAULT_CONFIG_FILE
@@ -406,7 +406,7 @@ def test_sigterm_lets_calls_finish_refuses_new_ones_and_cleans_up(tmp_path):
     daemon.clean()
     assert leftover_segments(prefix) == [], "kvd clean removes what the stop kept"
     log = daemon.log()
-    assert "stopping: finishing calls in flight" in log and "INFO kvd.server: stopped" in log, log
+    assert "stopping: finishing calls in flight" in log and "INFO kvd.server.daemon: stopped" in log, log
     assert "Traceback" not in log, log
     print(f"\n{sum(ok_calls)} calls answered before the stop; daemon exited 0")
 
@@ -622,9 +622,9 @@ def test_every_core_error_class_maps_to_a_status_through_its_hierarchy():
     """A subclass (shm.ShmFull is a ResourceExhausted) maps like its base, not to a KeyError."""
     import grpc
 
-    from kvd import errors
-    from kvd.service import status_for
-    from kvd.shm import ShmFull
+    from kvd.core import errors
+    from kvd.core.shm import ShmFull
+    from kvd.server.service import status_for
 
     assert status_for(ShmFull("/dev/shm is full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_for(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND

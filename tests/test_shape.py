@@ -1,4 +1,4 @@
-"""kvd/shape.py: the count of a request's fields, walked over the wire bytes before parsing,
+"""kvd/server/shape.py: the count of a request's fields, walked over the wire bytes before parsing,
 against a plain reference walk (one call per varint, over a memoryview)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from kvd import shape
+from kvd.server import shape
 from kvd.wire import kvd_pb2 as pb
 
 

@@ -3,7 +3,7 @@
 Two sessions, two namespaces with different page sizes (4 tokens in 512 bytes, 8 in 1024)
 and a budget of twelve small pages, so prefix hits, dedup, LRU eviction, extent reclaim,
 on-hold eviction and exhaustion all happen (a ``pressure`` rule makes sure of the last ones). After every step
-the invariants of docs/architecture.md hold (``kvd.invariants.violations``) and the core agrees with
+the invariants of docs/architecture.md hold (``kvd.cache.invariants.violations``) and the core agrees with
 the model: which sequences exist, their owner, state, length, known tokens and aux state,
 and which pins each session holds. A call the model says must fail raises exactly that
 error class and changes nothing; ResourceExhausted is the one outcome the model does not
@@ -30,11 +30,11 @@ from hypothesis.stateful import (
 )
 from test_manager import snapshot, toks
 
-import kvd.pool
-from kvd import invariants, stats
-from kvd.errors import FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted
-from kvd.manager import KVCacheManager, SequenceRequest
-from kvd.types import PageState, SequenceState
+import kvd.core.pool
+from kvd.cache import invariants, stats
+from kvd.cache.manager import KVCacheManager, SequenceRequest
+from kvd.core.errors import FailedPrecondition, InvalidArgument, KVDError, NotFound, PermissionDenied, ResourceExhausted
+from kvd.core.types import PageState, SequenceState
 
 PAGE_SIZES = (4, 8)  # namespace 0: 512-byte pages, namespace 1: 1024-byte pages
 PAGE_BYTES = (512, 1024)
@@ -203,7 +203,7 @@ class CoreMachine(RuleBasedStateMachine):
         stepped=st.booleans(),
     )
     def allocate(self, i, n, batch, bad, then_publish=False, stepped=False):
-        """``stepped``: room made in steps, as the daemon does (kvd/allocation.py); its hits
+        """``stepped``: room made in steps, as the daemon does (kvd/cache/allocation.py); its hits
         must be what lookup found, whatever it evicts."""
         if bad == 1:  # a duplicate id
             batch = batch + batch[:1]
@@ -489,11 +489,11 @@ class CoreMachine(RuleBasedStateMachine):
 
 # A failure shrinks for up to hypothesis' own limit of 5 minutes; let it finish.
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("batch_pages", [kvd.pool.BATCH_PAGES, 1], ids=["pool-default", "pool-arrays"])
+@pytest.mark.parametrize("batch_pages", [kvd.core.pool.BATCH_PAGES, 1], ids=["pool-default", "pool-arrays"])
 def test_core_state_machine(make_manager, monkeypatch, batch_pages):
     """Once as the daemon runs, once with every page batch on the pool's array path (the
     machine's batches are smaller than ``BATCH_PAGES``)."""
-    monkeypatch.setattr(kvd.pool, "BATCH_PAGES", batch_pages)
+    monkeypatch.setattr(kvd.core.pool, "BATCH_PAGES", batch_pages)
     CoreMachine.make_manager = staticmethod(make_manager)
     try:
         run_state_machine_as_test(

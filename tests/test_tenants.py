@@ -24,9 +24,9 @@ from test_service import free_port, metric_samples
 
 from engine_client import ErrorCode, KVDClient, KVDError, PageLayout, SequenceRequest
 from kvd import config as config_mod
+from kvd.cache.tenants import IMPLICIT, Peer, Tenants, TicketBook, tenant_prefix
 from kvd.config import ConfigError
-from kvd.errors import NotFound, PermissionDenied
-from kvd.tenants import IMPLICIT, Peer, Tenants, TicketBook, tenant_prefix
+from kvd.core.errors import NotFound, PermissionDenied
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.admin import fetch_stats, reset_prefix_cache
@@ -420,7 +420,7 @@ with KVDClient.connect(socket) as kvd:
         kvd.page_array(ns, a.private_pages[0])
         out["extents"] = [e.name for e in kvd.mapped_extents(ns)]
     if op == "fill":  # twice this tenant's whole budget: its own cache must be evicted
-        pages = kvd.host_bytes // (512 + 80)  # a page and its metadata record (kvd/meta.py)
+        pages = kvd.host_bytes // (512 + 80)  # a page and its metadata record (kvd/durability/meta.py)
         for round in range(2):
             tokens = [50000 + round * 10000 + i for i in range(pages * 4)]
             kvd.allocate_with_prefix(ns, [SequenceRequest("f", tokens)])

@@ -1,4 +1,4 @@
-"""Token ids through a session's token buffer (kvd/token_buffers.py), against a real daemon.
+"""Token ids through a session's token buffer (kvd/cache/token_buffers.py), against a real daemon.
 
 The client library takes this path on its own for large calls; raw stubs below send what
 the proto allows: spans outside the buffer, spans beside inline ids, spans without a
@@ -21,9 +21,9 @@ import pytest
 
 from engine_client import ErrorCode, KVDClient, PageLayout, SequenceRequest
 from engine_client.token_buffer import MIN_TOKENS
+from kvd.cache.token_buffers import NAME_INFIX, TokenBuffer
 from kvd.config import ServeConfig
-from kvd.errors import FailedPrecondition
-from kvd.token_buffers import NAME_INFIX, TokenBuffer
+from kvd.core.errors import FailedPrecondition
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.codec import token_ids_array
@@ -122,7 +122,7 @@ def test_client_passes_large_calls_through_the_buffer_with_the_same_results(daem
         [found] = c.lookup(ns, [SequenceRequest("again", PROMPT)])
         assert found.hit_tokens == len(PROMPT) // PAGE_SIZE * PAGE_SIZE
         assert found.hit_pages == big.shared_pages + big.private_pages[: len(found.hit_pages) - len(big.shared_pages)]
-        # A call over kvd/offload.py's thresholds (sequences, token ids) is checked and
+        # A call over kvd/server/offload.py's thresholds (sequences, token ids) is checked and
         # answered on the offload thread: the same answers.
         wide = c.lookup(ns, [SequenceRequest(f"again{i}", PROMPT) for i in range(6)])
         assert [(x.hit_pages, x.hit_tokens) for x in wide] == [(found.hit_pages, found.hit_tokens)] * 6
@@ -268,7 +268,7 @@ def test_a_buffer_its_client_shrank_is_refused_and_the_daemon_keeps_serving(raw)
 
 
 def test_a_buffer_closed_while_reads_run_ends_them_cleanly():
-    """A large call reads its spans on the offload thread (kvd/offload.py) while the loop may
+    """A large call reads its spans on the offload thread (kvd/server/offload.py) while the loop may
     close the buffer (its session ended, or opened another). A read in flight finishes; one
     that begins after the close is refused (FAILED_PRECONDITION, a clean status); the
     descriptor is closed once, after the last read."""

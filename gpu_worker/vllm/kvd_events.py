@@ -3,7 +3,7 @@
 The vLLM connector's scheduler half tells vLLM's KV event stream which blocks kvd stored
 (`BlockStored`, keyed by vLLM's own block hashes). When kvd later evicts or drops such a
 page, routers must hear `BlockRemoved` for the same vLLM hash. kvd announces removals by
-its own page keys (kvd/events.py) on a per-session stream (`KVDClient.subscribe_events`); this module keeps the
+its own page keys (kvd/cache/events.py) on a per-session stream (`KVDClient.subscribe_events`); this module keeps the
 kvd key → vLLM hash of every block reported as stored (keys computed locally,
 `KVDClient.page_keys`), follows the stream on a thread of its own, and turns the removals
 of remembered keys into vLLM events. Keys it never reported (pages of other processes,

@@ -1,4 +1,4 @@
-"""The client half of the tenant handshake (the daemon's half: kvd/handshake.py), shared by
+"""The client half of the tenant handshake (the daemon's half: kvd/server/handshake.py), shared by
 the client library and the daemon's admin commands.
 
 A daemon that isolates tenants listens on ``<socket>.auth`` beside its gRPC socket. The
@@ -6,7 +6,7 @@ client connects, sends nothing, and reads one line: ``OK <ticket>`` or ``DENIED 
 The kernel tells the daemon who connected (SO_PEERCRED), which grpc-python cannot; the
 ticket, redeemed once by ``OpenSession`` (or an admin call), carries that identity over.
 The answer also names the tenant, whose own socket is where the session must live: only
-there are its session ids valid (kvd/tenants.py).
+there are its session ids valid (kvd/cache/tenants.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import enum
 
 
 class SequenceState(enum.Enum):
-    """A sequence's life-cycle state; which moves a client may make is kvd/sequences.py's
+    """A sequence's life-cycle state; which moves a client may make is kvd/cache/sequences.py's
     ``TRANSITIONS`` (the README's table). EVICTED: memory pressure dropped an ON_HOLD one's pages."""
 
     PREFILLED = 1

@@ -4,7 +4,7 @@ The client library and the admin calls of ``kvd stats`` / ``verify`` / ``reset``
 (``engine_client.KVDError`` is this class). Its codes are gRPC's status codes by name and
 number, so messages, logs and docs read the same on both sides, but no gRPC type reaches
 the caller: the transport's statuses become codes in one place (kvd/wire/status.py). The
-daemon's own core errors are kvd/errors.py; kvd/service.py maps them to gRPC statuses.
+daemon's own core errors are kvd/core/errors.py; kvd/server/service.py maps them to gRPC statuses.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ health: ``kvd health``, the readiness probe of deploy/kubernetes/) and what it i
 facts: its version and memory locking, for ``kvd doctor``).
 
 The daemon reports SERVING once its sockets accept calls and NOT_SERVING from the moment a
-graceful stop begins (kvd/server.py), so a probe stops sending engines to a daemon that
+graceful stop begins (kvd/server/daemon.py), so a probe stops sending engines to a daemon that
 is going away before its socket does.
 """
 

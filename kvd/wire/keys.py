@@ -1,6 +1,6 @@
 """Page keys: the chain of hashes that names every full page, computed alike by the daemon
-(kvd/index.py indexes pages under them) and by clients (to recognise the keys kvd's KV
-events name, kvd/events.py).
+(kvd/core/index.py indexes pages under them) and by clients (to recognise the keys kvd's KV
+events name, kvd/cache/events.py).
 
 A page key hashes (parent key, page index, the page's token ids, the page's extra keys);
 the chain starts at a per-request root that hashes the namespace root
@@ -38,7 +38,7 @@ def tagged(kind: int, value: bytes, *fields: int) -> bytes:
     return bytes([kind]) + _U32.pack(len(value)) + value + b"".join(struct.pack("<q", f) for f in fields)
 
 
-@dataclass(frozen=True, slots=True)  # slots: the daemon makes one per sequence of a call (kvd/requests.py)
+@dataclass(frozen=True, slots=True)  # slots: the daemon makes one per sequence of a call (kvd/cache/requests.py)
 class ChainSpec:
     """Everything a request contributes to its page keys besides token ids."""
 
@@ -54,7 +54,7 @@ class ChainSpec:
         """What a stored page keeps of ``local_bytes``: a 16-byte digest, or b"" when there are none.
 
         Page 0's local bytes hold the chain root plus its multimodal items, so they are
-        long; a fixed-size digest fits the page's shared-memory record (kvd/meta.py).
+        long; a fixed-size digest fits the page's shared-memory record (kvd/durability/meta.py).
         """
         local = self.local_bytes(page_index)
         return hashlib.blake2b(local, digest_size=16).digest() if local else b""

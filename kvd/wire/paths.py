@@ -90,11 +90,11 @@ def find_socket(given: str | None = None, environ=None) -> SocketChoice:
 
 
 def auth_socket(socket: str) -> str:
-    """The raw unix socket of the tenant handshake beside a daemon's gRPC socket (kvd/tenants.py)."""
+    """The raw unix socket of the tenant handshake beside a daemon's gRPC socket (kvd/cache/tenants.py)."""
     return socket + ".auth"
 
 
 def tenant_socket(socket: str, tenant: str) -> str:
-    """The gRPC socket that serves one tenant's sessions (kvd/tenants.py): the only socket
+    """The gRPC socket that serves one tenant's sessions (kvd/cache/tenants.py): the only socket
     on which that tenant's session ids are valid, reachable by the tenant's group only."""
     return f"{socket}.t-{tenant}"

@@ -1,0 +1,8 @@
+"""The cache's policy: what each client call does to sequences, pins and sessions on top
+of the page core.
+
+``KVCacheManager`` (manager.py) checks every request whole, then acts; an allocation and a
+publish run as jobs in steps (allocation.py, publishing.py); ``Catalog`` (catalog.py) acts
+on a namespace's published pages apart from any session (registration, warm restart,
+reset). The KV events routers hear are events.py's; invariants.py audits it all.
+"""

@@ -1,0 +1,127 @@
+"""The cache as a whole, apart from any session: its namespaces and the manifest that records
+them, what a warm restart hands over, and the prefix-cache reset.
+
+``KVCacheManager`` (kvd/cache/manager.py) answers the calls that act on sequences, pins and
+sessions; what acts on every published page of a namespace at once lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvd.cache.events import EventLog
+from kvd.cache.requests import ResetResult
+from kvd.core.arena import Arena, ExtentPlan
+from kvd.core.counters import Counters
+from kvd.core.errors import ResourceExhausted
+from kvd.core.index import PageContent
+from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
+from kvd.core.pool import PagePool
+from kvd.core.supply import ExtentSupply
+from kvd.core.types import NamespaceId, PageId, PageKey, PageState
+from kvd.durability.integrity import Integrity
+from kvd.durability.meta import MetaError
+
+if TYPE_CHECKING:
+    from kvd.durability.recovery import Recovered, RecoveryReport
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    """Namespaces and their published pages, for registration, warm restart and reset."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        namespaces: NamespaceRegistry,
+        pool: PagePool,
+        integrity: Integrity,
+        supply: ExtentSupply,
+        counters: Counters,
+        events: EventLog,
+    ) -> None:
+        self.arena = arena
+        self.namespaces = namespaces
+        self.pool = pool
+        self.integrity = integrity
+        self.supply = supply
+        self.counters = counters
+        self.events = events
+        self.last_recovery: RecoveryReport | None = None  # of this start, set by restore()
+
+    def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
+        """The namespace of ``identity``; a new one is registered all or nothing: it is
+        written to the manifest first, and a manifest that cannot be written registers nothing."""
+        ns = self.namespaces.find(identity)
+        if ns is None:
+            ns = self.namespaces.new(identity)
+            try:
+                self.write_manifest([*self.namespaces.all(), ns])
+            except (MetaError, OSError) as e:
+                raise ResourceExhausted(f"cannot record namespace {ns.id} in shared memory: {e}") from None
+            self.namespaces.add(ns)
+        self.supply.provision(ns)
+        return ns
+
+    def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
+        """What a restarted daemon checks before it re-attaches the extents (kvd/durability/meta.py):
+        the settings and ``namespaces`` (default: the registered ones)."""
+        self.arena.write_manifest(
+            {
+                "host_bytes": self.arena.budget_bytes,
+                "extent_bytes": self.arena.extent_bytes,
+                "namespaces": [identity_doc(ns.identity) for ns in namespaces or self.namespaces.all()],
+            }
+        )
+
+    def extents(self, namespace_id: int) -> list[ExtentPlan]:
+        """The extents holding the namespace's pages, those built in the background included."""
+        ns = self.namespaces.get(namespace_id)
+        self.supply.adopt_built()
+        return [e.plan for e in self.arena.extents() if e.plan.namespace == ns.id]
+
+    def restore(self, report: RecoveryReport, found: Recovered | None = None) -> None:
+        """Takes what a warm restart (kvd/durability/recovery.py) verified, before any call: its namespaces
+        with their old ids, its extents' pages as FREE, its pages as CACHED (indexed, refcount 0,
+        chain tails first in the LRU) and their checksums. ``report`` is kept for stats."""
+        self.last_recovery = report
+        if found is None:
+            return
+        for identity, ns_id in found.namespaces:
+            got = self.namespaces.register(identity)
+            assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
+        for extent in found.extents:
+            self.arena.adopt_recovered(extent)
+            self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
+        by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        keys: dict[PageId, PageKey] = {}
+        for page_index, content in found.pages:  # parents first
+            ns_id = self.pool.namespace_of(content.page)
+            by_ns.setdefault(ns_id, []).append((page_index, content))
+            keys[content.page] = content.key
+            # The records keep no extra keys, so recovered pages are announced without a LoRA name.
+            parent = None if content.parent is None else keys[content.parent]
+            self.events.stored(
+                ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
+            )
+        for ns_id, contents in by_ns.items():
+            self.pool.restore(ns_id, contents)
+        for ns_id, corrupted in found.corrupted.items():
+            self.counters.of(ns_id).corrupted_pages += corrupted
+        self.integrity.restore(found.checksums)
+        self.write_manifest()
+
+    def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
+        """Drops every cached (published, unreferenced) page of a namespace, or of all: what
+        vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
+        references stay as they are, indexed; nothing is refused."""
+        namespaces = self.namespaces.all() if namespace_id is None else [self.namespaces.get(namespace_id)]
+        ids = {ns.id for ns in namespaces}
+        dropped = 0
+        for ns_id in ids:
+            dropped += len(self.pool.evict_many(ns_id, self.pool.cached_count(ns_id)))
+        kept = sum(1 for _, state, _, _, ns_id in self.pool.pages() if state is PageState.PUBLISHED and ns_id in ids)
+        log.info("prefix cache reset: %d cached pages dropped, %d published pages in use kept", dropped, kept)
+        return ResetResult(dropped, kept)

@@ -1,0 +1,424 @@
+"""The cache policy: what each client call does to pages, sequences, pins and sessions
+(what acts on a namespace's published pages as a whole, apart from any session, is
+``Catalog``: kvd/cache/catalog.py).
+
+Every public method validates the whole request first and raises a ``KVDError`` before
+changing anything; only then does it act. All methods run on the daemon's event loop,
+one at a time, so a lookup and the pin of its hits happen in one atomic step.
+
+Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
+shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
+``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
+``Counters``; request checks in kvd/cache/requests.py;
+what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
+the KV events routers hear in ``EventLog`` (pages indexed here, pages leaving the index
+through the index's own hook).
+A warm restart's findings arrive through ``Catalog.restore`` (kvd/durability/recovery.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from kvd.cache.allocation import AllocationJob
+from kvd.cache.aux_state import AuxBudget
+from kvd.cache.catalog import Catalog
+from kvd.cache.events import EventLog
+from kvd.cache.pins import PinTable
+from kvd.cache.publishing import PublishJob
+from kvd.cache.requests import (
+    TOKEN_BYTES,
+    Batch,
+    ExtendResult,
+    Limits,
+    LookupResult,
+    PinResult,
+    PreparedRequest,
+    PublishResult,
+    SequencePlan,
+    SequenceRequest,
+    SequenceStatus,
+    WithEvictions,
+    check_batch,
+    check_call,
+    check_extend,
+    check_seq_id,
+    check_token_lists,
+    prepare,
+    publish_pages,
+)
+from kvd.cache.sequences import Sequence, SequenceTable
+from kvd.cache.sessions import Session, SessionRegistry
+from kvd.cache.token_buffers import TokenBuffer
+from kvd.config import AUX_BYTES, STEP_SECONDS
+from kvd.core.arena import Arena
+from kvd.core.counters import Counters
+from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.core.eviction import release_order
+from kvd.core.index import MISS, ExtraKey, Match, PrefixIndex
+from kvd.core.namespaces import Namespace, NamespaceRegistry
+from kvd.core.pool import PagePool
+from kvd.core.room import Room
+from kvd.core.supply import ExtentSupply
+from kvd.core.tier import NO_TIER, Tier
+from kvd.core.types import NamespaceId, PageId, SeqId, SequenceState, SessionId
+from kvd.durability.integrity import Integrity
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        arena: Arena,
+        prefix_reuse: bool,
+        limits: Limits | None = None,
+        aux_budget: int = AUX_BYTES,
+        events: EventLog | None = None,
+    ) -> None:
+        """``aux_budget``: bytes of non-KV state all sequences may hold together, on the daemon's
+        heap beside the arena's budget; ``limits.max_aux_bytes`` bounds one sequence's;
+        ``events``: the KV events log of this cache (kvd/cache/events.py)."""
+        self.arena = arena
+        self.prefix_reuse = prefix_reuse
+        self.limits = limits or Limits()
+        self.namespaces = NamespaceRegistry()
+        self.events = events or EventLog()
+        # A page that stops being published loses its checksum and record (kvd/durability/integrity.py).
+        self.counters = Counters()
+        # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
+        self.index = PrefixIndex(
+            on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
+        )
+        self.pool = PagePool(self.counters, self.index, on_unpublish=self._unpublished)  # owns the index's entries
+        self.integrity = Integrity(arena, self.pool, self.counters)
+        self.sequences = SequenceTable()
+        self.sessions = SessionRegistry()
+        self.pins = PinTable(self.pool)
+        self.supply = ExtentSupply(arena, self.pool)
+        self.room = Room(
+            arena,
+            self.pool,
+            self.supply,
+            self.sequences,
+            self.counters,
+            self.integrity,
+        )
+        self.catalog = Catalog(
+            arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters, self.events
+        )
+        self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
+        self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
+        self.tier: Tier = NO_TIER  # the remote store's tier, set by attach_remote (kvd/core/tier.py)
+
+    def _unpublished(self, page: PageId) -> None:
+        self.tier.unpublished(page)  # first: with policy "evict" it reads the page's seal
+        self.integrity.forget(page)
+
+    def close(self, unlink: bool = True) -> None:
+        self.supply.close()
+        self.integrity.close()
+        self.arena.close(unlink=unlink)
+
+    # ---- sessions -----------------------------------------------------------------
+
+    def open_session(self, client_name: str, pid: int) -> Session:
+        return self.sessions.open(client_name, pid)
+
+    def close_session(self, session_id: SessionId, daemon_stopping: bool = False) -> None:
+        """Drops every sequence and pin of the session."""
+        session = self.sessions.get(session_id)
+        released = (len(session.sequences), self.pins.drop_session(session.id))
+        for key in list(session.sequences):
+            self._drop(self.sequences.find(*key))
+        self.sessions.remove(session, daemon_stopping, released)
+
+    def open_token_buffer(self, session_id: str, size: int) -> TokenBuffer:
+        """A new token buffer for the session, replacing its earlier one (kvd/cache/token_buffers.py);
+        at most the bytes of the largest call's token ids."""
+        session = self.sessions.get(session_id)
+        most = self.limits.max_call_tokens * TOKEN_BYTES
+        if not 0 < size <= most:
+            raise InvalidArgument(f"a token buffer holds 1 to {most} bytes (the largest call's token ids), not {size}")
+        buffer = TokenBuffer.create(self.arena.name_prefix, size, self.arena.group)
+        self.sessions.set_token_buffer(session, buffer)
+        return buffer
+
+    # ---- allocation ---------------------------------------------------------------
+
+    def batch(self, namespace_id: int, requests: list[SequenceRequest], unique: bool = True) -> Batch:
+        """The requests of an allocate (``unique`` ids) or a lookup, checked (``check_call``,
+        ``Batch.of``)."""
+        check_call(self.limits, requests)
+        return Batch.of(self.limits, self.namespaces.get(namespace_id), requests, unique)
+
+    def allocate(
+        self, session_id: str, namespace_id: int, requests: list[SequenceRequest]
+    ) -> WithEvictions[list[SequencePlan]]:
+        """``allocate_batch`` of the requests, checked here."""
+        self.sessions.get(session_id)
+        return self.allocate_batch(session_id, self.batch(namespace_id, requests))
+
+    def allocate_batch(self, session_id: str, batch: Batch) -> WithEvictions[list[SequencePlan]]:
+        """Prefix hits pinned and private pages allocated for a batch, all or nothing, in one
+        piece (``allocation`` and its commit).
+
+        An EVICTED id re-enters: a new PREFILLED sequence under that id, with its aux state."""
+        with self.allocation(session_id, batch) as job:
+            return job.commit()
+
+    def allocation(self, session_id: str, batch: Batch) -> AllocationJob:
+        """The batch matched once, its room checked and its hits held (kvd/cache/allocation.py);
+        raises before anything changes. The caller makes room in its ``steps`` (or not),
+        then commits it, and closes it in any case (``with``)."""
+        return AllocationJob(self, self.sessions.get(session_id), batch)
+
+    def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
+        """The same matching as allocate, without pinning or allocating anything. With a remote
+        tier, full pages past the local hit are fetched in the background (kvd/remote/tier.py) and
+        ``remote_pending_tokens`` says how many may still come: ask again later."""
+        self.sessions.get(session_id)
+        batch = self.batch(namespace_id, requests, unique=False)
+        return [x for part in self.lookup_parts(session_id, batch, float("inf")) for x in part]
+
+    def lookup_parts(
+        self, session_id: str, batch: Batch, seconds: float = STEP_SECONDS
+    ) -> Iterator[list[LookupResult]]:
+        """``lookup``'s results in parts of about ``seconds`` of matching each. A lookup
+        changes nothing, so the caller may let other calls run between parts (4,096
+        sequences with LoRA keys: ~12 ms); each result is what matching found when its part ran."""
+        self.sessions.get(session_id)
+        ns = batch.namespace
+        part, deadline = [], time.perf_counter() + seconds
+        for p in batch.requests:
+            r = p.request
+            found, pending = self.match_prefix(ns, p), 0
+            if self.prefix_reuse:
+                pending = self.tier.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
+            part.append(LookupResult(r.seq_id, found.pages, found.tokens(ns.page_size), pending))
+            if time.perf_counter() > deadline:
+                yield part
+                part, deadline = [], time.perf_counter() + seconds
+        yield part
+
+    def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
+        """``publish_job`` done at once (in-process callers)."""
+        return self.publish_job(session_id, namespace_id, items).run()
+
+    def publish_job(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> PublishJob:
+        """Makes full private pages immutable and shareable; dedups against equal published pages.
+
+        ``items`` holds (seq_id, num_tokens); num_tokens 0 publishes every full page whose
+        token ids are known, otherwise exactly the pages covering the first num_tokens.
+        The whole request is checked here, before any page changes; the returned job
+        publishes in steps (kvd/cache/publishing.py), so the loop serves other calls meanwhile.
+        """
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, [seq_id for seq_id, _ in items])
+        targets = []
+        for seq_id, num_tokens in items:
+            seq = self._live(ns, seq_id, session)
+            upto = publish_pages(seq, num_tokens, ns.page_size)
+            targets.append((seq, upto if self.prefix_reuse else 0))
+        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, self.tier, targets)
+
+    def extend(
+        self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]
+    ) -> WithEvictions[list[ExtendResult]]:
+        """Room for more tokens (decode), always in private pages; all or nothing.
+
+        One call per decode step for the whole batch, so the per-item work stays small: most
+        items add one token that fits in the tail page and allocate nothing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        limits, page_size = self.limits, ns.page_size
+        check_batch(limits, [seq_id for seq_id, _, _ in items])
+        check_token_lists(limits, ns, [(seq_id, tokens) for seq_id, _, tokens in items if tokens])
+        plans = []
+        for seq_id, num_tokens, tokens in items:
+            seq = self._live(ns, seq_id, session)
+            total = check_extend(limits, seq, num_tokens, tokens)
+            plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
+        self.make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
+        results = []
+        for seq, total, tokens, new_pages in plans:
+            pages = self.pool.allocate(ns.id, new_pages)
+            seq.pages.extend(pages)
+            seq.num_tokens = total
+            if tokens:
+                seq.tokens += tokens
+            results.append(ExtendResult(seq.seq_id, pages, total))
+        self.supply.provision(ns)
+        return WithEvictions(results, self.report_evictions(session))
+
+    def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> WithEvictions[SequencePlan]:
+        """dst shares src's published pages; src's private pages (its partial tail) are copied."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        src = self._live(ns, src_id, session)
+        check_seq_id(self.limits, dst_id)
+        if self.sequences.find(ns.id, dst_id) is not None:
+            raise FailedPrecondition(f"cannot fork into {dst_id!r}: that sequence already exists")
+        self.aux.check_room(len(src.aux))
+        shared = src.shared_pages
+        copies = src.private_pages
+        self.make_room(ns, len(copies), protect=src)
+        self.pool.acquire_all(shared)
+        private = self.pool.allocate(ns.id, len(copies))
+        for page, dst_page in zip(copies, private):
+            self.arena.copy_page(page, dst_page)
+        dst = Sequence(
+            seq_id=SeqId(dst_id),
+            namespace=ns.id,
+            session=session.id,
+            chain=src.chain,
+            pages=shared + private,
+            num_tokens=src.num_tokens,
+            tokens=bytearray(src.tokens),
+            keys=list(src.keys),
+            shared_prefix_tokens=len(shared) * ns.page_size,
+            aux=src.aux,
+            extra_keys=src.extra_keys,
+        )
+        self.add_sequence(session, dst)
+        self.supply.provision(ns)
+        plan = SequencePlan(
+            dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
+        )
+        return WithEvictions(plan, self.report_evictions(session))
+
+    def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
+        """Drops the sequences; returns how many page references were released."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, seq_ids)
+        seqs = [self.sequences.owned(ns.id, s, session.id) for s in seq_ids]
+        released = 0
+        for seq in seqs:
+            released += len(seq.pages)
+            self._drop(seq)
+        return released
+
+    def set_state(self, session_id: str, namespace_id: int, seq_id: str, state: SequenceState) -> SequenceState:
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        return self._set_state(self.sequences.owned(ns.id, seq_id, session.id), state)
+
+    def set_states(
+        self, session_id: str, namespace_id: int, seq_ids: list[str], state: SequenceState
+    ) -> list[SequenceState]:
+        """Moves every sequence of the batch to `state`, or none of them (a refused transition
+        raises before any changes); returns their previous states in order."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, seq_ids)
+        seqs = [self.sequences.owned(ns.id, s, session.id) for s in seq_ids]
+        for seq in seqs:
+            self.sequences.check_transition(seq, state)
+        return [self._set_state(seq, state) for seq in seqs]
+
+    def _set_state(self, seq: Sequence, state: SequenceState) -> SequenceState:
+        previous = seq.state
+        self.sequences.set_state(seq, state)  # raises on an invalid transition
+        if state is SequenceState.COMPLETED:
+            self._drop(seq)
+        return previous
+
+    def describe(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> list[SequenceStatus]:
+        """The sequences' states and sizes, read without changing anything; all or nothing."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        check_batch(self.limits, seq_ids, unique=False)
+        return [SequenceStatus.of(self.sequences.owned(ns.id, s, session.id)) for s in seq_ids]
+
+    def set_aux(self, session_id: str, namespace_id: int, seq_id: str, data: bytes) -> None:
+        """Stores the sequence's non-KV state (never shared; a fork copies it). It may be set in
+        any state, EVICTED included: it is not KV, and it stays through re-entry (kvd/cache/aux_state.py)."""
+        session = self.sessions.get(session_id)
+        self.aux.set(self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id), data)
+
+    def get_aux(self, session_id: str, namespace_id: int, seq_id: str) -> bytes:
+        session = self.sessions.get(session_id)
+        return self.sequences.owned(self.namespaces.get(namespace_id).id, seq_id, session.id).aux
+
+    # ---- pins ---------------------------------------------------------------------
+
+    def pin(
+        self, session_id: str, namespace_id: int, tokens: bytes, extra_keys: tuple[ExtraKey, ...], ttl_seconds: float
+    ) -> PinResult:
+        """Keeps the cached pages of a prefix from eviction until unpinned, expired or the session ends."""
+        session = self.sessions.get(session_id)
+        ns = self.namespaces.get(namespace_id)
+        if not ttl_seconds >= 0 or ttl_seconds == float("inf"):
+            raise InvalidArgument(f"pin ttl must be a finite number of seconds ≥ 0, got {ttl_seconds}")
+        p = prepare(self.limits, ns, SequenceRequest("pin", tokens, extra_keys))
+        pages = self.match_prefix(ns, p).pages
+        expires = time.monotonic() + ttl_seconds if ttl_seconds else None
+        pin = self.pins.take(session.id, ns.id, pages, expires)
+        return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
+
+    def unpin(self, session_id: str, pin_id: int) -> None:
+        self.pins.drop(self.pins.of(self.sessions.get(session_id).id, pin_id))
+
+    def expire_pins(self, now: float) -> int:
+        """Drops the pins whose time to live ran out (the daemon's sweep calls this)."""
+        return self.pins.expire(now)
+
+    def _live(self, ns: Namespace, seq_id: str, session: Session) -> Sequence:
+        seq = self.sequences.owned(ns.id, seq_id, session.id)
+        if seq.state is SequenceState.EVICTED:
+            raise FailedPrecondition(
+                f"sequence {seq_id!r} was evicted under memory pressure; allocate it again to re-enter"
+            )
+        return seq
+
+    # ---- internals: matching ---------------------------------------------------
+
+    def match_prefix(self, ns: Namespace, p: PreparedRequest) -> Match:
+        """The request's longest run of full-page hits (a hit needs equal tokens, parent and
+        extras); a miss without prefix reuse."""
+        if not self.prefix_reuse:
+            return MISS
+        return self.index.match(p.chain, p.tokens, ns.page_size * TOKEN_BYTES, p.num_tokens // ns.page_size)
+
+    # ---- internals: sequence bookkeeping ------------------------------------------
+
+    def add_sequence(self, session: Session, seq: Sequence) -> None:
+        self.sequences.add(seq)
+        session.sequences.add((seq.namespace, seq.seq_id))
+        self.aux.added(seq)
+
+    def make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+        """``Room.ensure_free``; when it fails after evicting (``/dev/shm`` refused an extent it
+        counted on), every owner of what it evicted, the caller too, hears of it on its stream."""
+        try:
+            self.room.ensure_free(ns, need, protect)
+        except ResourceExhausted:
+            self.report_evictions(None)
+            raise
+
+    def report_evictions(self, caller: Session | None) -> list[SeqId]:
+        """Hands out what the current call evicted: the ids of the caller's own sequences are
+        returned for its reply; every other owner hears of its own on its session stream."""
+        evicted = self.room.take_evicted()
+        own: list[SeqId] = []
+        others: dict[tuple[SessionId, NamespaceId], list[SeqId]] = {}
+        for seq in evicted:
+            if caller is not None and seq.session == caller.id:
+                own.append(seq.seq_id)
+            else:
+                others.setdefault((seq.session, seq.namespace), []).append(seq.seq_id)
+        for (session_id, ns_id), seq_ids in others.items():
+            listener = self.sessions.get(session_id).listener
+            if listener is not None:
+                listener(ns_id, seq_ids)
+        return own
+
+    def forget_sequence(self, seq: Sequence) -> None:
+        self.aux.removed(seq)
+        self.sequences.remove(seq)
+        self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
+
+    def _drop(self, seq: Sequence) -> None:
+        self.pool.release_all(release_order(seq.take_pages()))
+        self.forget_sequence(seq)

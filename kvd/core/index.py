@@ -1,0 +1,331 @@
+"""Chained page keys and the prefix index of published full pages.
+
+A page key hashes (parent key, page index, the page's token ids, the page's extra keys);
+the chain starts at a per-request root that hashes the namespace root, the page size and
+the request-wide extra keys (LoRA identity, cache salt). Every extra key is tagged with
+its kind and length-prefixed, so a LoRA name can never collide with a cache salt or an
+image hash. Raw prompt text is never hashed or stored; token ids are. The key functions
+live in kvd/wire/keys.py, so that clients compute the keys kvd's events name.
+
+The hash only narrows the search: a hit counts only when the stored page's token ids,
+parent page and a digest of the local extra bytes equal the request's (``PageContent``), so a collision
+costs a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.core.types import PageId, PageKey
+from kvd.wire.codec import TOKEN_BYTES, token_array
+from kvd.wire.enums import ExtraKind
+from kvd.wire.keys import ChainSpec, chain_spec, page_key  # noqa: F401 - the core's key functions
+
+_SMALL_SPAN_BYTES = 16 << 10  # token bytes of a run span compared as slices rather than with numpy
+
+
+@dataclass(frozen=True, slots=True)  # slots: a large call makes thousands (kvd/cache/requests.py SequenceRequest)
+class ExtraKey:
+    """Something other than token ids that changes a page's KV.
+
+    MULTIMODAL items cover tokens [offset, offset + length) and enter the key of every
+    page they overlap, with their offset relative to that page. LORA and CACHE_SALT apply
+    to the whole request and enter the chain root.
+    """
+
+    kind: ExtraKind
+    value: bytes
+    offset: int = 0
+    length: int = 1
+
+
+@dataclass(frozen=True)
+class PageContent:
+    """What a published page holds, kept with its index entry to confirm hash hits."""
+
+    page: PageId
+    key: PageKey
+    tokens: bytes  # page_size little-endian int32 token ids
+    parent: PageId | None  # the previous page of the chain; None for page 0
+    local: bytes  # ChainSpec.local_digest of this page
+
+    def matches(self, tokens: bytes, parent: PageId | None, local: bytes) -> bool:
+        return self.parent == parent and self.tokens == tokens and self.local == local
+
+
+@dataclass(frozen=True)
+class Match:
+    """What matching a request found: its longest run of leading full-page hits.
+
+    ``pages[i]`` holds the request's page ``i`` (equal tokens, parent and local bytes),
+    ``keys[i]`` is that page's key; both empty on a miss."""
+
+    pages: list[PageId]
+    keys: list[PageKey]
+
+    def tokens(self, page_size: int) -> int:
+        """The tokens the hit covers."""
+        return len(self.pages) * page_size
+
+
+MISS = Match([], [])
+
+
+@dataclass
+class _Run:
+    """Published pages that follow one another in one chain, with their token ids back to back.
+
+    A page joins the run of its parent when the parent is that run's last page, so
+    ``pages[q + 1]``'s parent is ``pages[q]`` and its chain page index is ``start + q + 1``.
+    One hit on a run's page confirms the pages after it with one comparison of token
+    bytes instead of one hash and one lookup per page.
+    """
+
+    start: int  # chain page index of pages[0]
+    pages: list[PageId] = field(default_factory=list)
+    keys: list[PageKey] = field(default_factory=list)
+    tokens: bytearray = field(default_factory=bytearray)  # the pages' token ids, in order
+    local_positions: list[int] = field(default_factory=list)  # positions of pages with local bytes
+
+    def append(self, content: PageContent) -> None:
+        if content.local:
+            self.local_positions.append(len(self.pages))
+        self.pages.append(content.page)
+        self.keys.append(content.key)
+        self.tokens += content.tokens
+
+    def truncate(self, length: int, page_bytes: int) -> list[PageId]:
+        """Keeps the first ``length`` pages; returns the ones cut off."""
+        cut = self.pages[length:]
+        del self.pages[length:], self.keys[length:], self.tokens[length * page_bytes :]
+        del self.local_positions[bisect.bisect_left(self.local_positions, length) :]
+        return cut
+
+
+class _Shards:
+    """A mapping split by key hash into 256 dicts, with the few methods the index uses.
+
+    A dict that keys come and go in rebuilds its whole table now and then, on the insert
+    that finds no slot left: ~30–50 ms at 512K pages, on the event loop inside whichever
+    publish step inserted (bench/bench_gc.py saw it as the longest loop step). Split, each
+    rebuild copies 1/256 of the entries.
+    """
+
+    __slots__ = ("_shards",)
+
+    def __init__(self) -> None:
+        self._shards: tuple[dict, ...] = tuple({} for _ in range(256))
+
+    def __len__(self) -> int:
+        return sum(map(len, self._shards))
+
+    def __contains__(self, key) -> bool:
+        return key in self._shards[hash(key) & 255]
+
+    def __getitem__(self, key):
+        return self._shards[hash(key) & 255][key]
+
+    def __setitem__(self, key, value) -> None:
+        self._shards[hash(key) & 255][key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._shards[hash(key) & 255][key]
+
+    def get(self, key, default=None):
+        return self._shards[hash(key) & 255].get(key, default)
+
+    def pop(self, key, *default):
+        return self._shards[hash(key) & 255].pop(key, *default)
+
+    def items(self):
+        return (item for shard in self._shards for item in shard.items())
+
+    def values(self):
+        return (value for shard in self._shards for value in shard.values())
+
+    def keys(self):
+        return (key for shard in self._shards for key in shard)
+
+    def __iter__(self):
+        return self.keys()
+
+    def clear(self) -> None:
+        for shard in self._shards:
+            shard.clear()
+
+
+class PrefixIndex:
+    """Maps page keys to the published page holding that content, with the content itself.
+
+    Pages are also threaded into runs (``_Run``): matching a long prompt hashes and looks
+    up one page per run it crosses and compares the rest of each run's tokens at once.
+    Every page of a run is indexed, and no indexed page lacks its parent: ``remove`` names
+    the pages that followed the one removed, and the pool removes them too.
+    """
+
+    def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
+        self._entries = _Shards()  # PageKey -> PageContent
+        self._runs = _Shards()  # PageId -> (its _Run, its position in it)
+        # PageId -> the pages that start a run of their own under it (a chain that branches
+        # off where its parent is not the last page of a run): with the runs, what follows
+        # a removed page (``remove``)
+        self._branches: dict[PageId, list[PageId]] = {}
+        # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
+        # a failed checksum): the one place that knows a page stopped being findable.
+        self._on_remove = on_remove
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: PageKey) -> PageId | None:
+        content = self._entries.get(key)
+        return None if content is None else content.page
+
+    def lookup(self, key: PageKey) -> PageContent | None:
+        return self._entries.get(key)
+
+    def insert(self, content: PageContent, page_index: int) -> None:
+        """Indexes a published page, ``page_index`` pages from the start of its chain."""
+        held = self._entries.get(content.key)
+        assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
+        self._entries[content.key] = content
+        parent = self._runs.get(content.parent) if content.parent is not None else None
+        if parent is not None and parent[1] == len(parent[0].pages) - 1:
+            run = parent[0]
+        else:
+            run = _Run(start=page_index)
+            if content.parent is not None:
+                self._branches.setdefault(content.parent, []).append(content.page)
+        assert run.start + len(run.pages) == page_index, (
+            f"page {content.page} at chain index {page_index} joins a run ending at index "
+            f"{run.start + len(run.pages) - 1}"
+        )
+        self._runs[content.page] = (run, len(run.pages))
+        run.append(content)
+
+    def remove(self, content: PageContent) -> list[PageContent]:
+        """Takes the page's entry out; returns the indexed pages that followed it (the rest of
+        its run, the runs branching off it): no match reaches them any more. Only the pool
+        calls this (kvd/core/pool.py), and it takes those out too, so no indexed page lacks its
+        parent; a chain's tail, removed first as eviction goes, returns none."""
+        held = self._entries.pop(content.key)
+        assert held.page == content.page, f"index held page {held.page} under the key of page {content.page}"
+        orphans = []
+        place = self._runs.pop(content.page, None)
+        if place is not None:
+            run, position = place
+            if position == 0 and content.parent is not None:
+                siblings = self._branches.get(content.parent, [])
+                if content.page in siblings:  # absent when its parent left the index first
+                    siblings.remove(content.page)
+                    if not siblings:
+                        del self._branches[content.parent]
+            keys = run.keys[position + 1 :]
+            for page in run.truncate(position, len(content.tokens))[1:]:
+                del self._runs[page]
+            orphans += (self._entries[key] for key in keys)
+        for branch in self._branches.pop(content.page, ()):
+            branch_run, at = self._runs[branch]
+            orphans.append(self._entries[branch_run.keys[at]])
+        if self._on_remove is not None:
+            self._on_remove(held)
+        return orphans
+
+    def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> Match:
+        """The longest run of leading full pages whose stored content equals the request's.
+
+        ``page_bytes`` is the size of one page's token ids. Each step hashes and looks up
+        one page (a hit needs equal tokens, parent and local bytes), then takes as many
+        of the following pages of that page's run as carry the request's next tokens.
+        """
+        pages: list[PageId] = []
+        keys: list[PageKey] = []
+        parent_key, parent = chain.root, None
+        local_pages = sorted(chain.page_local)
+        i = 0
+        while i < full_pages:
+            page_tokens = tokens[i * page_bytes : (i + 1) * page_bytes]
+            local = chain.local_bytes(i)
+            content = self._entries.get(page_key(parent_key, i, page_tokens, local))
+            if content is None or not content.matches(page_tokens, parent, chain.local_digest(i) if local else b""):
+                break  # a miss; on a hash collision too, never wrong KV
+            pages.append(content.page)
+            keys.append(content.key)
+            i += 1
+            # The run's next pages are hits as far as their tokens equal the request's, up to
+            # the first page with local bytes on either side (those need the per-page check).
+            local_at = bisect.bisect_left(local_pages, i)
+            stop = min(full_pages, local_pages[local_at] if local_at < len(local_pages) else full_pages)
+            followed, followed_keys = self._follow_run(content.page, tokens, i, stop, page_bytes)
+            pages += followed
+            keys += followed_keys
+            i += len(followed)
+            parent_key, parent = keys[-1], pages[-1]
+        return Match(pages, keys)
+
+    def _follow_run(
+        self, page: PageId, tokens: bytes, i: int, stop: int, page_bytes: int
+    ) -> tuple[list[PageId], list[PageKey]]:
+        """Pages after ``page`` in its run that hold the request's pages [i, stop)."""
+        place = self._runs.get(page)
+        if place is None or stop <= i:
+            return [], []
+        run, position = place
+        first = position + 1
+        last = min(len(run.pages), first + stop - i)
+        run_local = bisect.bisect_left(run.local_positions, first)
+        if run_local < len(run.local_positions):
+            last = min(last, run.local_positions[run_local])
+        if last <= first:
+            return [], []
+        span = last - first
+        if (
+            span * page_bytes <= _SMALL_SPAN_BYTES
+            and tokens[i * page_bytes : (i + span) * page_bytes] == run.tokens[first * page_bytes : last * page_bytes]
+        ):
+            equal_pages = span  # a short span: comparing slices beats numpy's call overhead
+        else:
+            theirs = token_array(run.tokens)[first * page_bytes // TOKEN_BYTES : last * page_bytes // TOKEN_BYTES]
+            ours = token_array(tokens)[i * page_bytes // TOKEN_BYTES : (i + span) * page_bytes // TOKEN_BYTES]
+            differ = np.flatnonzero(theirs != ours)
+            equal_pages = span if not differ.size else int(differ[0]) * 4 // page_bytes
+        return run.pages[first : first + equal_pages], run.keys[first : first + equal_pages]
+
+    def run_problems(self) -> list[str]:
+        """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed at its
+        position, follows its run's previous page and carries its tokens in the run."""
+        found = []
+        runs = {id(run): run for run, _ in self._runs.values()}
+        for page, (run, position) in self._runs.items():
+            if position >= len(run.pages) or run.pages[position] != page:
+                found.append(f"page {page} is mapped to position {position} of a run that holds other pages there")
+                continue
+            content = self._entries.get(run.keys[position])
+            if content is None or content.page != page:
+                found.append(f"run page {page} is not indexed under its key")
+            elif position and content.parent != run.pages[position - 1]:
+                found.append(f"run page {page}'s parent is {content.parent}, not the run's previous page")
+            elif run.tokens[position * len(content.tokens) : (position + 1) * len(content.tokens)] != content.tokens:
+                found.append(f"run page {page}'s token ids differ from the run's copy")
+            elif bool(content.local) != (position in run.local_positions):
+                found.append(f"run page {page}'s local bytes are not recorded in its run")
+        for parent, branches in self._branches.items():
+            for page in branches:
+                run, position = self._runs.get(page, (None, -1))
+                if position != 0 or self._entries[run.keys[0]].parent != parent:
+                    found.append(
+                        f"page {page} is recorded as a branch under page {parent} but does not start a run there"
+                    )
+        for run in runs.values():
+            missing = [p for q, p in enumerate(run.pages) if self._runs.get(p, (None, -1))[1] != q]
+            if missing:
+                found.append(f"run starting at chain index {run.start} holds pages {missing} not mapped to it")
+        return found
+
+    def items(self):
+        """(key, page) of every entry."""
+        return ((key, content.page) for key, content in self._entries.items())

@@ -1,0 +1,451 @@
+"""Page states and reference counts: the one class that changes a refcount.
+
+``acquire`` and ``release`` are symmetric. A page's refcount is the number of sequence
+references plus pins. Its state follows from the count and from whether it was published:
+
+    FREE --allocate--> PRIVATE(1) --publish--> PUBLISHED(>=1) --release to 0--> CACHED
+      ^                    |                                                      |
+      +---release to 0-----+<-----------------------evict (LRU)-------------------+
+
+The per-page data is in columns (kvd/core/page_columns.py), so a batch of pages (a 50K-token
+hit pins 3,125) is checked and changed with a few array operations instead of a Python
+loop; a batch under ``BATCH_PAGES`` (a decode step, one page of a publish) goes page by
+page, which costs it less. Both ways change the same data the same way. An extent's pages
+in use (PRIVATE or PUBLISHED) are the ones with a refcount.
+
+CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
+eviction policy's (kvd/core/eviction.py), not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core.counters import Counters
+from kvd.core.eviction import CachedQueue, restore_order
+from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.page_columns import CACHED, FREE, PRIVATE, PUBLISHED, STATES, PageColumns
+from kvd.core.types import NamespaceId, PageId, PageState
+
+BATCH_PAGES = 32  # batches of at least this many pages take the array path
+
+
+@dataclass
+class _NamespacePages:
+    free: list[PageId]
+    cached: CachedQueue
+
+
+class PagePool:
+    """States, refcounts, free lists and LRU of every host page of the daemon."""
+
+    def __init__(
+        self, counters: Counters, index: PrefixIndex, on_unpublish: Callable[[PageId], None] | None = None
+    ) -> None:
+        """``index``: the prefix index of this pool's published pages. Only the pool inserts
+        and removes its entries: a page enters it when published (or restored) and leaves it
+        in the same call that evicts, frees or unindexes the page; everyone else matches."""
+        self.index = index
+        # Called when a published page stops being published (freed), before it can be reused.
+        self._on_unpublish = on_unpublish
+        self._columns = PageColumns()
+        self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
+        self._orphans: list[PageContent] = []  # indexed pages that followed a page that left the index
+        self._dropping = False  # _drop_orphans is running
+        self._extents: dict[str, range] = {}  # slots of each extent's pages
+        self._by_namespace: dict[NamespaceId, _NamespacePages] = {}
+        self._counters = counters  # refcount changes and evictions are counted here
+
+    # ---- extents ------------------------------------------------------------------
+
+    def add_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
+        """Adds a new extent's pages as FREE."""
+        self._extents[extent] = self._columns.add(first, count, namespace)
+        # pop() hands out low ids first
+        self._ns(namespace).free.extend(map(PageId, range(first + count - 1, first - 1, -1)))
+
+    def remove_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
+        """Forgets an extent whose pages are all FREE."""
+        assert self.extent_in_use(extent) == 0, f"extent {extent} removed while pages are in use"
+        slots = self._extents.pop(extent)
+        busy = np.flatnonzero(self._columns.state[slots.start : slots.stop] != FREE)
+        assert not busy.size, (
+            f"page {first + busy[0]} of extent {extent} removed while {self.state(first + busy[0]).value}"
+        )
+        self._columns.remove(first)
+        gone = range(first, first + count)
+        pages = self._ns(namespace)
+        pages.free = [p for p in pages.free if p not in gone]
+
+    def restore(self, namespace: NamespaceId, recovered: list[tuple[int, PageContent]]) -> None:
+        """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered: (chain page
+        index, content), parents first; queued in eviction order (kvd/core/eviction.py)."""
+        c, pages = self._columns, self._ns(namespace)
+        for page_index, content in recovered:
+            self.index.insert(content, page_index)
+        contents = restore_order(recovered)
+        slots = []
+        for content in contents:
+            slot = c.slot(content.page)
+            assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
+                f"page {content.page} restored while {self.state(content.page).value}"
+            )
+            self._content[content.page] = content
+            c.indexed_at[slot] = True
+            c.state_at[slot] = CACHED
+            slots.append(slot)
+        pages.cached.push(np.array(slots, np.int64))
+        restored = {content.page for content in contents}
+        pages.free = [page for page in pages.free if page not in restored]
+
+    def extent_in_use(self, extent: str) -> int:
+        """The extent's PRIVATE or PUBLISHED pages: those with a refcount."""
+        slots = self._extents[extent]
+        return int(np.count_nonzero(self._columns.refcount[slots.start : slots.stop]))
+
+    # ---- queries ------------------------------------------------------------------
+
+    def __contains__(self, page: PageId) -> bool:
+        return page in self._columns
+
+    def namespace_of(self, page: PageId) -> NamespaceId:
+        return NamespaceId(self._columns.namespace_at[self._columns.slot(page)])
+
+    def state(self, page: PageId) -> PageState:
+        return STATES[self._columns.state_at[self._columns.slot(page)]]
+
+    def refcount(self, page: PageId) -> int:
+        return self._columns.refcount_at[self._columns.slot(page)]
+
+    def pins(self, page: PageId) -> int:
+        return self._columns.pins_at[self._columns.slot(page)]
+
+    def content(self, page: PageId) -> PageContent | None:
+        """What a PUBLISHED or CACHED page holds; None for any other page."""
+        return self._content.get(page)
+
+    def is_indexed(self, page: PageId) -> bool:
+        return self._columns.indexed_at[self._columns.slot(page)]
+
+    def free_count(self, namespace: NamespaceId) -> int:
+        return len(self._ns(namespace).free)
+
+    def cached_count(self, namespace: NamespaceId) -> int:
+        return len(self._ns(namespace).cached)
+
+    def lru_order(self, namespace: NamespaceId) -> list[PageId]:
+        """CACHED pages of a namespace, next eviction first."""
+        return self._columns.page[self._ns(namespace).cached.slots()].tolist()
+
+    def free_list(self, namespace: NamespaceId) -> list[PageId]:
+        return list(self._ns(namespace).free)
+
+    def pages(self) -> Iterator[tuple[PageId, PageState, int, int, NamespaceId]]:
+        """(page id, state, refcount, pins, namespace) of every page, ascending by page id."""
+        c = self._columns
+        for first, slots in c.extents():
+            at = slice(slots.start, slots.stop)
+            rows = zip(c.state[at].tolist(), c.refcount[at].tolist(), c.pins[at].tolist(), c.namespace[at].tolist())
+            for page, (state, refcount, pins, namespace) in enumerate(rows, start=first):
+                yield PageId(page), STATES[state], refcount, pins, NamespaceId(namespace)
+
+    # ---- transitions --------------------------------------------------------------
+
+    def allocate(self, namespace: NamespaceId, count: int) -> list[PageId]:
+        """``count`` pages FREE → PRIVATE with refcount 1. The caller made sure they exist."""
+        if not count:  # most decode steps fit in the tail page
+            return []
+        c, free = self._columns, self._ns(namespace).free
+        taken = free[len(free) - count :][::-1]
+        del free[len(free) - count :]
+        if count < BATCH_PAGES:
+            for page in taken:
+                slot = c.slot(page)
+                if c.state_at[slot] != FREE or c.refcount_at[slot]:
+                    self._refuse_allocation(page)
+                c.state_at[slot] = PRIVATE
+                c.refcount_at[slot] = 1
+        else:
+            slots = c.slots(taken)
+            taken_wrong = np.flatnonzero((c.state[slots] != FREE) | (c.refcount[slots] != 0))
+            if taken_wrong.size:
+                self._refuse_allocation(taken[taken_wrong[0]])
+            c.state[slots] = PRIVATE
+            c.refcount[slots] = 1
+        self._counters.of(namespace).refcount_increments += count
+        return taken
+
+    def _refuse_allocation(self, page: PageId) -> None:
+        raise AssertionError(f"free list held page {page} in state {self.state(page).value}")
+
+    def acquire(self, page: PageId, pin: bool = False) -> None:
+        """One more reference to a published or cached page (a prefix hit, a fork, a pin)."""
+        self.acquire_all((page,), pin)
+
+    def acquire_all(self, pages: Sequence[PageId], pin: bool = False) -> None:
+        """acquire() for each page of one namespace, each page at most once (a 50K-token hit
+        pins ~3K pages). CACHED pages leave the cache; a page neither PUBLISHED nor CACHED in
+        that namespace names a broken invariant."""
+        if not pages:
+            return
+        c = self._columns
+        if len(pages) < BATCH_PAGES:
+            namespace = c.namespace_at[c.slot(pages[0])]
+            for page in pages:
+                slot = c.slot(page)
+                if c.state_at[slot] != PUBLISHED or c.namespace_at[slot] != namespace:
+                    self._revive(slot, namespace)
+                c.refcount_at[slot] += 1
+                if pin:
+                    c.pins_at[slot] += 1
+        else:
+            slots = c.slots(pages)
+            namespace = c.namespace_at[slots[0]]
+            if (c.state[slots] != PUBLISHED).any() or (c.namespace[slots] != namespace).any():
+                self._revive_all(slots, namespace)
+            c.refcount[slots] += 1
+            if pin:
+                c.pins[slots] += 1
+        self._counters.of(namespace).refcount_increments += len(pages)
+
+    def _revive(self, slot: int, namespace: NamespaceId) -> None:
+        """``_revive_all`` for one page."""
+        c = self._columns
+        if c.state_at[slot] == CACHED and c.namespace_at[slot] == namespace:
+            c.state_at[slot] = PUBLISHED
+            self._by_namespace[namespace].cached.left(1)
+        else:
+            self._revive_all(np.array([slot]), namespace)  # names what is wrong
+
+    def _revive_all(self, slots: np.ndarray, namespace: NamespaceId) -> None:
+        """Acquired pages that are not all PUBLISHED in ``namespace``: CACHED ones leave the
+        cache (their queue entries stay behind); anything else is a broken invariant."""
+        c = self._columns
+        foreign = np.flatnonzero(c.namespace[slots] != namespace)
+        assert not foreign.size, (
+            f"page {c.page[slots[foreign[0]]]} of namespace {c.namespace[slots[foreign[0]]]} "
+            f"acquired with pages of namespace {namespace}"
+        )
+        states = c.state[slots]
+        unshared = np.flatnonzero((states != PUBLISHED) & (states != CACHED))
+        assert not unshared.size, (
+            f"page {c.page[slots[unshared[0]]]} acquired while {STATES[states[unshared[0]]].value}; "
+            "only published pages are shared"
+        )
+        cached = slots[states == CACHED]
+        c.state[cached] = PUBLISHED
+        self._by_namespace[namespace].cached.left(len(cached))
+
+    def release(self, page: PageId, pin: bool = False) -> None:
+        """Drops one reference; at zero a private or unindexed page is freed, an indexed one cached."""
+        self.release_all((page,), pin)
+
+    def release_all(self, pages: Iterable[PageId], pin: bool = False) -> None:
+        """release() for each page of one namespace, each at most once, in the given order
+        (kvd/core/eviction.py's release_order). A release that must not happen names the broken
+        invariant (in a batch of ``BATCH_PAGES`` or more, before anything changes)."""
+        if not isinstance(pages, (list, tuple)):
+            pages = list(pages)
+        if not pages:
+            return
+        c = self._columns
+        if len(pages) < BATCH_PAGES:
+            namespace = c.namespace_at[c.slot(pages[0])]
+            queue = self._by_namespace[namespace]
+            for page in pages:
+                slot = c.slot(page)
+                count = c.refcount_at[slot]
+                if count < 1 or c.namespace_at[slot] != namespace or (pin and c.pins_at[slot] < 1):
+                    self._refuse_release(np.array([slot]), namespace, pin)
+                c.refcount_at[slot] = count - 1
+                if pin:
+                    c.pins_at[slot] -= 1
+                if count > 1:
+                    continue
+                if c.state_at[slot] == PUBLISHED and c.indexed_at[slot]:
+                    self._cache_one(slot, queue)
+                else:
+                    self._free_one(slot, queue)
+        else:
+            slots = c.slots(pages)
+            namespace = c.namespace_at[slots[0]]
+            counts = c.refcount[slots]
+            unpinned = pin and (c.pins[slots] < 1).any()
+            if (counts < 1).any() or (c.namespace[slots] != namespace).any() or unpinned:
+                self._refuse_release(slots, namespace, pin)
+            counts -= 1
+            c.refcount[slots] = counts
+            if pin:
+                c.pins[slots] -= 1
+            gone = slots[counts == 0]
+            if len(gone):
+                self._unreferenced(gone, self._by_namespace[namespace])
+        self._counters.of(namespace).refcount_decrements += len(pages)
+
+    def _refuse_release(self, slots: np.ndarray, namespace: NamespaceId, pin: bool) -> None:
+        """Names the broken invariant of a release that must not happen."""
+        c = self._columns
+        for slot in slots.tolist():
+            page = c.page_at[slot]
+            assert c.namespace_at[slot] == namespace, (
+                f"page {page} of namespace {c.namespace_at[slot]} released with pages of namespace {namespace}"
+            )
+            assert c.refcount_at[slot] > 0, f"page {page} released with refcount 0 (double release)"
+            assert not pin or c.pins_at[slot] > 0, f"page {page} unpinned but holds no pin"
+
+    def _unreferenced(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages whose last reference went, in release order: indexed published ones are
+        cached, the rest freed."""
+        c = self._columns
+        cache = (c.state[slots] == PUBLISHED) & c.indexed[slots]
+        if cache.all():  # a released hit: every page stays cached
+            self._cache(slots, pages)
+            return
+        self._cache(slots[cache], pages)
+        self._free(slots[~cache], pages)
+
+    def publish(self, page: PageId, content: PageContent, page_index: int | None) -> None:
+        """PRIVATE → PUBLISHED: the page is immutable from now on; indexed ``page_index`` pages
+        from its chain's start, or left out of the index (None: a verified hash collision)."""
+        c = self._columns
+        slot = c.slot(page)
+        assert c.state_at[slot] == PRIVATE and c.refcount_at[slot] == 1, (
+            f"page {page} published while {self.state(page).value} with refcount {c.refcount_at[slot]}"
+        )
+        c.state_at[slot] = PUBLISHED
+        c.indexed_at[slot] = page_index is not None
+        self._content[page] = content
+        if page_index is not None:
+            self.index.insert(content, page_index)
+
+    def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
+        """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
+        when fewer); returns what they held, in eviction order."""
+        pages = self._ns(namespace)
+        if min(count, len(pages.cached)) < BATCH_PAGES:
+            contents = []
+            while len(contents) < count and len(pages.cached):
+                contents.append(self._evict(pages.cached.victim(), pages))
+            return contents
+        victims = pages.cached.victims(count)
+        contents = [self._content[page] for page in self._columns.page[victims].tolist()]
+        self._counters.of(namespace).evicted_pages += len(victims)
+        self._free(victims, pages)
+        return contents
+
+    def evict(self, page: PageId) -> PageContent:
+        """CACHED → FREE for one page out of the policy's order (an extent reclaimed), with
+        the cached pages of its chain after it."""
+        c = self._columns
+        slot = c.slot(page)
+        assert c.state_at[slot] == CACHED, f"page {page} evicted while {self.state(page).value}"
+        pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+        pages.cached.left(1)
+        return self._evict(slot, pages)
+
+    def unindex(self, page: PageId) -> None:
+        """Takes a published page out of sharing (it failed its checksum): out of the index,
+        with the pages of its chain after it; a CACHED one is freed now, a referenced one
+        stays with its holders and is freed, never cached, on its last release."""
+        c = self._columns
+        slot = c.slot(page)
+        content = self._content.get(page)
+        assert content is not None, f"page {page} unindexed while {self.state(page).value}"
+        if c.indexed_at[slot]:
+            c.indexed_at[slot] = False
+            self._orphans += self.index.remove(content)
+        if c.state_at[slot] == CACHED:
+            pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+            pages.cached.left(1)
+            self._free_one(slot, pages)
+        self._drop_orphans()
+
+    def _drop_orphans(self) -> None:
+        """The pages that followed one that left the index leave it too (a match walks from
+        a chain's first page, so none could hit again): cached ones are evicted, referenced
+        ones stay with their holders, unindexed. Eviction in the policy's order (a chain's
+        tail first) leaves none. Called once a change is complete (after a batch is freed);
+        the evictions it makes call it again, which returns at once: this loop drains them."""
+        if self._dropping:
+            return
+        self._dropping = True
+        try:
+            self._drain_orphans()
+        finally:
+            self._dropping = False
+
+    def _drain_orphans(self) -> None:
+        c = self._columns
+        while self._orphans:
+            content = self._orphans.pop()
+            slot = c.slot(content.page)
+            if self._content.get(content.page) is not content or not c.indexed_at[slot]:
+                continue  # freed or unindexed meanwhile (in the same batch)
+            if c.state_at[slot] == CACHED:
+                pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
+                pages.cached.left(1)
+                self._evict(slot, pages)
+            else:
+                c.indexed_at[slot] = False
+                self._orphans += self.index.remove(content)
+
+    def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
+        """A CACHED page out of its queue → FREE; returns what it held."""
+        c = self._columns
+        content = self._content.get(PageId(c.page_at[slot]))
+        assert content is not None, f"cached page {c.page_at[slot]} has no content"
+        self._counters.of(NamespaceId(c.namespace_at[slot])).evicted_pages += 1
+        self._free_one(slot, pages)
+        return content
+
+    def _cache(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages with no reference that stay indexed → CACHED, queued in the given order."""
+        if len(slots):
+            self._columns.state[slots] = CACHED
+            pages.cached.push(slots)
+
+    def _cache_one(self, slot: int, pages: _NamespacePages) -> None:
+        self._columns.state_at[slot] = CACHED
+        pages.cached.push_one(slot)
+
+    def _free(self, slots: np.ndarray, pages: _NamespacePages) -> None:
+        """Pages with no reference that are PRIVATE, unindexed PUBLISHED or CACHED (out of their
+        queue) → FREE, onto the free list in the given order; published ones are unpublished first."""
+        if not len(slots):
+            return
+        c = self._columns
+        ids = c.page[slots].tolist()
+        for at in np.flatnonzero(c.state[slots] != PRIVATE).tolist():
+            self._unpublish(ids[at], int(slots[at]))
+        c.state[slots] = FREE
+        c.indexed[slots] = False
+        pages.free += ids
+        self._drop_orphans()
+
+    def _free_one(self, slot: int, pages: _NamespacePages) -> None:
+        c = self._columns
+        page: PageId = c.page_at[slot]
+        if c.state_at[slot] != PRIVATE:
+            self._unpublish(page, slot)
+        c.state_at[slot] = FREE
+        c.indexed_at[slot] = False
+        pages.free.append(page)
+        self._drop_orphans()
+
+    def _unpublish(self, page: PageId, slot: int) -> None:
+        """A published page is freed: out of the index (what followed it is dropped by the
+        public method's ``_drop_orphans``), its content forgotten."""
+        if self._on_unpublish is not None:
+            self._on_unpublish(page)
+        content = self._content.pop(page)
+        if self._columns.indexed_at[slot]:
+            self._orphans += self.index.remove(content)
+
+    def _ns(self, namespace: NamespaceId) -> _NamespacePages:
+        pages = self._by_namespace.get(namespace)
+        if pages is None:
+            pages = self._by_namespace[namespace] = _NamespacePages([], CachedQueue(self._columns))
+        return pages

@@ -1,0 +1,206 @@
+"""Room: free pages for a namespace within the host budget, or a refusal before anything moves.
+
+When a namespace needs more free pages than it has, room is made in this order:
+
+1. a new extent, while the budget has bytes no extent holds (kvd/core/supply.py builds them)
+   and /dev/shm has room for it (when it refuses one, the next steps make the room);
+2. the namespace's next CACHED page in the eviction policy's order (kvd/core/eviction.py);
+3. an extent of another namespace that holds no referenced page: its budget moves here;
+4. an ON_HOLD sequence of the namespace, chosen by kvd/core/eviction.py's ``held_victim`` (its
+   owner is told by the manager, ``take_evicted``).
+
+``check`` counts what all of that could free and raises ``ResourceExhausted`` when it is
+not enough, so a call that cannot fit fails before evicting anything. The manager decides
+what a request needs; this module decides what to give up for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+
+from kvd.cache.sequences import Sequence, SequenceTable
+from kvd.config import STEP_SECONDS
+from kvd.core.arena import Arena, Extent
+from kvd.core.counters import Counters
+from kvd.core.errors import ResourceExhausted
+from kvd.core.eviction import held_victim, release_order
+from kvd.core.namespaces import Namespace
+from kvd.core.pool import PagePool
+from kvd.core.supply import ExtentSupply
+from kvd.core.types import PageId, PageState
+from kvd.durability.integrity import Integrity
+
+log = logging.getLogger(__name__)
+
+EVICT_PAGES = 32  # cached pages ``steps`` evicts between two looks at the clock (~0.1 ms)
+
+
+class Room:
+    def __init__(
+        self,
+        arena: Arena,
+        pool: PagePool,
+        supply: ExtentSupply,
+        sequences: SequenceTable,
+        counters: Counters,
+        integrity: Integrity,
+    ) -> None:
+        self.arena = arena
+        self.pool = pool
+        self.supply = supply
+        self.sequences = sequences
+        self.counters = counters  # read for the log line of what was evicted
+        self.integrity = integrity  # its sealer may still read the pages of an extent reclaimed
+        self._evicted: list[Sequence] = []  # on-hold sequences evicted since ``take_evicted``
+
+    def take_evicted(self) -> list[Sequence]:
+        """The on-hold sequences evicted since the last call (the manager tells their owners)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
+        """Makes ``need`` pages free in the namespace, or raises before evicting anything.
+
+        ``protect``: an on-hold sequence the caller is working on, never evicted for it."""
+        self.check(ns, need, protect)
+        counters = self.counters.of(ns.id)
+        evicted_before, held_evicted = counters.evicted_pages, 0
+        while self.pool.free_count(ns.id) < need:
+            held_evicted += self._make_room(ns, need, protect)
+        if counters.evicted_pages > evicted_before or held_evicted:
+            log.info(
+                "namespace %d: evicted %d cached pages and %d on-hold sequences to make room for %d pages",
+                ns.id,
+                counters.evicted_pages - evicted_before,
+                held_evicted,
+                need,
+            )
+
+    def steps(self, ns: Namespace, need: int, seconds: float = STEP_SECONDS) -> Iterator[Future | None]:
+        """Makes ``need`` pages free as ``ensure_free`` would, in parts between which the
+        caller lets the event loop serve other calls: yields a Future while an extent is
+        built in the background (await it: it never raises for a full /dev/shm, and cached
+        pages are evicted after such a refusal), None after evicting cached pages for about
+        ``seconds`` (yield the loop, then go on). Stops early when what is left needs more
+        than new extents and cached pages (reclaiming, on-hold sequences): ``ensure_free``
+        does that, and whatever other calls took meanwhile, when the caller's call runs."""
+        evicted = 0
+        while True:
+            self.supply.adopt_built()  # a build that finished counts before another starts
+            if self.pool.free_count(ns.id) >= need:
+                break
+            build = self.supply.build_ahead(ns)
+            if build is not None:
+                yield build
+                if build.exception() is not None:
+                    break  # ensure_free builds on the request path and reports the error
+                continue
+            if not self.pool.cached_count(ns.id):
+                break
+            deadline = time.perf_counter() + seconds
+            while self.pool.free_count(ns.id) < need and self.pool.cached_count(ns.id):
+                evicted += len(self.pool.evict_many(ns.id, min(EVICT_PAGES, need - self.pool.free_count(ns.id))))
+                if time.perf_counter() > deadline:
+                    break
+            yield None
+        if evicted:
+            log.info("namespace %d: evicted %d cached pages to make room for %d pages", ns.id, evicted, need)
+
+    def check(self, ns: Namespace, need: int, protect: Sequence | None = None, held: Iterable[PageId] = ()) -> None:
+        """Raises unless ``need`` pages can be made free; ``held``: cached pages about to be acquired
+        (read only when the free pages do not suffice)."""
+        self.supply.adopt_built()
+        if self.pool.free_count(ns.id) >= need:
+            return
+        held = frozenset(held)
+        held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
+        available = (
+            self.pool.free_count(ns.id)
+            + self.supply.building_pages(ns.id)
+            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
+            + self.pool.cached_count(ns.id)
+            - held_cached
+            + self.arena.pages_within(sum(e.plan.footprint for e in self._reclaimable(ns)), ns.page_bytes, ns.page_size)
+            + self._freeable_on_hold(ns, protect, held)
+        )
+        if need > available:
+            raise ResourceExhausted(
+                f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
+                f"freed within the host budget of {self.arena.budget_bytes} bytes"
+                + (f" ({self.arena.shm_note})" if self.arena.shm_note else "")
+            )
+
+    def spare(self, ns: Namespace) -> int:
+        """Pages the namespace can get by giving up nothing but its own cached pages: free ones,
+        new extents within the budget, cached ones. What a speculative fill (a fetch from the
+        remote store, kvd/remote/tier.py) may take; it never evicts a sequence or another namespace."""
+        self.supply.adopt_built()
+        return (
+            self.pool.free_count(ns.id)
+            + self.supply.building_pages(ns.id)
+            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
+            + self.pool.cached_count(ns.id)
+        )
+
+    def _freeable_on_hold(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
+        """Pages that evicting every on-hold sequence (but ``protect``) would free or make evictable:
+        their private pages, and published pages no one else references."""
+        on_hold_refs: Counter[PageId] = Counter()
+        private = 0
+        for seq in self.sequences.on_hold(ns.id):
+            if seq is not protect:
+                private += len(seq.private_pages)
+                on_hold_refs.update(seq.shared_pages)
+        return private + sum(
+            1 for page, refs in on_hold_refs.items() if refs == self.pool.refcount(page) and page not in held
+        )
+
+    def _make_room(self, ns: Namespace, need: int, protect: Sequence | None) -> int:
+        """One step towards ``need`` free pages, in the module's order (a new extent, the
+        cached pages still missing, a reclaimed extent or an on-hold sequence); returns the
+        number of on-hold sequences it evicted (0 or 1)."""
+        refusals = self.arena.shm_refusals
+        if self.supply.add_extent(ns):
+            return 0
+        if self.arena.shm_refusals != refusals:
+            self.check(ns, need, protect)  # without the budget /dev/shm cannot back, it may not fit
+        if self.pool.cached_count(ns.id):  # all that are missing at once: evicting adds no budget for an extent
+            self.pool.evict_many(ns.id, need - self.pool.free_count(ns.id))
+            return 0
+        reclaimable = self._reclaimable(ns)
+        if reclaimable:
+            self._reclaim(reclaimable[0])
+            return 0
+        victim = held_victim(self.sequences.on_hold(ns.id), protect)
+        assert victim is not None, f"namespace {ns.id}: ran out of room after the capacity check passed"
+        self.sequences.evict(victim)  # ON_HOLD → EVICTED: its pages go, its owner is told
+        self.pool.release_all(release_order(victim.take_pages()))
+        self._evicted.append(victim)
+        return 1
+
+    def _reclaimable(self, ns: Namespace) -> list[Extent]:
+        """Other namespaces' extents holding no referenced page: their budget can move."""
+        return [e for e in self.arena.extents() if e.plan.namespace != ns.id and self.pool.extent_in_use(e.name) == 0]
+
+    def _reclaim(self, extent: Extent) -> None:
+        self.integrity.apply(wait=True)  # the sealer may still read this extent's pages
+        first, count = extent.first_page, extent.num_pages
+        ns_id = extent.plan.namespace
+        evicted_before = self.counters.of(ns_id).evicted_pages
+        for page in map(PageId, range(first, first + count)):
+            # each goes with the cached pages of its chain after it, elsewhere too (cached as
+            # well: a referenced page's whole prefix is referenced): none could hit again
+            if self.pool.content(page) is not None:
+                self.pool.evict(page)
+        self.pool.remove_pages(ns_id, extent.name, first, count)
+        self.arena.release(extent)
+        log.info(
+            "reclaimed extent %s (%d pages) for another namespace, evicting %d cached pages of chains through it",
+            extent.name,
+            count,
+            self.counters.of(ns_id).evicted_pages - evicted_before,
+        )

@@ -1,0 +1,202 @@
+"""Page checksums: sealing published pages off the event loop, auditing them, and dropping
+the pages whose bytes changed. ``Integrity`` is the one home of the checksums; the
+manager calls it when it publishes a page, the pool when a page stops being published,
+recovery hands it the checksums a restart verified (through ``Catalog.restore``).
+
+Hashing costs ~35 ms per GiB (xxh3_64, measured on this host), so publishing a
+50K-token prefix of 2 MiB pages (~6 GB) would hold the event loop for ~0.2 s if it
+hashed synchronously. Instead ``publish`` writes each page's record (state PUBLISHED,
+kvd/durability/meta.py) and hands the page to one background sealer thread; the checksum is
+recorded (state SEALED) on the event loop a moment later, and only if the page still
+holds the same content. A page whose daemon died before its seal is sealed by recovery
+(kvd/durability/recovery.py): its bytes and record were complete before ``publish`` replied.
+Published pages are immutable, so hashing them beside the event loop is safe; the
+manager waits for the sealer before it unmaps an extent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core.arena import Arena
+from kvd.core.counters import Counters
+from kvd.core.index import PageContent
+from kvd.core.pool import PagePool
+from kvd.core.types import PageId
+from kvd.durability.meta import ExtentMeta, page_checksum
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SealJob:
+    page: PageId
+    content: PageContent  # identity-checked when the checksum comes back
+    meta: ExtentMeta
+    slot: int  # the page's record in meta
+    covered: bytes  # the record fields the checksum covers
+    view: np.ndarray  # the page's bytes in shared memory
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    checked_pages: int
+    checked_bytes: int
+    corrupted_pages: int
+    seconds: float
+
+
+def _hash_all(jobs: list[SealJob]) -> list[int]:
+    return [page_checksum(job.covered, job.view) for job in jobs]
+
+
+# Pages per batch the sealer hands back: recording a batch's checksums runs on the event
+# loop (~3 µs a page), so a 3,125-page publish comes back in ~0.4 ms pieces, not one 10 ms one.
+SEAL_BATCH = 128
+
+
+class Sealer:
+    """One background thread that computes checksums of freshly published pages."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-sealer")
+        self._pending: list[tuple[list[SealJob], Future]] = []
+        # Set by the server: schedules apply on the event loop when a batch is done.
+        self.notify: Callable[[], None] | None = None
+
+    def submit(self, jobs: list[SealJob]) -> None:
+        for start in range(0, len(jobs), SEAL_BATCH):
+            batch = jobs[start : start + SEAL_BATCH]
+            future = self._executor.submit(_hash_all, batch)
+            self._pending.append((batch, future))
+            if self.notify is not None:
+                future.add_done_callback(self._done)
+
+    def _done(self, _future: Future) -> None:
+        """On the sealer thread: tells the loop a batch is done, unless the server stopped
+        taking callbacks (``notify`` is None) since the batch was submitted."""
+        notify = self.notify
+        if notify is not None:
+            notify()
+
+    def finished(self, wait: bool = False):
+        """(job, checksum) of one finished batch (each batch notifies once, so every one is
+        taken); with ``wait``, of every batch."""
+        still, taken = [], False
+        for jobs, future in self._pending:
+            if not wait and (taken or not future.done()):
+                still.append((jobs, future))
+                continue
+            taken = True
+            try:
+                checksums = future.result()
+            except Exception:  # noqa: BLE001 - logged; the pages stay unsealed, never wrong
+                log.exception("sealing %d published pages failed; they will not survive a restart", len(jobs))
+                continue
+            yield from zip(jobs, checksums)
+        self._pending = still
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+class Integrity:
+    """The checksums of sealed published or cached pages, and what to do when one fails."""
+
+    def __init__(self, arena: Arena, pool: PagePool, counters: Counters) -> None:
+        self.arena = arena
+        self.pool = pool
+        self.counters = counters
+        self.sealer = Sealer()
+        self.checksums: dict[PageId, int] = {}
+        self._to_seal: list[SealJob] = []
+
+    def close(self) -> None:
+        self.apply(wait=True)
+        self.sealer.close()
+
+    def describe(self, content: PageContent, page_index: int) -> None:
+        """Writes a freshly published page's record; its checksum follows on ``submit``."""
+        page = content.page
+        extent = self.arena.extent_of(page)
+        slot = page - extent.first_page
+        covered = extent.meta.describe(slot, content.key, content.parent, page_index, content.local, content.tokens)
+        self._to_seal.append(SealJob(page, content, extent.meta, slot, covered, extent.page_bytes_view(page)))
+
+    def submit(self) -> None:
+        """Hands the pages described since the last call to the sealer thread."""
+        self.apply()
+        self.sealer.submit(self._to_seal)
+        self._to_seal = []
+
+    def apply(self, wait: bool = False) -> int:
+        """Records the checksums the sealer computed; returns how many pages were sealed."""
+        sealed = 0
+        for job, checksum in self.sealer.finished(wait):
+            if job.page in self.pool and self.pool.content(job.page) is job.content:
+                job.meta.seal(job.slot, checksum)
+                self.checksums[job.page] = checksum
+                sealed += 1
+        return sealed
+
+    def restore(self, checksums: dict[PageId, int]) -> None:
+        """The checksums of the pages a warm restart verified."""
+        self.checksums.update(checksums)
+
+    def verify(self) -> VerifyResult:
+        """Re-hashes every sealed published or cached page; drops the ones whose bytes changed.
+
+        Runs on the event loop (an admin call: ~35 ms per GiB of published pages)."""
+        start = time.perf_counter()
+        self.apply(wait=True)
+        checked = checked_bytes = 0
+        corrupted_pages = []
+        for page, checksum in self.checksums.items():
+            extent = self.arena.extent_of(page)
+            checked += 1
+            checked_bytes += extent.plan.page_bytes
+            if page_checksum(extent.meta.covered(page - extent.first_page), extent.page_bytes_view(page)) != checksum:
+                corrupted_pages.append(page)
+        for page in corrupted_pages:
+            self.drop_corrupted(page)
+        corrupted = len(corrupted_pages)
+        seconds = time.perf_counter() - start
+        log.info(
+            "verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
+            checked,
+            checked_bytes,
+            seconds * 1e3,
+            corrupted,
+        )
+        return VerifyResult(checked, checked_bytes, corrupted, seconds)
+
+    def drop_corrupted(self, page: PageId) -> None:
+        """A published page whose bytes changed is never served again: out of the index now,
+        freed at once when cached, else when its holders release it; the pages of its chain
+        after it leave the index with it (no match reaches them without it), kept as it is
+        by their holders."""
+        content = self.pool.content(page)
+        ns_id = self.pool.namespace_of(page)
+        self.counters.of(ns_id).corrupted_pages += 1
+        if content is None:
+            return  # freed already: cached behind another corrupted page of its chain
+        log.warning(
+            "page %d of namespace %d (key %s) failed its checksum; dropped from the index",
+            page,
+            ns_id,
+            content.key.hex()[:16],
+        )
+        self.forget(page)
+        self.pool.unindex(page)
+
+    def forget(self, page: PageId) -> None:
+        """The page leaves the published states: its record must not be recovered."""
+        extent = self.arena.extent_of(page)
+        extent.meta.clear(page - extent.first_page)
+        self.checksums.pop(page, None)
