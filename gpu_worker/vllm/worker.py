@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_client import ErrorCode, KVDError, SequenceRequest
+from engine_client import ErrorCode, ExtendItem, KVDError, SequenceRequest
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
@@ -114,10 +114,12 @@ class KVDWorkerSide:
 
     def start_step(self, meta: KVDConnectorMetadata) -> None:
         """Before the forward pass: release finished requests' sequences, prepare the step's
-        saves, and copy every planned load into its vLLM block (all layers; on CUDA queued)."""
+        saves, and copy every planned load into its vLLM block (all layers; on CUDA queued).
+        Whatever the batch, a step costs at most one kvd call of each kind: release,
+        allocate, extend (here) and publish (`wait_for_save`)."""
         self._finished(meta.finished)
         failed = self._start_loads(meta.loads)
-        self._saves = [save for plan in meta.saves if (save := self._prepare_save(plan, failed)) is not None]
+        self._saves = self._prepare_saves(meta.saves, failed)
         self._saved_layers = set()
 
     # ---- loads ------------------------------------------------------------------------
@@ -163,65 +165,68 @@ class KVDWorkerSide:
 
     # ---- saves ------------------------------------------------------------------------
 
-    def _prepare_save(self, plan: SavePlan, failed: set[str]) -> _StepSave | None:
-        """The plan's blocks that this worker's sequence does not already hold, with their pages.
+    def _prepare_saves(self, plans: list[SavePlan], failed: set[str]) -> list[_StepSave]:
+        """The plans' blocks that this worker's sequences do not already hold, with their pages.
 
         Nothing is saved for a request with a load error in this step: the blocks it failed
         to load hold stale bytes, and what this step computes attended to them. vLLM
         recomputes from the first failed block, and the scheduler plans those saves again."""
-        if plan.prompt is not None:  # a list of this worker's own, grown in place below
-            self._known[plan.req_id] = PromptKey(list(plan.prompt.token_ids), plan.prompt.extra_keys)
-        if plan.more_tokens and plan.req_id in self._known:
-            self._known[plan.req_id].token_ids.extend(plan.more_tokens)
-        if plan.req_id in failed:
-            return None
-        seq = self._sequence(plan.req_id)
-        if seq is None:
-            return None
-        if max(plan.positions) >= len(seq.page_ids) and not self._extend(plan.req_id, seq):
-            return None
-        todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
-        if not todo:
-            return None
-        positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
-        groups = self._resolve(
-            None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
-        )
-        return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
+        for plan in plans:
+            if plan.prompt is not None:  # a list of this worker's own, grown in place below
+                self._known[plan.req_id] = PromptKey(list(plan.prompt.token_ids), plan.prompt.extra_keys)
+            if plan.more_tokens and plan.req_id in self._known:
+                self._known[plan.req_id].token_ids.extend(plan.more_tokens)
+        plans = [plan for plan in plans if plan.req_id not in failed and plan.req_id in self._known]
+        self._allocate([plan.req_id for plan in plans if not self._has_sequence(plan.req_id)])
+        plans = [plan for plan in plans if self._has_sequence(plan.req_id)]
+        self._extend([p.req_id for p in plans if max(p.positions) >= len(self._sequences[p.req_id].page_ids)])
+        saves = []
+        for plan in plans:
+            seq = self._sequences[plan.req_id]
+            todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
+            if not todo:
+                continue
+            positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
+            groups = self._resolve(
+                None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
+            )
+            if groups is not None:
+                saves.append(_StepSave(plan.req_id, positions, block_ids, groups))
+        return saves
 
-    def _sequence(self, req_id: str) -> _Saving | None:
-        """This worker's kvd sequence for the request, allocated on first use (and again,
-        for every token known by then, after a daemon restart); None when kvd cannot hold it."""
+    def _has_sequence(self, req_id: str) -> bool:
+        """Whether the request has a kvd sequence in this worker's current session."""
         seq = self._sequences.get(req_id)
-        if seq is not None and seq.session == self.link.session:
-            return seq
-        prompt = self._known.get(req_id)
-        if prompt is None:
-            return None
-        seq_id = self.link.seq_id(req_id)
-        found = self.link.attempt(
-            "allocate",
-            lambda kvd, ns: kvd.allocate_with_prefix(
-                ns, [SequenceRequest(seq_id, prompt.token_ids, prompt.extra_keys)]
-            ),
-        )
-        if not found:
-            self._sequences.pop(req_id, None)
-            return None
-        seq = _Saving(self.link.session, found[0].pages, published=len(found[0].shared_pages))
-        self._sequences[req_id] = seq
-        return seq
+        return seq is not None and seq.session == self.link.session
 
-    def _extend(self, req_id: str, seq: _Saving) -> bool:
-        """Grows the kvd sequence by the full blocks the plans sent since it was allocated
-        (generated tokens); whether it now holds them."""
-        tokens = self._known[req_id].token_ids[len(seq.page_ids) * self.layout.page_size :]
-        seq_id = self.link.seq_id(req_id)
-        grown = self.link.attempt("extend", lambda kvd, ns: kvd.extend(ns, seq_id, len(tokens), token_ids=tokens))
-        if grown is None:
-            return False
-        seq.page_ids += grown.new_pages
-        return True
+    def _allocate(self, req_ids: list[str]) -> None:
+        """Allocates the requests' kvd sequences (again, for every token known by then,
+        after a daemon restart), in one call; none when kvd cannot hold them all."""
+        if not req_ids:
+            return
+        for req_id in req_ids:
+            self._sequences.pop(req_id, None)
+        requests = [
+            SequenceRequest(self.link.seq_id(r), self._known[r].token_ids, self._known[r].extra_keys) for r in req_ids
+        ]
+        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(ns, requests))
+        for req_id, allocation in zip(req_ids, found or ()):
+            self._sequences[req_id] = _Saving(
+                self.link.session, allocation.pages, published=len(allocation.shared_pages)
+            )
+
+    def _extend(self, req_ids: list[str]) -> None:
+        """Grows the requests' kvd sequences by the full blocks the plans sent since they were
+        allocated (generated tokens), in one call; none when kvd cannot grow them all."""
+        if not req_ids:
+            return
+        items = []
+        for req_id in req_ids:
+            tokens = self._known[req_id].token_ids[len(self._sequences[req_id].page_ids) * self.layout.page_size :]
+            items.append(ExtendItem(self.link.seq_id(req_id), len(tokens), token_ids=tokens))
+        grown = self.link.attempt("extend", lambda kvd, ns: kvd.extend_batch(ns, items))
+        for req_id, result in zip(req_ids, grown or ()):
+            self._sequences[req_id].page_ids += result.new_pages
 
     def save_layer(self, layer_name: str) -> None:
         """Copy this layer of the step's saved blocks into their kvd pages (its attention
@@ -254,24 +259,28 @@ class KVDWorkerSide:
         if self._cuda:
             self._record().synchronize()
         for save in self._saves:
-            seq = self._sequences[save.req_id]
-            seq.written.update(save.positions)
-            self._publish(save.req_id, seq)
+            self._sequences[save.req_id].written.update(save.positions)
+        self._publish([save.req_id for save in self._saves])
         self._saves = []
 
-    def _publish(self, req_id: str, seq: _Saving) -> None:
-        end = seq.published
-        while end in seq.written:
-            end += 1
-        if end == seq.published or seq.session != self.link.session:
+    def _publish(self, req_ids: list[str]) -> None:
+        """Publishes each sequence's blocks written so far in order from its first
+        unpublished one, all in one call."""
+        ends = {}
+        for req_id in req_ids:
+            seq = self._sequences[req_id]
+            end = seq.published
+            while end in seq.written:
+                end += 1
+            if end > seq.published and seq.session == self.link.session:
+                ends[req_id] = end
+        if not ends:
             return
-        seq_id = self.link.seq_id(req_id)
-        if (
-            self.link.attempt(
-                "publish", lambda kvd, ns: kvd.publish(ns, [seq_id], {seq_id: end * self.layout.page_size})
-            )
-            is not None
-        ):
+        num_tokens = {self.link.seq_id(r): end * self.layout.page_size for r, end in ends.items()}
+        if self.link.attempt("publish", lambda kvd, ns: kvd.publish(ns, list(num_tokens), num_tokens)) is None:
+            return
+        for req_id, end in ends.items():
+            seq = self._sequences[req_id]
             start = self._published.get(req_id, (seq.published, 0))[0]
             self._published[req_id] = (start, end)
             seq.published = end
