@@ -18,8 +18,8 @@ num_kv_heads, block_size, 2 * head_dim]`; a kvd page is `[num_layers, 2, page_si
 num_kv_heads, head_dim]`. `block_view` makes the first look like one layer of the
 second, without copying.
 
-On CPU the copies are plain batched tensor copies (one gather and one scatter per layer
-and extent). On CUDA (marked, checked by scripts/gpu_check.sh) the extents are
+The copies themselves are gpu_worker/vllm/page_copies.py's: per layer and extent, one
+memcpy per run of consecutive pages on CPU. On CUDA (marked, checked by scripts/gpu_check.sh) the extents are
 registered with cudaHostRegister once, and copies run on a side stream: loads are queued
 for every layer at once with an event per layer that `wait_layer` makes the compute
 stream wait on; saves of a layer are queued after that layer's attention and waited for
@@ -38,6 +38,7 @@ import torch
 from engine_client import ErrorCode, ExtendItem, KVDError, SequenceRequest
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.page_copies import ExtentCopies, by_extent, copy_layer
 from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 log = logging.getLogger(__name__)
@@ -49,18 +50,18 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
 
     Backends read that memory differently. CUDA's FlashAttention splits the last dimension
     (K and V of a token side by side), which is kvd's order. vLLM's CPU backend
-    (`k_then_v_rows`) stores each head's block as `[2 * block_size, head_dim]`, all K rows
-    then all V rows, each in an arrangement of its own kernel's: its pages are kept apart
-    in a namespace of their own (connector.cpu_kv_layout), and the view only has to
-    map the block's bytes one to one."""
+    (`k_then_v_rows`) stores each block in an arrangement of its own kernel's (each
+    head's K rows, then its V rows): its pages are kept apart in a namespace of their own
+    (connector.cpu_kv_layout), so the view maps the block's bytes one to one, in vLLM's
+    order, and a block's copy is one memcpy (gpu_worker/vllm/page_copies.py)."""
     blocks, heads, block_size, width = kv_layer.shape
     if heads != num_kv_heads or width != 2 * head_dim:
         raise ValueError(
             f"vLLM's KV cache layer is {tuple(kv_layer.shape)}; KVDConnector expects "
             f"[num_blocks, {num_kv_heads} kv heads, block_size, 2 x {head_dim}]"
         )
-    if k_then_v_rows:  # [B, H, 2 * N, D] as [B, H, 2, N, D] -> [B, 2, N, H, D]
-        return kv_layer.view(blocks, heads, 2, block_size, head_dim).permute(0, 2, 3, 1, 4)
+    if k_then_v_rows:  # each contiguous block [H, N, 2 * D] read as [2, N, H, D]
+        return kv_layer.view(blocks, 2, block_size, heads, head_dim)
     return kv_layer.unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
 
 
@@ -79,9 +80,13 @@ class _StepSave:
     """This step's copies for one request: vLLM blocks into the sequence's pages."""
 
     req_id: str
-    positions: list[int]
-    block_ids: list[int]
-    groups: list  # client.pages_by_extent of the pages at `positions`
+    positions: list[int]  # the request's blocks saved
+    copies: list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
+
+
+def _to_blocks(groups, block_ids: list[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+    """`KVDClient.pages_by_extent` groups with the vLLM block of each page instead of its position."""
+    return [(extent, indices, [block_ids[p] for p in positions]) for extent, indices, positions in groups]
 
 
 class KVDWorkerSide:
@@ -97,6 +102,7 @@ class KVDWorkerSide:
         self._known: dict[str, PromptKey] = {}  # per request: the tokens the plans sent so far
         self._sequences: dict[str, _Saving] = {}
         self._saves: list[_StepSave] = []
+        self._save_copies: list[ExtentCopies] = []  # the step's saves, merged per extent
         self._saved_layers: set[int] = set()
         self._published: dict[str, tuple[int, int]] = {}
         self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister
@@ -120,6 +126,7 @@ class KVDWorkerSide:
         self._finished(meta.finished)
         failed = self._start_loads(meta.loads)
         self._saves = self._prepare_saves(meta.saves, failed)
+        self._save_copies = by_extent(g for save in self._saves for g in save.copies)
         self._saved_layers = set()
 
     # ---- loads ------------------------------------------------------------------------
@@ -140,16 +147,10 @@ class KVDWorkerSide:
                 failed.add(plan.req_id)
         if not resolved:
             return failed
+        copies = by_extent(g for plan, groups in resolved for g in _to_blocks(groups, plan.block_ids))
         with self._side_stream():
             for layer, view in enumerate(self._layers):
-                for plan, groups in resolved:
-                    for extent, indices, positions in groups:
-                        blocks = [plan.block_ids[p] for p in positions]
-                        if self._cuda:  # page by page: DMA from the registered extent
-                            for index, block in zip(indices, blocks):
-                                view[block].copy_(extent[index, layer], non_blocking=True)
-                        else:  # extent[indices, layer]: [pages, 2, block_size, heads, head_dim]
-                            view[torch.tensor(blocks)] = extent[indices, layer]
+                copy_layer(view, layer, copies, into_blocks=True)
                 if self._cuda:
                     self._load_events[layer] = self._record()
         return failed
@@ -191,7 +192,7 @@ class KVDWorkerSide:
                 None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
             )
             if groups is not None:
-                saves.append(_StepSave(plan.req_id, positions, block_ids, groups))
+                saves.append(_StepSave(plan.req_id, positions, _to_blocks(groups, block_ids)))
         return saves
 
     def _has_sequence(self, req_id: str) -> bool:
@@ -237,16 +238,8 @@ class KVDWorkerSide:
 
     def _save(self, layer: int) -> None:
         self._saved_layers.add(layer)
-        view = self._layers[layer]
         with self._side_stream():
-            for save in self._saves:
-                for extent, indices, positions in save.groups:
-                    blocks = [save.block_ids[p] for p in positions]
-                    if self._cuda:  # page by page: DMA into the registered extent
-                        for index, block in zip(indices, blocks):
-                            extent[index, layer].copy_(view[block], non_blocking=True)
-                    else:  # view[blocks]: [pages, 2, block_size, heads, head_dim]
-                        extent[indices, layer] = view[torch.tensor(blocks)]
+            copy_layer(self._layers[layer], layer, self._save_copies, into_blocks=False)
 
     def wait_for_save(self) -> None:
         """After the forward pass: save the layers no attention call saved, wait for the
@@ -261,7 +254,7 @@ class KVDWorkerSide:
         for save in self._saves:
             self._sequences[save.req_id].written.update(save.positions)
         self._publish([save.req_id for save in self._saves])
-        self._saves = []
+        self._saves, self._save_copies = [], []
 
     def _publish(self, req_ids: list[str]) -> None:
         """Publishes each sequence's blocks written so far in order from its first
