@@ -5,11 +5,12 @@
 One kvd daemon, one sequence of `tokens / 32` private pages in its shared memory (the
 layout of bench/bench_vllm.py's model: 4 layers x 2 KV heads x head_dim 64, 32-token
 pages, float32: 32 KiB per page and layer), and a vLLM CPU-backend KV cache of the same
-shape per layer. Timed, best of `--repeats`: the connector's save (vLLM blocks into kvd
-pages) and load (pages into blocks) through gpu_worker/vllm/page_copies.py, into blocks
-that are consecutive and into blocks scattered at random; beside them `numpy.copyto` of
-one buffer of the same size into another, and the indexed torch copies the worker made
-before (a gather, then a scatter into a permuted view). Target: ≥ 0.5 x numpy.copyto.
+shape per layer. Timed in turns with `numpy.copyto` of one buffer of the same size into
+another (best of `--repeats` each, printed as a ratio): the connector's save (vLLM blocks
+into kvd pages) and load (pages into blocks) through gpu_worker/vllm/page_copies.py, into
+blocks that are consecutive and into blocks scattered at random; and the indexed torch
+copies the worker made before (a gather, then a scatter into a permuted view).
+Target: >= 0.5 x numpy.copyto. On a loaded box the ratios swing; run it on a quiet one.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ from gpu_worker.vllm.worker import block_view
 LAYOUT = PageLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=32, dtype="float32")
 
 
-def best(action, repeats: int) -> float:
-    """The fastest of `repeats` runs, in seconds (after one untimed run)."""
-    action()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def side_by_side(action, reference, repeats: int) -> float:
+    """How fast `action` runs against `reference`: the ratio of their fastest of `repeats`
+    runs, taken in turns (after one untimed run of each), so that both see the same box."""
+    times: dict = {action: [], reference: []}
+    for _ in range(repeats + 1):
+        for f, spent in times.items():
+            start = time.perf_counter()
+            f()
+            spent.append(time.perf_counter() - start)
+    return min(times[reference][1:]) / min(times[action][1:])
 
 
 def main() -> None:
@@ -74,10 +76,12 @@ def run(args, groups, num_pages: int, num_bytes: int) -> None:
     layer_kib = LAYOUT.page_bytes // LAYOUT.num_layers // 1024
     print(
         f"{num_pages} pages x {LAYOUT.num_layers} layers = {num_bytes / 2**20:.0f} MiB ({layer_kib} KiB a page and "
-        f"layer) in {len(groups)} extent(s), best of {args.repeats}"
+        f"layer) in {len(groups)} extent(s), best of {args.repeats} in turns"
     )
-    memcpy = num_bytes / best(lambda: np.copyto(dst, src), args.repeats)
-    print(f"  numpy.copyto of the same bytes              {memcpy / 1e9:6.2f} GB/s")
+
+    def memcpy():
+        np.copyto(dst, src)
+
     for name, blocks in (("consecutive", consecutive), ("scattered", scattered)):
         copies = by_extent((extent, indices, [blocks[p] for p in positions]) for extent, indices, positions in groups)
         for what, into_blocks in (("save", False), ("load", True)):
@@ -86,8 +90,7 @@ def run(args, groups, num_pages: int, num_bytes: int) -> None:
                 for layer, view in enumerate(views):
                     copy_layer(view, layer, copies, into_blocks)
 
-            rate = num_bytes / best(copy, args.repeats)
-            print(f"  {what} into {name:11} blocks: connector {rate / 1e9:6.2f} GB/s = {rate / memcpy:.2f} x copyto")
+            print(f"  {what} into {name:11} blocks: {side_by_side(copy, memcpy, args.repeats):.2f} x numpy.copyto")
     # The copies the worker made before: an indexed gather, then a scatter into a permuted view.
     permuted = [kv.view(-1, heads, 2, block, dim).permute(0, 2, 3, 1, 4) for kv in cache]
 
@@ -96,8 +99,8 @@ def run(args, groups, num_pages: int, num_bytes: int) -> None:
             for extent, indices, positions in groups:
                 view[torch.tensor([scattered[p] for p in positions])] = extent[indices, layer]
 
-    rate = num_bytes / best(indexed_load, args.repeats)
-    print(f"  before (indexed torch copies), scattered load {rate / 1e9:6.2f} GB/s = {rate / memcpy:.2f} x copyto")
+    ratio = side_by_side(indexed_load, memcpy, args.repeats)
+    print(f"  before (indexed torch copies), load into scattered blocks: {ratio:.2f} x numpy.copyto")
 
 
 if __name__ == "__main__":

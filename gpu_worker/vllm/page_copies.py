@@ -62,23 +62,23 @@ def copy_layer(blocks_view: torch.Tensor, layer: int, copies: list[ExtentCopies]
     the blocks into their pages (a save).
 
     `blocks_view` is the layer's vLLM cache as `[blocks, 2, page_size, heads, head_dim]`
-    (worker.block_view); on CUDA the copies are queued on the current stream."""
-    if blocks_view.device.type == "cuda":  # page by page: each is one DMA to or from the registered extent
+    (worker.block_view); on a GPU the copies are queued on the current stream."""
+    if blocks_view.device.type == "cpu":
+        cache = _bytes(blocks_view)  # [blocks, 2, page_size, heads, head_dim * itemsize]
         for c in copies:
-            for page, block in zip(c.pages, c.blocks):
+            pages = _bytes(c.extent)[:, layer]  # [pages, 2, page_size, heads, head_dim * itemsize]
+            for page, block, n in runs(c.pages, c.blocks):
                 if into_blocks:
-                    blocks_view[block].copy_(c.extent[page, layer], non_blocking=True)
+                    np.copyto(cache[block : block + n], pages[page : page + n])
                 else:
-                    c.extent[page, layer].copy_(blocks_view[block], non_blocking=True)
+                    np.copyto(pages[page : page + n], cache[block : block + n])
         return
-    cache = _bytes(blocks_view)  # [blocks, 2, page_size, heads, head_dim * itemsize]
-    for c in copies:
-        pages = _bytes(c.extent)[:, layer]  # [pages, 2, page_size, heads, head_dim * itemsize]
-        for page, block, n in runs(c.pages, c.blocks):
+    for c in copies:  # page by page: each is one DMA to or from the registered extent
+        for page, block in zip(c.pages, c.blocks):
             if into_blocks:
-                np.copyto(cache[block : block + n], pages[page : page + n])
+                blocks_view[block].copy_(c.extent[page, layer], non_blocking=True)
             else:
-                np.copyto(pages[page : page + n], cache[block : block + n])
+                c.extent[page, layer].copy_(blocks_view[block], non_blocking=True)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
