@@ -8,6 +8,8 @@ released when the scheduler says the request finished): after each layer's atten
 wrote its KV, the layer is copied into the sequence's private pages, and once the step's
 copies are done the worker publishes every block it wrote, in order. So no process writes
 a page another session owns, and a page is published only after its bytes are complete.
+Each kvd call covers the whole step: one allocation for the requests new to this worker,
+one `extend_batch`, one `publish` of many sequences, one `release` of the finished ones.
 
 Anything that cannot be copied (kvd gone, the daemon restarted since the plan was made, a
 page that no longer maps) is reported, never guessed: a failed load's blocks go to vLLM as
@@ -19,11 +21,11 @@ num_kv_heads, head_dim]`. `block_view` makes the first look like one layer of th
 second, without copying.
 
 The copies themselves are gpu_worker/vllm/page_copies.py's: per layer and extent, one
-memcpy per run of consecutive pages on CPU. On CUDA (marked, checked by scripts/gpu_check.sh) the extents are
-registered with cudaHostRegister once, and copies run on a side stream: loads are queued
-for every layer at once with an event per layer that `wait_layer` makes the compute
-stream wait on; saves of a layer are queued after that layer's attention and waited for
-in `wait_for_save`, before they are published.
+memcpy per run of consecutive pages on CPU. On CUDA (marked, checked by
+scripts/gpu_check.sh) the extents are registered with cudaHostRegister once, and copies
+run on a side stream: loads are queued for every layer at once with an event per layer
+that `wait_layer` makes the compute stream wait on; saves of a layer are queued after
+that layer's attention and waited for in `wait_for_save`, before they are published.
 """
 
 from __future__ import annotations
