@@ -230,9 +230,12 @@ def setup(tmp_path_factory):
     adapter = os.path.join(workdir, "adapter-1")
     write_lora_adapter(adapter)
     socket = remember_socket(os.path.join(workdir, "kvd.sock"))
+    metrics_port = free_port()
     daemon = DaemonProcess.start(
         socket,
         "--enable-prefix-reuse",
+        "--metrics-port",
+        str(metrics_port),
         "--host-bytes",
         "256MiB",
         "--extent-bytes",
@@ -264,6 +267,7 @@ def setup(tmp_path_factory):
         state = {
             "daemon": daemon,
             "socket": socket,
+            "metrics_port": metrics_port,
             "engines": engines,
             "baseline": baseline,
             "model": model,
@@ -307,6 +311,53 @@ def test_prefix_computed_once_then_loaded_by_other_engines(setup):
     saved = {name: (len(prompt(name)) + 15) // BLOCK for name in "abc"}
     shared = SHARED_HIT // BLOCK
     assert stats["cached_pages"] == saved["a"] + (saved["b"] - shared) + (saved["c"] - shared)
+
+
+CONNECTOR_CALLS = ("Lookup", "AllocateWithPrefix", "Extend", "Publish", "Release")
+
+
+def kvd_calls(metrics_port: int) -> dict[str, float]:
+    """Calls the daemon has answered so far, per method (its latency histogram's counts)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        s.labels["method"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvd_request_seconds_count" and s.labels["method"] in CONNECTOR_CALLS
+    }
+
+
+def test_kvd_calls_per_engine_step_do_not_grow_with_the_batch(setup):
+    """Many requests at once, each saved (prompt and a generated block), then loaded by the
+    same engine with its own cache emptied: besides one lookup per request, the connector
+    calls kvd a few times per engine step however many requests run (the worker batches
+    its allocations, extends, publishes and releases; the scheduler its pins and unpins),
+    so the calls per request fall as the batch grows."""
+    c = setup["engines"]["c"]
+    rng = np.random.default_rng(25)
+    measured = {}
+    for batch in (4, 32):
+        prompts = [{"tokens": [int(t) for t in rng.integers(1, 999, 3 * BLOCK + 5)]} for _ in range(batch)]
+        before = kvd_calls(setup["metrics_port"])
+        c.send("steps")
+        steps = -c.receive()
+        for turn in ("save", "load"):
+            c.forget_local_cache()
+            _, hits = c.generate(prompts, max_tokens=40)  # 4 full blocks each: 3 of the prompt, 1 generated
+            assert hits == (0 if turn == "save" else batch * 3 * BLOCK), f"{turn} round: {hits} tokens from kvd"
+            wait_until(lambda: kvd_stats(setup["socket"])["sequences"] == 0, "the sequences released", timeout=10)
+        c.send("steps")
+        steps += c.receive()
+        after = kvd_calls(setup["metrics_port"])
+        calls = {m: int(after.get(m, 0) - before.get(m, 0)) for m in CONNECTOR_CALLS}
+        measured[batch] = (calls, steps)
+        print(f"{batch} requests x 2 rounds, {steps} engine steps: kvd calls {calls}")
+    large = measured[32][0]
+    assert large["Lookup"] <= 2 * 32 + 2, f"lookups: {large['Lookup']} for 64 requests"
+    per_step = {batch: (sum(calls.values()) - calls["Lookup"]) / steps for batch, (calls, steps) in measured.items()}
+    assert per_step[32] <= 1.5 * per_step[4] + 0.1, f"kvd calls per engine step (lookups aside) grew: {per_step}"
+    assert sum(large.values()) <= 3 * 2 * 32, f"{sum(large.values())} kvd calls for 64 requests: {large}"
 
 
 def test_cpu_backend_pages_live_in_a_namespace_of_their_own(setup):

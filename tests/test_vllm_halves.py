@@ -51,14 +51,22 @@ def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str |
 def scheduled(req, block_ids: list[int], computed: int = 0, num_tokens: int | None = None):
     """A SchedulerOutput that schedules `req` as new, computing the rest of its prompt."""
     n = len(req.prompt_token_ids) if num_tokens is None else num_tokens
+    return scheduled_together([(req, block_ids, computed)], {req.request_id: n - computed})
+
+
+def scheduled_together(new: list[tuple], num_scheduled_tokens: dict[str, int] | None = None):
+    """A SchedulerOutput that schedules each (request, block ids, computed tokens) as new,
+    computing the rest of its prompt (unless `num_scheduled_tokens` says otherwise)."""
     return SimpleNamespace(
         scheduled_new_reqs=[
             SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=computed)
+            for req, block_ids, computed in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
         ),
-        num_scheduled_tokens={req.request_id: n - computed},
+        num_scheduled_tokens=num_scheduled_tokens
+        or {req.request_id: len(req.prompt_token_ids) - computed for req, _, computed in new},
     )
 
 
@@ -105,6 +113,12 @@ class VllmProcess:
         the workers' answer back to the scheduler; returns the blocks that failed to load."""
         self.scheduler.allocated(req, block_ids, num_external)
         return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
+
+    def run_together(self, new: list[tuple]) -> set[int]:
+        """One prefill step of several requests, each (request, block ids, external tokens)."""
+        for req, block_ids, num_external in new:
+            self.scheduler.allocated(req, block_ids, num_external)
+        return self._step(scheduled_together([(req, block_ids, num_external) for req, block_ids, num_external in new]))
 
     def next_step(self, req, computed: int, num_tokens: int, new_block_ids: list[int] | None = None) -> set[int]:
         """A later step of a running request: `num_tokens` tokens from token `computed` (the
@@ -176,6 +190,28 @@ def test_blocks_saved_by_one_process_load_into_another(daemon):
     with KVDClient.connect(daemon.socket) as kvd:
         stats = kvd.stats()
     assert stats["cached_pages"] == 10 and stats["sequences"] == 0
+
+
+def test_one_step_of_many_requests_copies_scattered_blocks_and_pages_one_to_one(daemon_factory):
+    """Three requests saved in one step from blocks out of order and with gaps, into pages
+    spread over small extents; another process loads them, also in one step, into other
+    scattered blocks: runs of consecutive pages and blocks are copied as one, the rest page
+    by page, and every block arrives whole and in place."""
+    daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "256KiB")
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompts = [tokens(5 * BLOCK + 1, seed=seed) for seed in (11, 12, 13)]
+    a_blocks = [[9, 8, 7, 6, 5, 40], [20, 21, 23, 22, 30, 41], [50, 51, 52, 53, 54, 42]]
+    b_blocks = [[1, 2, 3, 4, 5, 6], [63, 10, 11, 12, 14, 0], [30, 31, 20, 33, 34, 35]]
+    saved = [request(f"a{i}", p) for i, p in enumerate(prompts)]
+    assert a.run_together([(r, blocks, 0) for r, blocks in zip(saved, a_blocks)]) == set()
+    loading = [request(f"b{i}", p) for i, p in enumerate(prompts)]
+    assert [b.scheduler.matched_tokens(r, 0) for r in loading] == [5 * BLOCK] * 3
+    assert b.run_together([(r, blocks, 5 * BLOCK) for r, blocks in zip(loading, b_blocks)]) == set()
+    for i in range(3):
+        assert torch.equal(b.blocks(b_blocks[i][:5]), a.blocks(a_blocks[i][:5])), f"request {i}'s blocks differ"
+    with KVDClient.connect(daemon.socket) as kvd:
+        pages_per_extent = 256 * 1024 // LAYOUT.page_bytes
+        assert kvd.stats()["physical_pages"] > pages_per_extent, "the pages fit one extent: nothing spans extents"
 
 
 @pytest.mark.parametrize("save_generated", [True, False])

@@ -11,7 +11,8 @@ listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids
 prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
 LoRA adapter, named after its directory) and how many
 prompt tokens came from the connector; ("reset_prefix_cache",) empties vLLM's own prefix
-cache, so the next request can only hit kvd; ("stop",) ends the process.
+cache, so the next request can only hit kvd; ("steps",) answers how many engine steps
+ran so far (vLLM's `iteration_tokens` histogram); ("stop",) ends the process.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
             channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
         elif command == "reset_prefix_cache":
             channel.send(llm.reset_prefix_cache())
+        elif command == "steps":
+            channel.send(sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total"))
         elif command == "stop":
             channel.send("stopping")
             return

@@ -81,13 +81,15 @@ def namespace_spec(vllm_config, kv_cache_config) -> tuple[NamespaceSpec, list[st
 def cpu_kv_layout(vllm_config, spec) -> str:
     """vLLM's CPU attention backend arranges K and V inside a block in an order of its own
     that depends on the kernel it picked for this CPU and dtype (its "ISA"), not in kvd's
-    page order. Its pages are shared only with engines that use the same arrangement."""
+    page order; a page holds each layer's block bytes as vLLM's cache holds them
+    ("block-bytes", worker.block_view). Its pages are shared only with engines that use
+    the same arrangement."""
     from vllm.v1.attention.backends import cpu_attn
 
     isa = cpu_attn._get_attn_isa(
         vllm_config.model_config.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
     )
-    return f"vllm-cpu-{isa}"
+    return f"vllm-cpu-{isa}-block-bytes"
 
 
 class KVDConnector(KVConnectorBase_V1):

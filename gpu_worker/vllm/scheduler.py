@@ -10,11 +10,12 @@ It holds no tensors and writes no page:
    `KVDWorkerMetadata`) must name the daemon instance of this half's session (before
    the first report they are assumed to), so after an outage, in which the two halves
    reconnect each on its own, no load is promised that the workers would fail.
-2. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, a kvd sequence
-   of this session pins the hit pages (they cannot be evicted before the workers load
-   them); the load plan maps them to the vLLM blocks just allocated. A block whose page
-   vanished since the lookup goes into the plan as missing, the worker reports it, and
-   vLLM recomputes it.
+2. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, the request's
+   hit is noted; `build_metadata`, at the end of the same scheduling pass, pins every
+   hit of the step in one call (a kvd sequence of this session per request: its pages
+   cannot be evicted before the workers load them), and the load plan maps them to the
+   vLLM blocks just allocated. A block whose page vanished since the lookup goes into
+   the plan as missing, the worker reports it, and vLLM recomputes it.
 3. `build_metadata` hands the workers the loads and, for every scheduled request, the
    full blocks that this step completes (prompt blocks, then generated ones, unless
    `save_generated` is off); each worker saves them into its own kvd sequence and
@@ -24,8 +25,12 @@ It holds no tensors and writes no page:
    (`BlockStored`); with KV events on, it remembers the kvd keys of those blocks, and
    `take_events` adds `BlockRemoved` for them once kvd evicts or drops them
    (gpu_worker/vllm/kvd_events.py).
-5. `finished` releases the pinning sequence and tells the workers to release theirs.
-   Published pages stay cached in kvd.
+5. `finished` lets the pinning sequence go (the next metadata releases the step's
+   pins in one call) and tells the workers to release theirs. Published pages stay
+   cached in kvd.
+
+So the scheduler half calls kvd once per request (its lookup) and at most twice per
+step whatever the batch (release, pin), besides `page_keys` for KV events.
 
 Requests with prompt embeddings are left alone; a request whose cacheable prefix a
 multimodal item cut saves nothing past that cut.
@@ -91,6 +96,17 @@ class _Tracked:
     last_key: bytes | None = None  # the key of block keyed_pages - 1, where the chain goes on
 
 
+@dataclass(frozen=True)
+class _Pin:
+    """A load vLLM took the offer of: the prompt's tokens up to the end of the hit, and
+    the request's vLLM blocks from `first_block` (past vLLM's local hit) on."""
+
+    tokens: list[int]
+    extra_keys: tuple[ExtraKey, ...]
+    first_block: int
+    block_ids: list[int]
+
+
 class KVDSchedulerSide:
     def __init__(
         self, link: KVDLink, block_size: int, save_generated: bool = True, track_removals: bool = True
@@ -103,7 +119,8 @@ class KVDSchedulerSide:
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._tracked: dict[str, _Tracked] = {}
-        self._loads: list[tuple[str, LoadPlan]] = []  # (session that pinned the pages, plan)
+        self._pins: dict[str, _Pin] = {}  # the step's loads, pinned when its metadata is built
+        self._unpinned: list[tuple[str, str]] = []  # (session, kvd sequence) of pins to release with the next metadata
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
         self._events: list[KVCacheEvent] = []
@@ -134,40 +151,21 @@ class KVDSchedulerSide:
         return max(0, min(found[0].hit_tokens, loadable) - num_computed_tokens)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for the request: pin what it will load, plan the loads."""
+        """vLLM allocated blocks for the request: track it, and note what it will load (the
+        step's metadata pins all of it in one call)."""
         req_id = request.request_id
         local_hit = self._local_hits.pop(req_id, 0)
         self._unpin(req_id)  # a preempted request comes back here: start over
+        self._pins.pop(req_id, None)
         if request.prompt_token_ids is None:
             return
         tokens, keys = cacheable_tokens(request, self.block_size)
         whole = len(tokens) == len(request.prompt_token_ids) // self.block_size * self.block_size
-        tracked = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
-        self._tracked[req_id] = tracked
-        if not num_external_tokens:
-            return
-        wanted = tokens[: local_hit + num_external_tokens]
-        found = self.link.attempt(
-            "allocate",
-            lambda kvd, ns: kvd.allocate_with_prefix(ns, [SequenceRequest(self.link.seq_id(req_id), wanted, keys)]),
-        )
-        hit_pages = found[0].shared_pages if found else []
-        if found:
-            tracked.pinned_on = self.link.session
-            tracked.planned = len(hit_pages)  # kvd holds these blocks: nothing to save
-        positions = range(local_hit // self.block_size, len(wanted) // self.block_size)
-        self._loads.append(
-            (
-                self.link.session,
-                LoadPlan(
-                    req_id,
-                    self.link.instance,
-                    page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
-                    block_ids=[block_ids[p] for p in positions if p < len(hit_pages)],
-                    missing_block_ids=[block_ids[p] for p in positions if p >= len(hit_pages)],
-                ),
+        self._tracked[req_id] = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
+        if num_external_tokens:
+            self._pins[req_id] = _Pin(
+                tokens[: local_hit + num_external_tokens], keys, local_hit // self.block_size, list(block_ids)
             )
-        )
 
     # ---- per step -------------------------------------------------------------------
 
@@ -176,10 +174,9 @@ class KVDSchedulerSide:
         the requests finished since the last step."""
         if self._stored is not None:
             self._stored.follow()
-        meta = KVDConnectorMetadata(
-            loads=[self._still_pinned(session, plan) for session, plan in self._loads], finished=self._finished
-        )
-        self._loads, self._finished = [], set()
+        self._release_unpinned()
+        meta = KVDConnectorMetadata(loads=self._pin_loads(), finished=self._finished)
+        self._finished = set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             if (t := self._tracked.get(new.req_id)) is not None:
@@ -235,6 +232,7 @@ class KVDSchedulerSide:
         """The request is done: release the pin of its loads; the workers release theirs."""
         req_id = request.request_id
         self._local_hits.pop(req_id, None)
+        self._pins.pop(req_id, None)
         self._unpin(req_id)
         if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
@@ -296,17 +294,44 @@ class KVDSchedulerSide:
             lora_name=lora.lora_name if lora else None,
         )
 
-    def _still_pinned(self, session: str, plan: LoadPlan) -> LoadPlan:
-        """The plan, or all of it missing when the session that pinned its pages has ended
-        since (a later call of this step timed out): unpinned pages may be reused."""
-        if session == self.link.session:
-            return plan
-        return LoadPlan(plan.req_id, plan.daemon_instance, [], [], plan.block_ids + plan.missing_block_ids)
+    def _pin_loads(self) -> list[LoadPlan]:
+        """Pins the step's loads in one kvd sequence each, in one call, and plans them. A
+        block whose page vanished since the lookup (or all of them, when kvd cannot serve)
+        goes into the plan as missing: the worker reports it and vLLM recomputes it."""
+        pins, self._pins = self._pins, {}
+        if not pins:
+            return []
+        requests = [SequenceRequest(self.link.seq_id(r), pin.tokens, pin.extra_keys) for r, pin in pins.items()]
+        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(ns, requests))
+        plans = []
+        for i, (req_id, pin) in enumerate(pins.items()):
+            hit_pages = found[i].shared_pages if found else []
+            if found:
+                self._tracked[req_id].pinned_on = self.link.session
+                self._tracked[req_id].planned = len(hit_pages)  # kvd holds these blocks: nothing to save
+            positions = range(pin.first_block, len(pin.tokens) // self.block_size)
+            plans.append(
+                LoadPlan(
+                    req_id,
+                    self.link.instance,
+                    page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
+                    block_ids=[pin.block_ids[p] for p in positions if p < len(hit_pages)],
+                    missing_block_ids=[pin.block_ids[p] for p in positions if p >= len(hit_pages)],
+                )
+            )
+        return plans
 
     def _unpin(self, req_id: str) -> None:
+        """The request's pin goes with the next metadata's release (one call for the step's)."""
         t = self._tracked.get(req_id)
         if t is not None and t.pinned_on:
-            if t.pinned_on == self.link.session:
-                seq_id = self.link.seq_id(req_id)
-                self.link.attempt("release", lambda kvd, ns: kvd.release(ns, [seq_id]))
+            self._unpinned.append((t.pinned_on, self.link.seq_id(req_id)))
             t.pinned_on = ""
+
+    def _release_unpinned(self) -> None:
+        """Releases the pins let go since the last metadata, in one call (those of an ended
+        session ended with it)."""
+        unpinned = [seq_id for session, seq_id in self._unpinned if session == self.link.session]
+        self._unpinned = []
+        if unpinned:
+            self.link.attempt("release", lambda kvd, ns: kvd.release(ns, unpinned))

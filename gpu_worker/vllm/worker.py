@@ -8,6 +8,8 @@ released when the scheduler says the request finished): after each layer's atten
 wrote its KV, the layer is copied into the sequence's private pages, and once the step's
 copies are done the worker publishes every block it wrote, in order. So no process writes
 a page another session owns, and a page is published only after its bytes are complete.
+Each kvd call covers the whole step: one allocation for the requests new to this worker,
+one `extend_batch`, one `publish` of many sequences, one `release` of the finished ones.
 
 Anything that cannot be copied (kvd gone, the daemon restarted since the plan was made, a
 page that no longer maps) is reported, never guessed: a failed load's blocks go to vLLM as
@@ -18,12 +20,12 @@ num_kv_heads, block_size, 2 * head_dim]`; a kvd page is `[num_layers, 2, page_si
 num_kv_heads, head_dim]`. `block_view` makes the first look like one layer of the
 second, without copying.
 
-On CPU the copies are plain batched tensor copies (one gather and one scatter per layer
-and extent). On CUDA (marked, checked by scripts/gpu_check.sh) the extents are
-registered with cudaHostRegister once, and copies run on a side stream: loads are queued
-for every layer at once with an event per layer that `wait_layer` makes the compute
-stream wait on; saves of a layer are queued after that layer's attention and waited for
-in `wait_for_save`, before they are published.
+The copies themselves are gpu_worker/vllm/page_copies.py's: per layer and extent, one
+memcpy per run of consecutive pages on CPU. On CUDA (marked, checked by
+scripts/gpu_check.sh) the extents are registered with cudaHostRegister once, and copies
+run on a side stream: loads are queued for every layer at once with an event per layer
+that `wait_layer` makes the compute stream wait on; saves of a layer are queued after
+that layer's attention and waited for in `wait_for_save`, before they are published.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_client import ErrorCode, KVDError, SequenceRequest
+from engine_client import ErrorCode, ExtendItem, KVDError, SequenceRequest
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.page_copies import ExtentCopies, by_extent, copy_layer
 from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 log = logging.getLogger(__name__)
@@ -49,18 +52,18 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
 
     Backends read that memory differently. CUDA's FlashAttention splits the last dimension
     (K and V of a token side by side), which is kvd's order. vLLM's CPU backend
-    (`k_then_v_rows`) stores each head's block as `[2 * block_size, head_dim]`, all K rows
-    then all V rows, each in an arrangement of its own kernel's: its pages are kept apart
-    in a namespace of their own (connector.cpu_kv_layout), and the view only has to
-    map the block's bytes one to one."""
+    (`k_then_v_rows`) stores each block in an arrangement of its own kernel's (each
+    head's K rows, then its V rows): its pages are kept apart in a namespace of their own
+    (connector.cpu_kv_layout), so the view maps the block's bytes one to one, in vLLM's
+    order, and a block's copy is one memcpy (gpu_worker/vllm/page_copies.py)."""
     blocks, heads, block_size, width = kv_layer.shape
     if heads != num_kv_heads or width != 2 * head_dim:
         raise ValueError(
             f"vLLM's KV cache layer is {tuple(kv_layer.shape)}; KVDConnector expects "
             f"[num_blocks, {num_kv_heads} kv heads, block_size, 2 x {head_dim}]"
         )
-    if k_then_v_rows:  # [B, H, 2 * N, D] as [B, H, 2, N, D] -> [B, 2, N, H, D]
-        return kv_layer.view(blocks, heads, 2, block_size, head_dim).permute(0, 2, 3, 1, 4)
+    if k_then_v_rows:  # each contiguous block [H, N, 2 * D] read as [2, N, H, D]
+        return kv_layer.view(blocks, 2, block_size, heads, head_dim)
     return kv_layer.unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
 
 
@@ -79,9 +82,13 @@ class _StepSave:
     """This step's copies for one request: vLLM blocks into the sequence's pages."""
 
     req_id: str
-    positions: list[int]
-    block_ids: list[int]
-    groups: list  # client.pages_by_extent of the pages at `positions`
+    positions: list[int]  # the request's blocks saved
+    copies: list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
+
+
+def _to_blocks(groups, block_ids: list[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+    """`KVDClient.pages_by_extent` groups with the vLLM block of each page instead of its position."""
+    return [(extent, indices, [block_ids[p] for p in positions]) for extent, indices, positions in groups]
 
 
 class KVDWorkerSide:
@@ -97,6 +104,7 @@ class KVDWorkerSide:
         self._known: dict[str, PromptKey] = {}  # per request: the tokens the plans sent so far
         self._sequences: dict[str, _Saving] = {}
         self._saves: list[_StepSave] = []
+        self._save_copies: list[ExtentCopies] = []  # the step's saves, merged per extent
         self._saved_layers: set[int] = set()
         self._published: dict[str, tuple[int, int]] = {}
         self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister
@@ -114,10 +122,13 @@ class KVDWorkerSide:
 
     def start_step(self, meta: KVDConnectorMetadata) -> None:
         """Before the forward pass: release finished requests' sequences, prepare the step's
-        saves, and copy every planned load into its vLLM block (all layers; on CUDA queued)."""
+        saves, and copy every planned load into its vLLM block (all layers; on CUDA queued).
+        Whatever the batch, a step costs at most one kvd call of each kind: release,
+        allocate, extend (here) and publish (`wait_for_save`)."""
         self._finished(meta.finished)
         failed = self._start_loads(meta.loads)
-        self._saves = [save for plan in meta.saves if (save := self._prepare_save(plan, failed)) is not None]
+        self._saves = self._prepare_saves(meta.saves, failed)
+        self._save_copies = by_extent(g for save in self._saves for g in save.copies)
         self._saved_layers = set()
 
     # ---- loads ------------------------------------------------------------------------
@@ -138,16 +149,10 @@ class KVDWorkerSide:
                 failed.add(plan.req_id)
         if not resolved:
             return failed
+        copies = by_extent(g for plan, groups in resolved for g in _to_blocks(groups, plan.block_ids))
         with self._side_stream():
             for layer, view in enumerate(self._layers):
-                for plan, groups in resolved:
-                    for extent, indices, positions in groups:
-                        blocks = [plan.block_ids[p] for p in positions]
-                        if self._cuda:  # page by page: DMA from the registered extent
-                            for index, block in zip(indices, blocks):
-                                view[block].copy_(extent[index, layer], non_blocking=True)
-                        else:  # extent[indices, layer]: [pages, 2, block_size, heads, head_dim]
-                            view[torch.tensor(blocks)] = extent[indices, layer]
+                copy_layer(view, layer, copies, into_blocks=True)
                 if self._cuda:
                     self._load_events[layer] = self._record()
         return failed
@@ -163,65 +168,68 @@ class KVDWorkerSide:
 
     # ---- saves ------------------------------------------------------------------------
 
-    def _prepare_save(self, plan: SavePlan, failed: set[str]) -> _StepSave | None:
-        """The plan's blocks that this worker's sequence does not already hold, with their pages.
+    def _prepare_saves(self, plans: list[SavePlan], failed: set[str]) -> list[_StepSave]:
+        """The plans' blocks that this worker's sequences do not already hold, with their pages.
 
         Nothing is saved for a request with a load error in this step: the blocks it failed
         to load hold stale bytes, and what this step computes attended to them. vLLM
         recomputes from the first failed block, and the scheduler plans those saves again."""
-        if plan.prompt is not None:  # a list of this worker's own, grown in place below
-            self._known[plan.req_id] = PromptKey(list(plan.prompt.token_ids), plan.prompt.extra_keys)
-        if plan.more_tokens and plan.req_id in self._known:
-            self._known[plan.req_id].token_ids.extend(plan.more_tokens)
-        if plan.req_id in failed:
-            return None
-        seq = self._sequence(plan.req_id)
-        if seq is None:
-            return None
-        if max(plan.positions) >= len(seq.page_ids) and not self._extend(plan.req_id, seq):
-            return None
-        todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
-        if not todo:
-            return None
-        positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
-        groups = self._resolve(
-            None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
-        )
-        return None if groups is None else _StepSave(plan.req_id, positions, block_ids, groups)
+        for plan in plans:
+            if plan.prompt is not None:  # a list of this worker's own, grown in place below
+                self._known[plan.req_id] = PromptKey(list(plan.prompt.token_ids), plan.prompt.extra_keys)
+            if plan.more_tokens and plan.req_id in self._known:
+                self._known[plan.req_id].token_ids.extend(plan.more_tokens)
+        plans = [plan for plan in plans if plan.req_id not in failed and plan.req_id in self._known]
+        self._allocate([plan.req_id for plan in plans if not self._has_sequence(plan.req_id)])
+        plans = [plan for plan in plans if self._has_sequence(plan.req_id)]
+        self._extend([p.req_id for p in plans if max(p.positions) >= len(self._sequences[p.req_id].page_ids)])
+        saves = []
+        for plan in plans:
+            seq = self._sequences[plan.req_id]
+            todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
+            if not todo:
+                continue
+            positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
+            groups = self._resolve(
+                None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
+            )
+            if groups is not None:
+                saves.append(_StepSave(plan.req_id, positions, _to_blocks(groups, block_ids)))
+        return saves
 
-    def _sequence(self, req_id: str) -> _Saving | None:
-        """This worker's kvd sequence for the request, allocated on first use (and again,
-        for every token known by then, after a daemon restart); None when kvd cannot hold it."""
+    def _has_sequence(self, req_id: str) -> bool:
+        """Whether the request has a kvd sequence in this worker's current session."""
         seq = self._sequences.get(req_id)
-        if seq is not None and seq.session == self.link.session:
-            return seq
-        prompt = self._known.get(req_id)
-        if prompt is None:
-            return None
-        seq_id = self.link.seq_id(req_id)
-        found = self.link.attempt(
-            "allocate",
-            lambda kvd, ns: kvd.allocate_with_prefix(
-                ns, [SequenceRequest(seq_id, prompt.token_ids, prompt.extra_keys)]
-            ),
-        )
-        if not found:
-            self._sequences.pop(req_id, None)
-            return None
-        seq = _Saving(self.link.session, found[0].pages, published=len(found[0].shared_pages))
-        self._sequences[req_id] = seq
-        return seq
+        return seq is not None and seq.session == self.link.session
 
-    def _extend(self, req_id: str, seq: _Saving) -> bool:
-        """Grows the kvd sequence by the full blocks the plans sent since it was allocated
-        (generated tokens); whether it now holds them."""
-        tokens = self._known[req_id].token_ids[len(seq.page_ids) * self.layout.page_size :]
-        seq_id = self.link.seq_id(req_id)
-        grown = self.link.attempt("extend", lambda kvd, ns: kvd.extend(ns, seq_id, len(tokens), token_ids=tokens))
-        if grown is None:
-            return False
-        seq.page_ids += grown.new_pages
-        return True
+    def _allocate(self, req_ids: list[str]) -> None:
+        """Allocates the requests' kvd sequences (again, for every token known by then,
+        after a daemon restart), in one call; none when kvd cannot hold them all."""
+        if not req_ids:
+            return
+        for req_id in req_ids:
+            self._sequences.pop(req_id, None)
+        requests = [
+            SequenceRequest(self.link.seq_id(r), self._known[r].token_ids, self._known[r].extra_keys) for r in req_ids
+        ]
+        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(ns, requests))
+        for req_id, allocation in zip(req_ids, found or ()):
+            self._sequences[req_id] = _Saving(
+                self.link.session, allocation.pages, published=len(allocation.shared_pages)
+            )
+
+    def _extend(self, req_ids: list[str]) -> None:
+        """Grows the requests' kvd sequences by the full blocks the plans sent since they were
+        allocated (generated tokens), in one call; none when kvd cannot grow them all."""
+        if not req_ids:
+            return
+        items = []
+        for req_id in req_ids:
+            tokens = self._known[req_id].token_ids[len(self._sequences[req_id].page_ids) * self.layout.page_size :]
+            items.append(ExtendItem(self.link.seq_id(req_id), len(tokens), token_ids=tokens))
+        grown = self.link.attempt("extend", lambda kvd, ns: kvd.extend_batch(ns, items))
+        for req_id, result in zip(req_ids, grown or ()):
+            self._sequences[req_id].page_ids += result.new_pages
 
     def save_layer(self, layer_name: str) -> None:
         """Copy this layer of the step's saved blocks into their kvd pages (its attention
@@ -232,16 +240,8 @@ class KVDWorkerSide:
 
     def _save(self, layer: int) -> None:
         self._saved_layers.add(layer)
-        view = self._layers[layer]
         with self._side_stream():
-            for save in self._saves:
-                for extent, indices, positions in save.groups:
-                    blocks = [save.block_ids[p] for p in positions]
-                    if self._cuda:  # page by page: DMA into the registered extent
-                        for index, block in zip(indices, blocks):
-                            extent[index, layer].copy_(view[block], non_blocking=True)
-                    else:  # view[blocks]: [pages, 2, block_size, heads, head_dim]
-                        extent[indices, layer] = view[torch.tensor(blocks)]
+            copy_layer(self._layers[layer], layer, self._save_copies, into_blocks=False)
 
     def wait_for_save(self) -> None:
         """After the forward pass: save the layers no attention call saved, wait for the
@@ -254,24 +254,28 @@ class KVDWorkerSide:
         if self._cuda:
             self._record().synchronize()
         for save in self._saves:
-            seq = self._sequences[save.req_id]
-            seq.written.update(save.positions)
-            self._publish(save.req_id, seq)
-        self._saves = []
+            self._sequences[save.req_id].written.update(save.positions)
+        self._publish([save.req_id for save in self._saves])
+        self._saves, self._save_copies = [], []
 
-    def _publish(self, req_id: str, seq: _Saving) -> None:
-        end = seq.published
-        while end in seq.written:
-            end += 1
-        if end == seq.published or seq.session != self.link.session:
+    def _publish(self, req_ids: list[str]) -> None:
+        """Publishes each sequence's blocks written so far in order from its first
+        unpublished one, all in one call."""
+        ends = {}
+        for req_id in req_ids:
+            seq = self._sequences[req_id]
+            end = seq.published
+            while end in seq.written:
+                end += 1
+            if end > seq.published and seq.session == self.link.session:
+                ends[req_id] = end
+        if not ends:
             return
-        seq_id = self.link.seq_id(req_id)
-        if (
-            self.link.attempt(
-                "publish", lambda kvd, ns: kvd.publish(ns, [seq_id], {seq_id: end * self.layout.page_size})
-            )
-            is not None
-        ):
+        num_tokens = {self.link.seq_id(r): end * self.layout.page_size for r, end in ends.items()}
+        if self.link.attempt("publish", lambda kvd, ns: kvd.publish(ns, list(num_tokens), num_tokens)) is None:
+            return
+        for req_id, end in ends.items():
+            seq = self._sequences[req_id]
             start = self._published.get(req_id, (seq.published, 0))[0]
             self._published[req_id] = (start, end)
             seq.published = end

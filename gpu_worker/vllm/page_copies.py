@@ -1,0 +1,86 @@
+"""Page copies between kvd's shared-memory extents and vLLM's KV blocks, in as few
+operations as the layouts allow (the worker half's data movement, gpu_worker/vllm/worker.py).
+
+A step's copies are grouped by extent first (`ExtentCopies`: every page of one extent
+that the step copies, whichever request it belongs to, with its vLLM block), then each
+layer is copied extent by extent:
+
+- On CPU, one `numpy.copyto` per run of pages that are consecutive in the extent and
+  whose blocks are consecutive in vLLM's cache (a single page is a run of one). A layer
+  of a page and a block of a layer are each contiguous, so a run is one strided memcpy,
+  with no gathered temporary (torch's indexed copies gather first and run several times
+  slower here, bench/bench_vllm_copy.py).
+- On CUDA, page by page with `non_blocking` copies, as before this module: each page's
+  layer is contiguous in the registered extent, so each is one DMA (checked on a GPU by
+  scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ExtentCopies:
+    """Pages of one extent and the vLLM blocks they are copied to or from."""
+
+    extent: torch.Tensor  # [pages, layers, 2, page_size, heads, head_dim]
+    pages: list[int] = field(default_factory=list)  # indices in the extent
+    blocks: list[int] = field(default_factory=list)  # vLLM block ids, one per page
+
+
+def by_extent(groups: Iterable[tuple[torch.Tensor, list[int], list[int]]]) -> list[ExtentCopies]:
+    """(extent view, page indices, block ids) groups, of one request or many, merged per extent."""
+    merged: dict[int, ExtentCopies] = {}
+    for extent, pages, blocks in groups:
+        copies = merged.setdefault(extent.data_ptr(), ExtentCopies(extent))
+        copies.pages += pages
+        copies.blocks += blocks
+    return list(merged.values())
+
+
+def runs(pages: list[int], blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first page, first block, length) of each stretch where pages and blocks both go up
+    by one, in order."""
+    found: list[tuple[int, int, int]] = []
+    for page, block in sorted(zip(pages, blocks)):
+        if found:
+            first_page, first_block, n = found[-1]
+            if page == first_page + n and block == first_block + n:
+                found[-1] = (first_page, first_block, n + 1)
+                continue
+        found.append((page, block, 1))
+    return found
+
+
+def copy_layer(blocks_view: torch.Tensor, layer: int, copies: list[ExtentCopies], into_blocks: bool) -> None:
+    """Copies one layer of the pages into their vLLM blocks (`into_blocks`, a load) or of
+    the blocks into their pages (a save).
+
+    `blocks_view` is the layer's vLLM cache as `[blocks, 2, page_size, heads, head_dim]`
+    (worker.block_view); on a GPU the copies are queued on the current stream."""
+    if blocks_view.device.type == "cpu":
+        cache = _bytes(blocks_view)  # [blocks, 2, page_size, heads, head_dim * itemsize]
+        for c in copies:
+            pages = _bytes(c.extent)[:, layer]  # [pages, 2, page_size, heads, head_dim * itemsize]
+            for page, block, n in runs(c.pages, c.blocks):
+                if into_blocks:
+                    np.copyto(cache[block : block + n], pages[page : page + n])
+                else:
+                    np.copyto(pages[page : page + n], cache[block : block + n])
+        return
+    for c in copies:  # page by page: each is one DMA to or from the registered extent
+        for page, block in zip(c.pages, c.blocks):
+            if into_blocks:
+                blocks_view[block].copy_(c.extent[page, layer], non_blocking=True)
+            else:
+                c.extent[page, layer].copy_(blocks_view[block], non_blocking=True)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a numpy array of bytes (numpy has no bfloat16), no copy."""
+    return t.view(torch.uint8).numpy()
