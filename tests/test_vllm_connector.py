@@ -221,14 +221,8 @@ def unlink_vllm_shared_memory(held: set[tuple[int, int]]) -> None:
             continue
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("vllm"))
-    model = os.path.join(workdir, "tiny-llama")
-    write_tiny_llama(model)
-    write_word_tokenizer(model)
-    adapter = os.path.join(workdir, "adapter-1")
-    write_lora_adapter(adapter)
+def start_kvd(workdir: str) -> tuple[str, DaemonProcess]:
+    """The daemon the engines of a test module share (prefix reuse on, room for their pages)."""
     socket = remember_socket(os.path.join(workdir, "kvd.sock"))
     daemon = DaemonProcess.start(
         socket,
@@ -239,6 +233,18 @@ def setup(tmp_path_factory):
         "16MiB",
         log_path=os.path.join(workdir, "kvd.log"),
     )
+    return socket, daemon
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("vllm"))
+    model = os.path.join(workdir, "tiny-llama")
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
+    adapter = os.path.join(workdir, "adapter-1")
+    write_lora_adapter(adapter)
+    socket, daemon = start_kvd(workdir)
     faults = {"fault_file": os.path.join(workdir, "b.fault"), "errors_file": os.path.join(workdir, "b.load_errors")}
     events = f"ipc://{workdir}/a.events"
     engines = {"a": Engine("a", model, workdir, socket, env={"KVD_TEST_KV_EVENTS": events})}

@@ -41,7 +41,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.vllm.kvd_events import StoredBlocks
 from gpu_worker.vllm.kvd_link import KVDLink
-from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 MEDIUM = "kvd"  # the medium of the connector's KV events
 
@@ -93,11 +93,18 @@ class _Tracked:
 
 class KVDSchedulerSide:
     def __init__(
-        self, link: KVDLink, block_size: int, save_generated: bool = True, track_removals: bool = True
+        self,
+        link: KVDLink,
+        block_size: int,
+        save_generated: bool = True,
+        track_removals: bool = True,
+        drops_outside_window: bool = False,
     ) -> None:
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
+        # a sliding-window group: vLLM's null block stands for its blocks outside the window
+        self.drops_outside_window = drops_outside_window
         # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
         self._stored = StoredBlocks(link) if track_removals else None
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
@@ -120,18 +127,17 @@ class KVDSchedulerSide:
         loadable = min(len(tokens), (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size)
         if loadable <= num_computed_tokens:
             return 0
-        found = self.link.attempt(
-            "lookup",
-            lambda kvd, ns: kvd.lookup(
-                ns, [SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)]
-            ),
+        wanted = SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)
+        found = self.link.attempt_all(
+            "lookup", lambda kvd, namespaces: [kvd.lookup(ns, [wanted])[0] for ns in namespaces]
         )
         if not found or not self._workers_can_load():
             return 0
-        if found[0].remote_pending_tokens:
+        if any(rank.remote_pending_tokens for rank in found):
             return None
         self._local_hits[request.request_id] = num_computed_tokens
-        return max(0, min(found[0].hit_tokens, loadable) - num_computed_tokens)
+        hit = min(rank.hit_tokens for rank in found)  # every rank loads its heads of each block
+        return max(0, min(hit, loadable) - num_computed_tokens)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated blocks for the request: pin what it will load, plan the loads."""
@@ -147,27 +153,42 @@ class KVDSchedulerSide:
         if not num_external_tokens:
             return
         wanted = tokens[: local_hit + num_external_tokens]
-        found = self.link.attempt(
-            "allocate",
-            lambda kvd, ns: kvd.allocate_with_prefix(ns, [SequenceRequest(self.link.seq_id(req_id), wanted, keys)]),
-        )
-        hit_pages = found[0].shared_pages if found else []
-        if found:
+        pages_by_rank = self._pin(SequenceRequest(self.link.seq_id(req_id), wanted, keys))
+        if pages_by_rank is None:
+            pages_by_rank = [[] for _ in range(self.link.namespace.tp_size)]
+        else:
             tracked.pinned_on = self.link.session
-            tracked.planned = len(hit_pages)  # kvd holds these blocks: nothing to save
-        positions = range(local_hit // self.block_size, len(wanted) // self.block_size)
+        hit = min(len(pages) for pages in pages_by_rank)  # blocks every rank can load
+        tracked.planned = hit  # kvd holds these blocks: nothing to save
+        positions = self._holding_kv(block_ids, local_hit // self.block_size, len(wanted) // self.block_size)
         self._loads.append(
             (
                 self.link.session,
                 LoadPlan(
                     req_id,
                     self.link.instance,
-                    page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
-                    block_ids=[block_ids[p] for p in positions if p < len(hit_pages)],
-                    missing_block_ids=[block_ids[p] for p in positions if p >= len(hit_pages)],
+                    pages_by_rank=tuple([pages[p] for p in positions if p < hit] for pages in pages_by_rank),
+                    block_ids=[block_ids[p] for p in positions if p < hit],
+                    missing_block_ids=[block_ids[p] for p in positions if p >= hit],
                 ),
             )
         )
+
+    def _pin(self, wanted: SequenceRequest) -> list[list[int]] | None:
+        """Pins the prefix in every tensor-parallel rank's namespace (a kvd sequence each,
+        all or none); the pages kvd holds of it, per rank, or None when nothing is pinned."""
+        pinned: list[tuple[int, list[int]]] = []  # (namespace, its shared pages)
+
+        def pin(kvd, namespaces) -> list[list[int]]:
+            for ns in namespaces:
+                [plan] = kvd.allocate_with_prefix(ns, [wanted])
+                pinned.append((ns, plan.shared_pages))
+            return [pages for _, pages in pinned]
+
+        pages_by_rank = self.link.attempt_all("allocate", pin)
+        if pages_by_rank is None and pinned:  # a rank refused after others pinned: let those go
+            self.link.attempt_all("release", lambda kvd, _: [kvd.release(ns, [wanted.seq_id]) for ns, _ in pinned])
+        return pages_by_rank
 
     # ---- per step -------------------------------------------------------------------
 
@@ -204,7 +225,7 @@ class KVDSchedulerSide:
             known = len(t.request.all_token_ids) if t.extends else len(t.prompt.token_ids)
             end = min(done, known // self.block_size, len(t.block_ids))
             if end > t.planned:
-                positions = list(range(t.planned, end))
+                positions = self._holding_kv(t.block_ids, t.planned, end)
                 more = list(t.request.all_token_ids[t.sent : end * self.block_size])
                 meta.saves.append(
                     SavePlan(
@@ -252,6 +273,11 @@ class KVDSchedulerSide:
             self._stored.close()
 
     # ---- helpers --------------------------------------------------------------------
+
+    def _holding_kv(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """The positions in [start, end) whose blocks hold KV: in a sliding-window group,
+        not those outside the window (vLLM's null block), which are neither loaded nor saved."""
+        return [p for p in range(start, end) if not (self.drops_outside_window and block_ids[p] == NULL_BLOCK)]
 
     def _workers_can_load(self) -> bool:
         """Whether the workers' kvd sessions are with this half's daemon instance (their
@@ -301,12 +327,15 @@ class KVDSchedulerSide:
         since (a later call of this step timed out): unpinned pages may be reused."""
         if session == self.link.session:
             return plan
-        return LoadPlan(plan.req_id, plan.daemon_instance, [], [], plan.block_ids + plan.missing_block_ids)
+        no_pages = tuple([] for _ in plan.pages_by_rank)
+        return LoadPlan(plan.req_id, plan.daemon_instance, no_pages, [], plan.block_ids + plan.missing_block_ids)
 
     def _unpin(self, req_id: str) -> None:
         t = self._tracked.get(req_id)
         if t is not None and t.pinned_on:
             if t.pinned_on == self.link.session:
                 seq_id = self.link.seq_id(req_id)
-                self.link.attempt("release", lambda kvd, ns: kvd.release(ns, [seq_id]))
+                self.link.attempt_all(
+                    "release", lambda kvd, namespaces: [kvd.release(ns, [seq_id]) for ns in namespaces]
+                )
             t.pinned_on = ""
