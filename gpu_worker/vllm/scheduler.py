@@ -27,6 +27,11 @@ It holds no tensors and writes no page:
 5. `finished` releases the pinning sequence and tells the workers to release theirs.
    Published pages stay cached in kvd.
 
+Under tensor parallelism every call above goes to each rank's namespace (the link's
+peers): a hit counts only as far as every rank holds it, and the pins and the load plan
+are per rank. In a sliding-window group, blocks outside the window (vLLM's null block)
+are neither loaded nor saved.
+
 Requests with prompt embeddings are left alone; a request whose cacheable prefix a
 multimodal item cut saves nothing past that cut.
 """
