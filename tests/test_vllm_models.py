@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -85,14 +86,15 @@ def kvd(tmp_path_factory):
 
 @contextmanager
 def started(engines: dict[str, Engine]):
-    """Waits for the engines; gives them; stops them and removes what they left in /dev/shm."""
+    """Waits for the engines; gives them; stops them (all at once: a TP=2 engine takes
+    seconds to exit) and removes what they left in /dev/shm."""
     try:
         for engine in engines.values():
             engine.wait_ready()
         yield engines
     finally:
-        for engine in engines.values():
-            engine.stop()
+        with ThreadPoolExecutor(len(engines)) as stopping:
+            list(stopping.map(Engine.stop, engines.values()))
         unlink_vllm_shared_memory(set().union(*(engine.shared_memory for engine in engines.values())))
 
 
@@ -114,6 +116,61 @@ def read_numbers(path: str) -> list[int]:
         numbers = [int(n) for n in f.read().split()]
     os.unlink(path)
     return numbers
+
+
+def sliding_engines(kvd, name: str, write):
+    """Two engines with kvd (the first with the recording connector) and the baseline, and
+    the baseline's tokens for PROMPT."""
+    workdir = kvd["workdir"]
+    model = os.path.join(workdir, f"tiny-{name}")
+    write(model)
+    files = fault_files(workdir, name)
+    engines = {
+        "a": Engine(f"{name}-a", model, workdir, kvd["socket"], env=faulty(files)),
+        "b": Engine(f"{name}-b", model, workdir, kvd["socket"]),
+        "baseline": Engine(f"{name}-baseline", model, workdir, None),
+    }
+    with started(engines) as running:
+        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
+        yield {**running, "expected": expected, "files": files}
+
+
+# The engines of a model with one test stop after it: those of the next model start in their room.
+@pytest.fixture
+def gemma3(kvd):
+    yield from sliding_engines(kvd, "gemma3", write_tiny_gemma3)
+
+
+@pytest.fixture
+def mistral(kvd):
+    yield from sliding_engines(kvd, "mistral", write_tiny_mistral)
+
+
+def test_gemma3_sliding_and_full_layers_load_the_whole_prefix(gemma3):
+    """vLLM's hybrid manager is off (the connector has no SupportsHMA): one full-attention
+    group with `sliding_window` set keeps every token's KV, so the whole hit is loaded."""
+    a, b, expected = gemma3["a"], gemma3["b"], gemma3["expected"]
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == 0 and tokens == expected
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == expected
+    a.forget_local_cache()
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == expected
+    assert read_numbers(gemma3["files"]["loads_file"]) == [LOADABLE // BLOCK]
+
+
+def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
+    """One SlidingWindowSpec group: vLLM hands the null block for blocks outside the window
+    at the hit's end; only the blocks inside it are copied, and the tokens stay right."""
+    a, b, expected = mistral["a"], mistral["b"], mistral["expected"]
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == 0 and tokens == expected
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == expected
+    # vLLM skips the tokens before the window of the first token it computes
+    skipped_blocks = (LOADABLE - WINDOW + 1) // BLOCK
+    assert read_numbers(mistral["files"]["loads_file"]) == [LOADABLE // BLOCK - skipped_blocks]
 
 
 @pytest.fixture(scope="module")
@@ -159,60 +216,6 @@ def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
     b.forget_local_cache()  # what a saved while recomputing is right: b loads it all again
     [tokens], hits = b.generate([{"tokens": PROMPT}])
     assert hits == LOADABLE and tokens == tp2["expected"]
-
-
-def sliding_engines(kvd, name: str, write):
-    """Two engines with kvd (the first with the recording connector) and the baseline, and
-    the baseline's tokens for PROMPT."""
-    workdir = kvd["workdir"]
-    model = os.path.join(workdir, f"tiny-{name}")
-    write(model)
-    files = fault_files(workdir, name)
-    engines = {
-        "a": Engine(f"{name}-a", model, workdir, kvd["socket"], env=faulty(files)),
-        "b": Engine(f"{name}-b", model, workdir, kvd["socket"]),
-        "baseline": Engine(f"{name}-baseline", model, workdir, None),
-    }
-    with started(engines) as running:
-        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
-        yield {**running, "expected": expected, "files": files}
-
-
-@pytest.fixture(scope="module")
-def gemma3(kvd):
-    yield from sliding_engines(kvd, "gemma3", write_tiny_gemma3)
-
-
-@pytest.fixture(scope="module")
-def mistral(kvd):
-    yield from sliding_engines(kvd, "mistral", write_tiny_mistral)
-
-
-def test_gemma3_sliding_and_full_layers_load_the_whole_prefix(gemma3):
-    """vLLM's hybrid manager is off (the connector has no SupportsHMA): one full-attention
-    group with `sliding_window` set keeps every token's KV, so the whole hit is loaded."""
-    a, b, expected = gemma3["a"], gemma3["b"], gemma3["expected"]
-    [tokens], hits = a.generate([{"tokens": PROMPT}])
-    assert hits == 0 and tokens == expected
-    [tokens], hits = b.generate([{"tokens": PROMPT}])
-    assert hits == LOADABLE and tokens == expected
-    a.forget_local_cache()
-    [tokens], hits = a.generate([{"tokens": PROMPT}])
-    assert hits == LOADABLE and tokens == expected
-    assert read_numbers(gemma3["files"]["loads_file"]) == [LOADABLE // BLOCK]
-
-
-def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
-    """One SlidingWindowSpec group: vLLM hands the null block for blocks outside the window
-    at the hit's end; only the blocks inside it are copied, and the tokens stay right."""
-    a, b, expected = mistral["a"], mistral["b"], mistral["expected"]
-    [tokens], hits = b.generate([{"tokens": PROMPT}])
-    assert hits == 0 and tokens == expected
-    [tokens], hits = a.generate([{"tokens": PROMPT}])
-    assert hits == LOADABLE and tokens == expected
-    # vLLM skips the tokens before the window of the first token it computes
-    skipped_blocks = (LOADABLE - WINDOW + 1) // BLOCK
-    assert read_numbers(mistral["files"]["loads_file"]) == [LOADABLE // BLOCK - skipped_blocks]
 
 
 def vllm_settings(tp: int = 1, pp: int = 1):
