@@ -264,6 +264,7 @@ def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
         (dict(pp=2), ["FullAttentionSpec"], "pipeline_parallel_size=1 only"),
         ({}, ["MLAAttentionSpec"], "MLA latent caches"),
         ({}, ["ChunkedLocalAttentionSpec"], "chunked local attention"),
+        ({}, ["FullAttentionSpec chunked"], "chunked local attention"),  # Llama 4 with the hybrid manager off
         ({}, ["SlidingWindowSpec", "FullAttentionSpec"], "one KV cache group; this model has 2"),
         ({}, ["mamba"], "Mamba or linear-attention state"),
     ],
@@ -277,6 +278,8 @@ def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, name
     def spec(kind: str):
         if kind == "mamba":
             return MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+        if kind == "FullAttentionSpec chunked":
+            return attention("FullAttentionSpec", attention_chunk_size=64)
         fields = {
             "SlidingWindowSpec": {"sliding_window": WINDOW},
             "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64},

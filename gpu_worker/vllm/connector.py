@@ -82,7 +82,7 @@ def namespace_spec(vllm_config, kv_cache_config) -> tuple[NamespaceSpec, list[st
             f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); supported: {SUPPORTED}"
         )
     spec = groups[0].kv_cache_spec
-    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec) or getattr(spec, "attention_chunk_size", None):
         raise ValueError(f"KVDConnector does not support {refused_feature(spec)} yet; supported: {SUPPORTED}")
     if spec.head_size_v != spec.head_size or spec.num_head_slots is not None or spec.page_size_padded is not None:
         raise ValueError(
@@ -112,7 +112,7 @@ def refused_feature(spec) -> str:
         return f"MLA latent caches ({type(spec).__name__}: DeepSeek V2/V3, Kimi K2 and other MLA models)"
     if isinstance(spec, MambaSpec):
         return f"Mamba or linear-attention state ({type(spec).__name__}: Qwen3-Next, Jamba and other hybrid models)"
-    if isinstance(spec, ChunkedLocalAttentionSpec):
+    if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
         return f"chunked local attention ({type(spec).__name__}: Llama 4)"
     return f"KV caches of kind {type(spec).__name__}"
 
