@@ -221,14 +221,9 @@ def unlink_vllm_shared_memory(held: set[tuple[int, int]]) -> None:
             continue
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("vllm"))
-    model = os.path.join(workdir, "tiny-llama")
-    write_tiny_llama(model)
-    write_word_tokenizer(model)
-    adapter = os.path.join(workdir, "adapter-1")
-    write_lora_adapter(adapter)
+def start_kvd(workdir: str) -> tuple[str, DaemonProcess, int]:
+    """The daemon the engines of a test module share (prefix reuse on, room for their pages):
+    its socket, its process and its metrics port (its calls counted by method)."""
     socket = remember_socket(os.path.join(workdir, "kvd.sock"))
     metrics_port = free_port()
     daemon = DaemonProcess.start(
@@ -242,6 +237,18 @@ def setup(tmp_path_factory):
         "16MiB",
         log_path=os.path.join(workdir, "kvd.log"),
     )
+    return socket, daemon, metrics_port
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("vllm"))
+    model = os.path.join(workdir, "tiny-llama")
+    write_tiny_llama(model)
+    write_word_tokenizer(model)
+    adapter = os.path.join(workdir, "adapter-1")
+    write_lora_adapter(adapter)
+    socket, daemon, metrics_port = start_kvd(workdir)
     faults = {"fault_file": os.path.join(workdir, "b.fault"), "errors_file": os.path.join(workdir, "b.load_errors")}
     events = f"ipc://{workdir}/a.events"
     engines = {"a": Engine("a", model, workdir, socket, env={"KVD_TEST_KV_EVENTS": events})}

@@ -8,6 +8,8 @@ between a plan and its load, no daemon at all.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -84,7 +86,8 @@ class VllmProcess:
     """One vLLM instance's connector halves over a KV cache of random blocks on CPU.
 
     `link` takes KVDLink's keyword arguments for both halves; `worker_socket` points the
-    worker half elsewhere than the scheduler half."""
+    worker half elsewhere than the scheduler half. With `tp` ranks, each rank's worker has
+    a KV cache of its own heads (random bytes of its own); `worker` and `kv` are rank 0's."""
 
     def __init__(
         self,
@@ -93,20 +96,40 @@ class VllmProcess:
         save_generated: bool = True,
         name: str = "test",
         worker_socket: str | None = None,
+        tp: int = 1,
         **link,
     ) -> None:
-        self.scheduler = KVDSchedulerSide(KVDLink(socket, f"{name}-scheduler", SPEC, **link), BLOCK, save_generated)
-        self.worker = KVDWorkerSide(KVDLink(worker_socket or socket, f"{name}-worker", SPEC, **link), LAYERS)
+        spec = dataclasses.replace(SPEC, tp_size=tp)
+        ranks = tuple(spec.of_rank(r) for r in range(1, tp))
+        self.scheduler = KVDSchedulerSide(
+            KVDLink(socket, f"{name}-scheduler", spec, peers=ranks, **link), BLOCK, save_generated
+        )
         generator = torch.Generator().manual_seed(seed)
-        # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
-        self.kv = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=generator) for name in LAYERS}
-        self.worker.register(self.kv)
+        self.workers, self.kvs = [], []
+        for rank in range(tp):
+            worker = KVDWorkerSide(
+                KVDLink(worker_socket or socket, f"{name}-worker", spec.of_rank(rank), **link), LAYERS
+            )
+            # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
+            kv = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=generator) for name in LAYERS}
+            worker.register(kv)
+            self.workers.append(worker)
+            self.kvs.append(kv)
         _OPENED.append(self)
+
+    @property
+    def worker(self) -> KVDWorkerSide:
+        return self.workers[0]
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        return self.kvs[0]
 
     def close(self) -> None:
         self.scheduler.close()
         self.scheduler.link.close()
-        self.worker.link.close()
+        for worker in self.workers:
+            worker.link.close()
 
     def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
@@ -137,13 +160,16 @@ class VllmProcess:
 
     def _step(self, scheduler_output) -> set[int]:
         meta = self.scheduler.build_metadata(scheduler_output)
-        self.worker.start_step(meta)
-        for name in LAYERS:
-            self.worker.wait_layer(name)
-            self.worker.save_layer(name)
-        self.worker.wait_for_save()
-        errors = self.worker.load_errors()
-        self.scheduler.update_from_workers(self.worker.worker_metadata())
+        errors, reports = set(), []
+        for worker in self.workers:  # what vLLM gathers from its ranks (its KVOutputAggregator)
+            worker.start_step(meta)
+            for name in LAYERS:
+                worker.wait_layer(name)
+                worker.save_layer(name)
+            worker.wait_for_save()
+            errors |= worker.load_errors()
+            reports.append(worker.worker_metadata())
+        self.scheduler.update_from_workers(functools.reduce(KVDWorkerMetadata.aggregate, reports))
         return errors
 
     def finish(self, req) -> None:
@@ -164,8 +190,8 @@ class VllmProcess:
             )
         )
 
-    def blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.stack([self.kv[name][block_ids] for name in LAYERS])
+    def blocks(self, block_ids: list[int], rank: int = 0) -> torch.Tensor:
+        return torch.stack([self.kvs[rank][name][block_ids] for name in LAYERS])
 
 
 def tokens(n: int, seed: int = 1) -> list[int]:
@@ -276,6 +302,30 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     assert torch.equal(c.blocks(c_blocks[:10]), b.blocks(b_blocks[:10])), "kvd holds other bytes than b computed"
 
 
+def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_them(daemon):
+    """TP=2: each rank saves its own heads' bytes in its rank's namespace and loads them back
+    (a rank-blind key would hand one rank the other's heads). Rank 1 loses page 6: the
+    scheduler offers only the 6 blocks both ranks hold."""
+    a, b = VllmProcess(daemon.socket, 1, tp=2), VllmProcess(daemon.socket, 2, tp=2)
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt)
+    a.run(ra, list(range(11)))
+    a.finish(ra)
+    assert not torch.equal(a.blocks(list(range(10)), rank=0), a.blocks(list(range(10)), rank=1))
+    rb = request("b", prompt)
+    assert b.scheduler.matched_tokens(rb, 0) == 10 * BLOCK
+    with KVDClient.connect(daemon.socket) as kvd:  # rank 1's page 6 is damaged; the audit drops it and what follows
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, tp_rank=1, tp_size=2, extra=dict(SPEC.extra))
+        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
+        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
+        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    assert b.scheduler.matched_tokens(rb, 0) == 6 * BLOCK, "offered blocks that rank 1 cannot load"
+    b_blocks = list(range(20, 31))
+    assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
+    for rank in (0, 1):
+        assert torch.equal(b.blocks(b_blocks[:6], rank), a.blocks(list(range(6)), rank)), f"rank {rank}'s heads"
+
+
 def request_for_lookup(prompt):
     return SequenceRequest("probe", prompt[: len(prompt) // BLOCK * BLOCK])
 
@@ -349,9 +399,9 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     queued on a side stream (loads waited for per layer, saves before they are reported)."""
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     for p in (a, b):
-        p.kv = {name: t.cuda() for name, t in p.kv.items()}
+        p.kvs = [{name: t.cuda() for name, t in p.kv.items()}]
         p.worker.link.close()
-        p.worker = KVDWorkerSide(KVDLink(daemon.socket, "test-worker", SPEC), LAYERS)
+        p.workers = [KVDWorkerSide(KVDLink(daemon.socket, "test-worker", SPEC), LAYERS)]
         p.worker.register(p.kv)
     prompt = tokens(10 * BLOCK + 5)
     ra, rb = request("a", prompt), request("b", prompt)

@@ -5,7 +5,8 @@
 With a kvd socket the engine uses KVDConnector (or the class `KVD_TEST_CONNECTOR` names as
 `module:Class`, with `KVD_TEST_CONNECTOR_EXTRA` as JSON added to its extra config); without,
 it is the baseline. `KVD_TEST_KV_EVENTS` (a ZMQ endpoint) turns vLLM's KV events on, published there;
-`KVD_TEST_LORA=1` enables LoRA adapters (rank ≤ 8, one at a time). vLLM logs to
+`KVD_TEST_LORA=1` enables LoRA adapters (rank ≤ 8, one at a time); `KVD_TEST_TP` sets
+`tensor_parallel_size` (default 1). vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
 prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
@@ -71,6 +72,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         dtype="float32",
         disable_log_stats=False,
         seed=0,
+        tensor_parallel_size=int(os.environ.get("KVD_TEST_TP", "1")),
         **kw,
     )
     channel = Client(control, authkey=b"kvd-test")

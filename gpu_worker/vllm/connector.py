@@ -19,6 +19,16 @@ computes. A page that cannot be loaded is reported to vLLM as a load error and
 recomputed; for that the connector sets vLLM's `kv_load_failure_policy` to "recompute"
 unless `kv_connector_extra_config` says `"load_failure_policy": "fail"`.
 
+Under tensor parallelism each worker rank holds only its own KV heads: its pages live in
+a namespace of that rank (`NamespaceSpec.tp_rank`), so engines of the same model and TP
+degree share them rank by rank. The scheduler half registers every rank's namespace and
+offers a prefix only as far as every rank holds it; a rank that then cannot load a page
+reports it, and vLLM recomputes it on all ranks. Sliding-window models come as one group
+(vLLM turns its hybrid manager off for connectors without `SupportsHMA`): full attention
+with `sliding_window` set (mixed layers: every token's KV is kept) or sliding-window
+attention on every layer, whose blocks outside the window are vLLM's null block and are
+neither loaded nor saved.
+
 `kv_connector_extra_config` keys: `socket` (default: found as kvd/wire/paths.py says: `KVD_SOCKET`,
 the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`,
 `load_failure_policy` ("recompute" or "fail"), `save_generated` (default true: generated
@@ -31,8 +41,15 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.platforms import current_platform
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from engine_client import PageLayout
 from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec
@@ -40,42 +57,64 @@ from gpu_worker.vllm.plans import KVDConnectorMetadata
 from gpu_worker.vllm.scheduler import KVDSchedulerSide
 from gpu_worker.vllm.worker import KVDWorkerSide
 
+SUPPORTED = (
+    "dense full attention, with or without a sliding window, in one KV cache group "
+    "(Llama, Qwen, Mistral, Gemma 2/3, GPT-OSS and other GQA/MHA models), at any tensor_parallel_size"
+)
+
 
 def namespace_spec(vllm_config, kv_cache_config) -> tuple[NamespaceSpec, list[str]]:
-    """The kvd namespace of this vLLM instance's KV bytes, and its attention layers in page order.
+    """The kvd namespace of this vLLM instance's KV bytes (tensor-parallel rank 0's: each
+    rank's pages hold its own KV heads, in a namespace of its own), and its attention layers
+    in page order.
 
-    Refuses (ValueError, at vLLM's start) what kvd's page layout cannot hold yet."""
+    Refuses (ValueError, at vLLM's start) what kvd's page layout cannot hold yet, naming it."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "KVDConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 for now "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            f"KVDConnector supports pipeline_parallel_size=1 only (got {parallel.pipeline_parallel_size}); "
+            f"supported: {SUPPORTED}"
         )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
-            f"KVDConnector needs one KV cache group of full-attention layers; this model has {len(groups)}"
+            f"KVDConnector needs one KV cache group; this model has {len(groups)} "
+            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); supported: {SUPPORTED}"
         )
     spec = groups[0].kv_cache_spec
-    if (
-        not isinstance(spec, AttentionSpec)
-        or getattr(spec, "sliding_window", None)
-        or type(spec).__name__ != "FullAttentionSpec"
-    ):
-        raise ValueError(f"KVDConnector supports full attention only; this model's KV cache is {type(spec).__name__}")
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec) or getattr(spec, "attention_chunk_size", None):
+        raise ValueError(f"KVDConnector does not support {refused_feature(spec)} yet; supported: {SUPPORTED}")
     if spec.head_size_v != spec.head_size or spec.num_head_slots is not None or spec.page_size_padded is not None:
-        raise ValueError("KVDConnector needs dense K/V of equal head sizes (no MLA, packed or padded pages)")
+        raise ValueError(
+            f"KVDConnector needs dense K/V of equal head sizes (no packed or padded pages); supported: {SUPPORTED}"
+        )
     dtype = str(spec.dtype).removeprefix("torch.")
     layout = PageLayout(
         num_layers=len(groups[0].layer_names),
-        num_kv_heads=spec.num_kv_heads,
+        num_kv_heads=spec.num_kv_heads,  # this rank's heads
         head_dim=spec.head_size,
         page_size=spec.block_size,
         dtype=dtype,
     )
     model = vllm_config.model_config
     extra = (("kv_layout", cpu_kv_layout(vllm_config, spec)),) if current_platform.is_cpu() else ()
-    return NamespaceSpec(model.model, layout, revision=model.revision or "", extra=extra), list(groups[0].layer_names)
+    if spec.sliding_window:  # kept in every page's identity: a window changes the KV of every later layer
+        extra += (("sliding_window", str(spec.sliding_window)),)
+    namespace = NamespaceSpec(
+        model.model, layout, revision=model.revision or "", tp_size=parallel.tensor_parallel_size, extra=extra
+    )
+    return namespace, list(groups[0].layer_names)
+
+
+def refused_feature(spec) -> str:
+    """What a KV cache spec kvd cannot hold is, in the words of the models that use it."""
+    if isinstance(spec, MLAAttentionSpec):
+        return f"MLA latent caches ({type(spec).__name__}: DeepSeek V2/V3, Kimi K2 and other MLA models)"
+    if isinstance(spec, MambaSpec):
+        return f"Mamba or linear-attention state ({type(spec).__name__}: Qwen3-Next, Jamba and other hybrid models)"
+    if isinstance(spec, ChunkedLocalAttentionSpec) or getattr(spec, "attention_chunk_size", None):
+        return f"chunked local attention ({type(spec).__name__}: Llama 4)"
+    return f"KV caches of kind {type(spec).__name__}"
 
 
 def cpu_kv_layout(vllm_config, spec) -> str:
@@ -101,13 +140,22 @@ class KVDConnector(KVConnectorBase_V1):
         if extra.get("load_failure_policy", "recompute") == "recompute":
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         spec, layer_names = namespace_spec(vllm_config, kv_cache_config)
-        half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        link = KVDLink(extra.get("socket"), f"{extra.get('client_name', 'vllm')}-{half}", spec)
+        name = extra.get("client_name", "vllm")
+        if role == KVConnectorRole.SCHEDULER:  # offers only what every rank can load
+            ranks = tuple(spec.of_rank(r) for r in range(1, spec.tp_size))
+            link = KVDLink(extra.get("socket"), f"{name}-scheduler", spec, peers=ranks)
+        else:  # each rank saves and loads its own KV heads
+            rank = get_tensor_model_parallel_rank()
+            link = KVDLink(extra.get("socket"), f"{name}-worker{rank}", spec.of_rank(rank))
         # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
         events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         self._scheduler = (
             KVDSchedulerSide(
-                link, spec.layout.page_size, save_generated=extra.get("save_generated", True), track_removals=events
+                link,
+                spec.layout.page_size,
+                save_generated=extra.get("save_generated", True),
+                track_removals=events,
+                drops_outside_window=isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, SlidingWindowSpec),
             )
             if role == KVConnectorRole.SCHEDULER
             else None

@@ -30,6 +30,7 @@ process that reports whether its link can serve (vLLM's workers to the scheduler
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -59,13 +60,19 @@ class NamespaceSpec:
     tp_size: int = 1
     extra: tuple[tuple[str, str], ...] = ()  # engine-specific identity, e.g. a page byte order
 
+    def of_rank(self, tp_rank: int) -> NamespaceSpec:
+        """The namespace of tensor-parallel rank `tp_rank`'s pages (its own KV heads)."""
+        if not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"tensor-parallel rank {tp_rank} is not in [0, {self.tp_size})")
+        return dataclasses.replace(self, tp_rank=tp_rank)
+
 
 @dataclass(frozen=True)
 class _Session:
     """A session with the namespace registered in it."""
 
     client: KVDClient
-    ns: int
+    namespaces: tuple[int, ...]  # the link's namespace first, then its peers
 
     @property
     def alive(self) -> bool:
@@ -73,7 +80,8 @@ class _Session:
 
 
 class KVDLink:
-    """A lazily opened, self-healing session with one namespace registered."""
+    """A lazily opened, self-healing session with its namespace registered (and `peers`,
+    other namespaces its calls name too: the scheduler half's, every tensor-parallel rank's)."""
 
     def __init__(
         self,
@@ -84,10 +92,12 @@ class KVDLink:
         max_retry_seconds: float = 5.0,
         connect_timeout: float = 2.0,
         call_timeout: float = 5.0,
+        peers: tuple[NamespaceSpec, ...] = (),
     ) -> None:
         self.socket = socket
         self.client_name = client_name
         self.namespace = namespace
+        self.peers = peers
         self.retry_seconds = retry_seconds
         self.max_retry_seconds = max_retry_seconds
         self.connect_timeout = connect_timeout
@@ -117,11 +127,16 @@ class KVDLink:
 
     def attempt(self, what: str, action: Callable[[KVDClient, int], T]) -> T | None:
         """`action(client, namespace_id)`, or None when kvd cannot serve it now."""
+        return self.attempt_all(what, lambda client, namespaces: action(client, namespaces[0]))
+
+    def attempt_all(self, what: str, action: Callable[[KVDClient, tuple[int, ...]], T]) -> T | None:
+        """`action(client, namespace_ids)` (the link's namespace, then its peers'), or None
+        when kvd cannot serve it now."""
         current = self._current()
         if current is None:
             return None
         try:
-            return action(current.client, current.ns)
+            return action(current.client, current.namespaces)
         except KVDError as e:
             if e.code in SESSION_GONE:
                 self._drop(f"{what}: {e.message}")
@@ -219,20 +234,22 @@ class KVDLink:
             return None
         client.call_timeout = self.call_timeout
         try:
-            spec = self.namespace
-            ns = client.register_namespace(
-                spec.model,
-                spec.layout,
-                revision=spec.revision,
-                tp_rank=spec.tp_rank,
-                tp_size=spec.tp_size,
-                extra=dict(spec.extra),
+            namespaces = tuple(
+                client.register_namespace(
+                    spec.model,
+                    spec.layout,
+                    revision=spec.revision,
+                    tp_rank=spec.tp_rank,
+                    tp_size=spec.tp_size,
+                    extra=dict(spec.extra),
+                )
+                for spec in (self.namespace, *self.peers)
             )
         except KVDError as e:
             client.drop()
             self._why_down = f"cannot register the namespace: {e.message}"
             return None
-        opened = _Session(client, ns)
+        opened = _Session(client, namespaces)
         with self._lock:
             if self._closing.is_set():
                 client.close()

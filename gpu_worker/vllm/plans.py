@@ -16,11 +16,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from engine_client import ExtraKey
 
+# vLLM's null block (BlockPool.null_block, the first block it hands out): a sliding-window
+# group's block ids name it for blocks outside the window, which hold no KV to load or save.
+NULL_BLOCK = 0
+
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Copy kvd pages (pinned by the scheduler's sequence) into the request's vLLM blocks
+    """Copy kvd pages (pinned by the scheduler's sequences) into the request's vLLM blocks
     before the forward pass.
+
+    `pages_by_rank[r]` are the pages of tensor-parallel rank r's namespace (its KV heads),
+    one per block of `block_ids`: each worker loads its own rank's.
 
     `missing_block_ids` are blocks vLLM was promised but kvd no longer holds (evicted or
     dropped between lookup and allocation): the worker reports them as load errors, so
@@ -28,7 +35,7 @@ class LoadPlan:
 
     req_id: str
     daemon_instance: str
-    page_ids: list[int]
+    pages_by_rank: tuple[list[int], ...]
     block_ids: list[int]
     missing_block_ids: list[int] = field(default_factory=list)
 

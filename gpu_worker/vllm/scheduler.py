@@ -32,6 +32,11 @@ It holds no tensors and writes no page:
 So the scheduler half calls kvd once per request (its lookup) and at most twice per
 step whatever the batch (release, pin), besides `page_keys` for KV events.
 
+Under tensor parallelism every call above goes to each rank's namespace (the link's
+peers): a hit counts only as far as every rank holds it, and the pins and the load plan
+are per rank. In a sliding-window group, blocks outside the window (vLLM's null block)
+are neither loaded nor saved.
+
 Requests with prompt embeddings are left alone; a request whose cacheable prefix a
 multimodal item cut saves nothing past that cut.
 """
@@ -46,7 +51,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.vllm.kvd_events import StoredBlocks
 from gpu_worker.vllm.kvd_link import KVDLink
-from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 MEDIUM = "kvd"  # the medium of the connector's KV events
 
@@ -109,11 +114,18 @@ class _Pin:
 
 class KVDSchedulerSide:
     def __init__(
-        self, link: KVDLink, block_size: int, save_generated: bool = True, track_removals: bool = True
+        self,
+        link: KVDLink,
+        block_size: int,
+        save_generated: bool = True,
+        track_removals: bool = True,
+        drops_outside_window: bool = False,
     ) -> None:
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
+        # a sliding-window group: vLLM's null block stands for its blocks outside the window
+        self.drops_outside_window = drops_outside_window
         # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
         self._stored = StoredBlocks(link) if track_removals else None
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
@@ -137,18 +149,17 @@ class KVDSchedulerSide:
         loadable = min(len(tokens), (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size)
         if loadable <= num_computed_tokens:
             return 0
-        found = self.link.attempt(
-            "lookup",
-            lambda kvd, ns: kvd.lookup(
-                ns, [SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)]
-            ),
+        wanted = SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)
+        found = self.link.attempt_all(
+            "lookup", lambda kvd, namespaces: [kvd.lookup(ns, [wanted])[0] for ns in namespaces]
         )
         if not found or not self._workers_can_load():
             return 0
-        if found[0].remote_pending_tokens:
+        if any(rank.remote_pending_tokens for rank in found):
             return None
         self._local_hits[request.request_id] = num_computed_tokens
-        return max(0, min(found[0].hit_tokens, loadable) - num_computed_tokens)
+        hit = min(rank.hit_tokens for rank in found)  # every rank loads its heads of each block
+        return max(0, min(hit, loadable) - num_computed_tokens)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated blocks for the request: track it, and note what it will load (the
@@ -201,7 +212,7 @@ class KVDSchedulerSide:
             known = len(t.request.all_token_ids) if t.extends else len(t.prompt.token_ids)
             end = min(done, known // self.block_size, len(t.block_ids))
             if end > t.planned:
-                positions = list(range(t.planned, end))
+                positions = self._holding_kv(t.block_ids, t.planned, end)
                 more = list(t.request.all_token_ids[t.sent : end * self.block_size])
                 meta.saves.append(
                     SavePlan(
@@ -251,6 +262,11 @@ class KVDSchedulerSide:
 
     # ---- helpers --------------------------------------------------------------------
 
+    def _holding_kv(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """The positions in [start, end) whose blocks hold KV: in a sliding-window group,
+        not those outside the window (vLLM's null block), which are neither loaded nor saved."""
+        return [p for p in range(start, end) if not (self.drops_outside_window and block_ids[p] == NULL_BLOCK)]
+
     def _workers_can_load(self) -> bool:
         """Whether the workers' kvd sessions are with this half's daemon instance (their
         last report says so, or none came yet), so that they can load what it pins."""
@@ -295,28 +311,43 @@ class KVDSchedulerSide:
         )
 
     def _pin_loads(self) -> list[LoadPlan]:
-        """Pins the step's loads in one kvd sequence each, in one call, and plans them. A
-        block whose page vanished since the lookup (or all of them, when kvd cannot serve)
-        goes into the plan as missing: the worker reports it and vLLM recomputes it."""
+        """Pins the step's loads in one kvd sequence each, in every tensor-parallel rank's
+        namespace (one call a rank; all ranks or none), and plans them. A block whose page
+        vanished since the lookup on any rank (or all of them, when kvd cannot serve) goes
+        into the plan as missing: the worker reports it and vLLM recomputes it on all ranks."""
         pins, self._pins = self._pins, {}
         if not pins:
             return []
         requests = [SequenceRequest(self.link.seq_id(r), pin.tokens, pin.extra_keys) for r, pin in pins.items()]
-        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(ns, requests))
+        pinned: list[int] = []  # the namespaces whose allocate succeeded
+
+        def pin_every_rank(kvd, namespaces) -> list[list]:
+            found = []
+            for ns in namespaces:
+                found.append(kvd.allocate_with_prefix(ns, requests))
+                pinned.append(ns)
+            return found
+
+        by_rank = self.link.attempt_all("allocate", pin_every_rank)
+        if by_rank is None and pinned:  # a rank refused after others pinned: let those go
+            seq_ids = [r.seq_id for r in requests]
+            self.link.attempt_all("release", lambda kvd, _: [kvd.release(ns, seq_ids) for ns in pinned])
+        ranks = self.link.namespace.tp_size
         plans = []
         for i, (req_id, pin) in enumerate(pins.items()):
-            hit_pages = found[i].shared_pages if found else []
-            if found:
+            pages_by_rank = [found[i].shared_pages for found in by_rank] if by_rank else [[]] * ranks
+            hit = min(len(pages) for pages in pages_by_rank)  # blocks every rank can load
+            if by_rank:
                 self._tracked[req_id].pinned_on = self.link.session
-                self._tracked[req_id].planned = len(hit_pages)  # kvd holds these blocks: nothing to save
-            positions = range(pin.first_block, len(pin.tokens) // self.block_size)
+                self._tracked[req_id].planned = hit  # kvd holds these blocks: nothing to save
+            positions = self._holding_kv(pin.block_ids, pin.first_block, len(pin.tokens) // self.block_size)
             plans.append(
                 LoadPlan(
                     req_id,
                     self.link.instance,
-                    page_ids=[hit_pages[p] for p in positions if p < len(hit_pages)],
-                    block_ids=[pin.block_ids[p] for p in positions if p < len(hit_pages)],
-                    missing_block_ids=[pin.block_ids[p] for p in positions if p >= len(hit_pages)],
+                    pages_by_rank=tuple([pages[p] for p in positions if p < hit] for pages in pages_by_rank),
+                    block_ids=[pin.block_ids[p] for p in positions if p < hit],
+                    missing_block_ids=[pin.block_ids[p] for p in positions if p >= hit],
                 )
             )
         return plans
@@ -334,4 +365,4 @@ class KVDSchedulerSide:
         unpinned = [seq_id for session, seq_id in self._unpinned if session == self.link.session]
         self._unpinned = []
         if unpinned:
-            self.link.attempt("release", lambda kvd, ns: kvd.release(ns, unpinned))
+            self.link.attempt_all("release", lambda kvd, namespaces: [kvd.release(ns, unpinned) for ns in namespaces])

