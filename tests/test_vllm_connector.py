@@ -208,14 +208,16 @@ def kill_noting_shared_memory(process: subprocess.Popen) -> set[tuple[int, int]]
 
 
 def unlink_vllm_shared_memory(held: set[tuple[int, int]]) -> None:
-    """Unlinks vLLM's message queues and semaphores (`psm_*`, `sem.*`) among the /dev/shm
-    files `held`, whose processes are dead: a SIGKILLed vLLM cannot remove its own. A file
-    no process of ours held is left alone: it may be another vLLM's, running beside the tests."""
+    """Unlinks vLLM's message queues and semaphores (`psm_*`, `sem.*`) and a tensor-parallel
+    engine's CPU communication buffers (`vllm_dist_*`, left even by an engine that stops)
+    among the /dev/shm files `held`, whose processes are dead: a SIGKILLed vLLM cannot
+    remove its own. A file no process of ours held is left alone: it may be another vLLM's,
+    running beside the tests."""
     for name in os.listdir("/dev/shm"):
         path = os.path.join("/dev/shm", name)
         try:
             st = os.stat(path)
-            if name.startswith(("psm_", "sem.")) and (st.st_dev, st.st_ino) in held:
+            if name.startswith(("psm_", "sem.", "vllm_dist_")) and (st.st_dev, st.st_ino) in held:
                 os.unlink(path)
         except FileNotFoundError:
             continue
