@@ -3,7 +3,7 @@
 A full collection walks every object the collector tracks; a daemon holding 1 GiB of 2 KiB
 pages tracks well over a million, and the collection runs on the event loop, inside
 whichever call allocated when it came due. kvd freezes its long-lived objects at start-up
-and after each extent is adopted (kvd/server/collector.py). This bench builds the same heap twice,
+and after each extent is adopted (kvd/collector.py). This bench builds the same heap twice,
 each in a fresh process, side by side in one run: with the freezes (the daemon's code) and
 with them turned into no-ops (before). Each fills a 1 GiB budget of 64 MiB extents by
 publishing fresh 50K-token prompts (3,125 pages of 16 tokens each), then churns: publishes
@@ -37,11 +37,11 @@ SPAWN = multiprocessing.get_context("spawn")
 
 
 def heap(freeze: bool, churn: int, out) -> None:
+    from kvd import collector
     from kvd.cache.manager import KVCacheManager
     from kvd.cache.manager import SequenceRequest as CoreRequest
     from kvd.core.arena import Arena
     from kvd.core.namespaces import NamespaceIdentity, make_layout
-    from kvd.server import collector
 
     policy = collector.Collector().install() if freeze else None  # as kvd/server/daemon.py does
     m = KVCacheManager(Arena(1 << 30, 64 << 20, f"/kvdbench-gc-{os.getpid()}", lock_memory=False), prefix_reuse=True)
@@ -66,7 +66,7 @@ def heap(freeze: bool, churn: int, out) -> None:
         t = time.thread_time()
         gc.collect()
         full = time.thread_time() - t
-        gc.collect()  # the next full collection comes as after the daemon's own ones (kvd/server/collector.py)
+        gc.collect()  # the next full collection comes as after the daemon's own ones (kvd/collector.py)
 
         pauses, steps = _churn(m, session, ns.id, allocate, churn)
         unfrozen = len(gc.get_objects())
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--churn", type=int, default=40, help="publishes of fresh prompts once the budget is full")
     args = ap.parse_args()
     print(f"heap: 1 GiB of 2 KiB pages (512K pages, all published), then {args.churn} more 50K-token publishes")
-    for label, freeze in (("no freeze (before)", False), ("frozen (kvd/server/collector.py)", True)):
+    for label, freeze in (("no freeze (before)", False), ("frozen (kvd/collector.py)", True)):
         full, longest, full_runs, step, end, frozen, unfrozen, trapped, rss = run(freeze, args.churn)
         print(
             f"  {label:<26} full collection {full * 1e3:6.1f} ms filled, {end * 1e3:6.1f} ms after the churn; "

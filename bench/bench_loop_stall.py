@@ -31,8 +31,8 @@ from bench_fairness import LAYOUT, largest_calls
 
 from engine_client import KVDClient
 from engine_client.launch import DaemonProcess
+from kvd import collector
 from kvd.config import ServeConfig
-from kvd.server import collector
 from kvd.server import daemon as server
 
 SPAWN = multiprocessing.get_context("spawn")

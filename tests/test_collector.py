@@ -1,4 +1,4 @@
-"""The daemon's garbage-collector policy (kvd/server/collector.py): long-lived objects frozen.
+"""The daemon's garbage-collector policy (kvd/collector.py): long-lived objects frozen.
 
 A full collection that walks a heap of 512K pages stalls every call for 0.5 s or more;
 the daemon freezes what it keeps so collections walk only what is new, and hands the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
-from kvd.server import collector
+from kvd import collector
 from tests.conftest import identity, stop_cleanly
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float16")  # 2 KiB pages

@@ -4,7 +4,7 @@ Building an extent (create, map, pre-fault, mlock) is slow: first touch of share
 runs at ~0.5 GB/s. When a namespace's free pages run low, the next extent is built on a
 worker thread and adopted on the event loop at the next call; a request that needs room
 before then takes the build in flight, or builds one itself. Once adopted, the extent's
-objects are frozen out of the garbage collector's walks (kvd/server/collector.py).
+objects are frozen out of the garbage collector's walks (kvd/collector.py).
 
 A build /dev/shm refuses (``ShmFull``) is an outcome, not an error: its budget is given
 back, the arena stops planning extents for a while (``Arena.shm_refused``), and whoever
@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvd import collector
 from kvd.core.arena import Arena, Extent, ExtentPlan
 from kvd.core.namespaces import Namespace
 from kvd.core.pool import PagePool
 from kvd.core.shm import ShmFull
 from kvd.core.types import NamespaceId
-from kvd.server import collector
 
 log = logging.getLogger(__name__)
 

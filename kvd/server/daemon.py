@@ -29,7 +29,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__
+from kvd import __version__, collector
 from kvd.cache import pins, token_buffers
 from kvd.cache.events import Consumer, EventLog
 from kvd.cache.manager import KVCacheManager
@@ -39,7 +39,7 @@ from kvd.config import ServeConfig
 from kvd.core.arena import Arena, daemon_segments, memlock_limit, unlink_segments
 from kvd.core.shm import SHM_DIR, shm_free_bytes
 from kvd.durability import recovery
-from kvd.server import collector, handshake
+from kvd.server import handshake
 from kvd.server.messages import SERVICE
 from kvd.server.offload import Offload
 from kvd.server.service import KvdServicer, add_to_server
