@@ -474,7 +474,7 @@ class KVDClient:
         reply = self._call("ResetPrefixCache", session=self.session, has_namespace=ns is not None, namespace_id=ns or 0)
         return reset_dict(reply)
 
-    def subscribe_events(self, from_seq: int | None = None) -> ReplyStream[KVEventBatch]:
+    def subscribe_events(self, from_seq: int | None = None, removals_only: bool = False) -> ReplyStream[KVEventBatch]:
         """The KV events of this client's tenant as they happen (routers' view of which pages
         kvd holds): an iterator of ``KVEventBatch`` (``seq``, ``ts``, ``events``: each a
         ``BlockStored``, ``BlockRemoved`` or ``AllBlocksCleared``, engine_client/events.py)
@@ -482,9 +482,15 @@ class KVDClient:
         any thread. A stream the daemon breaks off raises ``KVDError`` (UNAVAILABLE: it
         went away; RESOURCE_EXHAUSTED: this reader fell too far behind). ``from_seq``
         resumes with the batches the daemon still buffers from that one on: a first ``seq``
-        above it means some were missed."""
+        above it means some were missed. ``removals_only``: only batches with a
+        ``BlockRemoved`` or ``AllBlocksCleared``, and only those events (a client that
+        tracks pages it holds or reported, not the whole cache)."""
         request = messages.request(
-            "SubscribeEvents", session=self.session, has_from_seq=from_seq is not None, from_seq=from_seq or 0
+            "SubscribeEvents",
+            session=self.session,
+            has_from_seq=from_seq is not None,
+            from_seq=from_seq or 0,
+            removals_only=removals_only,
         )
         return self._connection.stream("SubscribeEvents", request, messages.event_batch)
 

@@ -271,6 +271,29 @@ def test_the_client_stream_carries_the_same_events_typed_and_resumes(daemon_fact
         assert e.value.code() == grpc.StatusCode.NOT_FOUND, "only a live session sees its tenant's events"
 
 
+def test_a_removals_only_stream_carries_removals_and_no_batch_of_stores(daemon_factory):
+    """A client that tracks only pages it holds (the vLLM connector's scheduler half) asks
+    for removals only: batches of stores are not sent at all, removals and clears are."""
+    d = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
+    with KVDClient.connect(d.socket) as c, KVDClient.connect(d.socket) as watcher:
+        ns = c.register_namespace(agents.MODEL, agents.LAYOUT)
+        everything, removals = watcher.subscribe_events(), watcher.subscribe_events(removals_only=True)
+        ids = tokens(3, 11)
+        published(c, ns, "a", ids)
+        c.release(ns, ["a"])
+        published(c, ns, "b", tokens(1, 12))  # another store, then the reset removes all four pages
+        c.release(ns, ["b"])
+        c.reset_prefix_cache()
+        seen = [next(everything) for _ in range(3)]
+        assert [type(b.events[0]).__name__ for b in seen] == ["BlockStored", "BlockStored", "BlockRemoved"]
+        [removal] = [next(removals)]
+        assert removal.seq == seen[2].seq and removal.events == seen[2].events
+        assert sorted(removal.events[0].block_hashes) == sorted(c.page_keys(ns, ids) + c.page_keys(ns, tokens(1, 12)))
+        everything.cancel()
+        removals.cancel()
+        assert list(removals) == [], "nothing but the removal came"
+
+
 def test_a_stream_whose_daemon_dies_raises_unavailable(daemon_factory):
     d = daemon_factory("--enable-prefix-reuse")
     c = KVDClient.connect(d.socket)

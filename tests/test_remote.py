@@ -360,10 +360,12 @@ def test_the_vllm_connector_waits_for_pages_on_their_way_from_the_store(hosts):
         lora_request=None,
     )
     try:
-        assert scheduler.matched_tokens(req, 0) is None  # the lookup started the fetch
+        scheduler.seen(req)  # the lookahead's lookup starts the fetch; vLLM is told to ask again meanwhile
+        assert scheduler.matched_tokens(req, 0) is None
         offered = wait_until(lambda: scheduler.matched_tokens(req, 0), "the connector offers the fetched pages", 30)
         assert offered == len(tokens) - LAYOUT.page_size  # never the last prompt token's block
     finally:
+        scheduler.close()
         link.close()
 
 

@@ -478,9 +478,10 @@ def test_the_next_turn_loads_the_answer_too(setup):
 
 @pytest.mark.parametrize("fault", ["corrupt 6", "evict"])
 def test_pages_lost_between_lookup_and_load_are_reported_and_recomputed(setup, fault):
-    """vLLM was promised the prefix, then kvd lost part of it (a page failed its checksum and
-    was dropped with the pages chained after it, or the cache was emptied) before the blocks
-    were allocated: the worker reports those blocks and vLLM recomputes them."""
+    """vLLM was promised the prefix, then, before its load plan, a page failed its checksum
+    and was dropped with the pages chained after it: the worker reports those blocks and
+    vLLM recomputes them. The cache emptied at that instant takes nothing: the offer's
+    pages are held."""
     b, c = setup["engines"]["b"], setup["engines"]["c"]
     b.generate([{"tokens": prompt("b")}])  # kvd holds every block b may load
     b.forget_local_cache()
@@ -489,10 +490,12 @@ def test_pages_lost_between_lookup_and_load_are_reported_and_recomputed(setup, f
         f.write(fault)
     tokens, _ = b.generate([{"tokens": prompt("b")}], max_tokens=32)
     assert not os.path.exists(faults["fault_file"]), "the fault was never injected (no kvd hit to damage)"
-    with open(faults["errors_file"]) as f:
-        reported = [int(block) for block in f.read().split()]
-    os.unlink(faults["errors_file"])
-    kept = 6 if fault.startswith("corrupt") else 0
+    kept = 6 if fault.startswith("corrupt") else loadable("b") // BLOCK
+    reported = []
+    if os.path.exists(faults["errors_file"]):
+        with open(faults["errors_file"]) as f:
+            reported = [int(block) for block in f.read().split()]
+        os.unlink(faults["errors_file"])
     assert len(reported) == loadable("b") // BLOCK - kept, f"blocks reported as load errors: {reported}"
     assert tokens[0] == setup["baseline"]["b"][:32], "tokens after recomputing lost blocks differ from vLLM alone"
     c.forget_local_cache()  # what b saved while recomputing is right: another engine loads it all

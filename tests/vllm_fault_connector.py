@@ -1,25 +1,30 @@
 """KVDConnector with a fault the test can arm: the page damage of an unlucky instant.
 
-For tests/test_vllm_connector.py only. vLLM looks a prompt up (`get_num_new_matched_tokens`)
-and allocates its blocks (`update_state_after_alloc`) in one scheduler step, microseconds
-apart, so no outside process can hit the window between them. This subclass does, when
-the test has written a fault file (`kv_connector_extra_config["fault_file"]`): just before
-the real `update_state_after_alloc`, it either damages one page of the request's prefix in
-kvd's shared memory and has the daemon audit it (``corrupt N [RANK]``: page N of
-tensor-parallel rank RANK's namespace, default 0, and the pages chained after it leave the
-index), or empties kvd's prefix cache (``evict``). Everything after that is the real
-connector against the real daemon. Block ids it reported as load errors are appended to
-`errors_file`, so the test can see the worker reported them; with `loads_file` in the
-extra config, each worker appends how many blocks each load plan copies into vLLM.
+For tests/test_vllm_connector.py only. vLLM takes the scheduler half's offer (its hold,
+taken ahead by the lookahead thread) and allocates the request's blocks
+(`update_state_after_alloc`) in one scheduler step, microseconds before the load plan
+is built, so no outside process can hit the window between them. This subclass does,
+when the test has written a fault file (`kv_connector_extra_config["fault_file"]`):
+just before the real `update_state_after_alloc`, through a kvd session of its own, it
+either damages one page of the request's prefix in kvd's shared memory and has the
+daemon audit it (``corrupt N [RANK]``: page N of tensor-parallel rank RANK's namespace,
+default 0, and the pages chained after it leave the index), then waits until the
+scheduler half has heard of it on kvd's event stream (the hook that makes the race
+deterministic), or empties kvd's prefix cache (``evict``). Everything after that is the
+real connector against the real daemon. Block ids it reported as load errors are
+appended to `errors_file`, so the test can see the worker reported them; with
+`loads_file` in the extra config, each worker appends how many blocks each load plan
+copies into vLLM.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from conftest import raw_page
 
-from engine_client import SequenceRequest
+from engine_client import KVDClient, SequenceRequest
 from gpu_worker.vllm.scheduler import cacheable_tokens
 from gpu_worker.vllm_connector import KVDConnector
 
@@ -38,18 +43,33 @@ class FaultyKVDConnector(KVDConnector):
             with open(self._fault_file) as f:
                 fault = f.read().split()
             os.unlink(self._fault_file)
-            self._link.attempt_all("fault", lambda kvd, namespaces: self._inject(kvd, namespaces, request, fault))
+            with KVDClient.connect(self._link.socket) as kvd:
+                self._inject(kvd, request, fault)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def _inject(self, kvd, namespaces: tuple[int, ...], request, fault: list[str]) -> None:
+    def _inject(self, kvd: KVDClient, request, fault: list[str]) -> None:
+        rank = int(fault[2]) if len(fault) > 2 else 0
+        spec = ([self._link.namespace, *self._link.peers])[rank]
+        ns = kvd.register_namespace(
+            spec.model,
+            spec.layout,
+            revision=spec.revision,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            extra=dict(spec.extra),
+        )
         if fault[0] == "evict":
-            kvd.reset_prefix_cache(namespaces[0])
+            kvd.reset_prefix_cache(ns)
             return
-        ns = namespaces[int(fault[2]) if len(fault) > 2 else 0]
         tokens, keys = cacheable_tokens(request, self._block_size)
         [hit] = kvd.lookup(ns, [SequenceRequest("fault", tokens, keys)])
-        raw_page(kvd, ns, hit.hit_pages[int(fault[1])])[...] = 0
+        page = int(fault[1])
+        raw_page(kvd, ns, hit.hit_pages[page])[...] = 0
         kvd.verify_pages()
+        lookahead = self._scheduler.lookahead
+        deadline = time.monotonic() + 10
+        while lookahead.usable_blocks(request.request_id) > page and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._loads_file and self.has_connector_metadata():

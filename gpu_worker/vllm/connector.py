@@ -9,8 +9,9 @@ Enable it with vLLM's own configuration, nothing else:
 Every vLLM process on the host that points at the same kvd shares one host copy of each
 prompt prefix: a prefix one process computed is loaded by the others instead of being
 computed again. vLLM's scheduler process runs the scheduler half
-(gpu_worker/vllm/scheduler.py: lookups, pins, save plans, publish); each worker runs the
-worker half (gpu_worker/vllm/worker.py: page copies). Each half opens its own kvd
+(gpu_worker/vllm/scheduler.py: lookups and holds, made ahead on a thread of their own,
+load and save plans, KV events); each worker runs the worker half
+(gpu_worker/vllm/worker.py: page copies, saves, publishing). Each half opens its own kvd
 session, so a killed vLLM process's references are dropped by the daemon like any
 client's. (``gpu_worker.vllm_connector``, the path configurations name, re-exports this class.)
 
@@ -164,6 +165,9 @@ class KVDConnector(KVConnectorBase_V1):
         self._link = link
 
     # ---- scheduler side -------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        self._scheduler.seen(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens), False

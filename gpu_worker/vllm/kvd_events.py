@@ -1,19 +1,23 @@
-"""`StoredBlocks`: the kvd pages an engine adapter reported as stored, until kvd drops them.
+"""kvd's event stream as the vLLM connector's scheduler half hears it.
 
-The vLLM connector's scheduler half tells vLLM's KV event stream which blocks kvd stored
-(`BlockStored`, keyed by vLLM's own block hashes). When kvd later evicts or drops such a
-page, routers must hear `BlockRemoved` for the same vLLM hash. kvd announces removals by
-its own page keys (kvd/cache/events.py) on a per-session stream (`KVDClient.subscribe_events`); this module keeps the
-kvd key → vLLM hash of every block reported as stored (keys computed locally,
-`KVDClient.page_keys`), follows the stream on a thread of its own, and turns the removals
-of remembered keys into vLLM events. Keys it never reported (pages of other processes,
-pages it only loaded) are ignored.
+`RemovalFeed` follows the stream of the link's session on a thread of its own (its
+removals only: the daemon sends no batch of stores, which would cost the scheduler
+process a parse each) and hands the kvd keys of every page kvd evicts or drops to its
+listeners: the scheduler half's
+holds (gpu_worker/vllm/lookahead.py: a hold whose page went is not offered) and, with
+vLLM's KV events on, `StoredBlocks`.
+
+`StoredBlocks` keeps the kvd key → vLLM hash of every block the scheduler half reported
+to vLLM as stored (`BlockStored`, keyed by vLLM's own block hashes; kvd keys computed
+locally, `KVDLink.page_keys`), so that when kvd later drops such a page, routers hear
+`BlockRemoved` for the same vLLM hash. Keys it never reported (pages of other processes,
+pages it only loaded) are ignored. At most `max_tracked` keys are remembered, the oldest
+forgotten first.
 
 The stream follows the link's session: when the link reconnects, a new subscription
 starts, resuming after the last batch seen when the daemon instance is the same.
 Removals that happen while no stream is open are not heard of (a router then keeps a
-stale entry, which costs a miss at worst). At most `max_tracked` keys are remembered,
-the oldest forgotten first.
+stale entry, which costs a miss at worst; a hold of that session ended with it).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from engine_client import BlockRemoved, KVDError
 from gpu_worker.vllm.kvd_link import KVDLink
@@ -28,17 +33,57 @@ from gpu_worker.vllm.kvd_link import KVDLink
 log = logging.getLogger(__name__)
 
 
-class StoredBlocks:
-    def __init__(self, link: KVDLink, max_tracked: int = 1 << 20) -> None:
+class RemovalFeed:
+    def __init__(self, link: KVDLink, listeners: list[Callable[[list[bytes]], None]]) -> None:
         self.link = link
-        self.max_tracked = max_tracked
-        self._hashes: OrderedDict[bytes, object] = OrderedDict()  # kvd key -> the vLLM block hash reported
-        self._removed: deque[bytes] = deque()  # kvd keys the stream reported removed, not yet matched
+        self.listeners = listeners
         self._stream = None
         self._thread: threading.Thread | None = None
         self._session = ""  # of the current subscription
         self._instance = ""
         self._next_seq: int | None = None  # the batch after the last one seen
+
+    def follow(self) -> None:
+        """Subscribes with the link's current session unless its stream is being read already
+        (called by the link's thread before each batch of calls, so the stream is open
+        before a hold is taken or a page is stored)."""
+        if self._thread is not None and self._thread.is_alive() and self._session == self.link.session:
+            return
+        resume = self._next_seq if self.link.instance == self._instance else None
+        stream = self.link.attempt(
+            "subscribe to events", lambda kvd, ns: kvd.subscribe_events(resume, removals_only=True)
+        )
+        if stream is None:
+            return
+        if self._stream is not None:
+            self._stream.cancel()
+        self._stream, self._session, self._instance = stream, self.link.session, self.link.instance
+        self._thread = threading.Thread(target=self._read, args=(stream,), name="kvd-events", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _read(self, stream) -> None:
+        try:
+            for batch in stream:
+                self._next_seq = batch.seq + 1
+                for event in batch.events:
+                    if isinstance(event, BlockRemoved):
+                        for listener in self.listeners:
+                            listener(event.block_hashes)
+        except KVDError as e:
+            log.info("kvd event stream ended (%s); removals are heard again once the link reconnects", e)
+
+
+class StoredBlocks:
+    def __init__(self, max_tracked: int = 1 << 20) -> None:
+        self.max_tracked = max_tracked
+        self._hashes: OrderedDict[bytes, object] = OrderedDict()  # kvd key -> the vLLM block hash reported
+        self._removed: deque[bytes] = deque()  # kvd keys the stream reported removed, not yet matched
 
     def remember(self, keys: list[bytes], hashes: list) -> None:
         """Blocks reported to vLLM as stored: kvd keys and the vLLM hashes they were reported under."""
@@ -48,6 +93,10 @@ class StoredBlocks:
         while len(self._hashes) > self.max_tracked:
             self._hashes.popitem(last=False)
 
+    def removed(self, keys: list[bytes]) -> None:
+        """kvd removed these pages (the feed's thread calls this)."""
+        self._removed.extend(keys)
+
     def take_removed(self) -> list:
         """vLLM hashes of remembered blocks that kvd removed since the last call, oldest first."""
         hashes = []
@@ -56,34 +105,3 @@ class StoredBlocks:
             if block_hash is not None:
                 hashes.append(block_hash)
         return hashes
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-
-    def follow(self) -> None:
-        """Subscribes with the link's current session unless its stream is being read already
-        (called every step before the workers save, so the stream is open before a page is stored)."""
-        if self._thread is not None and self._thread.is_alive() and self._session == self.link.session:
-            return
-        resume = self._next_seq if self.link.instance == self._instance else None
-        stream = self.link.attempt("subscribe to events", lambda kvd, ns: kvd.subscribe_events(resume))
-        if stream is None:
-            return
-        if self._stream is not None:
-            self._stream.cancel()
-        self._stream, self._session, self._instance = stream, self.link.session, self.link.instance
-        self._thread = threading.Thread(target=self._read, args=(stream,), name="kvd-events", daemon=True)
-        self._thread.start()
-
-    def _read(self, stream) -> None:
-        try:
-            for batch in stream:
-                self._next_seq = batch.seq + 1
-                for event in batch.events:
-                    if isinstance(event, BlockRemoved):
-                        self._removed.extend(event.block_hashes)
-        except KVDError as e:
-            log.info("kvd event stream ended (%s); removals are heard again once the link reconnects", e)

@@ -21,6 +21,8 @@ line when kvd is back. A call the daemon refuses for another reason (budget exha
 sequence it no longer knows) is logged and also answers `None`.
 
 `session` names the current session: sequences and pins belong to it and end with it.
+One thread makes the link's calls (the engine's, or one the adapter keeps for them);
+any thread may read `session`, `instance` and `page_keys`.
 
 `instance` names the daemon instance of the current session (`SessionOpened.daemon_instance`):
 page ids are meaningful only within one instance, so processes that hand page ids to each
@@ -102,7 +104,7 @@ class KVDLink:
         self.max_retry_seconds = max_retry_seconds
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
-        self._session: _Session | None = None  # the engine's thread's alone: only it sets and drops it
+        self._session: _Session | None = None  # the calling thread's alone: only it sets and drops it
         self._opened: _Session | None = None  # opened by the reconnect thread, not taken yet; under _lock
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -115,11 +117,23 @@ class KVDLink:
 
     @property
     def session(self) -> str:
-        return self._session.client.session if self._session is not None else ""
+        current = self._session  # read once: another thread may read while the link's thread drops it
+        return current.client.session if current is not None else ""
 
     @property
     def instance(self) -> str:
-        return self._session.client.daemon_instance if self._session is not None else ""
+        current = self._session
+        return current.client.daemon_instance if current is not None else ""
+
+    def page_keys(self, token_ids, extra_keys, first_page: int = 0, parent: bytes | None = None) -> list[bytes] | None:
+        """kvd's keys of these tokens' full pages in the link's namespace (computed here, no
+        call: any thread may ask), or None before the first session."""
+        current = self._session
+        if current is None:
+            return None
+        return current.client.page_keys(
+            current.namespaces[0], token_ids, extra_keys, first_page=first_page, parent=parent
+        )
 
     def seq_id(self, request_id: str) -> str:
         """The kvd sequence id of an engine request, unique to this link."""

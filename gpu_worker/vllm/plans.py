@@ -23,15 +23,15 @@ NULL_BLOCK = 0
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Copy kvd pages (pinned by the scheduler's sequences) into the request's vLLM blocks
+    """Copy kvd pages (held by the scheduler half's sequences) into the request's vLLM blocks
     before the forward pass.
 
     `pages_by_rank[r]` are the pages of tensor-parallel rank r's namespace (its KV heads),
     one per block of `block_ids`: each worker loads its own rank's.
 
-    `missing_block_ids` are blocks vLLM was promised but kvd no longer holds (evicted or
-    dropped between lookup and allocation): the worker reports them as load errors, so
-    vLLM recomputes them."""
+    `missing_block_ids` are blocks vLLM was promised but kvd can no longer supply (it
+    dropped a held page, or the hold's session ended, before the plan): the worker
+    reports them as load errors, so vLLM recomputes them."""
 
     req_id: str
     daemon_instance: str

@@ -1,41 +1,44 @@
 """KVDConnector's scheduler half: decides what each vLLM request loads from kvd and saves to it.
 
-It holds no tensors and writes no page:
+It holds no tensors, writes no page, and makes no kvd call on vLLM's scheduler thread:
+its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
 
-1. `matched_tokens` (vLLM's `get_num_new_matched_tokens`) looks the prompt up in kvd,
-   without pinning anything, and offers the block-aligned hit beyond vLLM's own local hit,
-   never the whole prompt (vLLM computes at least the last token). While kvd fetches
-   more of the prompt from its remote store it answers None: vLLM asks again next step.
-   It offers nothing while the workers cannot load: their last report (each step's
-   `KVDWorkerMetadata`) must name the daemon instance of this half's session (before
-   the first report they are assumed to), so after an outage, in which the two halves
-   reconnect each on its own, no load is promised that the workers would fail.
-2. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, the request's
-   hit is noted; `build_metadata`, at the end of the same scheduling pass, pins every
-   hit of the step in one call (a kvd sequence of this session per request: its pages
-   cannot be evicted before the workers load them), and the load plan maps them to the
-   vLLM blocks just allocated. A block whose page vanished since the lookup goes into
-   the plan as missing, the worker reports it, and vLLM recomputes it.
-3. `build_metadata` hands the workers the loads and, for every scheduled request, the
+1. `seen` (vLLM's `on_new_request`) hands a new request's prompt to the lookahead
+   thread, which looks it up and holds its hit (a kvd sequence of this half's session:
+   its pages cannot be evicted) together with every other prompt that arrived meanwhile.
+2. `matched_tokens` (`get_num_new_matched_tokens`) offers the held, block-aligned hit
+   beyond vLLM's own local hit, never the whole prompt (vLLM computes at least the last
+   token). While the thread is still at it, or kvd fetches more of the prompt from its
+   remote store, it answers None: vLLM asks again next step. A hold whose session ended,
+   or whose pages kvd removed, is not offered: it is asked for afresh. It offers nothing
+   while the workers cannot load: their last report (each step's `KVDWorkerMetadata`)
+   must name the daemon instance of the hold (before the first report they are assumed
+   to), so after an outage, in which the two halves reconnect each on its own, no load
+   is promised that the workers would fail.
+3. `allocated` (`update_state_after_alloc`): when vLLM takes the offer, the hold becomes
+   the request's load and `build_metadata` maps its pages to the vLLM blocks just
+   allocated; an offer vLLM did not take is let go. Should kvd have removed a held page
+   meanwhile, the load's blocks go into the plan as missing, the worker reports them,
+   and vLLM recomputes them.
+4. `build_metadata` hands the workers the loads and, for every scheduled request, the
    full blocks that this step completes (prompt blocks, then generated ones, unless
    `save_generated` is off); each worker saves them into its own kvd sequence and
    publishes them (gpu_worker/vllm/worker.py). So the next turn of a conversation, whose
    prompt holds this turn's answer, hits that answer too.
-4. `update_from_workers` notes the workers' daemon instance and turns what they published into vLLM KV events
-   (`BlockStored`); with KV events on, it remembers the kvd keys of those blocks, and
-   `take_events` adds `BlockRemoved` for them once kvd evicts or drops them
-   (gpu_worker/vllm/kvd_events.py).
-5. `finished` lets the pinning sequence go (the next metadata releases the step's
-   pins in one call) and tells the workers to release theirs. Published pages stay
-   cached in kvd.
+5. `update_from_workers` notes the workers' daemon instance and turns what they published
+   into vLLM KV events (`BlockStored`); with KV events on, it remembers the kvd keys of
+   those blocks, and `take_events` adds `BlockRemoved` for them once kvd evicts or drops
+   them (gpu_worker/vllm/kvd_events.py).
+6. `finished` lets the request's hold go and tells the workers to release their
+   sequences. Published pages stay cached in kvd.
 
-So the scheduler half calls kvd once per request (its lookup) and at most twice per
-step whatever the batch (release, pin), besides `page_keys` for KV events.
+So the scheduler half's calls are a lookup and a hold per batch of arriving requests,
+and a release per batch of finished ones, all off vLLM's scheduler loop.
 
 Under tensor parallelism every call above goes to each rank's namespace (the link's
-peers): a hit counts only as far as every rank holds it, and the pins and the load plan
-are per rank. In a sliding-window group, blocks outside the window (vLLM's null block)
-are neither loaded nor saved.
+peers): a hit counts only as far as every rank holds it, and the load plan is per rank.
+In a sliding-window group, blocks outside the window (vLLM's null block) are neither
+loaded nor saved.
 
 Requests with prompt embeddings are left alone; a request whose cacheable prefix a
 multimodal item cut saves nothing past that cut.
@@ -51,6 +54,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.vllm.kvd_events import StoredBlocks
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.lookahead import Hold, Lookahead
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 MEDIUM = "kvd"  # the medium of the connector's KV events
@@ -96,19 +100,18 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
     planned: int = 0  # blocks [0, planned) were in a save plan already
     announced: bool = False  # its prompt went to the workers with a plan
-    pinned_on: str = ""  # the session whose sequence pins its loads ("" none)
     keyed_pages: int = 0  # kvd keys of blocks [0, keyed_pages) were computed (for KV events)
     last_key: bytes | None = None  # the key of block keyed_pages - 1, where the chain goes on
 
 
 @dataclass(frozen=True)
-class _Pin:
-    """A load vLLM took the offer of: the prompt's tokens up to the end of the hit, and
-    the request's vLLM blocks from `first_block` (past vLLM's local hit) on."""
+class _Load:
+    """A load vLLM took the offer of: blocks [first_block, end_block) of the request (past
+    vLLM's local hit, up to the end of the offer) from its hold, into `block_ids`."""
 
-    tokens: list[int]
-    extra_keys: tuple[ExtraKey, ...]
+    hold: Hold
     first_block: int
+    end_block: int
     block_ids: list[int]
 
 
@@ -120,6 +123,7 @@ class KVDSchedulerSide:
         save_generated: bool = True,
         track_removals: bool = True,
         drops_outside_window: bool = False,
+        lookahead_patience: float = 1.0,
     ) -> None:
         self.link = link
         self.block_size = block_size
@@ -127,66 +131,74 @@ class KVDSchedulerSide:
         # a sliding-window group: vLLM's null block stands for its blocks outside the window
         self.drops_outside_window = drops_outside_window
         # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
-        self._stored = StoredBlocks(link) if track_removals else None
+        self._stored = StoredBlocks() if track_removals else None
+        self.lookahead = Lookahead(
+            link, block_size, [self._stored.removed] if self._stored else [], patience=lookahead_patience
+        )
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._tracked: dict[str, _Tracked] = {}
-        self._pins: dict[str, _Pin] = {}  # the step's loads, pinned when its metadata is built
-        self._unpinned: list[tuple[str, str]] = []  # (session, kvd sequence) of pins to release with the next metadata
+        self._loads: dict[str, _Load] = {}  # the step's loads, planned when its metadata is built
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
         self._events: list[KVCacheEvent] = []
 
     # ---- lookup and allocation ----------------------------------------------------
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
-        """Tokens beyond vLLM's local hit that kvd can supply now (block-aligned, never
-        the last prompt token); None while kvd fetches more of the prompt from its remote
-        store (vLLM then asks again next step). Pins nothing in kvd."""
+    def _wanted(self, request) -> SequenceRequest | None:
+        """What kvd may supply of the request's prompt: its cacheable full blocks, never the
+        block of the last prompt token (None: nothing)."""
         if request.prompt_token_ids is None:
-            return 0
+            return None
         tokens, keys = cacheable_tokens(request, self.block_size)
         loadable = min(len(tokens), (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size)
-        if loadable <= num_computed_tokens:
-            return 0
-        wanted = SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)
-        found = self.link.attempt_all(
-            "lookup", lambda kvd, namespaces: [kvd.lookup(ns, [wanted])[0] for ns in namespaces]
-        )
-        if not found or not self._workers_can_load():
-            return 0
-        if any(rank.remote_pending_tokens for rank in found):
+        if not loadable:
             return None
+        return SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)
+
+    def seen(self, request) -> None:
+        """vLLM added the request: its lookup starts now, on the lookahead thread."""
+        if (wanted := self._wanted(request)) is not None:
+            self.lookahead.ask(request.request_id, wanted, speculative=True)
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond vLLM's local hit that kvd holds for the request (block-aligned,
+        never the last prompt token); None while the lookahead thread is at it, or kvd
+        fetches more of the prompt from its remote store (vLLM asks again next step)."""
+        wanted = self._wanted(request)
+        if wanted is None or len(wanted.token_ids) <= num_computed_tokens:
+            return 0
+        hold = self.lookahead.answer(request.request_id, wanted)
+        if hold is None:
+            return None
+        if not hold.blocks or not self._workers_can_load(hold.instance):
+            return 0
         self._local_hits[request.request_id] = num_computed_tokens
-        hit = min(rank.hit_tokens for rank in found)  # every rank loads its heads of each block
-        return max(0, min(hit, loadable) - num_computed_tokens)
+        return max(0, hold.blocks * self.block_size - num_computed_tokens)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for the request: track it, and note what it will load (the
-        step's metadata pins all of it in one call)."""
+        """vLLM allocated blocks for the request: track it; a load it took the offer of is
+        planned with the step's metadata, an offer it did not take is let go."""
         req_id = request.request_id
         local_hit = self._local_hits.pop(req_id, 0)
-        self._unpin(req_id)  # a preempted request comes back here: start over
-        self._pins.pop(req_id, None)
+        self._loads.pop(req_id, None)  # a preempted request comes back here: start over
         if request.prompt_token_ids is None:
             return
         tokens, keys = cacheable_tokens(request, self.block_size)
         whole = len(tokens) == len(request.prompt_token_ids) // self.block_size * self.block_size
         self._tracked[req_id] = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
         if num_external_tokens:
-            self._pins[req_id] = _Pin(
-                tokens[: local_hit + num_external_tokens], keys, local_hit // self.block_size, list(block_ids)
-            )
+            first, end = local_hit // self.block_size, (local_hit + num_external_tokens) // self.block_size
+            self._loads[req_id] = _Load(self.lookahead.claim(req_id), first, end, list(block_ids))
+        else:
+            self.lookahead.let_go(req_id)
 
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
         """This step's loads (from `allocated`), saves (the full blocks it completes) and
         the requests finished since the last step."""
-        if self._stored is not None:
-            self._stored.follow()
-        self._release_unpinned()
-        meta = KVDConnectorMetadata(loads=self._pin_loads(), finished=self._finished)
+        meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished)
         self._finished = set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -240,11 +252,11 @@ class KVDSchedulerSide:
         self._finished_requests.clear()  # a step's output answers its saves; none come later
 
     def finished(self, request) -> None:
-        """The request is done: release the pin of its loads; the workers release theirs."""
+        """The request is done (or aborted): its hold is let go; the workers release their sequences."""
         req_id = request.request_id
         self._local_hits.pop(req_id, None)
-        self._pins.pop(req_id, None)
-        self._unpin(req_id)
+        self._loads.pop(req_id, None)
+        self.lookahead.let_go(req_id)
         if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
             self._finished_requests[req_id] = t
@@ -257,8 +269,7 @@ class KVDSchedulerSide:
         return events
 
     def close(self) -> None:
-        if self._stored is not None:
-            self._stored.close()
+        self.lookahead.close()
 
     # ---- helpers --------------------------------------------------------------------
 
@@ -267,10 +278,10 @@ class KVDSchedulerSide:
         not those outside the window (vLLM's null block), which are neither loaded nor saved."""
         return [p for p in range(start, end) if not (self.drops_outside_window and block_ids[p] == NULL_BLOCK)]
 
-    def _workers_can_load(self) -> bool:
-        """Whether the workers' kvd sessions are with this half's daemon instance (their
-        last report says so, or none came yet), so that they can load what it pins."""
-        return self._workers_instance is None or self._workers_instance == self.link.instance
+    def _workers_can_load(self, instance: str) -> bool:
+        """Whether the workers' kvd sessions are with this daemon instance (their last
+        report says so, or none came yet), so that they can load what it holds."""
+        return self._workers_instance is None or self._workers_instance == instance
 
     def _remember(self, t: _Tracked, end: int, hashes: list) -> None:
         """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes.
@@ -286,10 +297,7 @@ class KVDSchedulerSide:
         first_page, parent = t.keyed_pages, t.last_key
         tokens = t.request.all_token_ids[first_page * self.block_size : end * self.block_size]
         extra_keys = t.prompt.extra_keys  # blocks past the prompt: no item was cut
-        new_keys = self.link.attempt(
-            "page keys",
-            lambda kvd, ns: kvd.page_keys(ns, tokens, extra_keys, first_page=first_page, parent=parent),
-        )
+        new_keys = self.link.page_keys(tokens, extra_keys, first_page=first_page, parent=parent)
         if new_keys is not None and len(new_keys) == end - first_page:
             t.keyed_pages, t.last_key = end, new_keys[-1]
             self._stored.remember(new_keys[len(new_keys) - len(hashes) :], hashes)
@@ -310,59 +318,25 @@ class KVDSchedulerSide:
             lora_name=lora.lora_name if lora else None,
         )
 
-    def _pin_loads(self) -> list[LoadPlan]:
-        """Pins the step's loads in one kvd sequence each, in every tensor-parallel rank's
-        namespace (one call a rank; all ranks or none), and plans them. A block whose page
-        vanished since the lookup on any rank (or all of them, when kvd cannot serve) goes
-        into the plan as missing: the worker reports it and vLLM recomputes it on all ranks."""
-        pins, self._pins = self._pins, {}
-        if not pins:
-            return []
-        requests = [SequenceRequest(self.link.seq_id(r), pin.tokens, pin.extra_keys) for r, pin in pins.items()]
-        pinned: list[int] = []  # the namespaces whose allocate succeeded
-
-        def pin_every_rank(kvd, namespaces) -> list[list]:
-            found = []
-            for ns in namespaces:
-                found.append(kvd.allocate_with_prefix(ns, requests))
-                pinned.append(ns)
-            return found
-
-        by_rank = self.link.attempt_all("allocate", pin_every_rank)
-        if by_rank is None and pinned:  # a rank refused after others pinned: let those go
-            seq_ids = [r.seq_id for r in requests]
-            self.link.attempt_all("release", lambda kvd, _: [kvd.release(ns, seq_ids) for ns in pinned])
-        ranks = self.link.namespace.tp_size
+    def _plan_loads(self) -> list[LoadPlan]:
+        """The step's loads from the holds vLLM took: each rank's pages into the blocks
+        vLLM allocated. Blocks from a page kvd removed since on, or all of a hold whose
+        session ended, go into the plan as missing: the worker reports them and vLLM
+        recomputes them on all ranks."""
+        loads, self._loads = self._loads, {}
         plans = []
-        for i, (req_id, pin) in enumerate(pins.items()):
-            pages_by_rank = [found[i].shared_pages for found in by_rank] if by_rank else [[]] * ranks
-            hit = min(len(pages) for pages in pages_by_rank)  # blocks every rank can load
-            if by_rank:
-                self._tracked[req_id].pinned_on = self.link.session
+        for req_id, load in loads.items():
+            hit = min(self.lookahead.usable_blocks(req_id), load.end_block)
+            positions = self._holding_kv(load.block_ids, load.first_block, load.end_block)
+            if hit:
                 self._tracked[req_id].planned = hit  # kvd holds these blocks: nothing to save
-            positions = self._holding_kv(pin.block_ids, pin.first_block, len(pin.tokens) // self.block_size)
             plans.append(
                 LoadPlan(
                     req_id,
-                    self.link.instance,
-                    pages_by_rank=tuple([pages[p] for p in positions if p < hit] for pages in pages_by_rank),
-                    block_ids=[pin.block_ids[p] for p in positions if p < hit],
-                    missing_block_ids=[pin.block_ids[p] for p in positions if p >= hit],
+                    load.hold.instance,
+                    pages_by_rank=tuple([pages[p] for p in positions if p < hit] for pages in load.hold.pages_by_rank),
+                    block_ids=[load.block_ids[p] for p in positions if p < hit],
+                    missing_block_ids=[load.block_ids[p] for p in positions if p >= hit],
                 )
             )
         return plans
-
-    def _unpin(self, req_id: str) -> None:
-        """The request's pin goes with the next metadata's release (one call for the step's)."""
-        t = self._tracked.get(req_id)
-        if t is not None and t.pinned_on:
-            self._unpinned.append((t.pinned_on, self.link.seq_id(req_id)))
-            t.pinned_on = ""
-
-    def _release_unpinned(self) -> None:
-        """Releases the pins let go since the last metadata, in one call (those of an ended
-        session ended with it)."""
-        unpinned = [seq_id for session, seq_id in self._unpinned if session == self.link.session]
-        self._unpinned = []
-        if unpinned:
-            self.link.attempt_all("release", lambda kvd, namespaces: [kvd.release(ns, unpinned) for ns in namespaces])

@@ -59,11 +59,20 @@ def _kv_events() -> bool:
     return hasattr(KVConnectorBase_V1, "take_events")
 
 
+def _new_requests_announced() -> bool:
+    """vLLM tells the connector of each request as it arrives (``on_new_request``), so its
+    lookup runs ahead; without it the lookup starts at vLLM's first ask."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, "on_new_request")
+
+
 PROBES: dict[str, tuple[bool, Callable[[], bool]]] = {
     "request identity (LoRA adapter, cache_salt, multimodal items)": (True, _request_identity),
     "failed loads reported and recomputed": (True, _load_errors_recomputed),
     "worker reports each step": (True, _worker_reports),
     "KV events of kvd's blocks": (False, _kv_events),
+    "lookups started as requests arrive": (False, _new_requests_announced),
 }
 
 

@@ -2,7 +2,7 @@
 
 It holds no policy: the scheduler half's plans (gpu_worker/vllm/plans.py) say which kvd
 page goes to which vLLM block, and which of a request's blocks this step completes.
-Loads run before the forward pass, from pages the scheduler's kvd sequence pins. Saves go
+Loads run before the forward pass, from pages the scheduler half's kvd sequences hold. Saves go
 into a kvd sequence of this worker's own session (allocated at a request's first plan,
 released when the scheduler says the request finished): after each layer's attention
 wrote its KV, the layer is copied into the sequence's private pages, and once the step's

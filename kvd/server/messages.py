@@ -237,8 +237,12 @@ def kv_event(e: KVEvent) -> pb.KVEvent:
     return pb.KVEvent(removed=pb.BlockRemoved(namespace_id=e.namespace, block_hashes=e.keys, medium=e.medium))
 
 
-def kv_event_batch(b: EventBatch) -> pb.KVEventBatch:
-    return pb.KVEventBatch(seq=b.seq, ts=b.ts, events=[kv_event(e) for e in b.events])
+def kv_event_batch(b: EventBatch, removals_only: bool = False) -> pb.KVEventBatch | None:
+    """The batch on the wire; for a subscriber of removals only, its removals (None: none)."""
+    events = [e for e in b.events if not (removals_only and isinstance(e, BlockStored))]
+    if removals_only and not events:
+        return None
+    return pb.KVEventBatch(seq=b.seq, ts=b.ts, events=[kv_event(e) for e in events])
 
 
 # ---- requests that do not parse ----------------------------------------------------

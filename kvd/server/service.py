@@ -249,7 +249,8 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self.streams.subscriptions.setdefault(request.session, set()).add(sub)
         try:
             while (batch := await sub.get()) is not None:
-                yield messages.kv_event_batch(batch)
+                if (sent := messages.kv_event_batch(batch, request.removals_only)) is not None:
+                    yield sent
             if sub.overrun:
                 context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
                 context.set_details(

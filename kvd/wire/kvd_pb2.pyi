@@ -742,14 +742,16 @@ class PingReply(_message.Message):
     def __init__(self, version: _Optional[str] = ..., lock_memory: _Optional[bool] = ..., unlocked_bytes: _Optional[int] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
-    __slots__ = ("session", "has_from_seq", "from_seq")
+    __slots__ = ("session", "has_from_seq", "from_seq", "removals_only")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     HAS_FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REMOVALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     session: str
     has_from_seq: bool
     from_seq: int
-    def __init__(self, session: _Optional[str] = ..., has_from_seq: _Optional[bool] = ..., from_seq: _Optional[int] = ...) -> None: ...
+    removals_only: bool
+    def __init__(self, session: _Optional[str] = ..., has_from_seq: _Optional[bool] = ..., from_seq: _Optional[int] = ..., removals_only: _Optional[bool] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium")
