@@ -25,10 +25,11 @@ import sys
 import time
 from multiprocessing.connection import Client
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's legacy setting (whole GiB) would override the size below
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 BLOCK_SIZE = 32
+KV_CACHE_BYTES = 256 << 20  # per engine: ~30 prompts of the bench's model; 6 engines must fit beside other jobs
 
 
 def external_hits(llm) -> int:
@@ -82,6 +83,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         dtype="float32",
         disable_log_stats=False,
         seed=0,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         enable_prefix_caching=os.environ.get("KVD_LOAD_PREFIX_CACHING", "1") == "1",
         **kw,
     )

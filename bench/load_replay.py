@@ -335,10 +335,12 @@ def replay(
     step_s: float,
     metrics_port: int | None = None,
 ) -> list[Level]:
-    """The connector's call pattern at each offered rate in turn (see the module docstring)."""
+    """The connector's call pattern at each offered rate in turn (see the module docstring),
+    after a warm-up at the first."""
     runner = ReplayClients(socket, clients, mix, step_s)
     levels = []
     try:
+        runner.level(rates[0], seconds)  # warm-up, not reported: first calls open token buffers, extents
         for rate in rates:
             before = DaemonCounters.scrape(metrics_port) if metrics_port else None
             cpu, wall = cpu_seconds(daemon_pid), time.perf_counter()
@@ -365,13 +367,16 @@ def replay(
     return levels
 
 
-def saturation(levels: list[Level]) -> float | None:
-    """The offered rate at which p99 call latency reaches twice its value at the lowest rate
-    (geometric interpolation between the two levels around it); None when it never does."""
-    base = levels[0].p99_ms
-    for low, high in zip(levels, levels[1:]):
-        if high.p99_ms >= 2 * base:
-            t = (2 * base - low.p99_ms) / (high.p99_ms - low.p99_ms) if high.p99_ms > low.p99_ms else 1.0
-            t = min(max(t, 0.0), 1.0)
+def saturation(levels: list[Level], key: str = "p99_ms") -> float | None:
+    """The offered rate at which a p99 (`key`: as the clients see it, or `daemon_p99_ms`)
+    reaches twice its value at the lowest rate (geometric interpolation between the two
+    levels around it); None when it never does or the daemon's histogram is missing."""
+    values = [getattr(v, key) for v in levels]
+    if any(x is None for x in values):
+        return None
+    base = values[0]
+    for (low, a), (high, b) in zip(zip(levels, values), zip(levels[1:], values[1:])):
+        if b >= 2 * base:
+            t = min(max((2 * base - a) / (b - a), 0.0), 1.0) if b > a else 1.0
             return low.offered * (high.offered / low.offered) ** t
     return None
