@@ -65,6 +65,35 @@ def prompts(args) -> tuple[list[int], list[list[int]]]:
     return shared, batch
 
 
+def kvd_transfer(args) -> dict:
+    """vLLM's kv_transfer_config for KVDConnector on the benchmark's daemon."""
+    return {
+        "kv_connector": "KVDConnector",
+        "kv_connector_module_path": "gpu_worker.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": args.socket},
+    }
+
+
+def engine(args, kv_transfer: dict | None, **kw):
+    """A vLLM engine of the benchmark's model, its engine core in this process (`child`
+    starts the process with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm import LLM
+
+    return LLM(
+        model=args.model,
+        max_model_len=args.prompt + args.max_tokens + 16,
+        block_size=32,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        enable_prefix_caching=True,
+        kv_transfer_config=kv_transfer,
+        seed=0,
+        **kw,
+    )
+
+
 def yield_when_idle(client_class) -> None:
     """vLLM's in-process client steps the engine core back to back; the engine core's own
     busy loop (a process of its own in a deployment) sleeps 1 ms after a step that ran no
@@ -94,8 +123,7 @@ def yield_when_idle(client_class) -> None:
 
 def run_config(args) -> dict:
     """One configuration in this process: the batch, its per-step timings."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core_client import InprocClient
 
@@ -149,24 +177,8 @@ def run_config(args) -> dict:
             KVDConnector.get_num_new_matched_tokens = wait_for_answer
         for name in CONNECTOR_METHODS:
             setattr(KVDConnector, name, timed(getattr(KVDConnector, name), add_connector))
-        kv_transfer = {
-            "kv_connector": "KVDConnector",
-            "kv_connector_module_path": "gpu_worker.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"socket": args.socket},
-        }
-    llm = LLM(
-        model=args.model,
-        max_model_len=args.prompt + args.max_tokens + 16,
-        block_size=32,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        enable_prefix_caching=True,
-        kv_transfer_config=kv_transfer,
-        seed=0,
-        max_num_seqs=max(args.requests, 8),
-    )
+        kv_transfer = kvd_transfer(args)
+    llm = engine(args, kv_transfer, max_num_seqs=max(args.requests, 8))
     _, batch = prompts(args)
     warm = SamplingParams(max_tokens=2, temperature=0, detokenize=False)
     llm.generate([{"prompt_token_ids": [7] * args.prompt}], warm, use_tqdm=False)  # first-call costs
@@ -181,25 +193,10 @@ def run_config(args) -> dict:
 
 def save_shared_prefix(args) -> None:
     """Another engine computes the shared prefix and saves it in kvd."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     shared, _ = prompts(args)
-    llm = LLM(
-        model=args.model,
-        max_model_len=args.prompt + args.max_tokens + 16,
-        block_size=32,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        kv_transfer_config={
-            "kv_connector": "KVDConnector",
-            "kv_connector_module_path": "gpu_worker.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"socket": args.socket},
-        },
-        seed=0,
-    )
+    llm = engine(args, kvd_transfer(args))
     llm.generate([{"prompt_token_ids": shared + [5]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
 
 
@@ -214,7 +211,8 @@ def child(args, config: str) -> dict:
     """Runs one configuration in a fresh process; its timings."""
     out = os.path.join(args.workdir, f"{config}.json")
     command = [sys.executable, __file__, "--child", config, "--out", out, *args.passthrough]
-    subprocess.run(command, check=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    subprocess.run(command, check=True, env=env)
     with open(out) as f:
         return json.load(f)
 

@@ -3,22 +3,19 @@ calls replayed from many client processes against a real daemon.
 
 Each client process plays one vLLM engine with its connector: a scheduler session and a
 worker session, stepping every `step_s` seconds (an engine step), requests arriving as a
-Poisson stream. Per step it makes the calls gpu_worker/vllm/scheduler.py and worker.py make
-as of this branch's base (95831db):
+Poisson stream. Per step it makes the calls gpu_worker/vllm/lookahead.py and worker.py make:
 
-- scheduler: one `lookup` per new request (`matched_tokens`: the prompt's full blocks short
-  of the last token), one `release` of the pins let go since the last step, one
-  `allocate_with_prefix` pinning the step's hits (`build_metadata`);
+- the scheduler half's lookahead (a thread of its own in vLLM; here in the step): one
+  `lookup` of every request that arrived since its last turn (the prompt's full blocks
+  short of the last token), one `release` of the holds let go, one `allocate_with_prefix`
+  holding the new hits;
 - worker: one `release` of the finished requests' sequences, one `allocate_with_prefix`
   of the new requests' prompts, one `extend_batch` for the requests whose generated tokens
   filled a block, one `publish` of every sequence with new full blocks (`start_step`,
   `wait_for_save`). Page bytes are not written: the daemon does not read them on these
   paths (it checksums them after a publish, whatever they hold).
 
-A request is prefilled in its first step and generates one token a step. If the
-scheduler's lookups are batched (one `lookup` of all of a step's new requests, as the
-ahead-of-time lookups being built on `main` may do), only `_schedule`'s loop changes: its
-per-request `Lookup` becomes one call per step.
+A request is prefilled in its first step and generates one token a step.
 """
 
 from __future__ import annotations
@@ -139,7 +136,7 @@ class _Engine:
         result.requests += len(new)
         ns, call = self.ns, self._call
         hits = self._schedule(result, new)
-        # the scheduler's metadata: release the pins let go, pin the step's hits
+        # the scheduler half's lookahead: release the holds let go, hold the new hits
         if self.unpinned:
             call(result, "Release", lambda: self.sched.release(ns, self.unpinned))
             self.unpinned = []
@@ -172,16 +169,19 @@ class _Engine:
         self.unpinned = ["pin-" + r.seq_id for r in done if r.pinned]
 
     def _schedule(self, result: LevelResult, new: list[_Request]) -> list[SequenceRequest]:
-        """One lookup per new request; the pins of those that hit (their tokens up to the hit)."""
-        pins = []
-        for r in new:
-            wanted = [SequenceRequest(r.seq_id, r.tokens)]
-            [found] = self._call(result, "Lookup", lambda wanted=wanted: self.sched.lookup(self.ns, wanted))
-            if found.hit_tokens:
+        """The lookahead's turn (gpu_worker/vllm/lookahead.py): one lookup of every request
+        that arrived since the last one; the holds of those that hit (their tokens up to the hit)."""
+        if not new:
+            return []
+        wanted = [SequenceRequest(r.seq_id, r.tokens) for r in new]
+        found = self._call(result, "Lookup", lambda: self.sched.lookup(self.ns, wanted))
+        holds = []
+        for r, hit in zip(new, found):
+            if hit.hit_tokens:
                 result.hits += 1
                 r.pinned = True
-                pins.append(SequenceRequest("pin-" + r.seq_id, r.tokens[: found.hit_tokens]))
-        return pins
+                holds.append(SequenceRequest("pin-" + r.seq_id, r.tokens[: hit.hit_tokens]))
+        return holds
 
     def close(self) -> None:
         self.sched.close()

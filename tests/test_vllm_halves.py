@@ -37,6 +37,9 @@ SPEC = NamespaceSpec("tiny-model", LAYOUT, extra=(("kv_layout", "test"),))
 NUM_BLOCKS = 64
 
 
+# vLLM's null block (0) is no request's block: block ids here start at 1.
+
+
 def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str | None = None):
     """The fields of vllm.v1.request.Request that the connector reads."""
     return SimpleNamespace(
@@ -146,13 +149,13 @@ class VllmProcess:
     def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
         the workers' answer back to the scheduler; returns the blocks that failed to load."""
-        self.scheduler.allocated(req, block_ids, num_external)
+        self.scheduler.allocated(req, (block_ids,), num_external)
         return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
 
     def run_together(self, new: list[tuple]) -> set[int]:
         """One prefill step of several requests, each (request, block ids, external tokens)."""
         for req, block_ids, num_external in new:
-            self.scheduler.allocated(req, block_ids, num_external)
+            self.scheduler.allocated(req, (block_ids,), num_external)
         return self._step(scheduled_together([(req, block_ids, num_external) for req, block_ids, num_external in new]))
 
     def next_step(self, req, computed: int, num_tokens: int, new_block_ids: list[int] | None = None) -> set[int]:
@@ -215,7 +218,7 @@ def test_blocks_saved_by_one_process_load_into_another(daemon):
     prompt = tokens(10 * BLOCK + 5)
     ra = request("a-1", prompt)
     assert offered(a.scheduler, ra, 0) == 0
-    a_blocks = list(range(11))
+    a_blocks = list(range(1, 12))
     assert a.run(ra, a_blocks) == set()
     a.finish(ra)
 
@@ -239,7 +242,7 @@ def test_one_step_of_many_requests_copies_scattered_blocks_and_pages_one_to_one(
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     prompts = [tokens(5 * BLOCK + 1, seed=seed) for seed in (11, 12, 13)]
     a_blocks = [[9, 8, 7, 6, 5, 40], [20, 21, 23, 22, 30, 41], [50, 51, 52, 53, 54, 42]]
-    b_blocks = [[1, 2, 3, 4, 5, 6], [63, 10, 11, 12, 14, 0], [30, 31, 20, 33, 34, 35]]
+    b_blocks = [[1, 2, 3, 4, 5, 6], [63, 10, 11, 12, 14, 15], [30, 31, 20, 33, 34, 35]]
     saved = [request(f"a{i}", p) for i, p in enumerate(prompts)]
     assert a.run_together([(r, blocks, 0) for r, blocks in zip(saved, a_blocks)]) == set()
     loading = [request(f"b{i}", p) for i, p in enumerate(prompts)]
@@ -259,9 +262,9 @@ def test_generated_blocks_are_hits_for_the_next_turn(daemon, save_generated):
     a, b = VllmProcess(daemon.socket, 1, save_generated), VllmProcess(daemon.socket, 2)
     prompt, answer = tokens(10 * BLOCK + 5), tokens(2 * BLOCK + 3, seed=2)
     ra = request("a", prompt)
-    assert a.run(ra, list(range(11))) == set()
+    assert a.run(ra, list(range(1, 12))) == set()
     ra.all_token_ids += answer  # decoded; the last sampled token's KV is computed with the next step
-    assert a.next_step(ra, len(prompt), len(answer) - 1, new_block_ids=[11, 12]) == set()
+    assert a.next_step(ra, len(prompt), len(answer) - 1, new_block_ids=[12, 13]) == set()
     a.finish(ra)
     with KVDClient.connect(daemon.socket) as kvd:
         assert kvd.stats()["sequences"] == 0, "a's sequences outlived its request"
@@ -271,14 +274,14 @@ def test_generated_blocks_are_hits_for_the_next_turn(daemon, save_generated):
     assert offered(b.scheduler, rb, 0) == hit * BLOCK
     b_blocks = list(range(20, 34))
     assert b.run(rb, b_blocks, num_external=hit * BLOCK) == set()
-    assert torch.equal(b.blocks(b_blocks[:hit]), a.blocks(list(range(hit))))
+    assert torch.equal(b.blocks(b_blocks[:hit]), a.blocks(list(range(1, hit + 1))))
 
 
 def test_never_the_whole_prompt_and_only_beyond_the_local_hit(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     prompt = tokens(8 * BLOCK)
     ra = request("a", prompt)
-    a.run(ra, list(range(8)))
+    a.run(ra, list(range(1, 9)))
     a.finish(ra)
     assert offered(b.scheduler, request("b", prompt), 0) == 7 * BLOCK, "the last token must be computed"
     assert offered(b.scheduler, request("b", prompt), 3 * BLOCK) == 4 * BLOCK
@@ -289,7 +292,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     prompt = tokens(10 * BLOCK + 5)
     ra = request("a", prompt)
-    a.run(ra, list(range(11)))
+    a.run(ra, list(range(1, 12)))
     a.finish(ra)
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
@@ -301,7 +304,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     b_blocks = list(range(20, 31))
     errors = b.run(rb, b_blocks, num_external=10 * BLOCK)
     assert errors == set(b_blocks[6:10]), "blocks kvd could no longer supply were not reported"
-    assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(6))))
+    assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(1, 7))))
     # Blocks 6-9 hold stale bytes and this step's KV attended to them: b saves nothing yet.
     with KVDClient.connect(daemon.socket) as kvd:
         ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
@@ -321,9 +324,9 @@ def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_t
     a, b = VllmProcess(daemon.socket, 1, tp=2), VllmProcess(daemon.socket, 2, tp=2)
     prompt = tokens(10 * BLOCK + 5)
     ra = request("a", prompt)
-    a.run(ra, list(range(11)))
+    a.run(ra, list(range(1, 12)))
     a.finish(ra)
-    assert not torch.equal(a.blocks(list(range(10)), rank=0), a.blocks(list(range(10)), rank=1))
+    assert not torch.equal(a.blocks(list(range(1, 11)), rank=0), a.blocks(list(range(1, 11)), rank=1))
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
     with KVDClient.connect(daemon.socket) as kvd:  # rank 1's page 6 is damaged; the audit drops it and what follows
@@ -335,7 +338,7 @@ def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_t
     b_blocks = list(range(20, 31))
     assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
     for rank in (0, 1):
-        assert torch.equal(b.blocks(b_blocks[:6], rank), a.blocks(list(range(6)), rank)), f"rank {rank}'s heads"
+        assert torch.equal(b.blocks(b_blocks[:6], rank), a.blocks(list(range(1, 7)), rank)), f"rank {rank}'s heads"
 
 
 def request_for_lookup(prompt):
@@ -349,7 +352,7 @@ def test_a_hold_whose_page_kvd_dropped_is_asked_for_afresh_not_loaded(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     prompt = tokens(10 * BLOCK + 5)
     ra = request("a", prompt)
-    a.run(ra, list(range(11)))
+    a.run(ra, list(range(1, 12)))
     a.finish(ra)
     rb = request("b", prompt)
     b.scheduler.seen(rb)  # vLLM's on_new_request: the hold is taken ahead
@@ -362,7 +365,20 @@ def test_a_hold_whose_page_kvd_dropped_is_asked_for_afresh_not_loaded(daemon):
     assert wait_until(lambda: offered(b.scheduler, rb, 0) == 6 * BLOCK, "the fresh answer", timeout=10)
     b_blocks = list(range(20, 31))
     assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
-    assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(6))))
+    assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(1, 7))))
+
+
+def saved_by_a_offered_to_b(daemon):
+    """Process a saved a prompt of 6 blocks; process b was offered all of them (a hold):
+    a, b, the prompt and b's request."""
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(6 * BLOCK + 1)
+    ra = request("a", prompt)
+    a.run(ra, list(range(1, 8)))
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb, 0) == 6 * BLOCK
+    return a, b, prompt, rb
 
 
 def test_a_hold_taken_before_a_daemon_restart_is_asked_for_afresh_from_the_new_instance(daemon_factory):
@@ -370,13 +386,7 @@ def test_a_hold_taken_before_a_daemon_restart_is_asked_for_afresh_from_the_new_i
     the scheduler half asks the new instance again, and the load (of what that instance
     recovered) names it and loads the bytes a saved."""
     daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
-    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
-    prompt = tokens(6 * BLOCK + 1)
-    ra = request("a", prompt)
-    a.run(ra, list(range(7)))
-    a.finish(ra)
-    rb = request("b", prompt)
-    assert offered(b.scheduler, rb, 0) == 6 * BLOCK
+    a, b, prompt, rb = saved_by_a_offered_to_b(daemon)
     held_on = b.scheduler.lookahead.answer("b", None).instance
     daemon.stop()
     daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
@@ -391,13 +401,13 @@ def test_a_hold_taken_before_a_daemon_restart_is_asked_for_afresh_from_the_new_i
         timeout=10,
     )
     b_blocks = list(range(10, 17))
-    b.scheduler.allocated(rb, b_blocks, recovered)
+    b.scheduler.allocated(rb, (b_blocks,), recovered)
     meta = b.scheduler.build_metadata(scheduled(rb, b_blocks, computed=recovered))
     assert all(plan.daemon_instance != held_on for plan in meta.loads)
     b.worker.start_step(meta)
     assert b.worker.load_errors() == set()
     n = recovered // BLOCK
-    assert torch.equal(b.blocks(b_blocks[:n]), a.blocks(list(range(n))))
+    assert torch.equal(b.blocks(b_blocks[:n]), a.blocks(list(range(1, n + 1))))
 
 
 def test_the_lookahead_holds_few_prompts_ahead_and_lets_every_hold_go(daemon):
@@ -407,7 +417,7 @@ def test_the_lookahead_holds_few_prompts_ahead_and_lets_every_hold_go(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     prompt = tokens(4 * BLOCK + 1)
     ra = request("a", prompt)
-    a.run(ra, list(range(5)))
+    a.run(ra, list(range(1, 6)))
     a.finish(ra)
     b.scheduler.lookahead.max_unclaimed = 3
     queue = [request(f"q{i}", prompt) for i in range(8)]
@@ -433,15 +443,9 @@ def test_the_lookahead_holds_few_prompts_ahead_and_lets_every_hold_go(daemon):
 
 def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, tmp_path):
     daemon = daemon_factory("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
-    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
-    prompt = tokens(6 * BLOCK + 1)
-    ra = request("a", prompt)
-    a.run(ra, list(range(7)))
-    a.finish(ra)
-    rb = request("b", prompt)
-    assert offered(b.scheduler, rb, 0) == 6 * BLOCK
+    a, b, prompt, rb = saved_by_a_offered_to_b(daemon)
     b_blocks = list(range(10, 17))
-    b.scheduler.allocated(rb, b_blocks, 6 * BLOCK)
+    b.scheduler.allocated(rb, (b_blocks,), 6 * BLOCK)
     meta = b.scheduler.build_metadata(scheduled(rb, b_blocks, computed=6 * BLOCK))
     daemon.stop()
     daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
@@ -467,8 +471,8 @@ def test_no_daemon_means_no_hits_and_one_warning(tmp_path, caplog):
             for i in range(5):
                 r = request(f"r{i}", tokens(4 * BLOCK))
                 assert offered(scheduler, r, 0) == 0
-                scheduler.allocated(r, list(range(4)), 0)
-                meta = scheduler.build_metadata(scheduled(r, list(range(4))))
+                scheduler.allocated(r, (list(range(1, 5)),), 0)
+                meta = scheduler.build_metadata(scheduled(r, list(range(1, 5))))
                 assert meta.loads == []
                 worker.start_step(meta)
                 worker.wait_for_save()
@@ -485,7 +489,7 @@ def test_lora_and_cache_salt_requests_do_not_share_pages(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     prompt = tokens(4 * BLOCK + 1)
     ra = request("a", prompt, lora="adapter-1")
-    a.run(ra, list(range(5)))
+    a.run(ra, list(range(1, 6)))
     a.finish(ra)
     assert offered(b.scheduler, request("plain", prompt), 0) == 0
     assert offered(b.scheduler, request("other", prompt, lora="adapter-2"), 0) == 0
@@ -506,12 +510,12 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
         p.worker.register(p.kv)
     prompt = tokens(10 * BLOCK + 5)
     ra, rb = request("a", prompt), request("b", prompt)
-    a.run(ra, list(range(11)))
+    a.run(ra, list(range(1, 12)))
     a.finish(ra)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
     assert b.run(rb, list(range(20, 31)), num_external=10 * BLOCK) == set()
     torch.cuda.synchronize()
-    assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(10))))
+    assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(1, 11))))
 
 
 def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon):
@@ -527,7 +531,7 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     b = VllmProcess(daemon.socket, 2, name="b", call_timeout=timeout)
     prompt = tokens(4 * BLOCK + 1)
     ra = request("a", prompt)
-    a.run(ra, list(range(5)))
+    a.run(ra, list(range(1, 6)))
     a.finish(ra)
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 4 * BLOCK  # both halves connected
@@ -576,7 +580,7 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     b.empty_step()
     assert offered(b.scheduler, rb, 0) == 4 * BLOCK
     assert b.run(rb, list(range(30, 35)), num_external=4 * BLOCK) == set()
-    assert torch.equal(b.blocks(list(range(30, 34))), a.blocks(list(range(4))))
+    assert torch.equal(b.blocks(list(range(30, 34))), a.blocks(list(range(1, 5))))
 
 
 def test_the_scheduler_offers_loads_only_while_the_workers_can_perform_them(daemon, daemon_factory, tmp_path):
@@ -586,7 +590,7 @@ def test_the_scheduler_offers_loads_only_while_the_workers_can_perform_them(daem
     a = VllmProcess(daemon.socket, 1)
     prompt = tokens(4 * BLOCK + 1)
     ra = request("a", prompt)
-    a.run(ra, list(range(5)))
+    a.run(ra, list(range(1, 6)))
     a.finish(ra)
     late = str(tmp_path / "late.sock")  # the worker half's kvd socket, there only later
     b = VllmProcess(daemon.socket, 2, worker_socket=late, connect_timeout=0.2, max_retry_seconds=0.2)
@@ -602,7 +606,7 @@ def test_the_scheduler_offers_loads_only_while_the_workers_can_perform_them(daem
 
     assert wait_until(offered_after_a_step, "an offer once the workers reported their session", timeout=10) == 4 * BLOCK
     assert b.run(rb, list(range(10, 15)), num_external=4 * BLOCK) == set()
-    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(4))))
+    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(1, 5))))
     b.finish(rb)
 
     elsewhere = daemon_factory("--host-bytes", "16MiB", "--extent-bytes", "4MiB", name="elsewhere")
@@ -643,7 +647,7 @@ def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored
     ra = request("a", prompt)
     ra.block_hashes = [bytes([i]) * 32 for i in range(10)]  # vLLM's hashes of the full blocks
     reported = [maybe_convert_block_hash(h) for h in ra.block_hashes]  # as vLLM's events carry them
-    a.run(ra, list(range(11)))
+    a.run(ra, list(range(1, 12)))
     a.finish(ra)
     [stored] = a.scheduler.take_events()
     assert stored.block_hashes == reported and stored.medium == "kvd"
@@ -686,7 +690,7 @@ def test_a_decode_hashes_each_published_block_once_and_its_removals_name_every_b
         SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=BLOCK + 3, length=BLOCK))
     ]
     ra.block_hashes = [bytes([i]) * 32 for i in range(12)]  # vLLM's hashes of the full blocks
-    assert a.run(ra, list(range(12))) == set()  # publishes blocks 0-3
+    assert a.run(ra, list(range(1, 13))) == set()  # publishes blocks 0-3
     computed = len(prompt)
     for seed, generated in [(2, BLOCK), (3, BLOCK), (4, 2 * BLOCK), (5, BLOCK // 2), (6, 3 * BLOCK)]:
         ra.all_token_ids += tokens(generated, seed)  # the last sampled token's KV comes with the next step

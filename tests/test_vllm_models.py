@@ -4,10 +4,12 @@ vLLM processes (CPU backend) on one real kvd daemon, each compared with vLLM wit
 - Tensor parallel 2: each rank saves and loads its own KV heads (pages keyed by rank);
   a second TP=2 process loads the first's prefix; a page one rank lost between lookup
   and load is recomputed.
-- A tiny random Gemma 3 (sliding-window and full layers, vLLM's hybrid manager off: one
-  full-attention group with `sliding_window` set) and a tiny random Mistral with a
-  window on every layer (one `SlidingWindowSpec` group, whose blocks outside the window
-  are neither loaded nor saved).
+- A tiny random Gemma 3 (sliding-window and full layers) with vLLM's hybrid manager on
+  (a full-attention group and a sliding-window group: loads wait between steps, the
+  sliding group loads only the window's blocks) and off (one full-attention group with
+  `sliding_window` set): the two kinds of engine share pages both ways. A tiny random
+  Mistral with a window on every layer (one `SlidingWindowSpec` group, whose blocks
+  outside the window are neither loaded nor saved).
 
 Engines of one model start once for the module (tests/vllm_engine.py); models are written
 here, nothing is downloaded.
@@ -15,6 +17,7 @@ here, nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -118,21 +121,32 @@ def read_numbers(path: str) -> list[int]:
     return numbers
 
 
+def read_lines(path: str) -> list[list[int]]:
+    with open(path) as f:
+        lines = [[int(n) for n in line.split()] for line in f]
+    os.unlink(path)
+    return lines
+
+
+OTHER_PROMPT = [int(t) for t in RNG.integers(3, 999, len(PROMPT))]
+
+
 def sliding_engines(kvd, name: str, write):
-    """Two engines with kvd (the first with the recording connector) and the baseline, and
-    the baseline's tokens for PROMPT."""
+    """Two engines with kvd (the first with the recording connector; the second with
+    vLLM's hybrid manager off) and the baseline, and the baseline's tokens for PROMPT
+    and OTHER_PROMPT."""
     workdir = kvd["workdir"]
     model = os.path.join(workdir, f"tiny-{name}")
     write(model)
     files = fault_files(workdir, name)
     engines = {
         "a": Engine(f"{name}-a", model, workdir, kvd["socket"], env=faulty(files)),
-        "b": Engine(f"{name}-b", model, workdir, kvd["socket"]),
+        "b": Engine(f"{name}-b", model, workdir, kvd["socket"], env={"KVD_TEST_HYBRID_MANAGER_OFF": "1"}),
         "baseline": Engine(f"{name}-baseline", model, workdir, None),
     }
     with started(engines) as running:
-        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
-        yield {**running, "expected": expected, "files": files}
+        expected = running["baseline"].generate([{"tokens": PROMPT}, {"tokens": OTHER_PROMPT}], max_tokens=16)[0]
+        yield {**running, "expected": expected[0], "expected_other": expected[1], "files": files}
 
 
 # The engines of a model with one test stop after it: those of the next model start in their room.
@@ -146,18 +160,40 @@ def mistral(kvd):
     yield from sliding_engines(kvd, "mistral", write_tiny_mistral)
 
 
-def test_gemma3_sliding_and_full_layers_load_the_whole_prefix(gemma3):
-    """vLLM's hybrid manager is off (the connector has no SupportsHMA): one full-attention
-    group with `sliding_window` set keeps every token's KV, so the whole hit is loaded."""
-    a, b, expected = gemma3["a"], gemma3["b"], gemma3["expected"]
+def test_gemma3_engines_with_the_hybrid_manager_on_and_off_share_pages(gemma3):
+    """Engine a keeps vLLM's hybrid manager (a full-attention group and a sliding-window
+    group: loads wait between steps); engine b has it off (one full-attention group with
+    `sliding_window` set, every token's KV kept). A page holds every layer in model order
+    either way, so each loads what the other saved, and a's sliding-window group copies
+    only the blocks inside the window at the hit's end. A page dropped between a's offer
+    and its load fails that load as a whole: vLLM computes the prompt, tokens stay right."""
+    a, b, files = gemma3["a"], gemma3["b"], gemma3["files"]
     [tokens], hits = a.generate([{"tokens": PROMPT}])
-    assert hits == 0 and tokens == expected
+    assert hits == 0 and tokens == gemma3["expected"]
     [tokens], hits = b.generate([{"tokens": PROMPT}])
-    assert hits == LOADABLE and tokens == expected
+    assert hits == LOADABLE and tokens == gemma3["expected"], "hybrid manager off, loading what it on saved"
+    [tokens], hits = b.generate([{"tokens": OTHER_PROMPT}])
+    assert hits == 0 and tokens == gemma3["expected_other"]
+    [tokens], hits = a.generate([{"tokens": OTHER_PROMPT}])
+    assert hits == LOADABLE and tokens == gemma3["expected_other"], "hybrid manager on, loading what it off saved"
+    window_blocks = LOADABLE // BLOCK - (LOADABLE - WINDOW + 1) // BLOCK
+    assert sorted(*read_lines(files["loads_file"])) == [window_blocks, LOADABLE // BLOCK], "blocks copied per group"
+
     a.forget_local_cache()
-    [tokens], hits = a.generate([{"tokens": PROMPT}])
-    assert hits == LOADABLE and tokens == expected
-    assert read_numbers(gemma3["files"]["loads_file"]) == [LOADABLE // BLOCK]
+    with open(files["fault_file"], "w") as f:
+        f.write("corrupt 6")
+    [tokens], _ = a.generate([{"tokens": PROMPT}])
+    assert not os.path.exists(files["fault_file"]), "the fault was never injected (no kvd hit to damage)"
+    assert tokens == gemma3["expected"], "tokens after a failed load differ from vLLM alone"
+    # the plan: the full-attention group's 6 blocks before the dropped page, none of the window's
+    assert sorted(*read_lines(files["loads_file"])) == [0, 6]
+    with open(files["errors_file"]) as f:
+        reported = f.read().split()
+    os.unlink(files["errors_file"])
+    assert len(reported) == 1 and reported[0].startswith("request:"), f"not one failed request: {reported}"
+    b.forget_local_cache()  # kvd still serves the prompt right: a saved it again while computing it
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    assert hits == LOADABLE and tokens == gemma3["expected"]
 
 
 def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
@@ -170,7 +206,7 @@ def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
     assert hits == LOADABLE and tokens == expected
     # vLLM skips the tokens before the window of the first token it computes
     skipped_blocks = (LOADABLE - WINDOW + 1) // BLOCK
-    assert read_numbers(mistral["files"]["loads_file"]) == [LOADABLE // BLOCK - skipped_blocks]
+    assert read_lines(mistral["files"]["loads_file"]) == [[LOADABLE // BLOCK - skipped_blocks]]
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +265,14 @@ def vllm_settings(tp: int = 1, pp: int = 1):
     )
 
 
-def groups_of(*specs) -> SimpleNamespace:
+def groups_of(*specs, layers: int | None = None) -> SimpleNamespace:
+    """KV-cache groups of these specs; with `layers`, that many layers dealt to the groups in
+    turn (as vLLM's hybrid manager groups interleaved layers), else one layer a group."""
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)])
+    layers = layers or len(specs)
+    names = [[f"model.layers.{i}.attn" for i in range(g, layers, len(specs))] for g in range(len(specs))]
+    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(n, s) for n, s in zip(names, specs)])
 
 
 def attention(kind: str, **fields):
@@ -240,22 +280,31 @@ def attention(kind: str, **fields):
     from vllm.v1 import kv_cache_interface
 
     return getattr(kv_cache_interface, kind)(
-        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, **fields
+        **{"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32, **fields}
     )
 
 
 def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
     from gpu_worker.vllm.connector import namespace_spec
 
-    full, _ = namespace_spec(vllm_settings(), groups_of(attention("FullAttentionSpec")))
-    mixed, _ = namespace_spec(vllm_settings(), groups_of(attention("FullAttentionSpec", sliding_window=WINDOW)))
-    every, _ = namespace_spec(vllm_settings(), groups_of(attention("SlidingWindowSpec", sliding_window=WINDOW)))
-    tp2, _ = namespace_spec(vllm_settings(tp=2), groups_of(attention("FullAttentionSpec")))
+    def shape(*specs, layers=None, **settings):
+        return namespace_spec(vllm_settings(**settings), groups_of(*specs, layers=layers))
+
+    full = shape(attention("FullAttentionSpec")).namespace
+    mixed = shape(attention("FullAttentionSpec", sliding_window=WINDOW)).namespace
+    every = shape(attention("SlidingWindowSpec", sliding_window=WINDOW)).namespace
+    tp2 = shape(attention("FullAttentionSpec"), tp=2).namespace
     assert ("sliding_window", str(WINDOW)) in mixed.extra and mixed == every
     assert full.extra == tuple(e for e in mixed.extra if e[0] != "sliding_window")
     assert (tp2.tp_size, tp2.tp_rank, tp2.of_rank(1).tp_rank) == (2, 0, 1)
     with pytest.raises(ValueError, match="rank 2"):
         tp2.of_rank(2)
+    # the hybrid manager on: a group per attention type, layers interleaved; pages hold them in model order
+    hybrid = shape(attention("SlidingWindowSpec", sliding_window=WINDOW), attention("FullAttentionSpec"), layers=4)
+    assert hybrid.namespace == dataclasses.replace(mixed, layout=hybrid.namespace.layout)
+    assert hybrid.namespace.layout.num_layers == 4
+    assert hybrid.layer_names == [f"model.layers.{i}.attn" for i in range(4)]
+    assert hybrid.layer_groups == [0, 1, 0, 1] and hybrid.sliding_groups == (True, False)
 
 
 @pytest.mark.parametrize(
@@ -265,7 +314,8 @@ def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
         ({}, ["MLAAttentionSpec"], "MLA latent caches"),
         ({}, ["ChunkedLocalAttentionSpec"], "chunked local attention"),
         ({}, ["FullAttentionSpec chunked"], "chunked local attention"),  # Llama 4 with the hybrid manager off
-        ({}, ["SlidingWindowSpec", "FullAttentionSpec"], "one KV cache group; this model has 2"),
+        ({}, ["SlidingWindowSpec", "SlidingWindowSpec 128"], "one sliding window per model"),
+        ({}, ["FullAttentionSpec", "FullAttentionSpec 64 dims"], "one block size, KV head count, head size"),
         ({}, ["mamba"], "Mamba or linear-attention state"),
     ],
 )
@@ -280,6 +330,10 @@ def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, name
             return MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
         if kind == "FullAttentionSpec chunked":
             return attention("FullAttentionSpec", attention_chunk_size=64)
+        if kind == "SlidingWindowSpec 128":
+            return attention("SlidingWindowSpec", sliding_window=2 * WINDOW)
+        if kind == "FullAttentionSpec 64 dims":
+            return attention("FullAttentionSpec", head_size=64)
         fields = {
             "SlidingWindowSpec": {"sliding_window": WINDOW},
             "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64},
@@ -288,4 +342,4 @@ def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, name
 
     with pytest.raises(ValueError, match=named) as refused:
         namespace_spec(vllm_settings(**settings), groups_of(*map(spec, groups)))
-    assert "supported: dense full attention" in str(refused.value)
+    assert "supported: dense full and sliding-window attention" in str(refused.value)

@@ -61,6 +61,8 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         kw["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=os.environ["KVD_TEST_KV_EVENTS"]
         )
+    if os.environ.get("KVD_TEST_HYBRID_MANAGER_OFF"):
+        kw["disable_hybrid_kv_cache_manager"] = True
     if os.environ.get("KVD_TEST_LORA"):
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     llm = LLM(

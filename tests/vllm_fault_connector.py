@@ -11,10 +11,11 @@ daemon audit it (``corrupt N [RANK]``: page N of tensor-parallel rank RANK's nam
 default 0, and the pages chained after it leave the index), then waits until the
 scheduler half has heard of it on kvd's event stream (the hook that makes the race
 deterministic), or empties kvd's prefix cache (``evict``). Everything after that is the
-real connector against the real daemon. Block ids it reported as load errors are
-appended to `errors_file`, so the test can see the worker reported them; with
+real connector against the real daemon. Block ids it reported as load errors, and
+``request:ID`` for each asynchronous load it reported failed, are appended to
+`errors_file`, so the test can see the worker reported them; with
 `loads_file` in the extra config, each worker appends how many blocks each load plan
-copies into vLLM.
+copies into vLLM, per KV-cache group (a line per plan).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from conftest import raw_page
 
 from engine_client import KVDClient, SequenceRequest
+from gpu_worker.vllm.plans import NULL_BLOCK
 from gpu_worker.vllm.scheduler import cacheable_tokens
 from gpu_worker.vllm_connector import KVDConnector
 
@@ -49,15 +51,7 @@ class FaultyKVDConnector(KVDConnector):
 
     def _inject(self, kvd: KVDClient, request, fault: list[str]) -> None:
         rank = int(fault[2]) if len(fault) > 2 else 0
-        spec = ([self._link.namespace, *self._link.peers])[rank]
-        ns = kvd.register_namespace(
-            spec.model,
-            spec.layout,
-            revision=spec.revision,
-            tp_rank=spec.tp_rank,
-            tp_size=spec.tp_size,
-            extra=dict(spec.extra),
-        )
+        ns = ([self._link.namespace, *self._link.peers])[rank].register(kvd)
         if fault[0] == "evict":
             kvd.reset_prefix_cache(ns)
             return
@@ -74,8 +68,16 @@ class FaultyKVDConnector(KVDConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self._loads_file and self.has_connector_metadata():
             with open(self._loads_file, "a") as f:
-                f.writelines(f"{len(plan.block_ids)}\n" for plan in self._get_connector_metadata().loads)
+                for plan in self._get_connector_metadata().loads:  # blocks copied, per KV-cache group
+                    f.write(" ".join(str(sum(b != NULL_BLOCK for b in blocks)) for blocks in plan.block_ids) + "\n")
         super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        results = super().get_transfer_results(finished_req_ids)
+        if results.failed_recving:
+            with open(self._errors_file, "a") as f:
+                f.write(" ".join(f"request:{r}" for r in sorted(results.failed_recving)) + "\n")
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = super().get_block_ids_with_load_errors()

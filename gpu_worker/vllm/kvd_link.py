@@ -62,6 +62,17 @@ class NamespaceSpec:
     tp_size: int = 1
     extra: tuple[tuple[str, str], ...] = ()  # engine-specific identity, e.g. a page byte order
 
+    def register(self, client: KVDClient) -> int:
+        """Registers this namespace in the client's session; its id there."""
+        return client.register_namespace(
+            self.model,
+            self.layout,
+            revision=self.revision,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            extra=dict(self.extra),
+        )
+
     def of_rank(self, tp_rank: int) -> NamespaceSpec:
         """The namespace of tensor-parallel rank `tp_rank`'s pages (its own KV heads)."""
         if not 0 <= tp_rank < self.tp_size:
@@ -248,17 +259,7 @@ class KVDLink:
             return None
         client.call_timeout = self.call_timeout
         try:
-            namespaces = tuple(
-                client.register_namespace(
-                    spec.model,
-                    spec.layout,
-                    revision=spec.revision,
-                    tp_rank=spec.tp_rank,
-                    tp_size=spec.tp_size,
-                    extra=dict(spec.extra),
-                )
-                for spec in (self.namespace, *self.peers)
-            )
+            namespaces = tuple(spec.register(client) for spec in (self.namespace, *self.peers))
         except KVDError as e:
             client.drop()
             self._why_down = f"cannot register the namespace: {e.message}"

@@ -23,21 +23,27 @@ NULL_BLOCK = 0
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Copy kvd pages (held by the scheduler half's sequences) into the request's vLLM blocks
-    before the forward pass.
+    """Copy kvd pages (held by the scheduler half's sequences) into the request's vLLM blocks.
 
-    `pages_by_rank[r]` are the pages of tensor-parallel rank r's namespace (its KV heads),
-    one per block of `block_ids`: each worker loads its own rank's.
+    `pages_by_rank[r]` are the pages of tensor-parallel rank r's namespace (its KV heads):
+    each worker loads its own rank's. A page holds every layer of one block;
+    `block_ids[g]` are KV-cache group g's blocks, one per page (NULL_BLOCK where that
+    group keeps nothing: a sliding-window group's blocks outside the window), and the
+    layers of group g go to them.
 
     `missing_block_ids` are blocks vLLM was promised but kvd can no longer supply (it
-    dropped a held page, or the hold's session ended, before the plan): the worker
-    reports them as load errors, so vLLM recomputes them."""
+    dropped a held page, or the hold's session ended, before the plan). A synchronous
+    load (before the step's forward pass) reports them to vLLM as load errors, and vLLM
+    recomputes them. An `asynchronous` one (vLLM waits for it between steps: models of
+    several KV-cache groups, whose block ids vLLM cannot map back) fails as a whole:
+    the worker reports the request as failed, and vLLM computes its prompt."""
 
     req_id: str
     daemon_instance: str
     pages_by_rank: tuple[list[int], ...]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     missing_block_ids: list[int] = field(default_factory=list)
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,13 +60,14 @@ class SavePlan:
     """Blocks of the request that this step completes: save them to kvd and publish them.
 
     `positions` are the blocks' indices in the request (block i holds tokens
-    [i * block_size, (i + 1) * block_size)); `prompt` comes with a request's first plan;
+    [i * block_size, (i + 1) * block_size)), each held by every KV-cache group (a page
+    holds all layers); `prompt` comes with a request's first plan;
     `more_tokens` are the token ids after those the workers know, up to the end of the
     plan's last block (the prompt's last partial block and generated tokens)."""
 
     req_id: str
     positions: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV-cache group, one per position
     prompt: PromptKey | None = None
     more_tokens: list[int] = field(default_factory=list)
 

@@ -37,8 +37,13 @@ and a release per batch of finished ones, all off vLLM's scheduler loop.
 
 Under tensor parallelism every call above goes to each rank's namespace (the link's
 peers): a hit counts only as far as every rank holds it, and the load plan is per rank.
-In a sliding-window group, blocks outside the window (vLLM's null block) are neither
-loaded nor saved.
+With vLLM's hybrid manager on, a request has blocks in each KV-cache group: a page (all
+layers of a block) loads into every group's block at its position, except a
+sliding-window group's blocks outside the window (vLLM's null block), and is saved only
+where every group holds the block. With more than one group, loads are asynchronous
+(`async_loads`): vLLM waits for them between steps and calls `allocated` again once
+they are done; one that failed (`update_from_workers`) makes vLLM compute the prompt,
+and kvd is not offered for that request again.
 
 Requests with prompt embeddings are left alone; a request whose cacheable prefix a
 multimodal item cut saves nothing past that cut.
@@ -97,9 +102,10 @@ class _Tracked:
     prompt: PromptKey
     extends: bool  # blocks past the prompt may be saved (generated tokens)
     sent: int  # tokens the workers know: the cacheable prompt, then more with each plan
-    block_ids: list[int] = field(default_factory=list)  # the request's vLLM blocks (group 0)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group: the request's vLLM blocks
     planned: int = 0  # blocks [0, planned) were in a save plan already
     announced: bool = False  # its prompt went to the workers with a plan
+    awaits_load: bool = False  # an asynchronous load was planned; vLLM allocates again once it is done
     keyed_pages: int = 0  # kvd keys of blocks [0, keyed_pages) were computed (for KV events)
     last_key: bytes | None = None  # the key of block keyed_pages - 1, where the chain goes on
 
@@ -112,7 +118,7 @@ class _Load:
     hold: Hold
     first_block: int
     end_block: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
 
 
 class KVDSchedulerSide:
@@ -122,14 +128,19 @@ class KVDSchedulerSide:
         block_size: int,
         save_generated: bool = True,
         track_removals: bool = True,
-        drops_outside_window: bool = False,
+        sliding_groups: tuple[bool, ...] = (False,),
         lookahead_patience: float = 1.0,
     ) -> None:
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
-        # a sliding-window group: vLLM's null block stands for its blocks outside the window
-        self.drops_outside_window = drops_outside_window
+        # per KV-cache group, whether it is a sliding-window group of vLLM's hybrid manager,
+        # where vLLM's null block stands for its blocks outside the window
+        self.sliding_groups = sliding_groups
+        # block-level load errors cannot name a block of one of several groups: vLLM waits
+        # for such loads between steps, and a failed one fails its request (plans.LoadPlan)
+        self.async_loads = len(sliding_groups) > 1
+        self._failed_loads: set[str] = set()  # requests whose asynchronous load failed: computed
         # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
         self._stored = StoredBlocks() if track_removals else None
         self.lookahead = Lookahead(
@@ -166,7 +177,7 @@ class KVDSchedulerSide:
         never the last prompt token); None while the lookahead thread is at it, or kvd
         fetches more of the prompt from its remote store (vLLM asks again next step)."""
         wanted = self._wanted(request)
-        if wanted is None or len(wanted.token_ids) <= num_computed_tokens:
+        if wanted is None or len(wanted.token_ids) <= num_computed_tokens or request.request_id in self._failed_loads:
             return 0
         hold = self.lookahead.answer(request.request_id, wanted)
         if hold is None:
@@ -176,10 +187,14 @@ class KVDSchedulerSide:
         self._local_hits[request.request_id] = num_computed_tokens
         return max(0, hold.blocks * self.block_size - num_computed_tokens)
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for the request: track it; a load it took the offer of is
-        planned with the step's metadata, an offer it did not take is let go."""
+    def allocated(self, request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        """vLLM allocated blocks for the request (per KV-cache group): track it; a load it
+        took the offer of is planned with the step's metadata, an offer it did not take is
+        let go. After an asynchronous load vLLM calls again, with no load: nothing changes."""
         req_id = request.request_id
+        if not num_external_tokens and (t := self._tracked.get(req_id)) is not None and t.awaits_load:
+            t.awaits_load = False
+            return
         local_hit = self._local_hits.pop(req_id, 0)
         self._loads.pop(req_id, None)  # a preempted request comes back here: start over
         if request.prompt_token_ids is None:
@@ -189,7 +204,8 @@ class KVDSchedulerSide:
         self._tracked[req_id] = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
         if num_external_tokens:
             first, end = local_hit // self.block_size, (local_hit + num_external_tokens) // self.block_size
-            self._loads[req_id] = _Load(self.lookahead.claim(req_id), first, end, list(block_ids))
+            self._loads[req_id] = _Load(self.lookahead.claim(req_id), first, end, [list(g) for g in block_ids])
+            self._tracked[req_id].awaits_load = self.async_loads
         else:
             self.lookahead.let_go(req_id)
 
@@ -203,7 +219,7 @@ class KVDSchedulerSide:
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             if (t := self._tracked.get(new.req_id)) is not None:
-                t.block_ids = list(new.block_ids[0])
+                t.block_ids = [list(g) for g in new.block_ids]
                 computed_before[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -211,9 +227,10 @@ class KVDSchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                t.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                t.block_ids = [list(g) for g in new_blocks] if new_blocks is not None else []
             elif new_blocks is not None:
-                t.block_ids.extend(new_blocks[0])
+                for blocks, more in zip(t.block_ids, new_blocks):
+                    blocks.extend(more)
             computed_before[req_id] = cached.num_computed_tokens[i]
         for req_id, before in computed_before.items():
             t = self._tracked[req_id]
@@ -222,15 +239,15 @@ class KVDSchedulerSide:
             t.planned = min(t.planned, before // self.block_size)
             done = (before + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
             known = len(t.request.all_token_ids) if t.extends else len(t.prompt.token_ids)
-            end = min(done, known // self.block_size, len(t.block_ids))
+            end = min(done, known // self.block_size, min((len(g) for g in t.block_ids), default=0))
             if end > t.planned:
-                positions = self._holding_kv(t.block_ids, t.planned, end)
+                positions = self._held_by_every_group(t.block_ids, t.planned, end)
                 more = list(t.request.all_token_ids[t.sent : end * self.block_size])
                 meta.saves.append(
                     SavePlan(
                         req_id,
                         positions,
-                        [t.block_ids[p] for p in positions],
+                        tuple([blocks[p] for p in positions] for blocks in t.block_ids),
                         prompt=None if t.announced else t.prompt,
                         more_tokens=more,
                     )
@@ -238,8 +255,15 @@ class KVDSchedulerSide:
                 t.planned, t.announced, t.sent = end, True, max(t.sent, end * self.block_size)
         return meta
 
-    def update_from_workers(self, worker_meta: KVDWorkerMetadata | None) -> None:
-        """The workers' daemon instance, and vLLM KV events for the blocks they published."""
+    def update_from_workers(self, worker_meta: KVDWorkerMetadata | None, failed_loads: set[str] = frozenset()) -> None:
+        """The workers' daemon instance, vLLM KV events for the blocks they published, and
+        the asynchronous loads that failed: vLLM computes those requests' prompts, kvd
+        is not offered for them again."""
+        for req_id in failed_loads:
+            self._failed_loads.add(req_id)
+            self.lookahead.let_go(req_id)
+            if (t := self._tracked.get(req_id)) is not None:
+                t.awaits_load = False
         if worker_meta is not None:
             self._workers_instance = worker_meta.daemon_instance
         for req_id, (start, end) in (worker_meta.published if worker_meta else {}).items():
@@ -256,6 +280,7 @@ class KVDSchedulerSide:
         req_id = request.request_id
         self._local_hits.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._failed_loads.discard(req_id)
         self.lookahead.let_go(req_id)
         if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
@@ -273,10 +298,15 @@ class KVDSchedulerSide:
 
     # ---- helpers --------------------------------------------------------------------
 
-    def _holding_kv(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        """The positions in [start, end) whose blocks hold KV: in a sliding-window group,
-        not those outside the window (vLLM's null block), which are neither loaded nor saved."""
-        return [p for p in range(start, end) if not (self.drops_outside_window and block_ids[p] == NULL_BLOCK)]
+    def _held_by_every_group(self, block_ids: list[list[int]], start: int, end: int) -> list[int]:
+        """The positions in [start, end) whose blocks hold KV in every group (a page holds
+        every layer): not those a sliding-window group left outside its window (vLLM's
+        null block). Only these are saved; loads skip a group's null blocks one by one."""
+        return [
+            p
+            for p in range(start, end)
+            if not any(sliding and blocks[p] == NULL_BLOCK for sliding, blocks in zip(self.sliding_groups, block_ids))
+        ]
 
     def _workers_can_load(self, instance: str) -> bool:
         """Whether the workers' kvd sessions are with this daemon instance (their last
@@ -320,23 +350,26 @@ class KVDSchedulerSide:
 
     def _plan_loads(self) -> list[LoadPlan]:
         """The step's loads from the holds vLLM took: each rank's pages into the blocks
-        vLLM allocated. Blocks from a page kvd removed since on, or all of a hold whose
-        session ended, go into the plan as missing: the worker reports them and vLLM
-        recomputes them on all ranks."""
+        vLLM allocated (in every KV-cache group; a sliding-window group's blocks outside
+        the window are null and skipped). Blocks from a page kvd removed since on, or all
+        of a hold whose session ended, go into the plan as missing: vLLM recomputes them
+        (an asynchronous load: its request's prompt)."""
         loads, self._loads = self._loads, {}
         plans = []
         for req_id, load in loads.items():
             hit = min(self.lookahead.usable_blocks(req_id), load.end_block)
-            positions = self._holding_kv(load.block_ids, load.first_block, load.end_block)
-            if hit:
+            positions = [p for p in range(load.first_block, load.end_block) if p < hit]
+            missing = range(max(hit, load.first_block), load.end_block)
+            if hit and not (self.async_loads and len(missing)):
                 self._tracked[req_id].planned = hit  # kvd holds these blocks: nothing to save
             plans.append(
                 LoadPlan(
                     req_id,
                     load.hold.instance,
-                    pages_by_rank=tuple([pages[p] for p in positions if p < hit] for pages in load.hold.pages_by_rank),
-                    block_ids=[load.block_ids[p] for p in positions if p < hit],
-                    missing_block_ids=[load.block_ids[p] for p in positions if p >= hit],
+                    pages_by_rank=tuple([pages[p] for p in positions] for pages in load.hold.pages_by_rank),
+                    block_ids=tuple([blocks[p] for p in positions] for blocks in load.block_ids),
+                    missing_block_ids=[b for g in load.block_ids for p in missing if (b := g[p]) != NULL_BLOCK],
+                    asynchronous=self.async_loads,
                 )
             )
         return plans

@@ -18,7 +18,10 @@ load errors (it recomputes them), a failed save is simply not published.
 vLLM hands each layer's KV cache as a standardised per-layer view `[num_blocks,
 num_kv_heads, block_size, 2 * head_dim]`; a kvd page is `[num_layers, 2, page_size,
 num_kv_heads, head_dim]`. `block_view` makes the first look like one layer of the
-second, without copying.
+second, without copying. Each layer's copies go to the block ids of its KV-cache group
+(vLLM's hybrid manager: one group per attention type), skipping vLLM's null block (a
+sliding-window group's blocks outside the window). An asynchronous load (several
+groups) that cannot be done is not copied at all; `transfer_results` reports it failed.
 
 The copies themselves are gpu_worker/vllm/page_copies.py's: per layer and extent, one
 memcpy per run of consecutive pages on CPU. On CUDA (marked, checked by
@@ -41,7 +44,7 @@ from engine_client import ErrorCode, ExtendItem, KVDError, SequenceRequest
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.page_copies import ExtentCopies, by_extent, copy_layer
-from gpu_worker.vllm.plans import KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
 log = logging.getLogger(__name__)
 
@@ -77,34 +80,49 @@ class _Saving:
     written: set[int] = field(default_factory=set)
 
 
+Copies = list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
+
+
 @dataclass(frozen=True)
 class _StepSave:
     """This step's copies for one request: vLLM blocks into the sequence's pages."""
 
     req_id: str
     positions: list[int]  # the request's blocks saved
-    copies: list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
+    copies: list[Copies]  # per KV-cache group
 
 
-def _to_blocks(groups, block_ids: list[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
-    """`KVDClient.pages_by_extent` groups with the vLLM block of each page instead of its position."""
-    return [(extent, indices, [block_ids[p] for p in positions]) for extent, indices, positions in groups]
+def _to_blocks(groups, block_ids: list[int]) -> Copies:
+    """`KVDClient.pages_by_extent` groups with the vLLM block of each page instead of its
+    position, without the pages whose block is vLLM's null block (nothing kept there)."""
+    copies = []
+    for extent, indices, positions in groups:
+        kept = [(i, block_ids[p]) for i, p in zip(indices, positions) if block_ids[p] != NULL_BLOCK]
+        if kept:
+            copies.append((extent, [i for i, _ in kept], [b for _, b in kept]))
+    return copies
 
 
 class KVDWorkerSide:
-    def __init__(self, link: KVDLink, layer_names: list[str]) -> None:
+    def __init__(self, link: KVDLink, layer_names: list[str], layer_groups: list[int] | None = None) -> None:
+        """`layer_names` in page order; `layer_groups[i]`: the KV-cache group of layer i
+        (whose block ids its copies use; all 0 by default)."""
         self.link = link
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.layer_groups = layer_groups or [0] * len(layer_names)
+        self.num_groups = max(self.layer_groups) + 1
         self.layout = link.namespace.layout
         self._layers: list[torch.Tensor] = []  # per layer: [blocks, 2, block_size, heads, head_dim] views
         self._cuda = False
         self._stream: torch.cuda.Stream | None = None
         self._load_events: dict[int, torch.cuda.Event] = {}
         self._load_errors: set[int] = set()
+        self._recving: set[str] = set()  # asynchronous loads done since vLLM last asked
+        self._failed_recving: set[str] = set()  # of those, the ones that failed
         self._known: dict[str, PromptKey] = {}  # per request: the tokens the plans sent so far
         self._sequences: dict[str, _Saving] = {}
         self._saves: list[_StepSave] = []
-        self._save_copies: list[ExtentCopies] = []  # the step's saves, merged per extent
+        self._save_copies: list[list[ExtentCopies]] = []  # per KV-cache group: the step's saves, merged per extent
         self._saved_layers: set[int] = set()
         self._published: dict[str, tuple[int, int]] = {}
         self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister
@@ -128,35 +146,56 @@ class KVDWorkerSide:
         self._finished(meta.finished)
         failed = self._start_loads(meta.loads)
         self._saves = self._prepare_saves(meta.saves, failed)
-        self._save_copies = by_extent(g for save in self._saves for g in save.copies)
+        self._save_copies = self._merged([save.copies for save in self._saves])
         self._saved_layers = set()
 
     # ---- loads ------------------------------------------------------------------------
 
     def _start_loads(self, loads: list[LoadPlan]) -> set[str]:
-        """Queues the step's loads; returns the requests with a block that cannot be loaded."""
+        """Queues the step's loads; returns the requests with a block that cannot be loaded.
+
+        A synchronous load's failed blocks become load errors; an asynchronous load that
+        fails is not copied at all and its request is reported failed (`transfer_results`)."""
         self._load_errors = set()
         self._load_events = {}
         resolved, failed = [], set()
         for plan in loads:
-            self._load_errors.update(plan.missing_block_ids)
             page_ids = plan.pages_by_rank[self.link.namespace.tp_rank]  # this rank's heads
-            groups = self._resolve(plan.daemon_instance, page_ids, f"load for request {plan.req_id}")
-            if groups is None:
-                self._load_errors.update(plan.block_ids)
-            elif page_ids:
-                resolved.append((plan, groups))
-            if plan.missing_block_ids or (groups is None and plan.block_ids):
+            groups = None
+            if not (plan.asynchronous and plan.missing_block_ids):
+                groups = self._resolve(plan.daemon_instance, page_ids, f"load for request {plan.req_id}")
+            if plan.missing_block_ids or (groups is None and page_ids):
                 failed.add(plan.req_id)
+            if plan.asynchronous:
+                self._recving.add(plan.req_id)
+                if plan.req_id in failed:
+                    self._failed_recving.add(plan.req_id)
+                    continue
+            else:
+                self._load_errors.update(plan.missing_block_ids)
+                if groups is None:
+                    self._load_errors.update(b for blocks in plan.block_ids for b in blocks if b != NULL_BLOCK)
+            if groups and page_ids:
+                resolved.append((plan, groups))
         if not resolved:
             return failed
-        copies = by_extent(g for plan, groups in resolved for g in _to_blocks(groups, plan.block_ids))
+        copies = self._merged([[_to_blocks(groups, blocks) for blocks in plan.block_ids] for plan, groups in resolved])
         with self._side_stream():
             for layer, view in enumerate(self._layers):
-                copy_layer(view, layer, copies, into_blocks=True)
+                copy_layer(view, layer, copies[self.layer_groups[layer]], into_blocks=True)
                 if self._cuda:
                     self._load_events[layer] = self._record()
         return failed
+
+    def _merged(self, copies: list[list[Copies]]) -> list[list[ExtentCopies]]:
+        """Each request's copies per KV-cache group, merged per group and extent."""
+        return [by_extent(g for per_group in copies for g in per_group[group]) for group in range(self.num_groups)]
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """The asynchronous loads done since the last call, and which of them failed."""
+        done, failed = self._recving, self._failed_recving
+        self._recving, self._failed_recving = set(), set()
+        return done, failed
 
     def wait_layer(self, layer_name: str) -> None:
         event = self._load_events.get(self.layer_index.get(layer_name, -1))
@@ -187,15 +226,16 @@ class KVDWorkerSide:
         saves = []
         for plan in plans:
             seq = self._sequences[plan.req_id]
-            todo = [(p, b) for p, b in zip(plan.positions, plan.block_ids) if seq.published <= p < len(seq.page_ids)]
+            todo = [i for i, p in enumerate(plan.positions) if seq.published <= p < len(seq.page_ids)]
             if not todo:
                 continue
-            positions, block_ids = [p for p, _ in todo], [b for _, b in todo]
+            positions = [plan.positions[i] for i in todo]
+            block_ids = [[blocks[i] for i in todo] for blocks in plan.block_ids]
             groups = self._resolve(
                 None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
             )
             if groups is not None:
-                saves.append(_StepSave(plan.req_id, positions, _to_blocks(groups, block_ids)))
+                saves.append(_StepSave(plan.req_id, positions, [_to_blocks(groups, b) for b in block_ids]))
         return saves
 
     def _has_sequence(self, req_id: str) -> bool:
@@ -242,7 +282,7 @@ class KVDWorkerSide:
     def _save(self, layer: int) -> None:
         self._saved_layers.add(layer)
         with self._side_stream():
-            copy_layer(self._layers[layer], layer, self._save_copies, into_blocks=False)
+            copy_layer(self._layers[layer], layer, self._save_copies[self.layer_groups[layer]], into_blocks=False)
 
     def wait_for_save(self) -> None:
         """After the forward pass: save the layers no attention call saved, wait for the
