@@ -28,15 +28,17 @@ request is asked when vLLM first asks about it (it is about to be scheduled), so
 queue does not pin a long list of cached pages.
 
 When kvd cannot answer (not running, hung, refusing) a prompt gets an empty hold: a
-miss. An answer that takes longer than `patience` seconds is given up (an empty hold;
-the hold, should it come, is let go), so a slow daemon never delays a request longer
-than that. While kvd fetches more of a prompt from its remote store, the thread asks
+miss. An answer that takes longer than `patience` seconds (by default the link's call
+timeout: one call's worth) is given up (an empty hold; the hold, should it come, is let
+go), so a slow daemon never delays a request longer than that, and the requests running
+meanwhile not at all. While kvd fetches more of a prompt from its remote store, the thread asks
 again every `remote_poll` seconds and `answer` stays None, as long as the fetch lasts.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +47,8 @@ from dataclasses import dataclass
 from engine_client import SequenceRequest
 from gpu_worker.vllm.kvd_events import RemovalFeed
 from gpu_worker.vllm.kvd_link import KVDLink
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,13 @@ class Lookahead:
         block_size: int,
         removal_listeners: list[Callable[[list[bytes]], None]] = (),
         max_unclaimed: int = 256,
-        patience: float = 1.0,
+        patience: float | None = None,
         remote_poll: float = 0.01,
     ) -> None:
         self.link = link
         self.block_size = block_size
         self.max_unclaimed = max_unclaimed
-        self.patience = patience
+        self.patience = link.call_timeout if patience is None else patience
         self.remote_poll = remote_poll
         self._feed = RemovalFeed(link, [self._removed, *removal_listeners])
         self._lock = threading.Condition()
@@ -135,6 +139,7 @@ class Lookahead:
                 if self._asked.pop(req_id, None) is None:
                     self._abandoned.add(req_id)
                 self._holds[req_id] = MISS
+                log.warning("kvd gave no answer for request %s in %.1f s: computed without kvd", req_id, self.patience)
                 return MISS
             return None
 
@@ -214,7 +219,9 @@ class Lookahead:
             self._feed.follow()
             self._release(let_go)
             if asked:
+                start = time.monotonic()
                 self._look_up(asked)
+                log.debug("kvd lookahead: %d prompts in %.1f ms", len(asked), (time.monotonic() - start) * 1000)
 
     def _release(self, holds: list[Hold]) -> None:
         """One `release` per namespace for the holds of the current session (those of an

@@ -129,7 +129,6 @@ class KVDSchedulerSide:
         save_generated: bool = True,
         track_removals: bool = True,
         sliding_groups: tuple[bool, ...] = (False,),
-        lookahead_patience: float = 1.0,
     ) -> None:
         self.link = link
         self.block_size = block_size
@@ -143,9 +142,7 @@ class KVDSchedulerSide:
         self._failed_loads: set[str] = set()  # requests whose asynchronous load failed: computed
         # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
         self._stored = StoredBlocks() if track_removals else None
-        self.lookahead = Lookahead(
-            link, block_size, [self._stored.removed] if self._stored else [], patience=lookahead_patience
-        )
+        self.lookahead = Lookahead(link, block_size, [self._stored.removed] if self._stored else [])
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._tracked: dict[str, _Tracked] = {}
