@@ -1,6 +1,6 @@
 """The time vLLM's scheduler spends in KVDConnector per engine step, against vLLM alone.
 
-    python bench/bench_vllm_scheduler.py [--requests 32] [--prompt 1024] [--shared 768] [--max-tokens 64]
+    python bench/bench_vllm_scheduler.py [--requests 32] [--prompt 1024] [--shared 768] [--max-tokens 256]
 
 Each configuration runs in a process of its own, vLLM's engine core in that process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the scheduler's methods can be timed where they
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--shared", type=int, default=768)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)  # ~250 full-batch steps: a p99 that is not the max
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--child", choices=["alone", "kvd", "kvd-inline", "save"], help=argparse.SUPPRESS)
