@@ -59,6 +59,17 @@ def _kv_events() -> bool:
     return hasattr(KVConnectorBase_V1, "take_events")
 
 
+def _hybrid_manager_kept() -> bool:
+    """vLLM keeps its hybrid KV cache manager for the connector (``SupportsHMA``) and takes
+    a failed asynchronous load as its request's (``failed_recving``): models of several
+    KV cache groups (sliding-window and full layers)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+
+    return hasattr(base, "SupportsHMA") and "failed_recving" in {
+        f.name for f in dataclasses.fields(base.KVConnectorTransferResults)
+    }
+
+
 def _new_requests_announced() -> bool:
     """vLLM tells the connector of each request as it arrives (``on_new_request``), so its
     lookup runs ahead; without it the lookup starts at vLLM's first ask."""
@@ -73,6 +84,7 @@ PROBES: dict[str, tuple[bool, Callable[[], bool]]] = {
     "worker reports each step": (True, _worker_reports),
     "KV events of kvd's blocks": (False, _kv_events),
     "lookups started as requests arrive": (False, _new_requests_announced),
+    "several KV cache groups (hybrid manager kept)": (True, _hybrid_manager_kept),
 }
 
 
