@@ -53,6 +53,11 @@ def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str |
     )
 
 
+def by_group(block_ids: list[int] | tuple[list[int], ...]) -> tuple[list[int], ...]:
+    """Block ids per KV-cache group: a list is the one group's."""
+    return block_ids if isinstance(block_ids, tuple) else (block_ids,)
+
+
 def scheduled(req, block_ids: list[int], computed: int = 0, num_tokens: int | None = None):
     """A SchedulerOutput that schedules `req` as new, computing the rest of its prompt."""
     n = len(req.prompt_token_ids) if num_tokens is None else num_tokens
@@ -64,7 +69,7 @@ def scheduled_together(new: list[tuple], num_scheduled_tokens: dict[str, int] | 
     computing the rest of its prompt (unless `num_scheduled_tokens` says otherwise)."""
     return SimpleNamespace(
         scheduled_new_reqs=[
-            SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,), num_computed_tokens=computed)
+            SimpleNamespace(req_id=req.request_id, block_ids=by_group(block_ids), num_computed_tokens=computed)
             for req, block_ids, computed in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
@@ -112,18 +117,24 @@ class VllmProcess:
         name: str = "test",
         worker_socket: str | None = None,
         tp: int = 1,
+        sliding_groups: tuple[bool, ...] = (False,),
         **link,
     ) -> None:
         spec = dataclasses.replace(SPEC, tp_size=tp)
         ranks = tuple(spec.of_rank(r) for r in range(1, tp))
         self.scheduler = KVDSchedulerSide(
-            KVDLink(socket, f"{name}-scheduler", spec, peers=ranks, **link), BLOCK, save_generated
+            KVDLink(socket, f"{name}-scheduler", spec, peers=ranks, **link),
+            BLOCK,
+            save_generated,
+            sliding_groups=sliding_groups,
         )
         generator = torch.Generator().manual_seed(seed)
         self.workers, self.kvs = [], []
         for rank in range(tp):
             worker = KVDWorkerSide(
-                KVDLink(worker_socket or socket, f"{name}-worker", spec.of_rank(rank), **link), LAYERS
+                KVDLink(worker_socket or socket, f"{name}-worker", spec.of_rank(rank), **link),
+                LAYERS,
+                [i % len(sliding_groups) for i in range(len(LAYERS))],  # layers dealt to the groups in turn
             )
             # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
             kv = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=generator) for name in LAYERS}
@@ -149,7 +160,7 @@ class VllmProcess:
     def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
         the workers' answer back to the scheduler; returns the blocks that failed to load."""
-        self.scheduler.allocated(req, (block_ids,), num_external)
+        self.scheduler.allocated(req, by_group(block_ids), num_external)
         return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
 
     def run_together(self, new: list[tuple]) -> set[int]:
@@ -439,6 +450,55 @@ def test_the_lookahead_holds_few_prompts_ahead_and_lets_every_hold_go(daemon):
         wait_until(lambda: kvd.stats()["sequences"] == 0, "the holds of requests gone meanwhile let go")
         time.sleep(0.3)
         assert kvd.stats()["sequences"] == 0
+
+
+def test_with_two_kv_cache_groups_each_layer_loads_into_its_groups_blocks_and_a_failed_load_fails_its_request(
+    daemon,
+):
+    """vLLM's hybrid manager: layer 0 in a full-attention group, layer 1 in a sliding-window
+    group whose blocks outside the window are the null block. A page holds both layers:
+    the full group gets the whole hit, the sliding group only the blocks inside the window;
+    loads are asynchronous and done by request. A load whose page kvd dropped is not copied
+    at all: the request is reported failed, no block is."""
+    groups = (False, True)
+    a, b = VllmProcess(daemon.socket, 1, sliding_groups=groups), VllmProcess(daemon.socket, 2, sliding_groups=groups)
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt)
+    a_blocks = (list(range(1, 12)), list(range(21, 32)))
+    assert a.run(ra, a_blocks) == set()
+    a.finish(ra)
+
+    def load(process, req, blocks) -> tuple[set[str], set[str]]:
+        process.scheduler.allocated(req, blocks, 10 * BLOCK)
+        meta = process.scheduler.build_metadata(scheduled(req, blocks, computed=10 * BLOCK, num_tokens=0))
+        assert [plan.asynchronous for plan in meta.loads] == [True]
+        process.worker.start_step(meta)
+        assert process.worker.load_errors() == set(), "block-level load errors with two groups"
+        return process.worker.transfer_results()
+
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb) == 10 * BLOCK
+    b_blocks = (list(range(40, 51)), [0] * 8 + [58, 59, 60])  # the window: blocks 8 and 9, then 10 to compute
+    before = b.kv[LAYERS[1]].clone()
+    assert load(b, rb, b_blocks) == ({"b"}, set())
+    assert torch.equal(b.kv[LAYERS[0]][40:50], a.kv[LAYERS[0]][1:11]), "the full group's blocks"
+    assert torch.equal(b.kv[LAYERS[1]][58:60], a.kv[LAYERS[1]][29:31]), "the window's blocks"
+    changed = (b.kv[LAYERS[1]] != before).flatten(1).any(1).nonzero().flatten().tolist()
+    assert changed == [58, 59], "the sliding group's layer was written outside the window"
+
+    c, rc = VllmProcess(daemon.socket, 3, sliding_groups=groups), request("c", prompt)
+    assert offered(c.scheduler, rc) == 10 * BLOCK
+    with KVDClient.connect(daemon.socket) as kvd:  # page 6 is damaged: the audit drops it and what follows
+        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
+        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
+        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    wait_until(lambda: c.scheduler.lookahead.usable_blocks("c") == 6, "the lookahead heard of the dropped page")
+    before = [c.kv[name].clone() for name in LAYERS]
+    assert load(c, rc, b_blocks) == ({"c"}, {"c"})
+    assert all(torch.equal(c.kv[name], old) for name, old in zip(LAYERS, before)), "a failed load copied blocks"
+    c.scheduler.update_from_workers(None, {"c"})
+    assert c.scheduler.matched_tokens(rc, 0) == 0, "kvd offered again for a request whose load failed"
 
 
 def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, tmp_path):
