@@ -1,7 +1,7 @@
 """One kvd daemon for a busy host (issue 25d): vLLM engines under a stream of requests, and
 the daemon's saturation point without engines.
 
-    python bench/bench_vllm_load.py [--engines 2] [--requests 16] [--concurrency 4] [--rounds 2]
+    python bench/bench_vllm_load.py [--engines 2] [--requests 16] [--concurrency 4] [--rounds 2] [--leads] [--in-turns]
     python bench/bench_vllm_load.py --replay [--clients 8] [--rates 10,20,40,...,1280] [--seconds 3]
 
 **Engine mode** (the default). A random Llama (bench/bench_vllm.py's `write_model`) is
@@ -19,12 +19,16 @@ of the prompts start with one of `--prefixes` long prefixes, a "system prompt", 
 are unique and as long). Every configuration answers the same stream; a new stream (new
 prefixes too) is drawn for each round, so no configuration finds the last round's pages.
 
-Side by side in one run, but **one configuration at a time**: all engines stay up, and each
-round runs the stream on the `alone`, `own cache` and `kvd` engines in turn (the order
-rotates between rounds). The box has 2 cores: running the configurations at the same time
-would make them fight for the cores, and each one's throughput would depend on what the
-others happen to do at that moment; in turns, each gets the whole box and the same noise
-over a run of a few minutes. Throughput is output tokens over the slowest engine's time
+Side by side in one run, **all configurations at the same time**: all engines stay up and
+each round runs the stream on the `alone`, `own cache` and `kvd` engines at once. They
+split the box's cores, the one that needs less compute finishes first, and the box's noise
+(other jobs on a shared machine) falls on all alike: with no hits `alone` and `own cache`,
+which do the same work, come out within ~1 % (bench/RESULTS.md). `--in-turns` runs them one
+after another instead (the order rotating between rounds): each gets the whole box, but
+the noise differs from turn to turn (±10–25 % measured on a shared 2-core box).
+`--leads` puts each shared prefix's first request first in the stream (a system prompt
+computed once, agents branching off it later), the pattern where engines that share no
+cache compute the prefix again. Throughput is output tokens over the slowest engine's time
 from its first request to its last finished. For `kvd` the daemon's Prometheus metrics
 give the calls per method (its latency histogram's counts) and its p99 call latency
 (`kvd_request_seconds`, interpolated inside the histogram's bucket as Prometheus does),
@@ -53,7 +57,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from load_replay import BLOCK, DaemonCounters, Mix, cpu_seconds, replay, saturation  # noqa: E402
+from load_replay import BLOCK, DaemonCounters, Mix, cpu_seconds, ids, replay, saturation  # noqa: E402
 
 from engine_client.launch import DaemonProcess  # noqa: E402
 
@@ -115,6 +119,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--requests", type=positive_int, default=16, help="requests per workload and round")
     eng.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight per engine")
     eng.add_argument("--rounds", type=positive_int, default=2, help="turns of every configuration")
+    eng.add_argument(
+        "--in-turns",
+        action="store_true",
+        help="run the configurations one after another (each gets the whole box) rather than at the same time",
+    )
+    eng.add_argument(
+        "--leads",
+        action="store_true",
+        help="each shared prefix's first request comes first in the stream (a system prompt computed once, "
+        "then agents branching off it)",
+    )
     eng.add_argument("--layers", type=positive_int, default=4)
     eng.add_argument("--hidden", type=positive_int, default=256, help="a multiple of 64")
     rep = parser.add_argument_group("engine-free mode (--replay)")
@@ -165,6 +180,20 @@ def run_config(engines, stream: list[list[int]], args) -> dict:
     total["seconds"] = max(a["seconds"] for a in answers)
     total["steps"] = sum(a["steps"] for a in answers)
     return total
+
+
+def run_configs(engines: dict[str, list], stream: list[list[int]], args) -> dict[str, dict]:
+    """The stream on each configuration's engines, all configurations at the same time."""
+    totals: dict[str, dict] = {}
+    threads = [
+        threading.Thread(target=lambda c=config, g=group: totals.__setitem__(c, run_config(g, stream, args)))
+        for config, group in engines.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return totals
 
 
 ENGINE_BYTES = 2.1 * 2**30  # one engine's processes, resident (measured: caller 0.6 GiB, engine core 0.6, worker 0.9)
@@ -222,27 +251,26 @@ def engine_mode(args) -> None:
             print(f"{len(every)} vLLM engines up in {time.monotonic() - started:.0f} s", flush=True)
             rng = np.random.default_rng(0)
             warm = [mix_of(args, 0.0).prompt(rng, []) for _ in range(2 * args.engines)]
-            threads = [threading.Thread(target=run_config, args=(g, warm, args)) for g in engines.values()]
-            for t in threads:  # warm-up: first-call costs land in no timed figure
-                t.start()
-            for t in threads:
-                t.join()
+            run_configs(engines, warm, args)  # warm-up: first-call costs land in no timed figure
             results, load = {}, [os.getloadavg()[0]]
             for workload, shared in WORKLOADS.items():
                 mix = mix_of(args, args.shared_fraction if shared is None else shared)
                 for r in range(args.rounds):
                     prefixes = mix.shared_prefixes(rng)
                     stream = [mix.prompt(rng, prefixes) for _ in range(args.requests)]
+                    if args.leads and mix.shared_fraction:
+                        stream = [p + ids(rng, mix.suffix_tokens) for p in prefixes] + stream[len(prefixes) :]
                     order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
-                    for config in order:
-                        if config == "kvd":
-                            before, cpu = DaemonCounters.scrape(port), cpu_seconds(daemon.process.pid)
-                        total = run_config(engines[config], stream, args)
-                        if config == "kvd":
-                            total["daemon_cpu"] = cpu_seconds(daemon.process.pid) - cpu
-                            total["calls"], total["p99"] = DaemonCounters.scrape(port).since(before)
-                        results.setdefault((workload, config), []).append(total)
-                        print(f"  {workload}, round {r + 1}, {config}: {total}", flush=True)
+                    turns = [[config] for config in order] if args.in_turns else [order]
+                    for turn in turns:
+                        before, cpu = DaemonCounters.scrape(port), cpu_seconds(daemon.process.pid)
+                        totals = run_configs({config: engines[config] for config in turn}, stream, args)
+                        for config, total in totals.items():
+                            if config == "kvd":
+                                total["daemon_cpu"] = cpu_seconds(daemon.process.pid) - cpu
+                                total["calls"], total["p99"] = DaemonCounters.scrape(port).since(before)
+                            results.setdefault((workload, config), []).append(total)
+                            print(f"  {workload}, round {r + 1}, {config}: {total}", flush=True)
                         load.append(os.getloadavg()[0])
             report(args, results, load)
         finally:
