@@ -66,34 +66,24 @@ CONFIGS = ("alone", "own cache", "kvd")
 WORKLOADS = {"no hits": 0.0, "shared prefixes": None}  # None: --shared-fraction
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
-    return value
+def _number(convert, kind: str, valid, requirement: str):
+    """An argparse type: `convert`ed text that passes `valid`, else an error naming what was wrong."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"{requirement}: {value}")
+        return value
+
+    return parse
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number: {value}")
-    return value
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1]: {value}")
-    return value
+positive_int = _number(int, "an integer", lambda v: v >= 1, "must be at least 1")
+positive_float = _number(float, "a number", lambda v: 0 < v < float("inf"), "must be a positive finite number")
+fraction = _number(float, "a number", lambda v: 0.0 <= v <= 1.0, "must lie in [0, 1]")
 
 
 def rates(text: str) -> list[float]:

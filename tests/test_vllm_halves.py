@@ -307,18 +307,14 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     a.finish(ra)
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
-    with KVDClient.connect(daemon.socket) as kvd:  # page 6 is damaged; the audit drops it and what follows
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
-        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
-        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
-        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    drop_damaged_page(daemon.socket, prompt, 6)
     b_blocks = list(range(20, 31))
     errors = b.run(rb, b_blocks, num_external=10 * BLOCK)
     assert errors == set(b_blocks[6:10]), "blocks kvd could no longer supply were not reported"
     assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(list(range(1, 7))))
     # Blocks 6-9 hold stale bytes and this step's KV attended to them: b saves nothing yet.
     with KVDClient.connect(daemon.socket) as kvd:
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        ns = SPEC.register(kvd)
         assert len(kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_pages) == 6
     assert b.next_step(rb, 6 * BLOCK, len(prompt) - 6 * BLOCK) == set()  # vLLM computes them again; now b saves them
     c, rc = VllmProcess(daemon.socket, 3), request("c", prompt)
@@ -340,11 +336,7 @@ def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_t
     assert not torch.equal(a.blocks(list(range(1, 11)), rank=0), a.blocks(list(range(1, 11)), rank=1))
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
-    with KVDClient.connect(daemon.socket) as kvd:  # rank 1's page 6 is damaged; the audit drops it and what follows
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, tp_rank=1, tp_size=2, extra=dict(SPEC.extra))
-        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
-        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
-        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    drop_damaged_page(daemon.socket, prompt, 6, dataclasses.replace(SPEC, tp_size=2).of_rank(1))
     assert offered(b.scheduler, rb, 0) == 6 * BLOCK, "offered blocks that rank 1 cannot load"
     b_blocks = list(range(20, 31))
     assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
@@ -354,6 +346,16 @@ def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_t
 
 def request_for_lookup(prompt):
     return SequenceRequest("probe", prompt[: len(prompt) // BLOCK * BLOCK])
+
+
+def drop_damaged_page(socket: str, prompt: list[int], page: int, spec: NamespaceSpec = SPEC) -> None:
+    """Damages page `page` of the prompt in `spec`'s namespace: the audit drops it and the
+    pages chained after it."""
+    with KVDClient.connect(socket) as kvd:
+        ns = spec.register(kvd)
+        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
+        raw_page(kvd, ns, hit.hit_pages[page])[...] = 0
+        assert kvd.verify_pages()["corrupted_pages"] >= 1
 
 
 def test_a_hold_whose_page_kvd_dropped_is_asked_for_afresh_not_loaded(daemon):
@@ -368,11 +370,8 @@ def test_a_hold_whose_page_kvd_dropped_is_asked_for_afresh_not_loaded(daemon):
     rb = request("b", prompt)
     b.scheduler.seen(rb)  # vLLM's on_new_request: the hold is taken ahead
     with KVDClient.connect(daemon.socket) as kvd:
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
         wait_until(lambda: kvd.stats()["sequences"] == 1, "the lookahead held b's prompt")
-        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
-        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
-        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    drop_damaged_page(daemon.socket, prompt, 6)
     assert wait_until(lambda: offered(b.scheduler, rb, 0) == 6 * BLOCK, "the fresh answer", timeout=10)
     b_blocks = list(range(20, 31))
     assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
@@ -402,7 +401,7 @@ def test_a_hold_taken_before_a_daemon_restart_is_asked_for_afresh_from_the_new_i
     daemon.stop()
     daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
     with KVDClient.connect(daemon.socket) as kvd:
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        ns = SPEC.register(kvd)
         recovered = kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_tokens
         assert kvd.daemon_instance != held_on
     b.empty_step()  # the workers report their new session
@@ -488,11 +487,7 @@ def test_with_two_kv_cache_groups_each_layer_loads_into_its_groups_blocks_and_a_
 
     c, rc = VllmProcess(daemon.socket, 3, sliding_groups=groups), request("c", prompt)
     assert offered(c.scheduler, rc) == 10 * BLOCK
-    with KVDClient.connect(daemon.socket) as kvd:  # page 6 is damaged: the audit drops it and what follows
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
-        [hit] = kvd.lookup(ns, [request_for_lookup(prompt)])
-        raw_page(kvd, ns, hit.hit_pages[6])[...] = 0
-        assert kvd.verify_pages()["corrupted_pages"] >= 1
+    drop_damaged_page(daemon.socket, prompt, 6)
     wait_until(lambda: c.scheduler.lookahead.usable_blocks("c") == 6, "the lookahead heard of the dropped page")
     before = [c.kv[name].clone() for name in LAYERS]
     assert load(c, rc, b_blocks) == ({"c"}, {"c"})
@@ -713,7 +708,7 @@ def test_blocks_kvd_evicts_are_reported_removed_under_the_hashes_reported_stored
     assert stored.block_hashes == reported and stored.medium == "kvd"
 
     with KVDClient.connect(daemon.socket) as kvd:  # another engine needs 10 pages of the 16: 4 cached ones go
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        ns = SPEC.register(kvd)
         kvd.allocate_with_prefix(ns, [SequenceRequest("other", tokens(10 * BLOCK, seed=2))])
         assert kvd.stats()["evicted_pages"] == 4
         heard = []
@@ -764,7 +759,7 @@ def test_a_decode_hashes_each_published_block_once_and_its_removals_name_every_b
     assert hashed_pages == list(range(published)), "each block hashed once, in order"
 
     with KVDClient.connect(daemon.socket) as kvd:  # drop every page: kvd names them by its keys
-        ns = kvd.register_namespace(SPEC.model, LAYOUT, extra=dict(SPEC.extra))
+        ns = SPEC.register(kvd)
         assert kvd.reset_prefix_cache(ns)["dropped_pages"] == published
     heard = []
     wait_until(lambda: heard.extend(a.scheduler.take_events()) or heard, "BlockRemoved", timeout=10)
