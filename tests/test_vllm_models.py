@@ -146,6 +146,7 @@ def sliding_engines(kvd, name: str, write):
     }
     with started(engines) as running:
         expected = running["baseline"].generate([{"tokens": PROMPT}, {"tokens": OTHER_PROMPT}], max_tokens=16)[0]
+        running["baseline"].stop()  # its processes would only take the 2 cores from a, b and kvd
         yield {**running, "expected": expected[0], "expected_other": expected[1], "files": files}
 
 
@@ -223,6 +224,7 @@ def tp2(kvd):
     }
     with started(engines) as running:
         [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
+        running["baseline"].stop()  # its 3 processes would only take the 2 cores from a, b and kvd
         yield {**running, "expected": expected, "files": files}
 
 
