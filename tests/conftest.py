@@ -13,8 +13,8 @@ from kvd.cache.manager import KVCacheManager
 from kvd.config import ServeConfig
 from kvd.core.arena import SHM_DIR, Arena, leftover_segments, unlink_segments
 from kvd.core.namespaces import NamespaceIdentity, make_layout
+from kvd.core.records import HEADER_BYTES, record_size
 from kvd.core.types import SequenceState
-from kvd.durability.meta import HEADER_BYTES, record_size
 from kvd.server.daemon import socket_answers
 
 _counter = itertools.count()

@@ -79,7 +79,7 @@ TRANSPORT = ("grpc", "google.protobuf", "kvd.wire.kvd_pb2", "kvd.wire.kvd_pb2_gr
 CLIENT_TRANSPORT = ("engine_client/connection.py", "engine_client/messages.py")
 # The vLLM connector; the reference engine, the rest of gpu_worker/, stands without it (and without vLLM).
 CONNECTOR = ("gpu_worker/vllm", "gpu_worker/vllm_connector.py")
-# The remote tier and the launcher that builds it; the page core hears it only through kvd/core/tier.py.
+# The remote tier and the launcher that builds it; the cache hears it only through kvd/cache/tier.py.
 REMOTE_TIER = (
     "kvd/remote/tier.py",
     "kvd/remote/link.py",
@@ -99,9 +99,110 @@ def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     assert (
         _violations("gpu_worker", ("vllm", "gpu_worker.vllm", "gpu_worker.vllm_connector"), exempt=CONNECTOR) == set()
     )
-    # the remote tier hangs beside the page core (kvd/core/tier.py): only the launcher builds it
+    # the remote tier hangs beside the cache (kvd/cache/tier.py): only the launcher builds it
     tier = ("kvd.remote.tier", "kvd.remote.link", "kvd.remote.format", "kvd.remote.mooncake_store", "mooncake")
     assert _violations("kvd", tier, exempt=REMOTE_TIER) == set()
+
+
+# kvd/ from the bottom up: a module imports from its own layer and the layers below it only.
+KVD_LAYERS = (
+    ("kvd", "kvd.wire"),  # the package itself (its version) and what daemon and clients share
+    ("kvd.crashpoints", "kvd.collector"),  # the daemon's cross-cutting hooks: test crash points, GC policy
+    ("kvd.core",),  # the page core: pages, refcounts, the index, extents and their records
+    ("kvd.durability",),  # what survives a crash: seals, warm restart
+    ("kvd.config",),  # settings: the core and durability get values, never the settings
+    ("kvd.cache",),  # what client calls do on top of the core
+    ("kvd.remote",),  # a tier beside the cache (the cache hears it through kvd/cache/tier.py)
+    ("kvd.server",),  # the daemon's edge
+    ("kvd.cli",),
+)
+# Import circles between kvd modules still there (each pair sorted), to go.
+# kvd/cache/allocation.py reaches the manager through a back-pointer (issue 34: its own collaborators).
+KVD_CIRCLES = {("kvd.cache.allocation", "kvd.cache.manager")}
+
+
+def _module_of(path: pathlib.Path) -> str:
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return module.removesuffix(".__init__")
+
+
+def _layer_violations(package: str, layers: tuple[tuple[str, ...], ...]) -> set[str]:
+    """The imports in ``package``'s source files of a module in a layer above the importer's
+    (the longest prefix that names a module decides its layer), and the files that no layer
+    but the package's own root names."""
+
+    def layer(name: str) -> tuple[int, str] | None:
+        found = [(len(p), n, p) for n, prefixes in enumerate(layers) for p in prefixes]
+        found = [f for f in found if name == f[2] or name.startswith(f[2] + ".")]
+        return max(found)[1:] if found else None
+
+    out = set()
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = _module_of(path)
+        own, prefix = layer(module)
+        if prefix == package and module != package:
+            out.add(f"{path.relative_to(ROOT)}: in no layer")
+        for name in _imports(path):
+            there = layer(name)
+            if there is not None and there[0] > own:
+                out.add(f"{path.relative_to(ROOT)}: {name}")
+    return out
+
+
+def _circles(package: str) -> set[tuple[str, ...]]:
+    """The import circles between ``package``'s modules (each one's modules sorted),
+    imports inside functions and under TYPE_CHECKING included."""
+    modules = {_module_of(path): path for path in (ROOT / package).rglob("*.py")}
+
+    def module_named(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: {module_named(n) for n in _imports(path)} - {None, m} for m, path in modules.items()}
+    reach = {}
+    for start in graph:  # the modules each one reaches (a few dozen modules: a walk from each is cheap)
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        reach[start] = seen
+    return {
+        tuple(sorted(m for m in graph if m == start or (m in reach[start] and start in reach[m])))
+        for start in graph
+        if start in reach[start]
+    }
+
+
+def test_kvd_packages_import_only_downwards_and_in_no_circle():
+    """DESIGN.md: wire → core → durability → cache → tiers → server, nothing imports a package
+    above it (imports inside functions and under TYPE_CHECKING count)."""
+    assert _layer_violations("kvd", KVD_LAYERS) == set()
+    assert _circles("kvd") <= KVD_CIRCLES
+
+
+def test_the_kvd_layers_see_what_they_forbid(tmp_path, monkeypatch):
+    """A core module importing the cache inside a function, a module in no layer, and a circle
+    are all seen."""
+    for folder in ("kvd", "kvd/core", "kvd/cache"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "kvd/core/pool.py").write_text(
+        "from kvd import crashpoints\ndef f():\n    from kvd.cache import room\n"
+    )
+    (tmp_path / "kvd/core/index.py").write_text("from kvd.core.pool import PagePool\n")
+    (tmp_path / "kvd/cache/room.py").write_text("from kvd.core.index import PrefixIndex\nimport kvd.wire.codec\n")
+    (tmp_path / "kvd/cache/events.py").write_text("from kvd.cache import room\n")
+    (tmp_path / "kvd/stray.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _layer_violations("kvd", KVD_LAYERS) == {
+        "kvd/core/pool.py: kvd.cache",
+        "kvd/core/pool.py: kvd.cache.room",
+        "kvd/stray.py: in no layer",
+    }
+    assert _circles("kvd") == {("kvd.cache.room", "kvd.core.index", "kvd.core.pool")}
 
 
 def test_the_import_rules_see_what_they_forbid(tmp_path, monkeypatch):

@@ -20,8 +20,8 @@ from kvd.cache.manager import SequenceRequest as CoreRequest
 from kvd.config import ServeConfig
 from kvd.core.arena import SHM_DIR, Arena, daemon_segments
 from kvd.core.namespaces import NamespaceIdentity, make_layout
+from kvd.core.records import manifest_name
 from kvd.durability import recovery
-from kvd.durability.meta import manifest_name
 
 PAGE = agents.LAYOUT.page_size
 ARGS = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")

@@ -1,4 +1,4 @@
-"""Room made by reclaiming another namespace's extent (kvd/core/room.py): the chains that ran
+"""Room made by reclaiming another namespace's extent (kvd/cache/room.py): the chains that ran
 through it leave the index with it, so what stays indexed, counted and announced is what
 still hits."""
 

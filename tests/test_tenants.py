@@ -420,7 +420,7 @@ with KVDClient.connect(socket) as kvd:
         kvd.page_array(ns, a.private_pages[0])
         out["extents"] = [e.name for e in kvd.mapped_extents(ns)]
     if op == "fill":  # twice this tenant's whole budget: its own cache must be evicted
-        pages = kvd.host_bytes // (512 + 80)  # a page and its metadata record (kvd/durability/meta.py)
+        pages = kvd.host_bytes // (512 + 80)  # a page and its metadata record (kvd/core/records.py)
         for round in range(2):
             tokens = [50000 + round * 10000 + i for i in range(pages * 4)]
             kvd.allocate_with_prefix(ns, [SequenceRequest("f", tokens)])

@@ -18,10 +18,10 @@ from kvd.core.errors import ResourceExhausted
 from kvd.core.index import PageContent
 from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.core.pool import PagePool
+from kvd.core.records import MetaError
 from kvd.core.supply import ExtentSupply
 from kvd.core.types import NamespaceId, PageId, PageKey, PageState
 from kvd.durability.integrity import Integrity
-from kvd.durability.meta import MetaError
 
 if TYPE_CHECKING:
     from kvd.durability.recovery import Recovered, RecoveryReport
@@ -66,7 +66,7 @@ class Catalog:
         return ns
 
     def write_manifest(self, namespaces: list[Namespace] | None = None) -> None:
-        """What a restarted daemon checks before it re-attaches the extents (kvd/durability/meta.py):
+        """What a restarted daemon checks before it re-attaches the extents (kvd/core/records.py):
         the settings and ``namespaces`` (default: the registered ones)."""
         self.arena.write_manifest(
             {

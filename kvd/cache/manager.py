@@ -48,8 +48,10 @@ from kvd.cache.requests import (
     prepare,
     publish_pages,
 )
+from kvd.cache.room import Room
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
+from kvd.cache.tier import NO_TIER, Tier
 from kvd.cache.token_buffers import TokenBuffer
 from kvd.config import AUX_BYTES, STEP_SECONDS
 from kvd.core.arena import Arena
@@ -59,9 +61,7 @@ from kvd.core.eviction import release_order
 from kvd.core.index import MISS, ExtraKey, Match, PrefixIndex
 from kvd.core.namespaces import Namespace, NamespaceRegistry
 from kvd.core.pool import PagePool
-from kvd.core.room import Room
 from kvd.core.supply import ExtentSupply
-from kvd.core.tier import NO_TIER, Tier
 from kvd.core.types import NamespaceId, PageId, SeqId, SequenceState, SessionId
 from kvd.durability.integrity import Integrity
 
@@ -108,7 +108,7 @@ class KVCacheManager:
         )
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
-        self.tier: Tier = NO_TIER  # the remote store's tier, set by attach_remote (kvd/core/tier.py)
+        self.tier: Tier = NO_TIER  # the remote store's tier, set by attach_remote (kvd/cache/tier.py)
 
     def _unpublished(self, page: PageId) -> None:
         self.tier.unpublished(page)  # first: with policy "evict" it reads the page's seal

@@ -28,16 +28,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvd import crashpoints
 from kvd.cache.events import EventLog
 from kvd.cache.requests import PublishResult, Rebind
 from kvd.cache.sequences import Sequence, SequenceTable
+from kvd.cache.tier import Tier
 from kvd.config import STEP_SECONDS
 from kvd.core.index import PageContent, PrefixIndex, page_key
 from kvd.core.namespaces import Namespace
 from kvd.core.pool import PagePool
-from kvd.core.tier import Tier
 from kvd.core.types import SequenceState
-from kvd.durability import crashpoints
 from kvd.durability.integrity import Integrity
 from kvd.wire.codec import TOKEN_BYTES
 
@@ -52,7 +52,7 @@ class PublishJob:
     integrity: Integrity
     sequences: SequenceTable
     events: EventLog  # pages indexed are announced (kvd/cache/events.py)
-    tier: Tier  # hears of the pages indexed (kvd/core/tier.py: the remote store's, or none)
+    tier: Tier  # hears of the pages indexed (kvd/cache/tier.py: the remote store's, or none)
     targets: list[tuple[Sequence, int]]
     published: list[int] = field(init=False)
     rebinds: list[list[Rebind]] = field(init=False)

@@ -1,8 +1,9 @@
-"""The page core: host pages in shared-memory extents, their states and refcounts, the
-prefix index that finds published ones, and the room a namespace gets within the budget.
+"""The page core: host pages in shared-memory extents, their states and refcounts, and the
+prefix index that finds published ones.
 
-``PagePool`` (pool.py) owns every page's state, refcount and index entry (index.py);
-``Arena`` (arena.py) the extents, built ahead by ``ExtentSupply`` (supply.py); ``Room``
-(room.py) decides what to give up when a namespace needs pages, in the order eviction.py
-sets. A tier beside the core (the remote store's) hears of it through tier.py only.
+``PagePool`` (pool.py) owns every page's state, refcount and index entry (index.py), in
+the eviction order eviction.py sets; ``Arena`` (arena.py) the extents and their
+metadata records (records.py), built ahead by ``ExtentSupply`` (supply.py). The core
+imports nothing of the daemon above it (tests/test_codegen.py): what to give up for room
+is the cache's (kvd/cache/room.py), and settings reach it as arguments.
 """

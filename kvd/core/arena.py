@@ -10,7 +10,7 @@ Extents are created as the budget fills, not at start-up. Creating one is split 
 pure ``build`` (create, map, pre-fault, mlock: slow, thread-safe) and an ``adopt`` on
 the event loop, so the daemon can build the next extent off the request path.
 
-Each extent has a companion metadata segment ``{name}.meta`` (kvd/durability/meta.py) with one
+Each extent has a companion metadata segment ``{name}.meta`` (kvd/core/records.py) with one
 record per page, and the arena keeps a manifest segment ``{prefix}-manifest``; with
 them a restarted daemon re-attaches the extents (``attach``) instead of deleting them.
 
@@ -37,10 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
-from kvd.core.shm import SHM_DIR, ShmFull, create_segment, reserve, unlink_quietly
-from kvd.core.types import NamespaceId, PageId
-from kvd.durability import crashpoints
-from kvd.durability.meta import (
+from kvd import crashpoints
+from kvd.core.records import (
     HEADER_BYTES,
     MANIFEST_BYTES,
     META_SUFFIX,
@@ -50,6 +48,8 @@ from kvd.durability.meta import (
     record_size,
     write_manifest,
 )
+from kvd.core.shm import SHM_DIR, ShmFull, create_segment, reserve, unlink_quietly
+from kvd.core.types import NamespaceId, PageId
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class Arena:
         self.adopt(extent)
 
     def write_manifest(self, doc: dict) -> None:
-        """Rewrites the manifest segment (kvd/durability/meta.py) with the namespaces and settings."""
+        """Rewrites the manifest segment (kvd/core/records.py) with the namespaces and settings."""
         self._manifest = write_manifest(self.name_prefix, doc, self._manifest, self.meta_mode)
 
     def adopt(self, extent: Extent) -> None:

@@ -1,6 +1,6 @@
 """The eviction policy: in which order cached pages and on-hold sequences give up their room.
 
-Edit this module to change the policy; the pool keeps the data, ``Room`` (kvd/core/room.py)
+Edit this module to change the policy; the pool keeps the data, ``Room`` (kvd/cache/room.py)
 decides when room is needed and in which order its sources are tried.
 
 Today's policy:

@@ -6,7 +6,7 @@ attention kind, any extra the engine names) gives a different root digest, and e
 page chain starts from that root.
 
 Identities are client input that the daemon keeps for its lifetime and writes into the
-shared-memory manifest (kvd/durability/meta.py), so they are bounded: each free-form field by the
+shared-memory manifest (kvd/core/records.py), so they are bounded: each free-form field by the
 ``MAX_*`` limits below (far beyond any real engine's: a Hugging Face model id has at most
 96 characters), and the whole identity's manifest entry by ``MAX_IDENTITY_BYTES``. With
 at most ``MAX_NAMESPACES`` namespaces per tenant (each tenant has its own manifest), the
@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass, field
 
 from kvd.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvd.core.records import MANIFEST_BYTES, MANIFEST_ENVELOPE_BYTES
 from kvd.core.types import NamespaceId
-from kvd.durability.meta import MANIFEST_BYTES, MANIFEST_ENVELOPE_BYTES
 from kvd.wire.layout import LayoutError, PageLayout
 
 SUPPORTED_ATTENTION = ("gqa", "sliding", "gqa+sliding")
@@ -187,12 +187,12 @@ def _root(identity: NamespaceIdentity) -> bytes:
 
 
 def manifest_entry(identity: NamespaceIdentity) -> bytes:
-    """The identity as the manifest's JSON encodes it (kvd/durability/meta.py), to bound its size."""
+    """The identity as the manifest's JSON encodes it (kvd/core/records.py), to bound its size."""
     return json.dumps(identity_doc(identity), sort_keys=True, separators=(",", ":")).encode()
 
 
 def identity_doc(identity: NamespaceIdentity) -> dict:
-    """A JSON-able form of an identity, for the shared-memory manifest (kvd/durability/meta.py)."""
+    """A JSON-able form of an identity, for the shared-memory manifest (kvd/core/records.py)."""
     lay = identity.layout
     return {
         "model": identity.model,

@@ -5,7 +5,7 @@ first touch, and a touch the tmpfs cannot back kills the process with SIGBUS. So
 segment the daemon creates and writes (extent data and metadata, the manifest, token
 buffers) is reserved whole when it is created (``posix_fallocate``): a /dev/shm that
 cannot hold it is ``ShmFull`` then, and never a signal later, in the daemon or in a
-client. kvd/core/arena.py, kvd/durability/meta.py and kvd/cache/token_buffers.py create their segments here.
+client. kvd/core/arena.py, kvd/core/records.py and kvd/cache/token_buffers.py create their segments here.
 """
 
 from __future__ import annotations

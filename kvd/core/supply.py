@@ -8,7 +8,7 @@ objects are frozen out of the garbage collector's walks (kvd/collector.py).
 
 A build /dev/shm refuses (``ShmFull``) is an outcome, not an error: its budget is given
 back, the arena stops planning extents for a while (``Arena.shm_refused``), and whoever
-waited for the build makes room from the cached pages instead (kvd/core/room.py).
+waited for the build makes room from the cached pages instead (kvd/cache/room.py).
 """
 
 from __future__ import annotations

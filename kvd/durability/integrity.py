@@ -6,7 +6,7 @@ recovery hands it the checksums a restart verified (through ``Catalog.restore``)
 Hashing costs ~35 ms per GiB (xxh3_64, measured on this host), so publishing a
 50K-token prefix of 2 MiB pages (~6 GB) would hold the event loop for ~0.2 s if it
 hashed synchronously. Instead ``publish`` writes each page's record (state PUBLISHED,
-kvd/durability/meta.py) and hands the page to one background sealer thread; the checksum is
+kvd/core/records.py) and hands the page to one background sealer thread; the checksum is
 recorded (state SEALED) on the event loop a moment later, and only if the page still
 holds the same content. A page whose daemon died before its seal is sealed by recovery
 (kvd/durability/recovery.py): its bytes and record were complete before ``publish`` replied.
@@ -28,8 +28,8 @@ from kvd.core.arena import Arena
 from kvd.core.counters import Counters
 from kvd.core.index import PageContent
 from kvd.core.pool import PagePool
+from kvd.core.records import ExtentMeta, page_checksum
 from kvd.core.types import PageId
-from kvd.durability.meta import ExtentMeta, page_checksum
 
 log = logging.getLogger(__name__)
 

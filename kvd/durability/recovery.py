@@ -13,7 +13,7 @@ before it accepts calls. It keeps everything it can verify and drops only what i
   out, so no published page is lost with it.
 
 Otherwise namespaces come back with their old ids, every extent counts against the
-budget again, and each page record (kvd/durability/meta.py) is read. A SEALED page is checked
+budget again, and each page record (kvd/core/records.py) is read. A SEALED page is checked
 against its checksum (``corrupted`` when it fails). A PUBLISHED page was published (its
 bytes written before the call, its record before the reply) but the daemon died before
 the sealer recorded its checksum: recovery seals it now, so a publish that returned
@@ -39,9 +39,7 @@ from kvd.core.arena import Extent, ExtentPlan, daemon_segments, leftover_segment
 from kvd.core.errors import KVDError
 from kvd.core.index import PageContent
 from kvd.core.namespaces import NamespaceIdentity, NamespaceRegistry, identity_from_doc
-from kvd.core.shm import SHM_DIR, ShmFull, unlink_quietly
-from kvd.core.types import NamespaceId, PageId, PageKey
-from kvd.durability.meta import (
+from kvd.core.records import (
     META_SUFFIX,
     PUBLISHED,
     ExtentMeta,
@@ -50,6 +48,8 @@ from kvd.durability.meta import (
     page_checksum,
     read_manifest,
 )
+from kvd.core.shm import SHM_DIR, ShmFull, unlink_quietly
+from kvd.core.types import NamespaceId, PageId, PageKey
 
 log = logging.getLogger(__name__)
 

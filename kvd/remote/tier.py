@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvd.cache.events import MEDIUM_REMOTE, EventLog
+from kvd.cache.room import Room
 from kvd.cache.stats import RemoteStats
 from kvd.config import RemoteConfig
 from kvd.core.arena import Arena
@@ -63,10 +64,9 @@ from kvd.core.eviction import release_order
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, chain_spec, page_key
 from kvd.core.namespaces import Namespace, NamespaceRegistry
 from kvd.core.pool import PagePool
-from kvd.core.room import Room
+from kvd.core.records import page_checksum
 from kvd.core.types import PageId, PageKey
 from kvd.durability.integrity import Integrity
-from kvd.durability.meta import page_checksum
 from kvd.remote.format import PageHeader, header_bytes, read_header, store_key, write_header
 from kvd.remote.link import RemoteLink
 from kvd.remote.mooncake_store import GetOutcome, PutOutcome

@@ -54,7 +54,7 @@ class ChainSpec:
         """What a stored page keeps of ``local_bytes``: a 16-byte digest, or b"" when there are none.
 
         Page 0's local bytes hold the chain root plus its multimodal items, so they are
-        long; a fixed-size digest fits the page's shared-memory record (kvd/durability/meta.py).
+        long; a fixed-size digest fits the page's shared-memory record (kvd/core/records.py).
         """
         local = self.local_bytes(page_index)
         return hashlib.blake2b(local, digest_size=16).digest() if local else b""

@@ -1,11 +1,11 @@
-"""A tier beside the page core: everything the core tells it, in one narrow interface.
+"""A tier beside the cache: everything the cache tells it, in one narrow interface.
 
-The core (kvd/cache/manager.py, kvd/cache/allocation.py, kvd/cache/publishing.py) calls a ``Tier`` at the
-moments a tier cares about (a page indexed, a publish done, a page about to be freed, a
-request matched, an allocation's hits) and knows nothing else of it. The remote store's
-tier (kvd/remote/tier.py, imported only with a remote tier configured) implements it; without
-one the core holds ``NO_TIER``, which does nothing, so the page core reads, runs and
-tests without the remote tier and its store client.
+The cache (kvd/cache/manager.py, kvd/cache/allocation.py, kvd/cache/publishing.py) calls a
+``Tier`` at the moments a tier cares about (a page indexed, a publish done, a page about to
+be freed, a request matched, an allocation's hits) and knows nothing else of it. The remote
+store's tier (kvd/remote/tier.py, imported only with a remote tier configured) implements
+it; without one the manager holds ``NO_TIER``, which does nothing, so the cache and the
+page core under it read, run and test without the remote tier and its store client.
 """
 
 from __future__ import annotations
