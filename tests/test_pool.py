@@ -8,18 +8,47 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import identity
 
 import kvd.core.eviction
 import kvd.core.pool
 from kvd.core.counters import Counters
 from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.listener import ChainPlace
+from kvd.core.namespaces import Namespace
 from kvd.core.page_columns import PageColumns
 from kvd.core.pool import PagePool
 from kvd.core.types import NamespaceId, PageId, PageKey, PageState
 
+OWN_CHAIN = ChainPlace(Namespace(NamespaceId(0), identity(), b"root"), 0, b"root")  # page 0 of a chain of its own
+
 
 def content(page: int) -> PageContent:
     return PageContent(PageId(page), PageKey(page.to_bytes(8, "little")), b"\0" * 16, None, b"")
+
+
+class Heard:
+    """A pool listener that keeps what it was told: the pages indexed now, as reported (each
+    page entering and leaving once), and the pages freed while published, in order."""
+
+    def __init__(self) -> None:
+        self.indexed: set[PageId] = set()
+        self.freed: list[PageId] = []  # unpublished, in order
+
+    def published(self, content: PageContent, place: ChainPlace, indexed: bool) -> None:
+        if indexed:
+            assert content.page not in self.indexed, f"page {content.page} indexed twice"
+            self.indexed.add(content.page)
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        self.published(content, place, True)
+
+    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
+        assert content.page in self.indexed, f"page {content.page} unindexed but not indexed"
+        self.indexed.remove(content.page)
+
+    def unpublished(self, page: PageId) -> None:
+        self.freed.append(page)
 
 
 @pytest.fixture(params=["page-by-page", "arrays"])
@@ -62,7 +91,7 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
     pool.add_pages(ns, "e", PageId(0), 64)
     pages = pool.allocate(ns, 40)
     for page in pages:
-        pool.publish(page, content(page), 0)  # a chain of its own
+        pool.publish(page, content(page), OWN_CHAIN)
     pool.release_all(reversed(pages))  # tail first
     assert pool.lru_order(ns) == pages[::-1] and pool.cached_count(ns) == 40
     pool.acquire_all(pages[:30])  # a hit on the first 30 leaves their entries behind
@@ -80,7 +109,7 @@ def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch
     pool.add_pages(ns, "e", PageId(0), 16)
     pages = pool.allocate(ns, 16)
     for page in pages:
-        pool.publish(page, content(page), 0)  # a chain of its own
+        pool.publish(page, content(page), OWN_CHAIN)
     pool.release_all(pages)
     for _ in range(100):  # every round trip leaves 16 entries behind
         pool.acquire_all(pages)
@@ -178,8 +207,8 @@ def test_both_paths_agree_with_the_model(monkeypatch):
     monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 4)  # drop left-behind entries often
     rng = random.Random(15)
     model = Model()
-    pool = PagePool(Counters(), PrefixIndex(), on_unpublish=lambda page: unpublished.append(page))
-    unpublished: list[int] = []
+    pool = PagePool(Counters(), PrefixIndex())
+    pool.listener = heard = Heard()
     refs: list[tuple[int, bool]] = []  # references taken: (page, pinned)
     extents: dict[str, tuple[int, int, int]] = {}  # name -> (namespace, first, count)
     next_page = 0
@@ -210,7 +239,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
         elif op < 0.35 and [p for p in live if model.state[p] is PageState.PRIVATE]:
             page = rng.choice([p for p in live if model.state[p] is PageState.PRIVATE])
             indexed = rng.random() < 0.8
-            pool.publish(PageId(page), content(page), 0 if indexed else None)
+            pool.publish(PageId(page), content(page), OWN_CHAIN, indexed)
             model.state[page], model.indexed[page] = PageState.PUBLISHED, indexed
         elif op < 0.5 and shared:
             pages = rng.sample(shared, rng.randint(1, min(len(shared), 60)))
@@ -266,8 +295,9 @@ def test_both_paths_agree_with_the_model(monkeypatch):
             assert pool.free_list(NamespaceId(n)) == model.free.get(n, []), f"step {step}"
             assert pool.lru_order(NamespaceId(n)) == list(model.lru.get(n, {})), f"step {step}"
             assert pool.cached_count(NamespaceId(n)) == len(model.lru.get(n, {})), f"step {step}"
-        assert unpublished == model.unpublished
+        assert heard.freed == model.unpublished
         assert all(pool.is_indexed(PageId(p)) == model.indexed[p] for p in model.state)
+        assert heard.indexed == {p for p in model.state if model.indexed[p]}, f"step {step}"
         assert all(
             (pool.content(PageId(p)) is not None) == (s in (PageState.PUBLISHED, PageState.CACHED))
             for p, s in model.state.items()

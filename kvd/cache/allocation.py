@@ -119,8 +119,8 @@ class AllocationJob:
         m.supply.provision(ns)
         if m.prefix_reuse:
             for p, hit in zip(self.prepared, self.matches):
-                m.tier.served(hit.pages, ns.page_size)
-                m.tier.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
+                m.tiers.served(hit.pages, ns.page_size)
+                m.tiers.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
         return WithEvictions(plans, m.report_evictions(self.session))
 
     def close(self) -> None:

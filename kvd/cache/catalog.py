@@ -10,17 +10,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvd.cache.events import EventLog
 from kvd.cache.requests import ResetResult
 from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
 from kvd.core.errors import ResourceExhausted
 from kvd.core.index import PageContent
+from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.core.pool import PagePool
 from kvd.core.records import MetaError
 from kvd.core.supply import ExtentSupply
-from kvd.core.types import NamespaceId, PageId, PageKey, PageState
+from kvd.core.types import PageId, PageKey, PageState
 from kvd.durability.integrity import Integrity
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ class Catalog:
         integrity: Integrity,
         supply: ExtentSupply,
         counters: Counters,
-        events: EventLog,
     ) -> None:
         self.arena = arena
         self.namespaces = namespaces
@@ -48,7 +47,6 @@ class Catalog:
         self.integrity = integrity
         self.supply = supply
         self.counters = counters
-        self.events = events
         self.last_recovery: RecoveryReport | None = None  # of this start, set by restore()
 
     def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
@@ -95,19 +93,16 @@ class Catalog:
         for extent in found.extents:
             self.arena.adopt_recovered(extent)
             self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
-        by_ns: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        recovered: list[tuple[ChainPlace, PageContent]] = []
         keys: dict[PageId, PageKey] = {}
         for page_index, content in found.pages:  # parents first
-            ns_id = self.pool.namespace_of(content.page)
-            by_ns.setdefault(ns_id, []).append((page_index, content))
             keys[content.page] = content.key
-            # The records keep no extra keys, so recovered pages are announced without a LoRA name.
+            # The records keep no chain root and no extra keys: recovered pages are announced
+            # without a LoRA name (kvd/cache/page_events.py).
             parent = None if content.parent is None else keys[content.parent]
-            self.events.stored(
-                ns_id, self.namespaces.get(ns_id).page_size, page_index, content.key, parent, content.tokens
-            )
-        for ns_id, contents in by_ns.items():
-            self.pool.restore(ns_id, contents)
+            ns = self.namespaces.get(self.pool.namespace_of(content.page))
+            recovered.append((ChainPlace(ns, page_index, parent), content))
+        self.pool.restore(recovered)
         for ns_id, corrupted in found.corrupted.items():
             self.counters.of(ns_id).corrupted_pages += corrupted
         self.integrity.restore(found.checksums)

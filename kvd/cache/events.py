@@ -10,10 +10,11 @@ publisher's start, kvd/server/event_publisher.py). A block hash is the page's kv
 and the page size come with every stored page, so a router that keys prefixes by its own
 hash of the token ids indexes kvd's pages too.
 
-``EventLog`` is the one place events are made, one per tenant (its manager feeds it):
+``EventLog`` is the one place events are made, one per tenant:
 
-- the manager reports each page as it is indexed (``stored``) and the index each page as
-  it leaves (``removed``); consecutive pages of one chain merge into one event;
+- ``PageEvents`` (kvd/cache/page_events.py), which the pool tells, reports each page as it
+  is indexed (``stored``) and as it leaves the index (``removed``); consecutive pages of
+  one chain merge into one event;
 - the events of one turn of the event loop (one call: a publish, an allocation that
   evicted, a reset) close as one ``EventBatch`` with the next sequence number, never
   one per page; a call that runs in steps over many turns (``held``) closes its batch

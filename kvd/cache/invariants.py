@@ -22,7 +22,7 @@ class _References:
     pinned: Counter = field(default_factory=Counter)  # page → pins
     owners: dict[int, list[str]] = field(default_factory=dict)  # page → seq ids
     logical: int = 0  # page-table entries of all sequences
-    held: Counter = field(default_factory=Counter)  # page → the remote tier's holds (kvd/remote/tier.py)
+    held: Counter = field(default_factory=Counter)  # page → the tiers' holds (kvd/cache/tier.py)
     counted: str = "sequences + pins"  # what ``expected`` counts, for messages
 
 
@@ -76,7 +76,7 @@ def _references(manager, found: list[str]) -> _References:
             refs.pinned[page] += 1
     for job in manager.allocations:  # hits an allocation in progress holds (kvd/cache/allocation.py)
         refs.expected.update(job.held)
-    refs.held = manager.tier.holds()  # pages the remote store reads or writes right now
+    refs.held = manager.tiers.holds()  # pages the tiers' stores read or write right now
     if refs.held:
         refs.expected.update(refs.held)
         refs.counted = "sequences + pins + remote holds"

@@ -11,8 +11,10 @@ shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 ``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
 ``Counters``; request checks in kvd/cache/requests.py;
 what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
-the KV events routers hear in ``EventLog`` (pages indexed here, pages leaving the index
-through the index's own hook).
+the KV events routers hear in ``EventLog``. What follows a page being published, indexed,
+unindexed or freed (its record, its KV event, the tiers) is ``PageEvents``'s, which the
+pool tells (kvd/cache/page_events.py); the tiers beside the cache plug in at ``Tiers.attach``
+(kvd/cache/tier.py).
 A warm restart's findings arrive through ``Catalog.restore`` (kvd/durability/recovery.py).
 """
 
@@ -25,6 +27,7 @@ from kvd.cache.allocation import AllocationJob
 from kvd.cache.aux_state import AuxBudget
 from kvd.cache.catalog import Catalog
 from kvd.cache.events import EventLog
+from kvd.cache.page_events import PageEvents
 from kvd.cache.pins import PinTable
 from kvd.cache.publishing import PublishJob
 from kvd.cache.requests import (
@@ -51,7 +54,7 @@ from kvd.cache.requests import (
 from kvd.cache.room import Room
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
-from kvd.cache.tier import NO_TIER, Tier
+from kvd.cache.tier import Tiers
 from kvd.cache.token_buffers import TokenBuffer
 from kvd.config import AUX_BYTES, STEP_SECONDS
 from kvd.core.arena import Arena
@@ -62,7 +65,7 @@ from kvd.core.index import MISS, ExtraKey, Match, PrefixIndex
 from kvd.core.namespaces import Namespace, NamespaceRegistry
 from kvd.core.pool import PagePool
 from kvd.core.supply import ExtentSupply
-from kvd.core.types import NamespaceId, PageId, SeqId, SequenceState, SessionId
+from kvd.core.types import NamespaceId, SeqId, SequenceState, SessionId
 from kvd.durability.integrity import Integrity
 
 
@@ -83,14 +86,13 @@ class KVCacheManager:
         self.limits = limits or Limits()
         self.namespaces = NamespaceRegistry()
         self.events = events or EventLog()
-        # A page that stops being published loses its checksum and record (kvd/durability/integrity.py).
         self.counters = Counters()
-        # Whatever takes a page out of the index (eviction, reset, reclaim, a failed checksum), routers hear of it.
-        self.index = PrefixIndex(
-            on_remove=lambda content: self.events.removed(self.pool.namespace_of(content.page), content.key)
-        )
-        self.pool = PagePool(self.counters, self.index, on_unpublish=self._unpublished)  # owns the index's entries
+        self.index = PrefixIndex()
+        self.pool = PagePool(self.counters, self.index)  # owns the index's entries
         self.integrity = Integrity(arena, self.pool, self.counters)
+        self.tiers = Tiers()  # none until the launcher attaches one (kvd/server/daemon.py)
+        self.page_events = PageEvents(self.integrity, self.events, self.tiers)
+        self.pool.listener = self.page_events
         self.sequences = SequenceTable()
         self.sessions = SessionRegistry()
         self.pins = PinTable(self.pool)
@@ -103,16 +105,9 @@ class KVCacheManager:
             self.counters,
             self.integrity,
         )
-        self.catalog = Catalog(
-            arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters, self.events
-        )
+        self.catalog = Catalog(arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters)
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
-        self.tier: Tier = NO_TIER  # the remote store's tier, set by attach_remote (kvd/cache/tier.py)
-
-    def _unpublished(self, page: PageId) -> None:
-        self.tier.unpublished(page)  # first: with policy "evict" it reads the page's seal
-        self.integrity.forget(page)
 
     def close(self, unlink: bool = True) -> None:
         self.supply.close()
@@ -193,7 +188,7 @@ class KVCacheManager:
             r = p.request
             found, pending = self.match_prefix(ns, p), 0
             if self.prefix_reuse:
-                pending = self.tier.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
+                pending = self.tiers.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
             part.append(LookupResult(r.seq_id, found.pages, found.tokens(ns.page_size), pending))
             if time.perf_counter() > deadline:
                 yield part
@@ -220,7 +215,7 @@ class KVCacheManager:
             seq = self._live(ns, seq_id, session)
             upto = publish_pages(seq, num_tokens, ns.page_size)
             targets.append((seq, upto if self.prefix_reuse else 0))
-        return PublishJob(ns, self.pool, self.index, self.integrity, self.sequences, self.events, self.tier, targets)
+        return PublishJob(ns, self.pool, self.index, self.sequences, self.events, self.page_events, targets)
 
     def extend(
         self, session_id: str, namespace_id: int, items: list[tuple[str, int, bytes | None]]

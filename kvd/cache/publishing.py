@@ -17,7 +17,9 @@ steps, and each is safe against them:
 - extend appends pages after the ones being published; fork copies what is private at
   that moment.
 The reply goes only after the last step, so a returned publish is as durable as before
-(records written, kvd/durability/integrity.py seals them; ``publish-recorded`` crash point). A call
+(records written, kvd/durability/integrity.py seals them; ``publish-recorded`` crash point).
+What follows each page published (its record, its KV event, the tiers) is
+``PageEvents``'s (kvd/cache/page_events.py), which the pool tells. A call
 cancelled between steps (its deadline passed) leaves the pages published so far, a state
 as consistent as any step's; they are handed to the sealer with the next publish.
 """
@@ -30,15 +32,15 @@ from dataclasses import dataclass, field
 
 from kvd import crashpoints
 from kvd.cache.events import EventLog
+from kvd.cache.page_events import PageEvents
 from kvd.cache.requests import PublishResult, Rebind
 from kvd.cache.sequences import Sequence, SequenceTable
-from kvd.cache.tier import Tier
 from kvd.config import STEP_SECONDS
 from kvd.core.index import PageContent, PrefixIndex, page_key
+from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.pool import PagePool
 from kvd.core.types import SequenceState
-from kvd.durability.integrity import Integrity
 from kvd.wire.codec import TOKEN_BYTES
 
 
@@ -49,10 +51,9 @@ class PublishJob:
     ns: Namespace
     pool: PagePool
     index: PrefixIndex
-    integrity: Integrity
     sequences: SequenceTable
-    events: EventLog  # pages indexed are announced (kvd/cache/events.py)
-    tier: Tier  # hears of the pages indexed (kvd/cache/tier.py: the remote store's, or none)
+    events: EventLog  # the call's events close as one batch (kvd/cache/events.py)
+    pages: PageEvents  # what follows each page published (kvd/cache/page_events.py)
     targets: list[tuple[Sequence, int]]
     published: list[int] = field(init=False)
     rebinds: list[list[Rebind]] = field(init=False)
@@ -86,8 +87,7 @@ class PublishJob:
             break
         if self.done:
             crashpoints.reached("publish-recorded")
-            self.integrity.submit()  # once, with every page: the sealer thread stays off the GIL meanwhile
-            self.tier.submit()
+            self.pages.submit()
         return self.done
 
     def steps(self) -> Iterator[None]:
@@ -128,11 +128,5 @@ class PublishJob:
             return Rebind(i, page, existing.page)
         # On a (verified) hash collision the page is published but left out of the index.
         content = PageContent(page, key, page_tokens, parent, local)
-        indexed = existing is None
-        self.pool.publish(page, content, i if indexed else None)
-        if indexed:
-            ns = self.ns
-            self.events.stored(ns.id, ns.page_size, i, key, parent_key if i else None, page_tokens, seq.extra_keys)
-            self.tier.published(ns, content, i, parent_key, seq.extra_keys)
-        self.integrity.describe(content, i)
+        self.pool.publish(page, content, ChainPlace(self.ns, i, parent_key, seq.extra_keys), indexed=existing is None)
         return None

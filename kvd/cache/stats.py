@@ -173,7 +173,7 @@ def collect(manager) -> Stats:
         manager.aux.per_sequence,
         arena.shm_refusals,
         manager.catalog.last_recovery or RecoveryReport(),
-        manager.tier.stats(),
+        manager.tiers.stats(),
     )
 
 

@@ -1,11 +1,17 @@
-"""A tier beside the cache: everything the cache tells it, in one narrow interface.
+"""Tiers beside the cache: everything the cache tells one, in one narrow interface, and the
+one place a tier plugs in.
 
-The cache (kvd/cache/manager.py, kvd/cache/allocation.py, kvd/cache/publishing.py) calls a
-``Tier`` at the moments a tier cares about (a page indexed, a publish done, a page about to
-be freed, a request matched, an allocation's hits) and knows nothing else of it. The remote
-store's tier (kvd/remote/tier.py, imported only with a remote tier configured) implements
-it; without one the manager holds ``NO_TIER``, which does nothing, so the cache and the
-page core under it read, run and test without the remote tier and its store client.
+A ``Tier`` hears the moments a tier cares about and knows nothing else of the cache: a
+page published and indexed, a publish done, a published page about to be freed (through
+``PageEvents``, kvd/cache/page_events.py, in the order it documents), a request matched
+and an allocation's hits (from the manager and kvd/cache/allocation.py). The remote store's
+tier (kvd/remote/tier.py, imported only with a remote tier configured) implements it.
+
+``Tiers`` holds a cache's tiers, nearest host memory first, and is what the cache calls:
+each call goes to every tier in that order. A tier plugs in with ``Tiers.attach``, once,
+before the daemon takes calls (kvd/server/daemon.py attaches the remote tier); without any,
+every call does nothing, so the cache and the page core under it read, run and test
+without a tier and its store client.
 """
 
 from __future__ import annotations
@@ -15,18 +21,17 @@ from typing import Protocol
 
 from kvd.cache.stats import RemoteStats
 from kvd.core.index import ChainSpec, ExtraKey, PageContent
+from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
 
 
 class Tier(Protocol):
-    def published(
-        self, ns: Namespace, content: PageContent, page_index: int, parent_key: bytes, extra_keys: tuple[ExtraKey, ...]
-    ) -> None:
-        """A page was just published and indexed."""
+    def published(self, content: PageContent, place: ChainPlace) -> None:
+        """A page was just published and indexed (one the tier fetched itself too)."""
 
     def submit(self) -> None:
-        """A publish ended: what it indexed may go now."""
+        """A call's pages are all published: what it indexed may go now."""
 
     def unpublished(self, page: PageId) -> None:
         """A published page stops being published (freed); its bytes and seal are still there."""
@@ -53,29 +58,54 @@ class Tier(Protocol):
         """Its state and counters (kvd/cache/stats.py)."""
 
 
-class _NoTier:
-    """No tier: every call does nothing."""
+class Tiers:
+    """The tiers beside one cache, nearest host memory first; each call goes to all of them."""
 
-    def published(self, ns, content, page_index, parent_key, extra_keys) -> None:
-        pass
+    def __init__(self) -> None:
+        self._tiers: list[Tier] = []
+
+    def attach(self, tier: Tier) -> None:
+        """Plugs a tier in below the ones attached before: the one place a tier joins the
+        cache. Before the daemon takes calls, after a warm restart's pages are restored (the
+        tier finds them in the index)."""
+        self._tiers.append(tier)
+
+    def published(self, content: PageContent, place: ChainPlace) -> None:
+        for tier in self._tiers:
+            tier.published(content, place)
 
     def submit(self) -> None:
-        pass
+        for tier in self._tiers:
+            tier.submit()
 
     def unpublished(self, page: PageId) -> None:
-        pass
+        for tier in self._tiers:
+            tier.unpublished(page)
 
     def served(self, hits: list[PageId], page_size: int) -> None:
-        pass
+        for tier in self._tiers:
+            tier.served(hits, page_size)
 
-    def missed(self, ns, chain, extra_keys, tokens, hits, hit_keys) -> int:
-        return 0
+    def missed(
+        self,
+        ns: Namespace,
+        chain: ChainSpec,
+        extra_keys: tuple[ExtraKey, ...],
+        tokens: bytes,
+        hits: list[PageId],
+        hit_keys: list[PageKey],
+    ) -> int:
+        """Every tier hears of the miss; the most tokens any may still bring."""
+        return max((tier.missed(ns, chain, extra_keys, tokens, hits, hit_keys) for tier in self._tiers), default=0)
 
     def holds(self) -> Counter[PageId]:
-        return Counter()
+        """The pool references all tiers hold, by page."""
+        held: Counter[PageId] = Counter()
+        for tier in self._tiers:
+            held.update(tier.holds())
+        return held
 
     def stats(self) -> RemoteStats:
-        return RemoteStats()
-
-
-NO_TIER: Tier = _NoTier()
+        """The remote store's tier's, the one kind there is ("off" without it); a tier of
+        another kind brings stats of its own."""
+        return self._tiers[0].stats() if self._tiers else RemoteStats()

@@ -15,7 +15,6 @@ costs a miss, never wrong KV.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,16 +166,13 @@ class PrefixIndex:
     the pages that followed the one removed, and the pool removes them too.
     """
 
-    def __init__(self, on_remove: Callable[[PageContent], None] | None = None) -> None:
+    def __init__(self) -> None:
         self._entries = _Shards()  # PageKey -> PageContent
         self._runs = _Shards()  # PageId -> (its _Run, its position in it)
         # PageId -> the pages that start a run of their own under it (a chain that branches
         # off where its parent is not the last page of a run): with the runs, what follows
         # a removed page (``remove``)
         self._branches: dict[PageId, list[PageId]] = {}
-        # Called for every entry that leaves, whatever the reason (eviction, reset, reclaim,
-        # a failed checksum): the one place that knows a page stopped being findable.
-        self._on_remove = on_remove
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -231,8 +227,6 @@ class PrefixIndex:
         for branch in self._branches.pop(content.page, ()):
             branch_run, at = self._runs[branch]
             orphans.append(self._entries[branch_run.keys[at]])
-        if self._on_remove is not None:
-            self._on_remove(held)
         return orphans
 
     def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> Match:

@@ -15,11 +15,15 @@ in use (PRIVATE or PUBLISHED) are the ones with a refcount.
 
 CACHED pages sit in a per-namespace ``CachedQueue``; which one goes first is the
 eviction policy's (kvd/core/eviction.py), not this module's.
+
+Every page that is published, restored, unindexed or freed while published is reported
+once, by the call that does it, to the pool's ``listener`` (kvd/core/listener.py): what
+follows (a record, a KV event, a tier's copy) is the listener's, never a caller's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +31,7 @@ import numpy as np
 from kvd.core.counters import Counters
 from kvd.core.eviction import CachedQueue, restore_order
 from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.listener import SILENT, ChainPlace, PageListener
 from kvd.core.page_columns import CACHED, FREE, PRIVATE, PUBLISHED, STATES, PageColumns
 from kvd.core.types import NamespaceId, PageId, PageState
 
@@ -42,15 +47,14 @@ class _NamespacePages:
 class PagePool:
     """States, refcounts, free lists and LRU of every host page of the daemon."""
 
-    def __init__(
-        self, counters: Counters, index: PrefixIndex, on_unpublish: Callable[[PageId], None] | None = None
-    ) -> None:
+    def __init__(self, counters: Counters, index: PrefixIndex) -> None:
         """``index``: the prefix index of this pool's published pages. Only the pool inserts
         and removes its entries: a page enters it when published (or restored) and leaves it
         in the same call that evicts, frees or unindexes the page; everyone else matches."""
         self.index = index
-        # Called when a published page stops being published (freed), before it can be reused.
-        self._on_unpublish = on_unpublish
+        # Hears every page published, restored, unindexed or freed while published; set once,
+        # before the first page is published (kvd/cache/manager.py sets the cache's).
+        self.listener: PageListener = SILENT
         self._columns = PageColumns()
         self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
         self._orphans: list[PageContent] = []  # indexed pages that followed a page that left the index
@@ -80,26 +84,32 @@ class PagePool:
         pages = self._ns(namespace)
         pages.free = [p for p in pages.free if p not in gone]
 
-    def restore(self, namespace: NamespaceId, recovered: list[tuple[int, PageContent]]) -> None:
-        """FREE → CACHED (indexed, refcount 0) for pages a warm restart recovered: (chain page
-        index, content), parents first; queued in eviction order (kvd/core/eviction.py)."""
-        c, pages = self._columns, self._ns(namespace)
-        for page_index, content in recovered:
-            self.index.insert(content, page_index)
-        contents = restore_order(recovered)
-        slots = []
-        for content in contents:
-            slot = c.slot(content.page)
-            assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
-                f"page {content.page} restored while {self.state(content.page).value}"
-            )
-            self._content[content.page] = content
-            c.indexed_at[slot] = True
-            c.state_at[slot] = CACHED
-            slots.append(slot)
-        pages.cached.push(np.array(slots, np.int64))
-        restored = {content.page for content in contents}
-        pages.free = [page for page in pages.free if page not in restored]
+    def restore(self, recovered: list[tuple[ChainPlace, PageContent]]) -> None:
+        """FREE → CACHED (indexed, refcount 0) for the pages a warm restart recovered, of any
+        namespace, parents first; each namespace's queued in eviction order (kvd/core/eviction.py)."""
+        by_namespace: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
+        for place, content in recovered:
+            self.index.insert(content, place.page_index)
+            by_namespace.setdefault(place.ns.id, []).append((place.page_index, content))
+        c = self._columns
+        for namespace, indexed in by_namespace.items():
+            pages = self._ns(namespace)
+            contents = restore_order(indexed)
+            slots = []
+            for content in contents:
+                slot = c.slot(content.page)
+                assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
+                    f"page {content.page} restored while {self.state(content.page).value}"
+                )
+                self._content[content.page] = content
+                c.indexed_at[slot] = True
+                c.state_at[slot] = CACHED
+                slots.append(slot)
+            pages.cached.push(np.array(slots, np.int64))
+            restored = {content.page for content in contents}
+            pages.free = [page for page in pages.free if page not in restored]
+        for place, content in recovered:
+            self.listener.restored(content, place)
 
     def extent_in_use(self, extent: str) -> int:
         """The extent's PRIVATE or PUBLISHED pages: those with a refcount."""
@@ -307,19 +317,20 @@ class PagePool:
         self._cache(slots[cache], pages)
         self._free(slots[~cache], pages)
 
-    def publish(self, page: PageId, content: PageContent, page_index: int | None) -> None:
-        """PRIVATE → PUBLISHED: the page is immutable from now on; indexed ``page_index`` pages
-        from its chain's start, or left out of the index (None: a verified hash collision)."""
+    def publish(self, page: PageId, content: PageContent, place: ChainPlace, indexed: bool = True) -> None:
+        """PRIVATE → PUBLISHED: the page is immutable from now on; indexed at its ``place`` in
+        its chain, or left out of the index (``indexed`` False: a verified hash collision)."""
         c = self._columns
         slot = c.slot(page)
         assert c.state_at[slot] == PRIVATE and c.refcount_at[slot] == 1, (
             f"page {page} published while {self.state(page).value} with refcount {c.refcount_at[slot]}"
         )
         c.state_at[slot] = PUBLISHED
-        c.indexed_at[slot] = page_index is not None
+        c.indexed_at[slot] = indexed
         self._content[page] = content
-        if page_index is not None:
-            self.index.insert(content, page_index)
+        if indexed:
+            self.index.insert(content, place.page_index)
+        self.listener.published(content, place, indexed)
 
     def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
         """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
@@ -356,7 +367,7 @@ class PagePool:
         assert content is not None, f"page {page} unindexed while {self.state(page).value}"
         if c.indexed_at[slot]:
             c.indexed_at[slot] = False
-            self._orphans += self.index.remove(content)
+            self._leave_index(content, slot)
         if c.state_at[slot] == CACHED:
             pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
             pages.cached.left(1)
@@ -390,7 +401,7 @@ class PagePool:
                 self._evict(slot, pages)
             else:
                 c.indexed_at[slot] = False
-                self._orphans += self.index.remove(content)
+                self._leave_index(content, slot)
 
     def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
         """A CACHED page out of its queue → FREE; returns what it held."""
@@ -436,13 +447,19 @@ class PagePool:
         self._drop_orphans()
 
     def _unpublish(self, page: PageId, slot: int) -> None:
-        """A published page is freed: out of the index (what followed it is dropped by the
-        public method's ``_drop_orphans``), its content forgotten."""
-        if self._on_unpublish is not None:
-            self._on_unpublish(page)
+        """A published page is freed: reported while its content is still here, then out of
+        the index (what followed it is dropped by the public method's ``_drop_orphans``), its
+        content forgotten."""
+        self.listener.unpublished(page)
         content = self._content.pop(page)
         if self._columns.indexed_at[slot]:
-            self._orphans += self.index.remove(content)
+            self._leave_index(content, slot)
+
+    def _leave_index(self, content: PageContent, slot: int) -> None:
+        """The page's index entry goes (its slot's ``indexed`` flag is the caller's); the
+        indexed pages that followed it are orphans now."""
+        self._orphans += self.index.remove(content)
+        self.listener.unindexed(content, NamespaceId(self._columns.namespace_at[slot]))
 
     def _ns(self, namespace: NamespaceId) -> _NamespacePages:
         pages = self._by_namespace.get(namespace)

@@ -1,7 +1,8 @@
 """Page checksums: sealing published pages off the event loop, auditing them, and dropping
-the pages whose bytes changed. ``Integrity`` is the one home of the checksums; the
-manager calls it when it publishes a page, the pool when a page stops being published,
-recovery hands it the checksums a restart verified (through ``Catalog.restore``).
+the pages whose bytes changed. ``Integrity`` is the one home of the checksums; it hears
+of a page published and of a published page freed from ``PageEvents``
+(kvd/cache/page_events.py), which the pool tells; recovery hands it the checksums a
+restart verified (through ``Catalog.restore``).
 
 Hashing costs ~35 ms per GiB (xxh3_64, measured on this host), so publishing a
 50K-token prefix of 2 MiB pages (~6 GB) would hold the event loop for ~0.2 s if it

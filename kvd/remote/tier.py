@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvd.cache.events import MEDIUM_REMOTE, EventLog
+from kvd.cache.page_events import PageEvents
 from kvd.cache.room import Room
 from kvd.cache.stats import RemoteStats
 from kvd.config import RemoteConfig
@@ -62,6 +63,7 @@ from kvd.core.arena import Arena
 from kvd.core.errors import ResourceExhausted
 from kvd.core.eviction import release_order
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace, NamespaceRegistry
 from kvd.core.pool import PagePool
 from kvd.core.records import page_checksum
@@ -107,16 +109,6 @@ class _Unsent(enum.Enum):
     PRESENT = "present"  # offered again, and the store holds it still
 
 
-@dataclass(frozen=True, slots=True)
-class _Place:
-    """Where a published page sits in its chain: what its header and its REMOTE event name."""
-
-    ns: Namespace
-    page_index: int
-    parent_key: bytes  # the parent's chain key; the chain root for page 0
-    extra_keys: tuple[ExtraKey, ...]  # the publishing request's; none for recovered pages
-
-
 @dataclass(frozen=True)
 class _Put:
     key: str
@@ -156,6 +148,7 @@ class RemoteTier:
         integrity: Integrity,
         room: Room,
         events: EventLog,
+        pages: PageEvents,
         namespaces: NamespaceRegistry,
     ) -> None:
         """Built before the daemon takes any call (``beside``): the pages a warm restart
@@ -168,7 +161,8 @@ class RemoteTier:
         self.index = index
         self.integrity = integrity
         self.room = room
-        self.events = events  # pages that land here are announced like any page indexed here
+        self.events = events  # pages the store accepted are announced (medium REMOTE)
+        self.pages = pages  # fetched pages are published like any: their seals and events follow
         self.namespaces = namespaces
         self.backlog_bytes = settings.backlog_bytes
         self.policy = settings.policy  # "publish": store when published; "evict": when evicted
@@ -181,7 +175,7 @@ class RemoteTier:
         self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
         self._fetched: set[PageId] = set()  # published pages that came from the store
         # Published pages whose place in their chain is known: what storing them needs.
-        self._placed: dict[PageId, _Place] = _recovered_places(pool, index, namespaces)
+        self._placed: dict[PageId, ChainPlace] = _recovered_places(pool, index, namespaces)
         # Store keys whose value failed its checks: a fetch stops before them (read by the worker).
         self._rejected: OrderedDict[str, None] = OrderedDict()
         self._staging = np.zeros((MAX_BATCH_PAGES, 0), dtype=np.uint8)  # headers: [pages, header bytes]
@@ -194,25 +188,24 @@ class RemoteTier:
         """The tier of one tenant's cache (``manager``, which calls it as its ``Tier``);
         ``scope`` keeps this tenant's pages apart from other tenants' in the store."""
         m = manager
-        return cls(link, scope, settings, m.arena, m.pool, m.index, m.integrity, m.room, m.events, m.namespaces)
+        return cls(
+            link, scope, settings, m.arena, m.pool, m.index, m.integrity, m.room, m.events, m.page_events, m.namespaces
+        )
 
     # ---- store ----------------------------------------------------------------------
 
-    def published(
-        self, ns: Namespace, content: PageContent, page_index: int, parent_key: bytes, extra_keys: tuple[ExtraKey, ...]
-    ) -> None:
+    def published(self, content: PageContent, place: ChainPlace) -> None:
         """A page was just published and indexed: store it (with policy "evict", only once
-        it is evicted)."""
-        place = _Place(ns, page_index, parent_key, extra_keys)
+        it is evicted), unless it came from the store."""
         self._placed[content.page] = place
-        if self.policy == "evict":
+        if self.policy == "evict" or content.page in self._fetched:
             return
-        if not self.link.up or self._held_bytes + ns.page_bytes > self.backlog_bytes:
+        if not self.link.up or self._held_bytes + place.ns.page_bytes > self.backlog_bytes:
             self.counters.skipped_pages += 1
             return
         self._queued.append(self._held_put(content, place))
 
-    def _held_put(self, content: PageContent, place: _Place, sealed=None, reoffer: bool = False) -> _Put:
+    def _held_put(self, content: PageContent, place: ChainPlace, sealed=None, reoffer: bool = False) -> _Put:
         """A put of a published page straight from shared memory, held until its outcome."""
         self._hold([content.page], place.ns.page_bytes)
         header = PageHeader(place.page_index, content.key, place.parent_key, content.local, content.tokens)
@@ -275,7 +268,7 @@ class RemoteTier:
             medium=MEDIUM_REMOTE,
         )
 
-    def _evicted(self, page: PageId, place: _Place) -> None:
+    def _evicted(self, page: PageId, place: ChainPlace) -> None:
         """With policy "evict": a sealed page leaves host memory, so its bytes are copied now
         (its memory is reused next) and stored from the copy, once the copy matches the
         page's seal. A page dropped for a failed checksum has no seal left: never stored."""
@@ -478,18 +471,12 @@ class RemoteTier:
                 parent = existing.page
                 continue
             content = PageContent(page, want.key, want.tokens, parent, want.local)
-            self.pool.publish(page, content, want.page_index)
-            self.integrity.describe(content, want.page_index)
-            parent_key = want.parent_key if want.page_index else None
-            self.events.stored(
-                ns.id, ns.page_size, want.page_index, want.key, parent_key, want.tokens, fetch.extra_keys
-            )
-            self._fetched.add(page)
-            self._placed[page] = _Place(ns, want.page_index, want.parent_key, fetch.extra_keys)
+            self._fetched.add(page)  # never stored again (``published``)
+            self.pool.publish(page, content, ChainPlace(ns, want.page_index, want.parent_key, fetch.extra_keys))
             landed.append(page)
             parent = page
         self.counters.fetched_pages += len(landed)
-        self.integrity.submit()
+        self.pages.submit()
         self._end(ident)
 
     def _end(self, ident: tuple) -> None:
@@ -556,13 +543,13 @@ class RemoteTier:
         self.link.run(self.scope, frozenset(regions), job, done)
 
 
-def _recovered_places(pool: PagePool, index: PrefixIndex, namespaces: NamespaceRegistry) -> dict[PageId, _Place]:
+def _recovered_places(pool: PagePool, index: PrefixIndex, namespaces: NamespaceRegistry) -> dict[PageId, ChainPlace]:
     """Where each page a warm restart recovered sits in its chain: how many parents it has
     (each page is walked once) and its parent's key. Page 0's parent key is its chain root,
     which records do not keep: it is known only for a chain without request-wide extra keys
     (LoRA, cache salt) nor a multimodal item on page 0, whose local digest is then that of
     the namespace's plain root."""
-    places: dict[PageId, _Place] = {}
+    places: dict[PageId, ChainPlace] = {}
     depth: dict[PageId, int] = {}
     plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
     for _, at in index.items():
@@ -576,9 +563,9 @@ def _recovered_places(pool: PagePool, index: PrefixIndex, namespaces: NamespaceR
             depth[page] = page_index
             content, ns = pool.content(page), namespaces.get(pool.namespace_of(page))
             if content.parent is not None:
-                places[page] = _Place(ns, page_index, pool.content(content.parent).key, ())
+                places[page] = ChainPlace(ns, page_index, pool.content(content.parent).key)
             elif content.local == plain[ns.id].local_digest(0):
-                places[page] = _Place(ns, page_index, plain[ns.id].root, ())
+                places[page] = ChainPlace(ns, page_index, plain[ns.id].root)
     return places
 
 
