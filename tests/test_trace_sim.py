@@ -129,6 +129,14 @@ def test_disk_eviction_forces_a_write_again():
     assert (outcome.disk_hits, outcome.disk_writes) == (2, 2)
 
 
+def test_read_back_refreshes_the_disk_copy():
+    """RAM 1, disk 2: block 1 read back from disk is refreshed there, so block 3's write evicts
+    block 2 instead, and 1 is still on disk when RAM evicts it again (not written twice)."""
+    trace = Trace([[1], [2], [3], [1], [4]])
+    outcome = replay(trace, TwoTier(1, LRU(2), PLACEMENTS["write-back"]))
+    assert outcome == Outcome(blocks=5, ram_hits=0, disk_hits=1, scattered=0, disk_writes=3)
+
+
 def test_command_line(capsys):
     trace_sim.main(["--requests", "300", "--ram", "0.05", "--disk", "0.2"])
     out = capsys.readouterr().out
