@@ -90,7 +90,8 @@ def stats_table(stats: dict) -> str:
             f"remote store {r['state']}: {r['stored_pages']:,} pages stored "
             f"({r['reoffered_pages']:,} offered again), {r['fetched_pages']:,} fetched "
             f"({r['hit_tokens']:,} hit tokens), {r['refused_pages']:,} refused, {r['skipped_pages']:,} skipped, "
-            f"{r['rejected_pages']:,} rejected, {r['errors']:,} errors, {r['outages']:,} outages"
+            f"{r['rejected_pages']:,} rejected, {r['errors']:,} errors, "
+            f"{r['outages']:,} outages ({r['resets']:,} resets)"
         )
     return "\n".join(lines)
 

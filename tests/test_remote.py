@@ -378,6 +378,7 @@ def test_without_a_remote_table_nothing_changes_and_mooncake_is_never_loaded(dae
             ),
             "errors": 0,
             "outages": 0,
+            "resets": 0,
             "reoffered_pages": 0,
         }
         ns = c.register_namespace(MODEL, LAYOUT)
@@ -451,6 +452,34 @@ def test_after_the_master_restarts_each_host_offers_its_pages_again_and_its_lru_
             publish_prompt(a, ns_a, "big", prompt(73, 256 - 2 * PAGES))  # all free pages and 40 more
             assert a.lookup(ns_a, [SequenceRequest("x", older)])[0].hit_tokens == 0
             assert a.lookup(ns_a, [SequenceRequest("y", old)])[0].hit_tokens == len(old)
+            assert a.check_invariants() == [] and b.check_invariants() == []
+    finally:
+        stop_both(da, db)
+
+
+def test_a_master_restarted_while_a_host_could_not_look_is_noticed_and_its_pages_offered_again(tmp_path, master):
+    """A's daemon is stopped (SIGSTOP) across the master's restart, so no call of its own ever
+    fails: its heartbeat must find that the store lost its objects, and A offers its pages again."""
+    da, db = start_hosts(tmp_path, master)
+    try:
+        with clients(da, db) as ((_, a), (_, b)):
+            ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+            tokens = prompt(80)
+            pages = publish_prompt(a, ns_a, "p", tokens)
+            stored(a, PAGES)
+            da.process.send_signal(signal.SIGSTOP)
+            try:
+                master.kill()  # every page is gone with the master's memory
+                master.start()
+            finally:
+                da.process.send_signal(signal.SIGCONT)
+            wait_until(lambda: a.stats()["remote"]["reoffered_pages"] == PAGES, "A's pages offered again", 30)
+            remote = a.stats()["remote"]
+            assert (remote["state"], remote["resets"]) == ("up", 1), remote
+            assert fetch(b, ns_b, tokens, len(tokens)) == len(tokens)
+            got = hit_bytes(b, ns_b, "p", tokens)
+            assert len(got) == PAGES and all(np.array_equal(x, y) for x, y in zip(got, pages))
+            assert "kvd_remote_resets_total 1.0" in metrics(da)
             assert a.check_invariants() == [] and b.check_invariants() == []
     finally:
         stop_both(da, db)

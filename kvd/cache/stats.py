@@ -58,6 +58,7 @@ class RemoteStats:
     rejected_pages: int = 0
     errors: int = 0
     outages: int = 0
+    resets: int = 0
     reoffered_pages: int = 0
 
     def as_dict(self) -> dict:
@@ -65,11 +66,12 @@ class RemoteStats:
 
 
 def combined_remote(parts: list[RemoteStats]) -> RemoteStats:
-    """Tenants share one link: its state and outages once, the tiers' counters summed."""
-    total = RemoteStats(state=parts[0].state if parts else "off", outages=parts[0].outages if parts else 0)
+    """Tenants share one link: its state, outages and resets once, the tiers' counters summed."""
+    link = ("state", "outages", "resets")
+    total = RemoteStats(**{name: getattr(parts[0], name) for name in link}) if parts else RemoteStats()
     for part in parts:
         for f in fields(part):
-            if f.name not in ("state", "outages"):
+            if f.name not in link:
                 setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
     return total
 

@@ -21,7 +21,11 @@ names memory the store does not know.
 
 Each time the link turns UP (connected first, or back after an outage) it calls the
 ``on_up`` callbacks on the loop: a restarted master has lost everything, so the tiers
-offer their pages again (kvd/remote/tier.py).
+offer their pages again (kvd/remote/tier.py). A master that restarted unseen (between two
+heartbeats, or while this process was stopped) answers as if nothing happened; the
+heartbeat then finds this host's canary gone (kvd/remote/mooncake_store.py) and the link
+goes through DOWN and UP as after an outage, so the tiers offer again. Coming back UP
+from DOWN without the canary counts a reset: the store had lost this host's objects.
 
 ``close`` is bounded: when the master cannot be reached, closing the client would wait
 on Mooncake's RPC timeouts (seconds, holding the GIL, kvd/remote/mooncake_store.py), so the
@@ -70,6 +74,7 @@ class RemoteLink:
         self._owned: dict[str, frozenset[Region]] = {}
         self.state = RemoteState.CONNECTING  # written by the worker, read by the loop
         self.outages = 0  # times the link went DOWN
+        self.resets = 0  # of those, times the store was found to have lost this host's objects
         self.on_up: list[Callable[[], None]] = []  # called on the loop each time the link turns UP
         self._post: Callable[..., Any] | None = None  # the loop's call_soon_threadsafe, from start()
         # Daemon threads: one that close() abandons in a call to a dead master must not hold the process.
@@ -183,16 +188,21 @@ class RemoteLink:
         if self._stop.is_set() or self.state is not RemoteState.UP:
             return
         try:
-            self._store.probe()
+            if not self._store.probe():
+                self._went_down(None)
         except StoreUnavailable as e:
             self._went_down(e)
 
-    def _went_down(self, error: StoreUnavailable) -> None:
+    def _went_down(self, error: StoreUnavailable | None) -> None:
+        """The store is unreachable (``error``), or it answers without this host's canary (None)."""
         if self.state is RemoteState.DOWN:
             return
         self.state = RemoteState.DOWN
         self.outages += 1
-        log.warning("remote store unreachable (%s); serving from host memory and retrying", error)
+        if error is None:
+            log.warning("remote store lost this host's objects (its master restarted); offering its pages again")
+        else:
+            log.warning("remote store unreachable (%s); serving from host memory and retrying", error)
         self._submit(self._recover, FIRST_RETRY_SECONDS)
 
     def _recover(self, delay: float) -> None:
@@ -202,7 +212,8 @@ class RemoteLink:
         try:
             if self._store is None:
                 self._store = MooncakeStore(self.settings)
-            self._store.probe(write=True)
+            kept = self._store.probe()
+            self._store.store_canary()
         except StoreUnavailable as e:
             if self.state is RemoteState.CONNECTING and delay == 0.0:
                 log.warning("remote store at %s not reachable yet (%s); retrying", self.settings.master, e)
@@ -210,6 +221,7 @@ class RemoteLink:
             return
         was = self.state
         self.state = RemoteState.UP
+        self.resets += was is RemoteState.DOWN and not kept
         if was is RemoteState.DOWN:
             log.warning("remote store at %s is back; storing and fetching pages again", self.settings.master)
         else:

@@ -14,6 +14,13 @@ While the master is down each call waits on Mooncake's RPC timeouts (~4 s, measu
 here) with the GIL released, but ``close`` (and the client's teardown at process exit)
 waits longer (~10 s) holding the GIL: ``master_unreachable`` tells beforehand whether
 closing is worth trying (kvd/remote/link.py abandons the client otherwise).
+
+A master that restarts between two probes answers the next one as if nothing happened,
+and Mooncake's client exposes no master epoch, so each host keeps a **canary**: a small
+object stored when the link comes up, hard-pinned (the store never evicts it) in this host's
+own segment (so no other host's death takes it). Only a master that lost its objects
+loses the canary: ``probe`` answering False is how kvd learns that every page it stored is
+gone, whenever the restart happened.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the object
 _RPC_CODES = range(-999, -899)  # RPC_FAIL (-900) and its kin: the master is unreachable
-PROBE_KEY = "kvd1/probe"
+CANARY_PREFIX = "kvd1/canary/"  # + this host's segment name: the object ``probe`` checks
 
 
 class StoreUnavailable(Exception):
@@ -94,7 +101,13 @@ class MooncakeStore:
             raise StoreUnavailable(f"setting up the Mooncake client for master {settings.master} failed (code {rc})")
         self._config = ReplicateConfig()
         self._config.replica_num = 1
-        self._probe = np.zeros(64, dtype=np.uint8)  # the value ``probe(write=True)`` stores
+        segment = self._store.get_hostname()  # this host's segment, as the master names it
+        self._canary_key = CANARY_PREFIX + segment
+        self._canary_config = ReplicateConfig()
+        self._canary_config.replica_num = 1
+        self._canary_config.with_hard_pin = True
+        self._canary_config.preferred_segment = segment
+        self._canary = np.zeros(64, dtype=np.uint8)  # its value
 
     def register(self, address: int, size: int) -> None:
         rc = self._store.register_buffer(address, size)
@@ -104,15 +117,19 @@ class MooncakeStore:
     def unregister(self, address: int) -> None:
         self._store.unregister_buffer(address)
 
-    def probe(self, write: bool = False) -> None:
-        """Raises ``StoreUnavailable`` unless the master answers and, with ``write``, a small
-        object can be stored: a restarted master answers before the clients have mounted
-        their segments again, and refuses every put until then."""
-        self.exists([PROBE_KEY])
-        if write:
-            rc = self._store.upsert_from(PROBE_KEY, self._probe.ctypes.data, self._probe.nbytes, self._config)
-            if rc != 0:
-                raise StoreUnavailable(f"the store takes no object yet (code {rc}): its segments are not mounted")
+    def probe(self) -> bool:
+        """Whether the store still holds this host's canary; raises ``StoreUnavailable``
+        unless the master answers."""
+        [present] = self.exists([self._canary_key])
+        return present
+
+    def store_canary(self) -> None:
+        """Stores the canary: raises ``StoreUnavailable`` until a restarted master has this
+        host's segment mounted again (it refuses every put until then)."""
+        canary = self._canary
+        rc = self._store.upsert_from(self._canary_key, canary.ctypes.data, canary.nbytes, self._canary_config)
+        if rc != 0:
+            raise StoreUnavailable(f"the store takes no object yet (code {rc}): its segments are not mounted")
 
     def exists(self, keys: list[str]) -> list[bool]:
         codes = self._store.batch_is_exist(keys)

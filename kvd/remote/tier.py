@@ -511,8 +511,9 @@ class RemoteTier:
         return Counter(+self._held)
 
     def stats(self) -> RemoteStats:
-        """The link's state and outages, and this tier's counters (kvd/cache/stats.py)."""
-        return RemoteStats(state=self.link.state.value, outages=self.link.outages, **asdict(self.counters))
+        """The link's state, outages and resets, and this tier's counters (kvd/cache/stats.py)."""
+        link = self.link
+        return RemoteStats(state=link.state.value, outages=link.outages, resets=link.resets, **asdict(self.counters))
 
     # ---- internals --------------------------------------------------------------------
 

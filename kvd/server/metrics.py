@@ -55,7 +55,8 @@ _REMOTE_COUNTERS = {
     "skipped_pages": "Published pages not stored: the remote store unreachable or the backlog full",
     "rejected_pages": "Fetched pages whose header or checksum did not match: served as a miss",
     "errors": "Remote store calls that failed (the master unreachable, a page that did not arrive)",
-    "outages": "Times the remote store became unreachable",
+    "outages": "Times the remote store became unreachable or lost this host's objects",
+    "resets": "Times the remote store had lost this host's objects (its master restarted)",
     "reoffered_pages": "Pages offered again after the remote store came back, and accepted",
 }
 _REMOTE_STATES = ("off", "connecting", "up", "down")

@@ -620,7 +620,7 @@ class RecoveryStats(_message.Message):
     def __init__(self, recovered_pages: _Optional[int] = ..., resealed_pages: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., orphaned_pages: _Optional[int] = ..., mismatch_pages: _Optional[int] = ..., incomplete_pages: _Optional[int] = ..., incomplete_extents: _Optional[int] = ..., discarded: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("state", "stored_pages", "fetched_pages", "hit_tokens", "refused_pages", "skipped_pages", "rejected_pages", "errors", "outages", "reoffered_pages")
+    __slots__ = ("state", "stored_pages", "fetched_pages", "hit_tokens", "refused_pages", "skipped_pages", "rejected_pages", "errors", "outages", "reoffered_pages", "resets")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
     FETCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -631,6 +631,7 @@ class RemoteStats(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     OUTAGES_FIELD_NUMBER: _ClassVar[int]
     REOFFERED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESETS_FIELD_NUMBER: _ClassVar[int]
     state: str
     stored_pages: int
     fetched_pages: int
@@ -641,7 +642,8 @@ class RemoteStats(_message.Message):
     errors: int
     outages: int
     reoffered_pages: int
-    def __init__(self, state: _Optional[str] = ..., stored_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., refused_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., outages: _Optional[int] = ..., reoffered_pages: _Optional[int] = ...) -> None: ...
+    resets: int
+    def __init__(self, state: _Optional[str] = ..., stored_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., refused_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., outages: _Optional[int] = ..., reoffered_pages: _Optional[int] = ..., resets: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote")

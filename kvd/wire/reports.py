@@ -72,6 +72,7 @@ class RemoteStats(TypedDict):
     rejected_pages: int
     errors: int
     outages: int
+    resets: int  # of the outages, times the store had lost this host's objects (its master restarted)
     reoffered_pages: int  # pages offered to the store again after it came back
 
 
