@@ -233,7 +233,7 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
         )
     )
     for name, manager in tenants.items():  # beside each tenant's page core, which it hears through Tier
-        manager.tiers.attach(RemoteTier.beside(manager, link, name, remote))
+        manager.tiers.attach(RemoteTier(link, name, remote, manager))
     link.start(loop.call_soon_threadsafe)  # once every tier listens: the first UP offers recovered pages
     return link
 
