@@ -1,5 +1,6 @@
-"""The host page pool on its own: its columns and slots, its lazy LRU, and both of its
-paths (page by page, arrays) against a small reference model of what every call does."""
+"""The host page pool: on its own, its columns and slots, its lazy LRU, and both of its
+paths (page by page, arrays) against a small reference model of what every call does; under
+a manager (tests/cores.py), the refcounts client calls take and drop."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from dataclasses import dataclass, field
 
 import pytest
 from conftest import identity
+from cores import Core, check, prompt, req, snapshot
 
 import kvd.core.eviction
 import kvd.core.pool
 from kvd.core.counters import Counters
+from kvd.core.errors import InvalidArgument, NotFound
 from kvd.core.index import PageContent, PrefixIndex
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
@@ -302,3 +305,56 @@ def test_both_paths_agree_with_the_model(monkeypatch):
             (pool.content(PageId(p)) is not None) == (s in (PageState.PUBLISHED, PageState.CACHED))
             for p, s in model.state.items()
         )
+
+
+# ---- refcounts through the manager ----------------------------------------------------
+
+
+def test_acquire_and_release_are_symmetric(make_manager):
+    c = Core(make_manager)
+    a = prompt(0, 8)
+    c.alloc1("a", a)
+    c.publish("a")
+    c.alloc(req("b", a), req("c", a + [7]))
+    assert c.refcounts([0, 1]) == [3, 3]
+    assert c.release("b") == 2
+    assert c.refcounts([0, 1]) == [2, 2]
+    c.release("c", "a")
+    assert c.refcounts([0, 1]) == [0, 0] and c.lru() == [1, 0]
+    counters = c.m.counters.of(c.ns)
+    # a: 2 allocated, b: 2 hits, c: 2 hits + 1 private
+    assert (counters.refcount_increments, counters.refcount_decrements) == (7, 7)
+    check(c.m)
+
+
+def test_double_release_is_not_found(make_manager):
+    c = Core(make_manager)
+    c.alloc1("a", prompt(0, 5))
+    assert c.release("a") == 2
+    before = snapshot(c.m)
+    with pytest.raises(NotFound, match="'a' does not exist"):
+        c.release("a")
+    assert snapshot(c.m) == before
+
+
+def test_release_batch_is_validated_whole(make_manager):
+    c = Core(make_manager)
+    c.alloc1("b", [1])
+    before = snapshot(c.m)
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        c.release("b", "b")
+    with pytest.raises(NotFound):
+        c.release("b", "gone")  # the known id stays alive
+    assert snapshot(c.m) == before
+
+
+def test_pool_asserts_on_a_release_at_refcount_zero(make_manager):
+    c = Core(make_manager)
+    c.alloc1("a", [1, 2])
+    c.release("a")
+    with pytest.raises(AssertionError, match="page 0 released with refcount 0"):
+        c.m.pool.release(0)
+    c.alloc1("b", prompt(0, 4))
+    c.publish("b")
+    with pytest.raises(AssertionError, match="page 0 unpinned but holds no pin"):
+        c.m.pool.release(0, pin=True)
