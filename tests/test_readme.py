@@ -83,6 +83,19 @@ def test_relative_links_of_the_docs_resolve():
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
 
 
+def test_the_architectures_module_map_is_the_tree():
+    """docs/architecture.md's table of the daemon's modules lists each module of kvd/ (but the
+    packages' __init__.py) and nothing that is not there; so does every path it names."""
+    root = README.parent
+    doc = (root / "docs" / "architecture.md").read_text()
+    rows = [line.split("|")[1] for line in doc.splitlines() if line.startswith("| `kvd/")]
+    listed = {path for row in rows for path in re.findall(r"`(kvd/[\w/]+\.py)`", row)}
+    modules = {path.relative_to(root).as_posix() for path in (root / "kvd").rglob("*.py")}
+    assert listed == modules - {path for path in modules if path.endswith("/__init__.py")}
+    named = set(re.findall(r"\b((?:kvd|engine_client|gpu_worker|tests|bench|scripts)/[\w/]+\.py)\b", doc))
+    assert [path for path in sorted(named) if not (root / path).exists()] == []
+
+
 def life_cycle_table(text: str) -> dict[SequenceState, frozenset[SequenceState]]:
     """The "| from | a client may set |" table in ``text``, as TRANSITIONS holds it."""
     rows = re.search(r"\| from \| a client may set \|\n\|---\|---\|\n((?:\|.*\|\n?)+)", text).group(1)
