@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from kvd.cache.allocation import AllocationJob
 from kvd.cache.aux_state import AuxBudget
 from kvd.cache.catalog import Catalog
-from kvd.cache.events import EventLog
+from kvd.cache.events import EventLog, Subscription
 from kvd.cache.page_events import PageEvents
 from kvd.cache.pins import PinTable
 from kvd.cache.publishing import PublishJob
@@ -57,12 +57,12 @@ from kvd.cache.sessions import Session, SessionRegistry
 from kvd.cache.tier import Tiers
 from kvd.cache.token_buffers import TokenBuffer
 from kvd.config import AUX_BYTES, STEP_SECONDS
-from kvd.core.arena import Arena
+from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
 from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.core.eviction import release_order
 from kvd.core.index import MISS, ExtraKey, Match, PrefixIndex
-from kvd.core.namespaces import Namespace, NamespaceRegistry
+from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry
 from kvd.core.pool import PagePool
 from kvd.core.supply import ExtentSupply
 from kvd.core.types import NamespaceId, SeqId, SequenceState, SessionId
@@ -126,6 +126,34 @@ class KVCacheManager:
         for key in list(session.sequences):
             self._drop(self.sequences.find(*key))
         self.sessions.remove(session, daemon_stopping, released)
+
+    def session(self, session_id: str) -> Session:
+        """The open session, or ``NotFound``: every call of a session checks it here first."""
+        return self.sessions.get(session_id)
+
+    def close_by_client(self, session_id: str) -> None:
+        """CloseSession: the session's stream ends next, and the log says its client closed it."""
+        self.sessions.get(session_id).closed_by_client = True
+
+    def subscribe_events(self, session_id: str, from_seq: int | None) -> Subscription:
+        """The session's tenant's KV events from now on, after the buffered ones from
+        ``from_seq`` (kvd/cache/events.py)."""
+        self.sessions.get(session_id)
+        return self.events.subscribe(from_seq)
+
+    def register_namespace(self, session_id: str, identity: NamespaceIdentity) -> Namespace:
+        """``Catalog.register_namespace`` for a session."""
+        self.sessions.get(session_id)
+        return self.catalog.register_namespace(identity)
+
+    def extents(self, session_id: str, namespace_id: int) -> list[ExtentPlan]:
+        """``Catalog.extents`` for a session: the extents it maps to read and write pages."""
+        self.sessions.get(session_id)
+        return self.catalog.extents(namespace_id)
+
+    def token_buffer(self, session_id: str) -> TokenBuffer | None:
+        """The session's token buffer, None before it opens one (kvd/cache/token_buffers.py)."""
+        return self.sessions.get(session_id).token_buffer
 
     def open_token_buffer(self, session_id: str, size: int) -> TokenBuffer:
         """A new token buffer for the session, replacing its earlier one (kvd/cache/token_buffers.py);

@@ -19,8 +19,10 @@ from kvd.cache.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent
 from kvd.cache.requests import (
     MAX_REQUEST_FIELDS,
     Batch,
+    ExtendResult,
     Limits,
     LookupResult,
+    PublishResult,
     SequencePlan,
     SequenceRequest,
     SequenceStatus,
@@ -125,6 +127,24 @@ def allocate_reply(done: WithEvictions[list[SequencePlan]]) -> pb.AllocateReply:
     for plan in done.result:
         add(**_allocation_fields(plan))
     return reply
+
+
+def publish_reply(results: list[PublishResult]) -> pb.PublishReply:
+    reply = pb.PublishReply()
+    add = reply.results.add
+    for x in results:
+        rebinds = [pb.Rebind(position=b.position, old_page=b.old_page, new_page=b.new_page) for b in x.rebinds]
+        add(seq_id=x.seq_id, published_pages=x.published_pages, rebinds=rebinds)
+    return reply
+
+
+def extend_reply(done: WithEvictions[list[ExtendResult]]) -> pb.ExtendReply:
+    return pb.ExtendReply(
+        num_tokens=[x.num_tokens for x in done.result],
+        new_page_counts=[len(x.new_pages) for x in done.result],
+        new_pages=pack_pages([page for x in done.result for page in x.new_pages]),
+        evicted_seq_ids=done.evicted,
+    )
 
 
 def lookup_reply(results: list[LookupResult]) -> pb.LookupReply:

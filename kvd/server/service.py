@@ -44,7 +44,6 @@ from kvd.server import messages
 from kvd.server.offload import Offload, large_call
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
-from kvd.wire.codec import pack_pages
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +156,15 @@ class SessionStreams:
             sub.close()
 
 
+@dataclass(frozen=True)
+class Scope:
+    """The caches a call that reads or resets the cache covers, by tenant name; ``by_tenant``:
+    the answer names each tenant (an admin's call on a daemon with tenants)."""
+
+    managers: dict[str, KVCacheManager]
+    by_tenant: bool
+
+
 T, R, M = TypeVar("T"), TypeVar("R"), TypeVar("M")
 
 
@@ -242,10 +250,9 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         try:
             request = messages.parsed(request)
             m = self._manager_of(request.session)
-            m.sessions.get(request.session)
+            sub = m.subscribe_events(request.session, request.from_seq if request.has_from_seq else None)
         except KVDError as e:
             await context.abort(status_for(e), messages.status_message(str(e)))
-        sub = m.events.subscribe(request.from_seq if request.has_from_seq else None)
         self.streams.subscriptions.setdefault(request.session, set()).add(sub)
         try:
             while (batch := await sub.get()) is not None:
@@ -262,26 +269,21 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def CloseSession(self, r):
-        session = self._manager_of(r.session).sessions.get(r.session)
-        session.closed_by_client = True
-        self.streams.events[session.id].put_nowait(None)  # the stream's end releases the session
+        self._manager_of(r.session).close_by_client(r.session)
+        self.streams.events[r.session].put_nowait(None)  # the stream's end releases the session
         return pb.CloseSessionReply()
 
     @_unary
     def RegisterNamespace(self, r):
-        m = self._manager_of(r.session)
-        m.sessions.get(r.session)
-        ns = m.catalog.register_namespace(messages.identity_from(r.identity))
+        ns = self._manager_of(r.session).register_namespace(r.session, messages.identity_from(r.identity))
         return pb.RegisterNamespaceReply(namespace_id=ns.id, page_bytes=ns.page_bytes, root=ns.root)
 
     @_unary
     def DescribeExtents(self, r):
-        m = self._manager_of(r.session)
-        m.sessions.get(r.session)
         return pb.DescribeExtentsReply(
             extents=[
                 pb.ExtentInfo(shm_name=e.name, first_page=e.first_page, num_pages=e.num_pages, page_bytes=e.page_bytes)
-                for e in m.catalog.extents(r.namespace_id)
+                for e in self._manager_of(r.session).extents(r.session, r.namespace_id)
             ]
         )
 
@@ -292,7 +294,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
 
     @_unary
     def ReadTokenBuffer(self, r):
-        buffer = self._manager_of(r.session).sessions.get(r.session).token_buffer
+        buffer = self._manager_of(r.session).token_buffer(r.session)
         return pb.ReadTokenBufferReply(token_ids=read_back(buffer, r.span.offset, r.span.num_tokens))
 
     async def _off_loop_if(self, large: bool, work: Callable[[], T]) -> T:
@@ -302,7 +304,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     def _batch_work(self, m: KVCacheManager, r, unique: bool) -> Callable[[], Batch]:
         """What makes an Allocate's or Lookup's ``Batch``, given what it needs of the core,
         read here on the loop: the session's token buffer and the namespace."""
-        buffer = m.sessions.get(r.session).token_buffer
+        buffer = m.token_buffer(r.session)
         return functools.partial(
             messages.batch_from, m.limits, m.namespaces.get(r.namespace_id), r.sequences, buffer, unique
         )
@@ -335,31 +337,13 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         m = self._manager_of(r.session)
         job = m.publish_job(r.session, r.namespace_id, [(i.seq_id, i.num_tokens) for i in r.items])
         await _drive(job.steps())
-        results = job.results()
-        return pb.PublishReply(
-            results=[
-                pb.PublishResult(
-                    seq_id=x.seq_id,
-                    published_pages=x.published_pages,
-                    rebinds=[
-                        pb.Rebind(position=b.position, old_page=b.old_page, new_page=b.new_page) for b in x.rebinds
-                    ],
-                )
-                for x in results
-            ]
-        )
+        return messages.publish_reply(job.results())
 
     @_unary
     def Extend(self, r):
         m = self._manager_of(r.session)
         items = extend_items(r.seq_ids, r.num_tokens, r.token_id_counts, r.token_ids)
-        done = m.extend(r.session, r.namespace_id, items)
-        return pb.ExtendReply(
-            num_tokens=[x.num_tokens for x in done.result],
-            new_page_counts=[len(x.new_pages) for x in done.result],
-            new_pages=pack_pages([page for x in done.result for page in x.new_pages]),
-            evicted_seq_ids=done.evicted,
-        )
+        return messages.extend_reply(m.extend(r.session, r.namespace_id, items))
 
     @_unary
     def Fork(self, r):
@@ -412,28 +396,35 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self._manager_of(r.session).unpin(r.session, r.pin_id)
         return pb.UnpinReply()
 
-    @_unary
-    def GetStats(self, r):
+    def _scope(self, r) -> Scope:
+        """What a call that reads or resets the cache covers (``r.session``, ``r.ticket``): with
+        tenants, a session's own tenant's cache, or every tenant's for an admin ticket;
+        without, the one cache there is."""
         if self.tenants.isolated and r.session:
             m = self._manager_of(r.session)
-            m.sessions.get(r.session)
-            return messages.stats_reply(stats_mod.collect(m))
+            m.session(r.session)
+            return Scope({"": m}, by_tenant=False)
         self.tenants.check_admin(r.ticket)
-        if not self.tenants.isolated:
-            return messages.stats_reply(stats_mod.collect(self.tenants.managers()[0]))
-        return messages.tenants_stats_reply({name: stats_mod.collect(m) for name, m in self.tenants.items()})
+        return Scope(dict(self.tenants.items()), by_tenant=self.tenants.isolated)
+
+    @_unary
+    def GetStats(self, r):
+        scope = self._scope(r)
+        stats = {name: stats_mod.collect(m) for name, m in scope.managers.items()}
+        if scope.by_tenant:
+            return messages.tenants_stats_reply(stats)
+        [only] = stats.values()
+        return messages.stats_reply(only)
 
     @_unary
     def CheckInvariants(self, r):
-        if self.tenants.isolated and r.session:
-            m = self._manager_of(r.session)
-            m.sessions.get(r.session)
-            return pb.CheckInvariantsReply(violations=invariants.violations(m))
-        self.tenants.check_admin(r.ticket)
-        if not self.tenants.isolated:
-            return pb.CheckInvariantsReply(violations=invariants.violations(self.tenants.managers()[0]))
+        scope = self._scope(r)
         return pb.CheckInvariantsReply(
-            violations=[f"tenant {name}: {v}" for name, m in self.tenants.items() for v in invariants.violations(m)]
+            violations=[
+                f"tenant {name}: {v}" if scope.by_tenant else v
+                for name, m in scope.managers.items()
+                for v in invariants.violations(m)
+            ]
         )
 
     @_unary
@@ -453,18 +444,10 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
     @_unary
     def ResetPrefixCache(self, r):
         namespace = r.namespace_id if r.has_namespace else None
-        if self.tenants.isolated and r.session:
-            m = self._manager_of(r.session)
-            m.sessions.get(r.session)
-            managers = [m]
-        else:
-            self.tenants.check_admin(r.ticket)
-            managers = self.tenants.managers()
-            if self.tenants.isolated and namespace is not None:
-                raise InvalidArgument(
-                    "namespace ids are per tenant: reset one namespace through a session of its tenant"
-                )
-        result = sum((m.catalog.reset_prefix_cache(namespace) for m in managers), ResetResult(0, 0))
+        scope = self._scope(r)
+        if scope.by_tenant and namespace is not None:
+            raise InvalidArgument("namespace ids are per tenant: reset one namespace through a session of its tenant")
+        result = sum((m.catalog.reset_prefix_cache(namespace) for m in scope.managers.values()), ResetResult(0, 0))
         return pb.ResetPrefixCacheReply(dropped_pages=result.dropped_pages, kept_pages=result.kept_pages)
 
     @_unary
