@@ -12,7 +12,10 @@ shared and noisy):
 3. data plane: bytes/s writing and reading pages through page() views against numpy.copyto
    of the same bytes; reading published pages, whose views come from the read-only map.
 
-    python bench/bench_host.py [--quick]
+    python bench/bench_host.py [--quick] [--allocate-only]
+
+``--allocate-only`` runs section 2's 50K-token allocates alone (a figure to compare builds
+with: run each build's tree in turn, e.g. ``PYTHONPATH=../other python bench/bench_host.py``).
 """
 
 from __future__ import annotations
@@ -225,6 +228,7 @@ def _timed(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--allocate-only", action="store_true", help="only section 2's 50K-token allocates")
     args = ap.parse_args()
     repeats = 30 if args.quick else 200
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,6 +243,10 @@ def main() -> None:
             log_path=os.path.join(tmp, "kvd.log"),
         )
         try:
+            if args.allocate_only:
+                print("2. control plane")
+                control_plane(socket, repeats)
+                return
             print("1. workload: 4 agents x 50,000 shared + 1,000 private tokens, page_size 16")
             for concurrent in (False, True):
                 r = workload(socket, concurrent)

@@ -110,7 +110,7 @@ def test_a_batch_that_does_not_commit_releases_its_held_hits(make_manager):
     assert set(lru) == {a0, a1}
     grow = prefix + tokens(100, 2).astype("<i4").tobytes()
     with m.allocation(session, m.batch(ns.id, [CoreRequest("c", grow)])) as job:
-        assert job.held == [a0, a1] and invariants.violations(m) == []
+        assert list(job.held()) == [a0, a1] and invariants.violations(m) == []
         # another call takes the room the job counted on before it commits
         m.allocate(session, ns.id, [CoreRequest("other", tokens(500, 2).astype("<i4").tobytes())])
         with pytest.raises(ResourceExhausted):

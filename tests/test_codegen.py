@@ -109,9 +109,6 @@ KVD_LAYERS = (
     ("kvd.server",),  # the daemon's edge
     ("kvd.cli",),
 )
-# Import circles between kvd modules still there (each pair sorted), to go.
-# kvd/cache/allocation.py reaches the manager through a back-pointer (issue 34: its own collaborators).
-KVD_CIRCLES = {("kvd.cache.allocation", "kvd.cache.manager")}
 
 
 def _module_of(path: pathlib.Path) -> str:
@@ -173,7 +170,7 @@ def test_kvd_packages_import_only_downwards_and_in_no_circle():
     """DESIGN.md: wire → core → durability → cache → tiers → server, nothing imports a package
     above it (imports inside functions and under TYPE_CHECKING count)."""
     assert _layer_violations("kvd", KVD_LAYERS) == set()
-    assert _circles("kvd") <= KVD_CIRCLES
+    assert _circles("kvd") == set()
 
 
 def test_the_kvd_layers_see_what_they_forbid(tmp_path, monkeypatch):

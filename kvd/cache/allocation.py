@@ -1,68 +1,101 @@
-"""Allocation: one allocate call's batch matched once, its hits held, room made in steps,
-then committed as new sequences, all or nothing.
+"""Allocation: one allocate call's batch, its hits held, room made in steps, then committed
+as new sequences, all or nothing.
 
 ``AllocationJob`` is ``KVCacheManager.allocate_batch`` in the shape of ``PublishJob``
 (kvd/cache/publishing.py), so the servicer can let the event loop serve other calls while room
 is made for a large batch:
 
-1. on creation the batch is checked against the sequences there are, matched against the
-   index once, its room checked (``Room.check``: a batch that cannot fit fails here,
-   before anything moves), and its hits are **held** (acquired), so no page the batch is
+1. the manager checks the call and matches each request against the index once
+   (``KVCacheManager.allocation``); on creation the job checks the batch against the
+   sequences there are and its room (``Room.check``: a batch that cannot fit fails here,
+   before anything moves), then **holds** (acquires) its hits, so no page the batch is
    about to hit can be evicted to make room for it, by its own steps or by another call
    that runs between them;
 2. ``steps`` frees the pages it still needs in parts (``Room.steps``: new extents built in
    the background, cached pages evicted a few dozen at a time);
-3. ``commit`` makes whatever room other calls took meanwhile (``Room.ensure_free`` in one
+3. ``commit`` makes whatever room other calls took meanwhile (``Roster.make_room`` in one
    piece), checks the re-entries again (another call of the session may have taken or
    released an id between steps) and creates the sequences on the held hits;
 4. a job that does not commit (refused, cancelled, its session gone) releases its holds
    when it is closed (``with`` or ``close``): a failed batch leaves no reference behind.
 
 While a job is open its held pages count as references of their own (the manager's
-``allocations``), which the invariant audit (kvd/cache/invariants.py) adds to what sequences
-and pins hold.
+``allocations``, the ``jobs`` here), which the invariant audit (kvd/cache/invariants.py) adds
+to what sequences and pins hold.
+
+The job knows its collaborators by name, as ``PublishJob`` does: the pages (``PagePool``,
+``Room``, ``ExtentSupply``), the sequences and their owners (``Roster``, kvd/cache/roster.py),
+the events (``EventLog``), the tier that hears of matches (``Tier``) and the namespace's
+counters; it never sees the manager.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from itertools import chain
 
+from kvd.cache.events import EventLog
 from kvd.cache.requests import Batch, PreparedRequest, SequencePlan, WithEvictions
+from kvd.cache.room import Room
+from kvd.cache.roster import Roster
 from kvd.cache.sequences import Sequence
 from kvd.cache.sessions import Session
+from kvd.cache.tier import Tier
+from kvd.core.counters import NamespaceCounters
 from kvd.core.errors import FailedPrecondition
 from kvd.core.eviction import release_order
 from kvd.core.index import Match
+from kvd.core.pool import PagePool
+from kvd.core.supply import ExtentSupply
 from kvd.core.types import PageId, SeqId, SequenceState
-
-if TYPE_CHECKING:
-    from kvd.cache.manager import KVCacheManager
 
 
 class AllocationJob:
-    """One allocate call's batch: matched and held on creation, committed once."""
+    """One allocate call's batch: held on creation, committed once."""
 
-    def __init__(self, manager: KVCacheManager, session: Session, batch: Batch) -> None:
-        self._m = manager
+    def __init__(
+        self,
+        session: Session,
+        batch: Batch,
+        matches: list[Match],
+        *,
+        pool: PagePool,
+        room: Room,
+        supply: ExtentSupply,
+        roster: Roster,
+        events: EventLog,
+        tier: Tier,
+        counters: NamespaceCounters,
+        jobs: set[AllocationJob],
+    ) -> None:
+        """``matches``: each request's hit, the job's own (it hands their lists to the new
+        sequences); ``tier``: hears of the matches and hits (kvd/cache/tier.py; ``NO_TIERS``
+        without prefix reuse); ``counters``: the namespace's; ``jobs``: the open jobs, this
+        one among them until it commits or closes."""
         self.session = session
         self.ns = batch.namespace
         self.prepared: list[PreparedRequest] = batch.requests
+        self.matches = matches
+        self.pool, self.room, self.supply, self.roster = pool, room, supply, roster
+        self.events, self.tier, self.counters, self.jobs = events, tier, counters, jobs
         self.reentries = self._reentries()
-        self.matches: list[Match] = [manager.match_prefix(self.ns, p) for p in self.prepared]
-        self.need = sum(self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, self.matches))
-        self.held: list[PageId] = [page for hit in self.matches for page in hit.pages]
-        manager.room.check(self.ns, self.need, held=self.held)  # raises before anything moves
-        for hit in self.matches:  # one request at a time: a page two requests hit is held twice
-            manager.pool.acquire_all(hit.pages)
-        manager.allocations.add(self)
+        self.need = sum(self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, matches))
+        room.check(self.ns, self.need, held=self.held())  # raises before anything moves
+        for hit in matches:  # one request at a time: a page two requests hit is held twice
+            pool.acquire_all(hit.pages)
+        jobs.add(self)
         self._open = True
+
+    def held(self) -> Iterator[PageId]:
+        """The hits the job holds, request by request (read only when needed: a 50K-token
+        hit is 3,125 pages)."""
+        return chain.from_iterable(hit.pages for hit in self.matches)
 
     def __enter__(self) -> AllocationJob:
         """What the job evicts, and whatever calls served between its steps announce, is one
         event batch, as for a call in one piece (kvd/cache/events.py)."""
-        self._events_held = self._m.events.held()
+        self._events_held = self.events.held()
         self._events_held.__enter__()
         return self
 
@@ -77,27 +110,26 @@ class AllocationJob:
         event loop serve other calls (``Room.steps``: a Future is an extent being built, to
         await; None, go on)."""
         assert self._open, "an allocation job stepped after it was committed or closed"
-        if self._m.pool.free_count(self.ns.id) < self.need:
-            yield from self._m.room.steps(self.ns, self.need)
+        if self.pool.free_count(self.ns.id) < self.need:
+            yield from self.room.steps(self.ns, self.need)
 
     def commit(self) -> WithEvictions[list[SequencePlan]]:
         """The batch's sequences, on the held hits and new private pages; raises (and the
         job, once closed, releases its holds) when the room or the ids are gone."""
         assert self._open, "an allocation job committed twice or after it was closed"
-        m, ns = self._m, self.ns
-        m.sessions.get(self.session.id)  # its session may have ended between steps
+        ns, roster = self.ns, self.roster
+        roster.sessions.get(self.session.id)  # its session may have ended between steps
         self.reentries = self._reentries()  # another call of the session may have taken an id
-        m.make_room(ns, self.need)
+        roster.make_room(ns, self.need)
         self._open = False  # the holds become the sequences' references
-        m.allocations.discard(self)
+        self.jobs.discard(self)
         plans = []
-        counters = m.counters.of(ns.id)
         for p, hit, reentry in zip(self.prepared, self.matches, self.reentries):
             aux = b""
             if reentry is not None:
                 aux = reentry.aux
-                m.forget_sequence(reentry)
-            private = m.pool.allocate(ns.id, self._pages(p) - len(hit.pages))
+                roster.forget(reentry)
+            private = self.pool.allocate(ns.id, self._pages(p) - len(hit.pages))
             hit_tokens = hit.tokens(ns.page_size)
             seq = Sequence(
                 seq_id=SeqId(p.request.seq_id),
@@ -107,21 +139,20 @@ class AllocationJob:
                 pages=hit.pages + private,
                 num_tokens=p.num_tokens,
                 tokens=bytearray(p.tokens),
-                keys=list(hit.keys),
+                keys=hit.keys,
                 shared_prefix_tokens=hit_tokens,
                 extra_keys=p.request.extra_keys,
                 aux=aux,
             )
-            m.add_sequence(self.session, seq)
-            counters.lookup_tokens += p.num_tokens
-            counters.hit_tokens += hit_tokens
-            plans.append(SequencePlan(seq.seq_id, list(hit.pages), private, hit_tokens, hit_tokens, p.num_tokens))
-        m.supply.provision(ns)
-        if m.prefix_reuse:
-            for p, hit in zip(self.prepared, self.matches):
-                m.tiers.served(hit.pages, ns.page_size)
-                m.tiers.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
-        return WithEvictions(plans, m.report_evictions(self.session))
+            roster.add(self.session, seq)
+            self.counters.lookup_tokens += p.num_tokens
+            self.counters.hit_tokens += hit_tokens
+            plans.append(SequencePlan(seq.seq_id, hit.pages, private, hit_tokens, hit_tokens, p.num_tokens))
+        self.supply.provision(ns)
+        for p, hit in zip(self.prepared, self.matches):
+            self.tier.served(hit.pages, ns.page_size)
+            self.tier.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
+        return WithEvictions(plans, roster.report_evictions(self.session))
 
     def close(self) -> None:
         """Releases the held hits of a job that did not commit (tail first, as a sequence's
@@ -129,9 +160,9 @@ class AllocationJob:
         if not self._open:
             return
         self._open = False
-        self._m.allocations.discard(self)
+        self.jobs.discard(self)
         for hit in reversed(self.matches):
-            self._m.pool.release_all(release_order(hit.pages))
+            self.pool.release_all(release_order(hit.pages))
 
     def _pages(self, p: PreparedRequest) -> int:
         return -(-p.num_tokens // self.ns.page_size)
@@ -139,12 +170,12 @@ class AllocationJob:
     def _reentries(self) -> list[Sequence | None]:
         """Each request's id against the namespace's sequences: new (None), or an EVICTED
         sequence of this session that re-enters; anything else is refused."""
-        m, ns = self._m, self.ns
+        sequences, ns = self.roster.sequences, self.ns
         found = []
         for p in self.prepared:
-            seq = m.sequences.find(ns.id, p.request.seq_id)
+            seq = sequences.find(ns.id, p.request.seq_id)
             if seq is not None:
-                m.sequences.owned(ns.id, p.request.seq_id, self.session.id)
+                sequences.owned(ns.id, p.request.seq_id, self.session.id)
                 if seq.state is not SequenceState.EVICTED:
                     raise FailedPrecondition(
                         f"sequence {p.request.seq_id!r} already exists ({seq.state.name}); release it or use another id"

@@ -75,7 +75,7 @@ def _references(manager, found: list[str]) -> _References:
             refs.expected[page] += 1
             refs.pinned[page] += 1
     for job in manager.allocations:  # hits an allocation in progress holds (kvd/cache/allocation.py)
-        refs.expected.update(job.held)
+        refs.expected.update(job.held())
     refs.held = manager.tiers.holds()  # pages the tiers' stores read or write right now
     if refs.held:
         refs.expected.update(refs.held)

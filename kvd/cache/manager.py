@@ -9,7 +9,7 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 ``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
-``Counters``; request checks in kvd/cache/requests.py;
+``Counters``; which session holds which sequence in ``Roster``; request checks in kvd/cache/requests.py;
 what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
 the KV events routers hear in ``EventLog``. What follows a page being published, indexed,
 unindexed or freed (its record, its KV event, the tiers) is ``PageEvents``'s, which the
@@ -52,20 +52,21 @@ from kvd.cache.requests import (
     publish_pages,
 )
 from kvd.cache.room import Room
+from kvd.cache.roster import Roster
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
-from kvd.cache.tier import Tiers
+from kvd.cache.tier import NO_TIERS, Tiers
 from kvd.cache.token_buffers import TokenBuffer
 from kvd.config import AUX_BYTES, STEP_SECONDS
 from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
-from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.core.eviction import release_order
-from kvd.core.index import MISS, ExtraKey, Match, PrefixIndex
+from kvd.core.index import ExtraKey, Match, PrefixIndex
 from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry
 from kvd.core.pool import PagePool
 from kvd.core.supply import ExtentSupply
-from kvd.core.types import NamespaceId, SeqId, SequenceState, SessionId
+from kvd.core.types import SeqId, SequenceState, SessionId
 from kvd.durability.integrity import Integrity
 
 
@@ -107,6 +108,7 @@ class KVCacheManager:
         )
         self.catalog = Catalog(arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters)
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
+        self.roster = Roster(self.sequences, self.sessions, self.aux, self.room)
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
 
     def close(self, unlink: bool = True) -> None:
@@ -193,7 +195,21 @@ class KVCacheManager:
         """The batch matched once, its room checked and its hits held (kvd/cache/allocation.py);
         raises before anything changes. The caller makes room in its ``steps`` (or not),
         then commits it, and closes it in any case (``with``)."""
-        return AllocationJob(self, self.sessions.get(session_id), batch)
+        session = self.sessions.get(session_id)
+        ns = batch.namespace
+        return AllocationJob(
+            session,
+            batch,
+            [self.match_prefix(ns, p) for p in batch.requests],
+            pool=self.pool,
+            room=self.room,
+            supply=self.supply,
+            roster=self.roster,
+            events=self.events,
+            tier=self.tiers if self.prefix_reuse else NO_TIERS,  # no matching, nothing for a tier to hear
+            counters=self.counters.of(ns.id),
+            jobs=self.allocations,
+        )
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
         """The same matching as allocate, without pinning or allocating anything. With a remote
@@ -262,7 +278,7 @@ class KVCacheManager:
             seq = self._live(ns, seq_id, session)
             total = check_extend(limits, seq, num_tokens, tokens)
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
-        self.make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
+        self.roster.make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
         results = []
         for seq, total, tokens, new_pages in plans:
             pages = self.pool.allocate(ns.id, new_pages)
@@ -272,7 +288,7 @@ class KVCacheManager:
                 seq.tokens += tokens
             results.append(ExtendResult(seq.seq_id, pages, total))
         self.supply.provision(ns)
-        return WithEvictions(results, self.report_evictions(session))
+        return WithEvictions(results, self.roster.report_evictions(session))
 
     def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> WithEvictions[SequencePlan]:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
@@ -285,7 +301,7 @@ class KVCacheManager:
         self.aux.check_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
-        self.make_room(ns, len(copies), protect=src)
+        self.roster.make_room(ns, len(copies), protect=src)
         self.pool.acquire_all(shared)
         private = self.pool.allocate(ns.id, len(copies))
         for page, dst_page in zip(copies, private):
@@ -303,12 +319,12 @@ class KVCacheManager:
             aux=src.aux,
             extra_keys=src.extra_keys,
         )
-        self.add_sequence(session, dst)
+        self.roster.add(session, dst)
         self.supply.provision(ns)
         plan = SequencePlan(
             dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
         )
-        return WithEvictions(plan, self.report_evictions(session))
+        return WithEvictions(plan, self.roster.report_evictions(session))
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns how many page references were released."""
@@ -395,53 +411,15 @@ class KVCacheManager:
             )
         return seq
 
+    def _drop(self, seq: Sequence) -> None:
+        self.pool.release_all(release_order(seq.take_pages()))
+        self.roster.forget(seq)
+
     # ---- internals: matching ---------------------------------------------------
 
     def match_prefix(self, ns: Namespace, p: PreparedRequest) -> Match:
         """The request's longest run of full-page hits (a hit needs equal tokens, parent and
-        extras); a miss without prefix reuse."""
+        extras); a miss without prefix reuse. Its lists are new: the caller's to keep."""
         if not self.prefix_reuse:
-            return MISS
+            return Match([], [])
         return self.index.match(p.chain, p.tokens, ns.page_size * TOKEN_BYTES, p.num_tokens // ns.page_size)
-
-    # ---- internals: sequence bookkeeping ------------------------------------------
-
-    def add_sequence(self, session: Session, seq: Sequence) -> None:
-        self.sequences.add(seq)
-        session.sequences.add((seq.namespace, seq.seq_id))
-        self.aux.added(seq)
-
-    def make_room(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
-        """``Room.ensure_free``; when it fails after evicting (``/dev/shm`` refused an extent it
-        counted on), every owner of what it evicted, the caller too, hears of it on its stream."""
-        try:
-            self.room.ensure_free(ns, need, protect)
-        except ResourceExhausted:
-            self.report_evictions(None)
-            raise
-
-    def report_evictions(self, caller: Session | None) -> list[SeqId]:
-        """Hands out what the current call evicted: the ids of the caller's own sequences are
-        returned for its reply; every other owner hears of its own on its session stream."""
-        evicted = self.room.take_evicted()
-        own: list[SeqId] = []
-        others: dict[tuple[SessionId, NamespaceId], list[SeqId]] = {}
-        for seq in evicted:
-            if caller is not None and seq.session == caller.id:
-                own.append(seq.seq_id)
-            else:
-                others.setdefault((seq.session, seq.namespace), []).append(seq.seq_id)
-        for (session_id, ns_id), seq_ids in others.items():
-            listener = self.sessions.get(session_id).listener
-            if listener is not None:
-                listener(ns_id, seq_ids)
-        return own
-
-    def forget_sequence(self, seq: Sequence) -> None:
-        self.aux.removed(seq)
-        self.sequences.remove(seq)
-        self.sessions.get(seq.session).sequences.discard((seq.namespace, seq.seq_id))
-
-    def _drop(self, seq: Sequence) -> None:
-        self.pool.release_all(release_order(seq.take_pages()))
-        self.forget_sequence(seq)

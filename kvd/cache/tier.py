@@ -109,3 +109,14 @@ class Tiers:
         """The remote store's tier's, the one kind there is ("off" without it); a tier of
         another kind brings stats of its own."""
         return self._tiers[0].stats() if self._tiers else RemoteStats()
+
+
+class _NoTiers(Tiers):
+    """No tier, ever: what hears a cache's calls that no tier may hear of (matching, with
+    prefix reuse off, finds nothing a tier could bring)."""
+
+    def attach(self, tier: Tier) -> None:
+        raise AssertionError("NO_TIERS takes no tier; attach to a cache's own Tiers")
+
+
+NO_TIERS: Tiers = _NoTiers()

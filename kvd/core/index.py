@@ -71,9 +71,6 @@ class Match:
         return len(self.pages) * page_size
 
 
-MISS = Match([], [])
-
-
 @dataclass
 class _Run:
     """Published pages that follow one another in one chain, with their token ids back to back.
