@@ -63,7 +63,9 @@ def snapshot(m) -> dict:
             )
             for s in m.sequences
         ),
-        "sessions": sorted((s.id, sorted(s.sequences)) for s in m.sessions),
+        "sessions": sorted(
+            (s.id, sorted((q.namespace, q.seq_id) for q in m.sequences.of_session(s.id))) for s in m.sessions
+        ),
         "pins": sorted((pin.id, pin.session, pin.pages) for pin in m.pins),
         "counters": {ns.id: (m.counters.of(ns.id).lookup_tokens, m.counters.of(ns.id).hit_tokens) for ns in namespaces},
         "extents": [e.name for e in m.arena.extents()],

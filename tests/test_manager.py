@@ -351,7 +351,7 @@ def test_every_transition(make_manager, start, target):
         return
     assert c.m.set_state(c.sid, c.ns, "a", target) is start
     if target is SequenceState.COMPLETED:
-        assert c.seq("a") is None and c.m.sessions.get(c.sid).sequences == set()
+        assert c.seq("a") is None and c.m.sequences.of_session(c.sid) == []
     else:
         assert c.seq("a").state is target
     check(c.m)

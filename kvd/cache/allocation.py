@@ -13,9 +13,9 @@ is made for a large batch:
    that runs between them;
 2. ``steps`` frees the pages it still needs in parts (``Room.steps``: new extents built in
    the background, cached pages evicted a few dozen at a time);
-3. ``commit`` makes whatever room other calls took meanwhile (``Roster.make_room`` in one
-   piece), checks the re-entries again (another call of the session may have taken or
-   released an id between steps) and creates the sequences on the held hits;
+3. ``commit`` checks the re-entries again (another call of the session may have taken or
+   released an id between steps), takes its pages (``Room.grant``: whatever room other
+   calls took meanwhile made in one piece) and creates the sequences on the held hits;
 4. a job that does not commit (refused, cancelled, its session gone) releases its holds
    when it is closed (``with`` or ``close``): a failed batch leaves no reference behind.
 
@@ -24,9 +24,9 @@ While a job is open its held pages count as references of their own (the manager
 to what sequences and pins hold.
 
 The job knows its collaborators by name, as ``PublishJob`` does: the pages (``PagePool``,
-``Room``, ``ExtentSupply``), the sequences and their owners (``Roster``, kvd/cache/roster.py),
-the events (``EventLog``), the tier that hears of matches (``Tier``) and the namespace's
-counters; it never sees the manager.
+``Room``), the sequences (``SequenceTable``) and sessions (``SessionRegistry``), the events
+(``EventLog``), the tier that hears of matches (``Tier``) and the namespace's counters; it
+never sees the manager.
 """
 
 from __future__ import annotations
@@ -38,16 +38,14 @@ from itertools import chain
 from kvd.cache.events import EventLog
 from kvd.cache.requests import Batch, PreparedRequest, SequencePlan, WithEvictions
 from kvd.cache.room import Room
-from kvd.cache.roster import Roster
-from kvd.cache.sequences import Sequence
-from kvd.cache.sessions import Session
+from kvd.cache.sequences import Sequence, SequenceTable
+from kvd.cache.sessions import Session, SessionRegistry
 from kvd.cache.tier import Tier
 from kvd.core.counters import NamespaceCounters
 from kvd.core.errors import FailedPrecondition
 from kvd.core.eviction import release_order
 from kvd.core.index import Match
 from kvd.core.pool import PagePool
-from kvd.core.supply import ExtentSupply
 from kvd.core.types import PageId, SeqId, SequenceState
 
 
@@ -62,8 +60,8 @@ class AllocationJob:
         *,
         pool: PagePool,
         room: Room,
-        supply: ExtentSupply,
-        roster: Roster,
+        sequences: SequenceTable,
+        sessions: SessionRegistry,
         events: EventLog,
         tier: Tier,
         counters: NamespaceCounters,
@@ -77,7 +75,7 @@ class AllocationJob:
         self.ns = batch.namespace
         self.prepared: list[PreparedRequest] = batch.requests
         self.matches = matches
-        self.pool, self.room, self.supply, self.roster = pool, room, supply, roster
+        self.pool, self.room, self.sequences, self.sessions = pool, room, sequences, sessions
         self.events, self.tier, self.counters, self.jobs = events, tier, counters, jobs
         self.reentries = self._reentries()
         self.need = sum(self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, matches))
@@ -117,19 +115,18 @@ class AllocationJob:
         """The batch's sequences, on the held hits and new private pages; raises (and the
         job, once closed, releases its holds) when the room or the ids are gone."""
         assert self._open, "an allocation job committed twice or after it was closed"
-        ns, roster = self.ns, self.roster
-        roster.sessions.get(self.session.id)  # its session may have ended between steps
+        ns = self.ns
+        self.sessions.get(self.session.id)  # its session may have ended between steps
         self.reentries = self._reentries()  # another call of the session may have taken an id
-        roster.make_room(ns, self.need)
+        granted = self.room.grant(ns, [self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, self.matches)])
         self._open = False  # the holds become the sequences' references
         self.jobs.discard(self)
         plans = []
-        for p, hit, reentry in zip(self.prepared, self.matches, self.reentries):
+        for p, hit, reentry, private in zip(self.prepared, self.matches, self.reentries, granted):
             aux = b""
             if reentry is not None:
                 aux = reentry.aux
-                roster.forget(reentry)
-            private = self.pool.allocate(ns.id, self._pages(p) - len(hit.pages))
+                self.sequences.remove(reentry)
             hit_tokens = hit.tokens(ns.page_size)
             seq = Sequence(
                 seq_id=SeqId(p.request.seq_id),
@@ -144,15 +141,14 @@ class AllocationJob:
                 extra_keys=p.request.extra_keys,
                 aux=aux,
             )
-            roster.add(self.session, seq)
+            self.sequences.add(seq)
             self.counters.lookup_tokens += p.num_tokens
             self.counters.hit_tokens += hit_tokens
             plans.append(SequencePlan(seq.seq_id, hit.pages, private, hit_tokens, hit_tokens, p.num_tokens))
-        self.supply.provision(ns)
         for p, hit in zip(self.prepared, self.matches):
             self.tier.served(hit.pages, ns.page_size)
             self.tier.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
-        return WithEvictions(plans, roster.report_evictions(self.session))
+        return WithEvictions(plans, self.room.report_evictions(self.session))
 
     def close(self) -> None:
         """Releases the held hits of a job that did not commit (tail first, as a sequence's
@@ -170,7 +166,7 @@ class AllocationJob:
     def _reentries(self) -> list[Sequence | None]:
         """Each request's id against the namespace's sequences: new (None), or an EVICTED
         sequence of this session that re-enters; anything else is refused."""
-        sequences, ns = self.roster.sequences, self.ns
+        sequences, ns = self.sequences, self.ns
         found = []
         for p in self.prepared:
             seq = sequences.find(ns.id, p.request.seq_id)

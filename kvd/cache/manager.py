@@ -9,8 +9,8 @@ one at a time, so a lookup and the pin of its hits happen in one atomic step.
 Data lives elsewhere: page states and refcounts in ``PagePool``, keys in ``PrefixIndex``,
 shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 ``SequenceTable``, leases in ``SessionRegistry``, pins in ``PinTable``, event counts in
-``Counters``; which session holds which sequence in ``Roster``; request checks in kvd/cache/requests.py;
-what to give up when a namespace needs pages in ``Room``; checksums in ``Integrity``;
+``Counters``; request checks in kvd/cache/requests.py; new pages for a call, and what to give
+up for them, from ``Room``; checksums in ``Integrity``;
 the KV events routers hear in ``EventLog``. What follows a page being published, indexed,
 unindexed or freed (its record, its KV event, the tiers) is ``PageEvents``'s, which the
 pool tells (kvd/cache/page_events.py); the tiers beside the cache plug in at ``Tiers.attach``
@@ -52,7 +52,6 @@ from kvd.cache.requests import (
     publish_pages,
 )
 from kvd.cache.room import Room
-from kvd.cache.roster import Roster
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
 from kvd.cache.tier import NO_TIERS, Tiers
@@ -98,17 +97,10 @@ class KVCacheManager:
         self.sessions = SessionRegistry()
         self.pins = PinTable(self.pool)
         self.supply = ExtentSupply(arena, self.pool)
-        self.room = Room(
-            arena,
-            self.pool,
-            self.supply,
-            self.sequences,
-            self.counters,
-            self.integrity,
-        )
+        self.room = Room(arena, self.pool, self.supply, self.sequences, self.sessions, self.counters, self.integrity)
         self.catalog = Catalog(arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters)
-        self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes)  # non-KV state of all sequences
-        self.roster = Roster(self.sequences, self.sessions, self.aux, self.room)
+        # non-KV state of all sequences
+        self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes, self.sequences)
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
 
     def close(self, unlink: bool = True) -> None:
@@ -124,9 +116,10 @@ class KVCacheManager:
     def close_session(self, session_id: SessionId, daemon_stopping: bool = False) -> None:
         """Drops every sequence and pin of the session."""
         session = self.sessions.get(session_id)
-        released = (len(session.sequences), self.pins.drop_session(session.id))
-        for key in list(session.sequences):
-            self._drop(self.sequences.find(*key))
+        owned = self.sequences.of_session(session.id)
+        released = (len(owned), self.pins.drop_session(session.id))
+        for seq in owned:
+            self._drop(seq)
         self.sessions.remove(session, daemon_stopping, released)
 
     def session(self, session_id: str) -> Session:
@@ -203,8 +196,8 @@ class KVCacheManager:
             [self.match_prefix(ns, p) for p in batch.requests],
             pool=self.pool,
             room=self.room,
-            supply=self.supply,
-            roster=self.roster,
+            sequences=self.sequences,
+            sessions=self.sessions,
             events=self.events,
             tier=self.tiers if self.prefix_reuse else NO_TIERS,  # no matching, nothing for a tier to hear
             counters=self.counters.of(ns.id),
@@ -278,17 +271,15 @@ class KVCacheManager:
             seq = self._live(ns, seq_id, session)
             total = check_extend(limits, seq, num_tokens, tokens)
             plans.append((seq, total, tokens, -(-total // page_size) - len(seq.pages)))
-        self.roster.make_room(ns, sum(new_pages for _, _, _, new_pages in plans))
+        granted = self.room.grant(ns, [new_pages for _, _, _, new_pages in plans])
         results = []
-        for seq, total, tokens, new_pages in plans:
-            pages = self.pool.allocate(ns.id, new_pages)
+        for (seq, total, tokens, _), pages in zip(plans, granted):
             seq.pages.extend(pages)
             seq.num_tokens = total
             if tokens:
                 seq.tokens += tokens
             results.append(ExtendResult(seq.seq_id, pages, total))
-        self.supply.provision(ns)
-        return WithEvictions(results, self.roster.report_evictions(session))
+        return WithEvictions(results, self.room.report_evictions(session))
 
     def fork(self, session_id: str, namespace_id: int, src_id: str, dst_id: str) -> WithEvictions[SequencePlan]:
         """dst shares src's published pages; src's private pages (its partial tail) are copied."""
@@ -301,9 +292,8 @@ class KVCacheManager:
         self.aux.check_room(len(src.aux))
         shared = src.shared_pages
         copies = src.private_pages
-        self.roster.make_room(ns, len(copies), protect=src)
+        [private] = self.room.grant(ns, [len(copies)], protect=src)
         self.pool.acquire_all(shared)
-        private = self.pool.allocate(ns.id, len(copies))
         for page, dst_page in zip(copies, private):
             self.arena.copy_page(page, dst_page)
         dst = Sequence(
@@ -319,12 +309,11 @@ class KVCacheManager:
             aux=src.aux,
             extra_keys=src.extra_keys,
         )
-        self.roster.add(session, dst)
-        self.supply.provision(ns)
+        self.sequences.add(dst)
         plan = SequencePlan(
             dst.seq_id, list(shared), private, dst.shared_prefix_tokens, dst.shared_prefix_tokens, dst.num_tokens
         )
-        return WithEvictions(plan, self.roster.report_evictions(session))
+        return WithEvictions(plan, self.room.report_evictions(session))
 
     def release(self, session_id: str, namespace_id: int, seq_ids: list[str]) -> int:
         """Drops the sequences; returns how many page references were released."""
@@ -413,7 +402,7 @@ class KVCacheManager:
 
     def _drop(self, seq: Sequence) -> None:
         self.pool.release_all(release_order(seq.take_pages()))
-        self.roster.forget(seq)
+        self.sequences.remove(seq)
 
     # ---- internals: matching ---------------------------------------------------
 

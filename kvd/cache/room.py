@@ -1,4 +1,10 @@
-"""Room: free pages for a namespace within the host budget, or a refusal before anything moves.
+"""Room: new pages for a namespace within the host budget, or a refusal before anything moves.
+
+Every caller that needs pages gets them here: ``grant`` for a call (all or nothing: an
+allocation's commit, an extend, a fork), ``grant_spare`` for a speculative fill (a fetch
+from the remote store, kvd/remote/fetching.py: as many as the namespace spares). Both make
+the room, take the pages off the free list as PRIVATE, and (``grant``) start building the
+namespace's next extent ahead when its free pages run low.
 
 When a namespace needs more free pages than it has, room is made in this order:
 
@@ -6,11 +12,12 @@ When a namespace needs more free pages than it has, room is made in this order:
    and /dev/shm has room for it (when it refuses one, the next steps make the room);
 2. the namespace's next CACHED page in the eviction policy's order (kvd/core/eviction.py);
 3. an extent of another namespace that holds no referenced page: its budget moves here;
-4. an ON_HOLD sequence of the namespace, chosen by kvd/core/eviction.py's ``held_victim`` (its
-   owner is told by the manager, ``take_evicted``).
+4. an ON_HOLD sequence of the namespace, chosen by kvd/core/eviction.py's ``held_victim``.
 
 ``check`` counts what all of that could free and raises ``ResourceExhausted`` when it is
-not enough, so a call that cannot fit fails before evicting anything. The manager decides
+not enough, so a call that cannot fit fails before evicting anything. The evicted
+sequences' owners hear of them once the call is done (``report_evictions``): the caller's
+own ids go in its reply, every other owner's on its session stream. The manager decides
 what a request needs; this module decides what to give up for it.
 """
 
@@ -23,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 from kvd.cache.sequences import Sequence, SequenceTable
+from kvd.cache.sessions import Session, SessionRegistry
 from kvd.config import STEP_SECONDS
 from kvd.core.arena import Arena, Extent
 from kvd.core.counters import Counters
@@ -31,7 +39,7 @@ from kvd.core.eviction import held_victim, release_order
 from kvd.core.namespaces import Namespace
 from kvd.core.pool import PagePool
 from kvd.core.supply import ExtentSupply
-from kvd.core.types import PageId, PageState
+from kvd.core.types import NamespaceId, PageId, PageState, SeqId, SessionId
 from kvd.durability.integrity import Integrity
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,7 @@ class Room:
         pool: PagePool,
         supply: ExtentSupply,
         sequences: SequenceTable,
+        sessions: SessionRegistry,
         counters: Counters,
         integrity: Integrity,
     ) -> None:
@@ -53,14 +62,56 @@ class Room:
         self.pool = pool
         self.supply = supply
         self.sequences = sequences
+        self.sessions = sessions  # the owners of evicted sequences hear of them on their streams
         self.counters = counters  # read for the log line of what was evicted
         self.integrity = integrity  # its sealer may still read the pages of an extent reclaimed
-        self._evicted: list[Sequence] = []  # on-hold sequences evicted since ``take_evicted``
+        self._evicted: list[Sequence] = []  # on-hold sequences evicted since ``report_evictions``
 
-    def take_evicted(self) -> list[Sequence]:
-        """The on-hold sequences evicted since the last call (the manager tells their owners)."""
+    def grant(self, ns: Namespace, counts: list[int], protect: Sequence | None = None) -> list[list[PageId]]:
+        """``counts[i]`` new PRIVATE pages for the i-th taker of one call, all or nothing: room
+        made in one piece (``ensure_free``: when it fails after evicting, as when /dev/shm
+        refuses an extent it counted on, every owner of what it evicted hears of it, the
+        caller too), then the namespace's next extent built ahead when its free pages run low.
+        ``protect``: an on-hold sequence the caller is working on, never evicted for it."""
+        try:
+            self.ensure_free(ns, sum(counts), protect)
+        except ResourceExhausted:
+            self.report_evictions(None)
+            raise
+        pages = [self.pool.allocate(ns.id, count) for count in counts]
+        self.supply.provision(ns)
+        return pages
+
+    def grant_spare(self, ns: Namespace, most: int) -> list[PageId]:
+        """Up to ``most`` new PRIVATE pages for a speculative fill: as many as the namespace
+        has without giving up anything but its own cached pages (``spare``); none when it
+        spares none."""
+        count = min(most, self.spare(ns))
+        if not count:
+            return []
+        try:
+            self.ensure_free(ns, count)
+        except ResourceExhausted:
+            return []
+        return self.pool.allocate(ns.id, count)
+
+    def report_evictions(self, caller: Session | None) -> list[SeqId]:
+        """Hands out the on-hold sequences evicted since the last report, once the call that
+        evicted them is done: the ids of the caller's own are returned for its reply; every
+        other owner hears of its own on its session stream."""
         evicted, self._evicted = self._evicted, []
-        return evicted
+        own: list[SeqId] = []
+        others: dict[tuple[SessionId, NamespaceId], list[SeqId]] = {}
+        for seq in evicted:
+            if caller is not None and seq.session == caller.id:
+                own.append(seq.seq_id)
+            else:
+                others.setdefault((seq.session, seq.namespace), []).append(seq.seq_id)
+        for (session_id, ns_id), seq_ids in others.items():
+            listener = self.sessions.get(session_id).listener
+            if listener is not None:
+                listener(ns_id, seq_ids)
+        return own
 
     def ensure_free(self, ns: Namespace, need: int, protect: Sequence | None = None) -> None:
         """Makes ``need`` pages free in the namespace, or raises before evicting anything.

@@ -86,10 +86,14 @@ class Sequence:
 
 @dataclass
 class SequenceTable:
-    """Every live sequence, by namespace and id, plus the ON_HOLD queue for eviction."""
+    """Every live sequence, by namespace and id and by the session that owns it, the ON_HOLD
+    queue for eviction, and the aux bytes they hold together: the one record of them all,
+    changed only by ``add``, ``remove`` and the transitions."""
 
     _seqs: dict[tuple[NamespaceId, SeqId], Sequence] = field(default_factory=dict)
     _on_hold: dict[NamespaceId, OrderedDict[SeqId, None]] = field(default_factory=dict)
+    _by_session: dict[SessionId, dict[tuple[NamespaceId, SeqId], Sequence]] = field(default_factory=dict)
+    aux_bytes: int = 0  # of every live sequence's aux state (kvd/cache/aux_state.py bounds it)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -112,14 +116,31 @@ class SequenceTable:
             raise PermissionDenied(f"sequence {seq_id!r} belongs to another session")
         return seq
 
+    def of_session(self, session: SessionId) -> list[Sequence]:
+        """The session's sequences, in the order they were added."""
+        return list(self._by_session.get(session, {}).values())
+
     def add(self, seq: Sequence) -> None:
         key = (seq.namespace, seq.seq_id)
         assert key not in self._seqs, f"sequence {seq.seq_id!r} added twice"
         self._seqs[key] = seq
+        self._by_session.setdefault(seq.session, {})[key] = seq
+        self.aux_bytes += len(seq.aux)
 
     def remove(self, seq: Sequence) -> None:
-        del self._seqs[(seq.namespace, seq.seq_id)]
+        key = (seq.namespace, seq.seq_id)
+        del self._seqs[key]
+        owned = self._by_session[seq.session]
+        del owned[key]
+        if not owned:
+            del self._by_session[seq.session]
         self._on_hold.get(seq.namespace, {}).pop(seq.seq_id, None)
+        self.aux_bytes -= len(seq.aux)
+
+    def set_aux(self, seq: Sequence, data: bytes) -> None:
+        """Replaces a live sequence's aux state (``AuxBudget.set`` checks it first)."""
+        self.aux_bytes += len(data) - len(seq.aux)
+        seq.aux = bytes(data)
 
     @staticmethod
     def check_transition(seq: Sequence, state: SequenceState) -> None:

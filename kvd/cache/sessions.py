@@ -1,6 +1,7 @@
 """Sessions (client leases).
 
-A session owns the sequences it allocated and the pins it took (kept in kvd/cache/pins.py).
+A session owns the sequences it allocated and the pins it took, filed with the sequences
+(``SequenceTable.of_session``, kvd/cache/sequences.py) and the pins (kvd/cache/pins.py).
 It lives exactly as long as the client's OpenSession stream; when that ends for any
 reason the manager drops everything the session owned. Session tokens are random and unguessable.
 """
@@ -34,7 +35,6 @@ class Session:
     client_name: str
     pid: int
     opened_at: float = field(default_factory=time.monotonic)
-    sequences: set[tuple[NamespaceId, SeqId]] = field(default_factory=set)
     listener: EvictionListener | None = None
     closed_by_client: bool = False  # CloseSession was called: the stream's end is no crash
     token_buffer: TokenBuffer | None = None  # OpenTokenBuffer: token ids of large calls (kvd/cache/token_buffers.py)

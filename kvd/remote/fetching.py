@@ -5,7 +5,7 @@ hit. It holds the local hit and asks the worker (``find``, kvd/remote/jobs.py) f
 of the missing pages and one batched existence query (``_found`` takes the answer); the
 leading run of pages found gets newly allocated local pages (PRIVATE, held by the tier; as
 many as the namespace has without evicting anything but its own cached pages:
-``Room.spare``), the worker reads the values into them and checks each header's checksum
+``Room.grant_spare``), the worker reads the values into them and checks each header's checksum
 (``get``); back on the loop (``_arrived``) each page's header must equal what the request
 expects (token ids, parent key, extra-key digest, page index), and the pages that pass are
 published in chain order like any page (their records, seals and KV events follow,
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from kvd.cache.page_events import PageEvents
 from kvd.cache.room import Room
 from kvd.core.arena import Arena
-from kvd.core.errors import ResourceExhausted
 from kvd.core.eviction import release_order
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, PrefixIndex
 from kvd.core.listener import ChainPlace
@@ -152,18 +151,14 @@ class Fetches:
             self._end(ident)
             return
         ns = fetch.ns
-        room = min(len(found), self.room.spare(ns))
-        try:
-            if not room:
-                raise ResourceExhausted("no spare pages")
-            self.room.ensure_free(ns, room)
-        except ResourceExhausted:
+        fetch.landing = self.room.grant_spare(ns, len(found))
+        if not fetch.landing:
             log.info("namespace %d: no room for %d pages from the remote store; not fetched", ns.id, len(found))
             self._end(ident)
             return
-        found = found[:room]
+        self.holds.take(fetch.landing)
+        found = found[: len(fetch.landing)]
         fetch.expected = found
-        fetch.landing = self.holds.allocate(ns.id, len(found))
         fetch.pending_tokens = len(found) * ns.page_size
         views = [self.arena.page_bytes_view(page) for page in fetch.landing]
         staging = self.jobs.staging_for(ns.page_size)

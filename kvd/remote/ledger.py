@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvd.core.pool import PagePool
-from kvd.core.types import NamespaceId, PageId
+from kvd.core.types import PageId
 
 
 @dataclass
@@ -44,15 +44,14 @@ class Holds:
             self._held[page] += 1
         self.bytes += page_bytes * len(pages)
 
-    def allocate(self, namespace: NamespaceId, count: int) -> list[PageId]:
-        """New PRIVATE pages, the tier's reference their only one (a fetch lands in them)."""
-        pages = self.pool.allocate(namespace, count)
+    def take(self, pages: list[PageId]) -> None:
+        """New PRIVATE pages the tier was granted (``Room.grant_spare``; a fetch lands in them):
+        their one reference is the tier's."""
         for page in pages:
             self._held[page] += 1
-        return pages
 
     def release(self, pages: list[PageId], page_bytes: int) -> None:
-        """Drops the references ``hold`` or ``allocate`` took, in the given order."""
+        """Drops the references ``hold`` or ``take`` counted, in the given order."""
         self.pool.release_all(pages)
         for page in pages:
             self._held[page] -= 1
