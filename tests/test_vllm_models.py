@@ -287,7 +287,7 @@ def attention(kind: str, **fields):
 
 
 def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
-    from gpu_worker.vllm.connector import namespace_spec
+    from gpu_worker.vllm.cache_shape import namespace_spec
 
     def shape(*specs, layers=None, **settings):
         return namespace_spec(vllm_settings(**settings), groups_of(*specs, layers=layers))
@@ -325,7 +325,7 @@ def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, name
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from gpu_worker.vllm.connector import namespace_spec
+    from gpu_worker.vllm.cache_shape import namespace_spec
 
     def spec(kind: str):
         if kind == "mamba":

@@ -15,7 +15,7 @@ A hold is not offered any more (`answer` forgets it and asks again) once
 - its session ended: the daemon restarted or stopped answering, and the pages went
   with the session (page ids of another daemon instance mean nothing);
 - kvd removed one of its pages (the audit dropped a corrupted page), heard on kvd's
-  event stream (gpu_worker/vllm/kvd_events.py `RemovalFeed`). Evictions cannot take a
+  event stream (gpu_worker/vllm/removal_feed.py `RemovalFeed`). Evictions cannot take a
   held page.
 A hold vLLM allocated blocks for (`claim`) is the request's load; `usable_blocks` says
 how many of its blocks are still there (before the first page kvd removed since), so the
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_client import SequenceRequest
-from gpu_worker.vllm.kvd_events import RemovalFeed
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.removal_feed import RemovalFeed
 
 log = logging.getLogger(__name__)
 
