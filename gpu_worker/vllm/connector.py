@@ -40,7 +40,10 @@ steps, and a load that fails is reported as its request's (`get_transfer_results
 `kv_connector_extra_config` keys: `socket` (default: found as kvd/wire/paths.py says: `KVD_SOCKET`,
 the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`,
 `load_failure_policy` ("recompute" or "fail"), `save_generated` (default true: generated
-full blocks are saved like prompt blocks; false: prompt blocks only).
+full blocks are saved like prompt blocks; false: prompt blocks only),
+`lookup_patience_seconds` (default: one call timeout, 5 s: how long a new request waits
+for kvd's answer before it is computed without kvd; each request kvd gave no answer for
+is a warning and counts in `vllm:kvd_lookups_unanswered`, gpu_worker/vllm/connector_stats.py).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from gpu_worker.vllm.cache_shape import namespace_spec
+from gpu_worker.vllm.connector_stats import KVDConnectorStats, KVDPromMetrics
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.plans import KVDConnectorMetadata
 from gpu_worker.vllm.scheduler import KVDSchedulerSide
@@ -89,6 +93,7 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
                 save_generated=extra.get("save_generated", True),
                 track_removals=events,
                 sliding_groups=shape.sliding_groups,
+                lookup_patience=extra.get("lookup_patience_seconds"),
             )
             if role == KVConnectorRole.SCHEDULER
             else None
@@ -126,6 +131,19 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self):
         return self._scheduler.take_events()
+
+    def get_kv_connector_stats(self) -> KVDConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        return KVDConnectorStats({"lookups_unanswered": self._scheduler.lookahead.take_unanswered()})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVDConnectorStats:
+        return KVDConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVDPromMetrics:
+        return KVDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker side ----------------------------------------------------------------
 

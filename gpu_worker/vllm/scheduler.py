@@ -125,7 +125,9 @@ class KVDSchedulerSide:
         save_generated: bool = True,
         track_removals: bool = True,
         sliding_groups: tuple[bool, ...] = (False,),
+        lookup_patience: float | None = None,
     ) -> None:
+        """`lookup_patience`: seconds a request waits for its lookup (None: one call timeout)."""
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
@@ -137,7 +139,7 @@ class KVDSchedulerSide:
         self.async_loads = len(sliding_groups) > 1
         self._failed_loads: set[str] = set()  # requests whose asynchronous load failed: computed
         self.events = BlockEvents(link, block_size, track_removals)
-        self.lookahead = Lookahead(link, block_size, self.events.removal_listeners)
+        self.lookahead = Lookahead(link, block_size, self.events.removal_listeners, patience=lookup_patience)
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._tracked: dict[str, _Tracked] = {}
