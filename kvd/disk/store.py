@@ -1,0 +1,695 @@
+"""The disk tier's storage engine: pages kept in slots of one preallocated file, written,
+read back, freed and found again after a crash, all off the caller's thread.
+
+``DiskStore.open(directory, budget_bytes)`` creates or opens the slot file
+(kvd/disk/slot_file.py, format in kvd/disk/layout.py), recovers what it holds
+(kvd/disk/recovery.py) and answers ``Opened`` (the store and every valid page on disk,
+for the tier to index) or ``OpenRefused`` (no such directory, not writable, the budget
+does not fit, the file cannot be read). Then:
+
+- ``write([PageWrite(identity, view, seal)])`` stores pages from the caller's buffers
+  (numpy views of shared-memory pages): the store picks free slots (pages of one size
+  together, consecutive where it can), and a page with no free slot is refused at once
+  (``NotWritten(FULL)``: freeing is the tier's policy, not the store's).
+- ``read([PageRead(slot, view)])`` reads pages into the caller's buffers (newly allocated
+  host pages) and checks each against its header's checksum; a page that fails, or whose
+  read fails, is a miss and is dropped from the disk (its slot freed).
+- ``free(slots)`` frees slots the tier evicts (by its policy: ARC, kvd/disk/ has none).
+
+Each returns a ``concurrent.futures.Future`` of one result per item, in order, completed
+on a worker thread (the daemon wraps it for its event loop, which never waits on the disk);
+expected faults (full, ENOSPC, EIO, a vanished file, a changed page) are results, counted
+in ``counters`` and logged, never exceptions. A caller keeps a view alive and unchanged
+until its future is done.
+
+Crash safety comes from the order of writes. A write puts a run of pages' bytes in
+their slots, syncs (fdatasync), then writes their headers and syncs again; the future says
+``Written`` only after that. A free zeroes the slots' headers and syncs before the slots
+can be written again. So at every instant each slot's header on disk is either invalid or
+describes the bytes in the slot: a crash (kill -9, power loss) mid-write leaves the slot
+free, and the next open returns exactly the pages whose header reached the file. A slot
+that is being read is written again only after the read (a free meanwhile waits for it).
+
+Runs of consecutive slots move with one ``preadv``/``pwritev`` (up to ``MAX_RUN_PAGES``
+pages or ``MAX_RUN_BYTES`` bytes), and the runs of one call spread over ``threads``
+workers, so a large promotion keeps several requests in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import errno
+import heapq
+import itertools
+import logging
+import mmap
+import os
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from kvd.disk import crashpoints
+from kvd.disk.layout import (
+    BLOCK,
+    HEAD_BYTES,
+    SCOPE_BYTES,
+    ChunkFormat,
+    DiskPage,
+    PageIdentity,
+    SlotClass,
+    SlotId,
+    SlotStamp,
+    chunk_of,
+    file_bytes,
+    pack_chunk_header,
+    pack_slot_header,
+    slot_id,
+)
+from kvd.disk.recovery import recover
+from kvd.disk.slot_file import SlotFile, Staging
+from kvd.durability.meta import page_checksum
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_THREADS = 4
+MAX_RUN_PAGES = 256  # a page takes at most 3 buffers of a preadv: IOV_MAX is 1024
+MAX_RUN_BYTES = 16 << 20  # a large call is split in runs that the workers share
+
+
+# ---- results --------------------------------------------------------------------------
+
+
+class OpenRefusal(enum.Enum):
+    MISSING = "missing"  # the directory does not exist (vanished, not mounted)
+    READ_ONLY = "read-only"  # the directory or its file system is not writable
+    NO_SPACE = "no-space"  # the file system cannot hold the budget
+    IO_ERROR = "io-error"  # the file cannot be read or written
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    pages: int  # valid pages found on disk
+    torn: int  # headers found torn or invalid (their slots are free)
+    formatted: bool  # the file was formatted now: nothing before survives
+    header_bytes_read: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Opened:
+    store: DiskStore
+    pages: list[DiskPage]  # every valid page on disk, for the tier to index
+    recovery: RecoveryReport
+
+
+@dataclass(frozen=True)
+class OpenRefused:
+    reason: OpenRefusal
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """A page's seal in host memory (kvd/durability/meta.py): checked before the page is written."""
+
+    covered: bytes
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageWrite:
+    identity: PageIdentity
+    view: np.ndarray  # uint8 [page_bytes], kept unchanged until the write's future is done
+    seal: Seal | None = None  # when given, a page whose bytes no longer match it is not written
+
+
+class WriteRefusal(enum.Enum):
+    FULL = "full"  # no free slot of the page's size: the tier frees some (its eviction policy)
+    TOO_LARGE = "too-large"  # the page does not fit in a chunk
+    NO_SPACE = "no-space"  # the file system answered ENOSPC (one that does not honour fallocate)
+    IO_ERROR = "io-error"  # the write or its sync failed
+    CHANGED = "changed"  # the page's bytes no longer match its seal
+    VANISHED = "vanished"  # the file was removed under the store (its directory deleted)
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    page: DiskPage
+
+
+@dataclass(frozen=True, slots=True)
+class NotWritten:
+    reason: WriteRefusal
+
+
+WriteResult = Written | NotWritten
+
+
+@dataclass(frozen=True, slots=True)
+class PageRead:
+    slot: SlotId
+    view: np.ndarray  # uint8 [page_bytes]: where the page lands
+
+
+class ReadFailure(enum.Enum):
+    NOT_STORED = "not-stored"  # the slot holds no page (freed or dropped meanwhile)
+    CORRUPT = "corrupt"  # the bytes read fail the header's checksum: dropped
+    IO_ERROR = "io-error"  # the read failed: dropped
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOk:
+    page: DiskPage
+
+
+@dataclass(frozen=True, slots=True)
+class ReadMiss:
+    slot: SlotId
+    reason: ReadFailure
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the store dropped the page (the tier forgets it)."""
+        return self.reason in (ReadFailure.CORRUPT, ReadFailure.IO_ERROR)
+
+
+ReadResult = ReadOk | ReadMiss
+
+
+@dataclass
+class DiskCounters:
+    """What the tier exposes; gauges (pages, bytes, backlog) and counts that only grow."""
+
+    direct_io: bool = False
+    capacity_bytes: int = 0  # the file's size
+    pages: int = 0  # pages on disk now
+    bytes: int = 0  # their page bytes
+    writes: int = 0  # pages written
+    write_bytes: int = 0
+    reads: int = 0  # pages read back and verified
+    read_bytes: int = 0
+    write_errors: int = 0  # pages whose write (or sync) failed
+    read_errors: int = 0  # pages whose read failed (dropped)
+    refused_full: int = 0  # pages refused: no free slot of their size, or too large
+    refused_no_space: int = 0  # pages refused: ENOSPC at the write
+    refused_vanished: int = 0  # pages refused: the file was removed
+    changed_pages: int = 0  # pages not written: their bytes no longer matched their seal
+    dropped_pages: int = 0  # pages read back that failed their checksum (torn, corrupted): dropped
+    torn_headers: int = 0  # invalid headers found when the file was opened
+    lost_slots: int = 0  # slots whose header could not be zeroed: unused until the next open
+    backlog_pages: int = 0  # writes submitted and not finished
+    backlog_bytes: int = 0
+    bounced_pages: int = 0  # pages moved through an aligned bounce buffer (unaligned views)
+    recovered_pages: int = 0
+    recovery_seconds: float = 0.0
+
+
+# ---- the store ------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class _Calls(Generic[T]):
+    """One call's results, filled by its runs on the workers; the future completes with the last."""
+
+    def __init__(self, results: list[T | None], runs: int) -> None:
+        self.future: Future[list[T]] = Future()
+        self.results = results
+        self._left = runs
+        self._lock = threading.Lock()
+        if runs == 0:
+            self.future.set_result(results)  # type: ignore[arg-type]
+
+    def done(self, filled: Iterable[tuple[int, T]]) -> None:
+        for i, result in filled:
+            self.results[i] = result
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self.future.set_result(self.results)  # type: ignore[arg-type]
+
+    def failed(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class _Chunk:
+    """A formatted chunk in memory: its free slots (lowest first, so runs stay consecutive)."""
+
+    __slots__ = ("format", "free", "used", "on_disk", "lock")
+
+    def __init__(self, fmt: ChunkFormat, used: Iterable[int] = (), on_disk: bool = False) -> None:
+        self.format = fmt
+        taken = set(used)
+        self.free = [i for i in range(fmt.slots) if i not in taken]  # sorted: a heap
+        self.used = len(taken)  # slots written, being written, read or freed
+        self.on_disk = on_disk  # its header is written and synced
+        self.lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One page of a call, placed in a slot."""
+
+    index: int  # in the call
+    slot: SlotId
+    sequence: int  # writes only
+
+
+class DiskStore:
+    """The slots of one file: which hold which page, and the transfers between them and buffers."""
+
+    def __init__(self, file: SlotFile, chunk_bytes: int, chunks: int, threads: int) -> None:
+        self._file = file
+        self._chunk_bytes = chunk_bytes
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvd-disk")
+        self._lock = threading.Lock()  # everything below; never held across a transfer
+        self._closed = False
+        self._file_id = b""
+        self._chunks: list[_Chunk | None] = [None] * chunks
+        self._by_class: dict[SlotClass, list[_Chunk]] = defaultdict(list)
+        self._pages: dict[SlotId, DiskPage] = {}
+        self._readers: Counter[SlotId] = Counter()
+        self._free_after_read: set[SlotId] = set()
+        self._sequence = itertools.count(1)
+        self._headers = Staging()  # slot headers on their way to the file
+        self.counters = DiskCounters(direct_io=file.direct, capacity_bytes=file.size)
+
+    @classmethod
+    def open(
+        cls,
+        directory: str,
+        budget_bytes: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        threads: int = DEFAULT_THREADS,
+        direct: bool = True,
+    ) -> Opened | OpenRefused:
+        """Opens the store in ``directory`` (which must exist), its file reserved at the
+        chunks ``budget_bytes`` holds. ``direct=False`` never uses direct I/O."""
+        if chunk_bytes % BLOCK or chunk_bytes < 2 * BLOCK:
+            raise ValueError(f"chunk_bytes {chunk_bytes}: a multiple of {BLOCK} bytes, two blocks at least")
+        chunks = (budget_bytes - BLOCK) // chunk_bytes
+        if chunks < 1:
+            raise ValueError(f"a disk budget of {budget_bytes} bytes holds no chunk of {chunk_bytes} bytes")
+        try:
+            file = SlotFile.open(directory, file_bytes(chunks, chunk_bytes), direct=direct)
+        except OSError as e:
+            return _refused(_OPEN_REFUSALS.get(e.errno, OpenRefusal.IO_ERROR), directory, e)
+        store = cls(file, chunk_bytes, chunks, threads)
+        try:
+            recovered = recover(file, chunk_bytes, chunks, store._executor)
+        except OSError as e:
+            store.close()
+            return _refused(OpenRefusal.IO_ERROR, directory, e)
+        store._adopt(recovered.file_id, recovered.chunks, recovered.pages)
+        report = RecoveryReport(
+            len(recovered.pages), recovered.torn, recovered.formatted, recovered.header_bytes_read, recovered.seconds
+        )
+        store.counters.torn_headers = report.torn
+        store.counters.recovery_seconds = report.seconds
+        log.info(
+            "disk tier in %s: %d bytes, %s I/O; %d pages recovered (%d invalid headers) in %.3f s",
+            directory, file.size, "direct" if file.direct else "buffered", report.pages, report.torn, report.seconds,
+        )  # fmt: skip
+        return Opened(store, recovered.pages, report)
+
+    def _adopt(self, file_id: bytes, formats: list[ChunkFormat | None], pages: list[DiskPage]) -> None:
+        self._file_id = file_id
+        used: dict[int, list[int]] = defaultdict(list)
+        for page in pages:
+            chunk, index = chunk_of(page.slot)
+            used[chunk].append(index)
+            self._pages[page.slot] = page
+        for fmt in formats:
+            if fmt is not None:
+                self._chunks[fmt.index] = chunk = _Chunk(fmt, used[fmt.index], on_disk=True)
+                self._by_class[fmt.cls].append(chunk)
+        self._sequence = itertools.count(max((p.sequence for p in pages), default=0) + 1)
+        c = self.counters
+        c.pages, c.bytes, c.recovered_pages = len(pages), sum(p.page_bytes for p in pages), len(pages)
+
+    # ---- what the tier calls (any thread; nothing here waits on the disk) -----------------
+
+    @property
+    def direct_io(self) -> bool:
+        return self._file.direct
+
+    def page(self, slot: SlotId) -> DiskPage | None:
+        with self._lock:
+            return self._pages.get(slot)
+
+    def pages(self) -> list[DiskPage]:
+        with self._lock:
+            return list(self._pages.values())
+
+    def snapshot(self) -> DiskCounters:
+        with self._lock:
+            return dataclasses.replace(self.counters)
+
+    def write(self, pages: Sequence[PageWrite]) -> Future[list[WriteResult]]:
+        """Stores ``pages`` in free slots; one result per page, in order."""
+        results: list[WriteResult | None] = [None] * len(pages)
+        placed: list[_Item] = []
+        with self._lock:
+            by_class: dict[SlotClass, list[int]] = defaultdict(list)
+            for i, w in enumerate(pages):
+                _check_write(w)
+                by_class[SlotClass(w.view.nbytes, len(w.identity.tokens) // 4)].append(i)
+            for page_class, indexes in by_class.items():
+                slots = [] if self._closed else self._take(page_class, len(indexes))
+                for i, slot in zip(indexes, slots):
+                    placed.append(_Item(i, slot, next(self._sequence)))
+                for i in indexes[len(slots) :]:
+                    results[i] = NotWritten(self._refusal(page_class))
+            self.counters.backlog_pages += len(placed)
+            self.counters.backlog_bytes += sum(pages[item.index].view.nbytes for item in placed)
+            return self._fan_out(placed, results, lambda run: self._write_run(run, pages))
+
+    def read(self, reads: Sequence[PageRead]) -> Future[list[ReadResult]]:
+        """Reads pages into the views and checks them; one result per read, in order."""
+        results: list[ReadResult | None] = [None] * len(reads)
+        items: list[_Item] = []
+        with self._lock:
+            for i, r in enumerate(reads):
+                page = None if self._closed else self._pages.get(r.slot)
+                if page is None:
+                    results[i] = ReadMiss(r.slot, ReadFailure.CLOSED if self._closed else ReadFailure.NOT_STORED)
+                    continue
+                assert _is_page_view(r.view, page.page_bytes), f"slot {r.slot}: a view of {r.view.nbytes} bytes"
+                self._readers[r.slot] += 1
+                items.append(_Item(i, r.slot, page.sequence))
+            return self._fan_out(items, results, lambda run: self._read_run(run, reads))
+
+    def free(self, slots: Iterable[SlotId]) -> Future[list[bool]]:
+        """Frees the slots (their pages are gone once this returns); True for each slot that held a
+        page. A slot is written again only after its header is zeroed on disk."""
+        slots = list(slots)
+        results: list[bool | None] = [False] * len(slots)
+        items: list[_Item] = []
+        with self._lock:
+            for i, slot in enumerate(slots):
+                if self._forget(slot) is None:
+                    continue
+                results[i] = True
+                if self._readers[slot]:
+                    self._free_after_read.add(slot)
+                else:
+                    items.append(_Item(i, slot, 0))
+            return self._fan_out(items, results, self._invalidate_run)
+
+    def close(self) -> None:
+        """Waits for the transfers in flight, then closes the file; later calls answer CLOSED."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._executor.shutdown(wait=True)
+        self._file.close()
+
+    # ---- slots (under the lock) ------------------------------------------------------------
+
+    def _take(self, page_class: SlotClass, n: int) -> list[SlotId]:
+        """Up to ``n`` free slots of ``page_class``, lowest first; formats chunks as needed."""
+        taken: list[SlotId] = []
+        chunks = iter(list(self._by_class[page_class]))
+        while len(taken) < n:
+            chunk = next(chunks, None) or self._new_chunk(page_class)
+            if chunk is None:
+                break
+            while chunk.free and len(taken) < n:
+                taken.append(slot_id(chunk.format.index, heapq.heappop(chunk.free)))
+                chunk.used += 1
+        return taken
+
+    def _new_chunk(self, page_class: SlotClass) -> _Chunk | None:
+        """A chunk formatted for ``page_class``: an unformatted one, else one whose slots are all free."""
+        slots = page_class.slots_in(self._chunk_bytes)
+        if slots == 0:
+            return None
+        index = next((k for k, c in enumerate(self._chunks) if c is None), None)
+        if index is None:
+            index = next((k for k, c in enumerate(self._chunks) if c is not None and c.used == 0), None)
+            if index is None:
+                return None
+            old = self._chunks[index]
+            self._by_class[old.format.cls].remove(old)
+        generation = int.from_bytes(os.urandom(8), "little")
+        chunk = _Chunk(ChunkFormat(index, generation, page_class, slots, self._chunk_bytes))
+        self._chunks[index] = chunk
+        self._by_class[page_class].append(chunk)
+        return chunk
+
+    def _refusal(self, page_class: SlotClass) -> WriteRefusal:
+        if self._closed:
+            return WriteRefusal.CLOSED
+        self.counters.refused_full += 1
+        return WriteRefusal.FULL if page_class.slots_in(self._chunk_bytes) else WriteRefusal.TOO_LARGE
+
+    def _forget(self, slot: SlotId) -> DiskPage | None:
+        """Removes the page in ``slot`` from the store (not from the disk); None when there is none."""
+        page = self._pages.pop(slot, None)
+        if page is not None:
+            self.counters.pages -= 1
+            self.counters.bytes -= page.page_bytes
+        return page
+
+    def _release(self, slots: Iterable[SlotId]) -> None:
+        """Slots whose header on disk is invalid become free."""
+        for slot in slots:
+            chunk, index = chunk_of(slot)
+            heapq.heappush(self._chunks[chunk].free, index)
+            self._chunks[chunk].used -= 1
+
+    # ---- work on the workers ---------------------------------------------------------------
+
+    def _fan_out(
+        self, items: list[_Item], results: list[T | None], work: Callable[[list[_Item]], list[tuple[int, T]]]
+    ) -> Future[list[T]]:
+        """Submits ``work`` for each run of ``items`` (under the lock: ``close`` waits for every
+        run submitted before it); the future completes with ``results`` once all are done."""
+        runs = self._runs(items)
+        calls = _Calls(results, len(runs))
+        for run in runs:
+            self._executor.submit(_run, work, run, calls)
+        return calls.future
+
+    def _runs(self, items: list[_Item]) -> list[list[_Item]]:
+        """``items`` in slot order, cut into runs of consecutive slots of at most MAX_RUN_PAGES
+        pages and MAX_RUN_BYTES bytes."""
+        runs: list[list[_Item]] = []
+        for item in sorted(items, key=lambda item: item.slot):
+            run = runs[-1] if runs else None
+            if run is not None and item.slot == run[-1].slot + 1 and len(run) < self._run_pages(item.slot):
+                run.append(item)
+            else:
+                runs.append([item])
+        return runs
+
+    def _run_pages(self, slot: SlotId) -> int:
+        return min(MAX_RUN_PAGES, max(1, MAX_RUN_BYTES // self._chunk(slot)[0].cls.data_bytes))
+
+    def _chunk(self, slot: SlotId) -> tuple[ChunkFormat, int]:
+        chunk, index = chunk_of(slot)
+        return self._chunks[chunk].format, index
+
+    def _write_run(self, run: list[_Item], pages: Sequence[PageWrite]) -> list[tuple[int, WriteResult]]:
+        fmt, first = self._chunk(run[0].slot)
+        header_bytes = fmt.cls.header_bytes
+        views = [pages[item.index].view for item in run]
+        written: list[tuple[int, WriteResult]] = []
+        headers_sent = False
+        try:
+            if self._file.vanished():
+                raise OSError(errno.ESTALE, "the file was removed")
+            self._format(self._chunks[chunk_of(run[0].slot)[0]])
+            staging = self._headers.take(len(run) * header_bytes)
+            for k, item in enumerate(run):
+                w = pages[item.index]
+                header = staging[k * header_bytes : (k + 1) * header_bytes]
+                if w.seal is not None and page_checksum(w.seal.covered, w.view) != w.seal.checksum:
+                    header[:] = 0  # still an invalid header: the slot stays free
+                    written.append((item.index, NotWritten(WriteRefusal.CHANGED)))
+                    continue
+                stamp = SlotStamp(self._file_id, fmt.generation, item.slot)
+                page = pack_slot_header(header, stamp, item.sequence, w.identity, w.view)
+                written.append((item.index, Written(page)))
+            bounced = self._file.write_pages(fmt.data_offset(first), views, fmt.cls.data_bytes)
+            crashpoints.reached("disk-data-written")
+            self._file.sync()
+            headers_sent = True
+            self._file.write_blocks(fmt.header_offset(first), staging, HEAD_BYTES + 4 * fmt.cls.page_size)
+            crashpoints.reached("disk-header-written")
+            self._file.sync()
+            self._file.forget(fmt.data_offset(first), len(run) * fmt.cls.data_bytes)
+            self._file.forget(fmt.header_offset(first), len(run) * header_bytes)
+        except OSError as e:
+            return self._write_failed(run, views, e, headers_sent)
+        with self._lock:
+            c = self.counters
+            c.backlog_pages -= len(run)
+            c.backlog_bytes -= sum(v.nbytes for v in views)
+            c.bounced_pages += bounced
+            for item, (_, result) in zip(run, written):
+                if isinstance(result, Written):
+                    self._pages[item.slot] = result.page
+                    c.pages += 1
+                    c.bytes += result.page.page_bytes
+                    c.writes += 1
+                    c.write_bytes += result.page.page_bytes
+                else:
+                    c.changed_pages += 1
+                    self._release([item.slot])
+        return written
+
+    def _write_failed(
+        self, run: list[_Item], views: list[np.ndarray], error: OSError, headers_sent: bool
+    ) -> list[tuple[int, WriteResult]]:
+        reason = {
+            errno.ENOSPC: WriteRefusal.NO_SPACE,
+            errno.EDQUOT: WriteRefusal.NO_SPACE,
+            errno.ESTALE: WriteRefusal.VANISHED,
+        }.get(error.errno, WriteRefusal.IO_ERROR)  # fmt: skip
+        log.error("disk tier: %d pages not written (%s): %s", len(run), reason.value, error)
+        with self._lock:
+            c = self.counters
+            c.backlog_pages -= len(run)
+            c.backlog_bytes -= sum(v.nbytes for v in views)
+            if reason is WriteRefusal.IO_ERROR:
+                c.write_errors += len(run)
+            elif reason is WriteRefusal.NO_SPACE:
+                c.refused_no_space += len(run)
+            else:
+                c.refused_vanished += len(run)
+            if not headers_sent:  # the headers on disk are still the invalid ones they were
+                self._release(item.slot for item in run)
+        if headers_sent:  # a header may have reached the disk: zero them before the slots are reused
+            self._invalidate_run(run)
+        return [(item.index, NotWritten(reason)) for item in run]
+
+    def _format(self, chunk: _Chunk) -> None:
+        """Writes a newly formatted chunk's header (once), before any slot of it is written."""
+        if chunk.on_disk:
+            return
+        with chunk.lock:
+            if chunk.on_disk:
+                return
+            block = np.frombuffer(mmap.mmap(-1, BLOCK), np.uint8)
+            pack_chunk_header(block, self._file_id, chunk.format)
+            self._file.write_blocks(chunk.format.offset, block)
+            self._file.sync()
+            crashpoints.reached("disk-chunk-formatted")
+            chunk.on_disk = True
+
+    def _read_run(self, run: list[_Item], reads: Sequence[PageRead]) -> list[tuple[int, ReadResult]]:
+        fmt, first = self._chunk(run[0].slot)
+        views = [reads[item.index].view for item in run]
+        with self._lock:
+            pages = [self._pages.get(item.slot) for item in run]
+        try:
+            bounced = self._file.read_pages(fmt.data_offset(first), views, fmt.cls.data_bytes)
+            self._file.forget(fmt.data_offset(first), len(run) * fmt.cls.data_bytes)
+            failure = None
+        except OSError as e:
+            log.error("disk tier: %d pages not read back (%s): dropped", len(run), e)
+            bounced, failure = 0, ReadFailure.IO_ERROR
+        read: list[tuple[int, ReadResult]] = []
+        for item, page, view in zip(run, pages, views):
+            if page is None or page.sequence != item.sequence:  # dropped by another read meanwhile
+                read.append((item.index, ReadMiss(item.slot, ReadFailure.NOT_STORED)))
+            elif failure is None and page.matches(view):
+                read.append((item.index, ReadOk(page)))
+            else:
+                read.append((item.index, ReadMiss(item.slot, failure or ReadFailure.CORRUPT)))
+        corrupt = sum(isinstance(r, ReadMiss) and r.reason is ReadFailure.CORRUPT for _, r in read)
+        if corrupt:
+            log.error("disk tier: %d pages read back failed their checksum: dropped", corrupt)
+        invalidate: list[_Item] = []
+        with self._lock:
+            c = self.counters
+            c.bounced_pages += bounced
+            for item, (_, result) in zip(run, read):
+                if isinstance(result, ReadOk):
+                    c.reads += 1
+                    c.read_bytes += result.page.page_bytes
+                elif result.dropped:
+                    c.read_errors += result.reason is ReadFailure.IO_ERROR
+                    c.dropped_pages += result.reason is ReadFailure.CORRUPT
+                    if self._pages.get(item.slot) is not None and self._pages[item.slot].sequence == item.sequence:
+                        self._forget(item.slot)
+                        self._free_after_read.add(item.slot)
+                self._readers[item.slot] -= 1
+                if self._readers[item.slot] == 0:
+                    del self._readers[item.slot]
+                    if item.slot in self._free_after_read:
+                        self._free_after_read.discard(item.slot)
+                        invalidate.append(item)
+        if invalidate:
+            for part in self._runs(invalidate):
+                self._invalidate_run(part)
+        return read
+
+    def _invalidate_run(self, run: list[_Item]) -> list[tuple[int, bool]]:
+        """Zeroes the headers of a run of slots, syncs, and frees the slots."""
+        fmt, first = self._chunk(run[0].slot)
+        try:
+            self._file.write_zeros(fmt.header_offset(first), len(run) * fmt.cls.header_bytes)
+            crashpoints.reached("disk-slot-invalidated")
+            self._file.sync()
+            self._file.forget(fmt.header_offset(first), len(run) * fmt.cls.header_bytes)
+        except OSError as e:
+            log.error("disk tier: %d slots could not be freed (%s): unused until the tier reopens", len(run), e)
+            with self._lock:
+                self.counters.lost_slots += len(run)
+        else:
+            with self._lock:
+                self._release(item.slot for item in run)
+        return [(item.index, True) for item in run]
+
+
+def _run(work: Callable[[list[_Item]], list[tuple[int, T]]], run: list[_Item], calls: _Calls[T]) -> None:
+    try:
+        calls.done(work(run))
+    except BaseException as e:  # a bug, not a disk fault (those are results): the caller sees it
+        log.exception("disk tier: a transfer failed unexpectedly")
+        calls.failed(e)
+        raise
+
+
+def _is_page_view(view: np.ndarray, page_bytes: int) -> bool:
+    return view.dtype == np.uint8 and view.ndim == 1 and view.nbytes == page_bytes and view.flags.c_contiguous
+
+
+def _check_write(w: PageWrite) -> None:
+    i = w.identity
+    assert _is_page_view(w.view, w.view.nbytes) and w.view.nbytes > 0, f"page {i.key.hex()}: not a uint8 page view"
+    assert len(i.scope.encode()) <= SCOPE_BYTES, f"scope {i.scope!r} is longer than {SCOPE_BYTES} bytes"
+    assert len(i.namespace_root) == len(i.key) == len(i.parent_key) == 16, f"page {i.key.hex()}: keys of 16 bytes"
+    assert len(i.local) in (0, 16) and len(i.tokens) % 4 == 0 and i.tokens, f"page {i.key.hex()}: local or tokens"
+
+
+_OPEN_REFUSALS = {
+    errno.ENOENT: OpenRefusal.MISSING,
+    errno.ENOTDIR: OpenRefusal.MISSING,
+    errno.EROFS: OpenRefusal.READ_ONLY,
+    errno.EACCES: OpenRefusal.READ_ONLY,
+    errno.EPERM: OpenRefusal.READ_ONLY,
+    errno.ENOSPC: OpenRefusal.NO_SPACE,
+    errno.EDQUOT: OpenRefusal.NO_SPACE,
+    errno.EFBIG: OpenRefusal.NO_SPACE,
+}
+
+
+def _refused(reason: OpenRefusal, directory: str, error: OSError) -> OpenRefused:
+    log.warning("disk tier in %s refused (%s): %s", directory, reason.value, error)
+    return OpenRefused(reason, f"{directory}: {error}")
