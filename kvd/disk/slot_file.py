@@ -103,7 +103,7 @@ class SlotFile:
         self.direct = alignment is not None
         self.alignment = alignment or 1  # of a torn write's length (crash tests)
         self._staging = Staging()
-        self._injected: dict[str, collections.deque[int]] = {op: collections.deque() for op in OPS}
+        self._injected: dict[str, collections.deque[int | None]] = {op: collections.deque() for op in OPS}
         self._inject_lock = threading.Lock()
 
     @classmethod
@@ -188,11 +188,12 @@ class SlotFile:
         """Whether the file was unlinked under the tier (its directory removed): writes would be lost."""
         return os.fstat(self.fd).st_nlink == 0
 
-    def inject(self, op: str, error: int, count: int = 1) -> None:
-        """Test hook: the next ``count`` calls of ``op`` ("read", "write", "sync") fail with ``error``."""
+    def inject(self, op: str, error: int, count: int = 1, skip: int = 0) -> None:
+        """Test hook: after ``skip`` calls of ``op`` ("read", "write", "sync") that succeed, the
+        next ``count`` fail with ``error``."""
         assert op in OPS, f"unknown operation {op!r}"
         with self._inject_lock:
-            self._injected[op].extend([error] * count)
+            self._injected[op].extend([None] * skip + [error] * count)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -244,9 +245,9 @@ class SlotFile:
     def _raise_injected(self, op: str) -> None:
         if self._injected[op]:
             with self._inject_lock:
-                if self._injected[op]:
-                    error = self._injected[op].popleft()
-                    raise OSError(error, f"{os.strerror(error)} (injected)")
+                error = self._injected[op].popleft() if self._injected[op] else None
+            if error is not None:
+                raise OSError(error, f"{os.strerror(error)} (injected)")
 
     def _transfer(self, op: str, iov: list[memoryview], offset: int) -> None:
         """Moves every byte of ``iov`` (at most IOV_MAX buffers a call), resuming short transfers."""

@@ -16,10 +16,14 @@ does not fit, the file cannot be read). Then:
   read fails, is a miss and is dropped from the disk (its slot freed).
 - ``free(slots)`` frees slots the tier evicts (by its policy: ARC, kvd/disk/ has none).
 
+Pages are known by slot: the tier keeps its own index from chain key to slot (from
+``Opened.pages`` and each ``Written.page``). Two slots may hold the same identity (written
+twice); ``DiskPage.sequence`` orders writes, so the tier keeps the latest and frees the other.
+
 Each returns a ``concurrent.futures.Future`` of one result per item, in order, completed
 on a worker thread (the daemon wraps it for its event loop, which never waits on the disk);
 expected faults (full, ENOSPC, EIO, a vanished file, a changed page) are results, counted
-in ``counters`` and logged, never exceptions. A caller keeps a view alive and unchanged
+in ``counters()`` and logged, never exceptions. A caller keeps a view alive and unchanged
 until its future is done.
 
 Crash safety comes from the order of writes. A write puts a run of pages' bytes in
@@ -283,7 +287,7 @@ class DiskStore:
         self._free_after_read: set[SlotId] = set()
         self._sequence = itertools.count(1)
         self._headers = Staging()  # slot headers on their way to the file
-        self.counters = DiskCounters(direct_io=file.direct, capacity_bytes=file.size)
+        self._counters = DiskCounters(direct_io=file.direct, capacity_bytes=file.size)
 
     @classmethod
     def open(
@@ -316,8 +320,8 @@ class DiskStore:
         report = RecoveryReport(
             len(recovered.pages), recovered.torn, recovered.formatted, recovered.header_bytes_read, recovered.seconds
         )
-        store.counters.torn_headers = report.torn
-        store.counters.recovery_seconds = report.seconds
+        store._counters.torn_headers = report.torn
+        store._counters.recovery_seconds = report.seconds
         log.info(
             "disk tier in %s: %d bytes, %s I/O; %d pages recovered (%d invalid headers) in %.3f s",
             directory, file.size, "direct" if file.direct else "buffered", report.pages, report.torn, report.seconds,
@@ -336,7 +340,7 @@ class DiskStore:
                 self._chunks[fmt.index] = chunk = _Chunk(fmt, used[fmt.index], on_disk=True)
                 self._by_class[fmt.cls].append(chunk)
         self._sequence = itertools.count(max((p.sequence for p in pages), default=0) + 1)
-        c = self.counters
+        c = self._counters
         c.pages, c.bytes, c.recovered_pages = len(pages), sum(p.page_bytes for p in pages), len(pages)
 
     # ---- what the tier calls (any thread; nothing here waits on the disk) -----------------
@@ -353,9 +357,15 @@ class DiskStore:
         with self._lock:
             return list(self._pages.values())
 
-    def snapshot(self) -> DiskCounters:
+    def counters(self) -> DiskCounters:
+        """A copy of the counters, consistent at one instant."""
         with self._lock:
-            return dataclasses.replace(self.counters)
+            return dataclasses.replace(self._counters)
+
+    def inject(self, op: str, error: int, count: int = 1, skip: int = 0) -> None:
+        """Test hook (kvd/disk/slot_file.py): after ``skip`` file calls of ``op`` ("read", "write",
+        "sync"), the next ``count`` fail with ``error``."""
+        self._file.inject(op, error, count, skip)
 
     def write(self, pages: Sequence[PageWrite]) -> Future[list[WriteResult]]:
         """Stores ``pages`` in free slots; one result per page, in order."""
@@ -372,8 +382,8 @@ class DiskStore:
                     placed.append(_Item(i, slot, next(self._sequence)))
                 for i in indexes[len(slots) :]:
                     results[i] = NotWritten(self._refusal(page_class))
-            self.counters.backlog_pages += len(placed)
-            self.counters.backlog_bytes += sum(pages[item.index].view.nbytes for item in placed)
+            self._counters.backlog_pages += len(placed)
+            self._counters.backlog_bytes += sum(pages[item.index].view.nbytes for item in placed)
             return self._fan_out(placed, results, lambda run: self._write_run(run, pages))
 
     def read(self, reads: Sequence[PageRead]) -> Future[list[ReadResult]]:
@@ -453,15 +463,15 @@ class DiskStore:
     def _refusal(self, page_class: SlotClass) -> WriteRefusal:
         if self._closed:
             return WriteRefusal.CLOSED
-        self.counters.refused_full += 1
+        self._counters.refused_full += 1
         return WriteRefusal.FULL if page_class.slots_in(self._chunk_bytes) else WriteRefusal.TOO_LARGE
 
     def _forget(self, slot: SlotId) -> DiskPage | None:
         """Removes the page in ``slot`` from the store (not from the disk); None when there is none."""
         page = self._pages.pop(slot, None)
         if page is not None:
-            self.counters.pages -= 1
-            self.counters.bytes -= page.page_bytes
+            self._counters.pages -= 1
+            self._counters.bytes -= page.page_bytes
         return page
 
     def _release(self, slots: Iterable[SlotId]) -> None:
@@ -536,7 +546,7 @@ class DiskStore:
         except OSError as e:
             return self._write_failed(run, views, e, headers_sent)
         with self._lock:
-            c = self.counters
+            c = self._counters
             c.backlog_pages -= len(run)
             c.backlog_bytes -= sum(v.nbytes for v in views)
             c.bounced_pages += bounced
@@ -562,7 +572,7 @@ class DiskStore:
         }.get(error.errno, WriteRefusal.IO_ERROR)  # fmt: skip
         log.error("disk tier: %d pages not written (%s): %s", len(run), reason.value, error)
         with self._lock:
-            c = self.counters
+            c = self._counters
             c.backlog_pages -= len(run)
             c.backlog_bytes -= sum(v.nbytes for v in views)
             if reason is WriteRefusal.IO_ERROR:
@@ -616,7 +626,7 @@ class DiskStore:
             log.error("disk tier: %d pages read back failed their checksum: dropped", corrupt)
         invalidate: list[_Item] = []
         with self._lock:
-            c = self.counters
+            c = self._counters
             c.bounced_pages += bounced
             for item, (_, result) in zip(run, read):
                 if isinstance(result, ReadOk):
@@ -650,7 +660,7 @@ class DiskStore:
         except OSError as e:
             log.error("disk tier: %d slots could not be freed (%s): unused until the tier reopens", len(run), e)
             with self._lock:
-                self.counters.lost_slots += len(run)
+                self._counters.lost_slots += len(run)
         else:
             with self._lock:
                 self._release(item.slot for item in run)
