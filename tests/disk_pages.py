@@ -5,14 +5,17 @@ storage engine opened over a real directory.
 Used in process by tests/test_disk_store.py and tests/test_disk_faults.py, and as a child
 process by tests/test_disk_crash.py: ``python disk_pages.py SCENARIO DIR PAGE_BYTES PAGE_SIZE
 [buffered]`` runs a scenario and prints one JSON line after each step that completed (what
-was stored), so a test that kills it at a crash point knows what had returned.
+was stored), so a test that kills it at a crash point knows what had returned; the fault
+tests run some scenarios in a private mount namespace on a small file system.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
+import os
 import sys
 from collections.abc import Iterable
 
@@ -69,7 +72,11 @@ def number_of(page: DiskPage) -> int:
 
 def read_back(store: DiskStore, pages: list[DiskPage]) -> dict[int, bool]:
     """Page number → whether it reads back verified with its own bytes."""
-    out = host_pages(len(pages), pages[0].page_bytes if pages else 1)
+    sizes = {p.page_bytes for p in pages}
+    if len(sizes) == 1:  # end to end, as in an extent
+        out = list(host_pages(len(pages), sizes.pop()))
+    else:
+        out = [host_pages(1, p.page_bytes)[0] for p in pages]
     results = store.read([PageRead(p.slot, row) for p, row in zip(pages, out)]).result()
     return {
         number_of(p): isinstance(r, ReadOk) and r.page == p and bool((row == content(number_of(p), p.page_bytes)).all())
@@ -85,7 +92,55 @@ def _slots(pages: list[DiskPage]) -> list[SlotId]:
     return [p.slot for p in pages]
 
 
+def fill_after_open(directory: str, page_bytes: int, page_size: int, buffered: bool) -> None:
+    """On a small file system (``directory`` its mount point): a budget larger than it is
+    refused, and leaves no file; one that fits is reserved whole, so once another file takes
+    every byte left, the store still writes until its own slots are full."""
+    os.mkdir(too_big := os.path.join(directory, "too-big"))
+    refused = DiskStore.open(too_big, 64 << 20, chunk_bytes=CHUNK)
+    _report(refused=getattr(refused, "reason", refused).value, left=os.listdir(too_big))
+    os.mkdir(fits := os.path.join(directory, "fits"))
+    store = open_store(fits, buffered, budget=4 * CHUNK + 4096).store
+    with open(os.path.join(directory, "filler"), "wb") as filler:
+        size = 0
+        for step in (1 << 20, 4096):
+            while True:
+                try:
+                    os.posix_fallocate(filler.fileno(), size, step)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+                    break
+                size += step
+    stat = os.statvfs(directory)
+    _report(direct_io=store.direct_io, free_after_filler=stat.f_bavail * stat.f_frsize)
+    results, n = [], 0
+    while not results or isinstance(results[-1], Written):
+        pages = host_pages(8, page_bytes)
+        for i, row in enumerate(pages):
+            row[:] = content(n + i, page_bytes)
+        batch = store.write([PageWrite(identity(n + i, page_size), row) for i, row in enumerate(pages)]).result()
+        results += batch
+        n += 8
+    written = [r.page for r in results if isinstance(r, Written)]
+    refusals = sorted({r.reason.value for r in results if not isinstance(r, Written)})
+    c = store.counters()
+    _report(
+        written=len(written),
+        refusals=refusals,
+        verified=all(read_back(store, written).values()),
+        write_errors=c.write_errors,
+        refused_no_space=c.refused_no_space,
+        refused_full=c.refused_full,
+    )
+    store.close()
+
+
 def main(scenario: str, directory: str, page_bytes: int, page_size: int, buffered: bool) -> None:
+    if scenario == "fill-after-open":
+        return fill_after_open(directory, page_bytes, page_size, buffered)
+    if scenario == "read-only":
+        refused = DiskStore.open(directory, 4 * CHUNK + 4096, chunk_bytes=CHUNK)
+        return _report(refused=getattr(refused, "reason", refused).value)
     other_class = page_bytes + 4096  # pages of another size
     budget = {"reformat": CHUNK + 4096}.get(scenario, BUDGET)
     store = open_store(directory, buffered, budget).store
