@@ -13,6 +13,7 @@ import tempfile
 import threading
 
 import numpy as np
+import posix_ipc
 import pytest
 from disk_pages import CHUNK, content, host_pages, identity, number_of, open_store, read_back, write
 
@@ -75,6 +76,32 @@ def test_pages_read_back_verified_and_survive_a_reopen(where, page_bytes):
     assert read_back(again.store, again.pages) == {n: True for n in range(20)}
     assert again.store.counters().pages == 20
     again.store.close()
+
+
+def test_pages_move_straight_between_the_file_and_a_posix_shared_memory_extent(tmp_path):
+    """Host pages as the arena makes them (a POSIX shared-memory segment, mapped): written to
+    disk and read back into another extent's pages, with direct I/O where the file system allows."""
+    page_bytes, count = 64 << 10, 16
+    name = f"/kvd-disk-test-{os.getpid()}"
+    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=2 * count * page_bytes)
+    try:
+        memory = mmap.mmap(segment.fd, segment.size)
+        segment.close_fd()
+        extent = np.frombuffer(memory, np.uint8).reshape(2 * count, page_bytes)  # [pages, page_bytes]
+        store = open_store(str(tmp_path)).store
+        for n in range(count):
+            extent[n] = content(n, page_bytes)
+        results = store.write([PageWrite(identity(n, PAGE_SIZE), extent[n]) for n in range(count)]).result()
+        slots = [r.page.slot for r in results]
+        back = store.read([PageRead(slot, extent[count + i]) for i, slot in enumerate(slots)]).result()
+        assert all(isinstance(r, ReadOk) for r in back)
+        assert (extent[count:] == extent[:count]).all()
+        assert store.counters().bounced_pages == 0, "4 KiB-aligned pages move in place"
+        store.close()
+        del extent
+        memory.close()
+    finally:
+        posix_ipc.unlink_shared_memory(name)
 
 
 def test_a_full_store_refuses_and_freed_slots_are_reused_lowest_first(tmp_path):

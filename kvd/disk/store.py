@@ -84,7 +84,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_THREADS = 4
 MAX_RUN_PAGES = 256  # a page takes at most 3 buffers of a preadv: IOV_MAX is 1024
-MAX_RUN_BYTES = 16 << 20  # a large call is split in runs that the workers share
+MAX_RUN_BYTES = 4 << 20  # a large call is split in runs the workers share: reads overlap checksums
 
 
 # ---- results --------------------------------------------------------------------------
