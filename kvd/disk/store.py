@@ -250,7 +250,7 @@ class _Calls(Generic[T]):
 class _Chunk:
     """A formatted chunk in memory: its free slots (lowest first, so runs stay consecutive)."""
 
-    __slots__ = ("format", "free", "used", "on_disk", "lock")
+    __slots__ = ("format", "free", "used", "on_disk", "listed", "lock")
 
     def __init__(self, fmt: ChunkFormat, used: Iterable[int] = (), on_disk: bool = False) -> None:
         self.format = fmt
@@ -258,6 +258,7 @@ class _Chunk:
         self.free = [i for i in range(fmt.slots) if i not in taken]  # sorted: a heap
         self.used = len(taken)  # slots written, being written, read or freed
         self.on_disk = on_disk  # its header is written and synced
+        self.listed = False  # in its class's heap of chunks with free slots
         self.lock = threading.Lock()
 
 
@@ -281,7 +282,10 @@ class DiskStore:
         self._closed = False
         self._file_id = b""
         self._chunks: list[_Chunk | None] = [None] * chunks
-        self._by_class: dict[SlotClass, list[_Chunk]] = defaultdict(list)
+        # per class, the indexes of chunks that may have free slots, lowest first (stale entries
+        # of chunks since formatted for another class are skipped when reached)
+        self._open: dict[SlotClass, list[int]] = defaultdict(list)
+        self._empty: set[int] = set(range(chunks))  # chunks with no slot in use (unformatted or all free)
         self._pages: dict[SlotId, DiskPage] = {}
         self._readers: Counter[SlotId] = Counter()
         self._free_after_read: set[SlotId] = set()
@@ -338,7 +342,9 @@ class DiskStore:
         for fmt in formats:
             if fmt is not None:
                 self._chunks[fmt.index] = chunk = _Chunk(fmt, used[fmt.index], on_disk=True)
-                self._by_class[fmt.cls].append(chunk)
+                self._list(chunk)
+                if chunk.used:
+                    self._empty.discard(fmt.index)
         self._sequence = itertools.count(max((p.sequence for p in pages), default=0) + 1)
         c = self._counters
         c.pages, c.bytes, c.recovered_pages = len(pages), sum(p.page_bytes for p in pages), len(pages)
@@ -432,33 +438,37 @@ class DiskStore:
     def _take(self, page_class: SlotClass, n: int) -> list[SlotId]:
         """Up to ``n`` free slots of ``page_class``, lowest first; formats chunks as needed."""
         taken: list[SlotId] = []
-        chunks = iter(list(self._by_class[page_class]))
+        heap = self._open[page_class]
         while len(taken) < n:
-            chunk = next(chunks, None) or self._new_chunk(page_class)
+            chunk = self._chunks[heap[0]] if heap else self._new_chunk(page_class)
             if chunk is None:
                 break
+            if chunk.format.cls != page_class or not chunk.free:  # stale, or used up
+                heapq.heappop(heap)
+                chunk.listed = chunk.listed and chunk.format.cls != page_class
+                continue
+            self._empty.discard(chunk.format.index)
             while chunk.free and len(taken) < n:
                 taken.append(slot_id(chunk.format.index, heapq.heappop(chunk.free)))
                 chunk.used += 1
         return taken
 
     def _new_chunk(self, page_class: SlotClass) -> _Chunk | None:
-        """A chunk formatted for ``page_class``: an unformatted one, else one whose slots are all free."""
+        """The lowest chunk with no slot in use (unformatted, or of another class: ``_take`` found
+        none of this class with a free slot), formatted for ``page_class`` and listed."""
         slots = page_class.slots_in(self._chunk_bytes)
-        if slots == 0:
+        if slots == 0 or not self._empty:
             return None
-        index = next((k for k, c in enumerate(self._chunks) if c is None), None)
-        if index is None:
-            index = next((k for k, c in enumerate(self._chunks) if c is not None and c.used == 0), None)
-            if index is None:
-                return None
-            old = self._chunks[index]
-            self._by_class[old.format.cls].remove(old)
+        index = min(self._empty)
         generation = int.from_bytes(os.urandom(8), "little")
-        chunk = _Chunk(ChunkFormat(index, generation, page_class, slots, self._chunk_bytes))
-        self._chunks[index] = chunk
-        self._by_class[page_class].append(chunk)
+        self._chunks[index] = chunk = _Chunk(ChunkFormat(index, generation, page_class, slots, self._chunk_bytes))
+        self._list(chunk)
         return chunk
+
+    def _list(self, chunk: _Chunk) -> None:
+        if chunk.free and not chunk.listed:
+            heapq.heappush(self._open[chunk.format.cls], chunk.format.index)
+            chunk.listed = True
 
     def _refusal(self, page_class: SlotClass) -> WriteRefusal:
         if self._closed:
@@ -477,9 +487,13 @@ class DiskStore:
     def _release(self, slots: Iterable[SlotId]) -> None:
         """Slots whose header on disk is invalid become free."""
         for slot in slots:
-            chunk, index = chunk_of(slot)
-            heapq.heappush(self._chunks[chunk].free, index)
-            self._chunks[chunk].used -= 1
+            index, i = chunk_of(slot)
+            chunk = self._chunks[index]
+            heapq.heappush(chunk.free, i)
+            chunk.used -= 1
+            self._list(chunk)
+            if chunk.used == 0:
+                self._empty.add(index)
 
     # ---- work on the workers ---------------------------------------------------------------
 
