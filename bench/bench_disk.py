@@ -33,7 +33,8 @@ import time
 import numpy as np
 
 from kvd.disk.layout import BLOCK, FILE_NAME, ChunkFormat, DiskPage, PageIdentity, SlotClass, chunk_of
-from kvd.disk.store import DiskStore, Opened, PageRead, PageWrite, ReadOk, Written
+from kvd.disk.results import Opened, PageRead, PageWrite, ReadOk, Written
+from kvd.disk.store import DiskStore
 
 PAGE_SIZE = 16
 WRITE_BATCH = 64

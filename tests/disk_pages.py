@@ -22,7 +22,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvd.disk.layout import DiskPage, PageIdentity, SlotId
-from kvd.disk.store import DiskStore, Opened, PageRead, PageWrite, ReadOk, Written
+from kvd.disk.results import Opened, PageRead, PageWrite, ReadOk, Written
+from kvd.disk.store import DiskStore
 
 BUDGET = 16 << 20
 CHUNK = 1 << 20

@@ -21,8 +21,7 @@ import pytest
 from disk_pages import CHUNK, content, host_pages, identity, number_of, open_store, read_back, write
 
 from kvd.disk.layout import FILE_NAME, SlotClass
-from kvd.disk.store import (
-    DiskStore,
+from kvd.disk.results import (
     NotWritten,
     OpenRefusal,
     OpenRefused,
@@ -32,6 +31,7 @@ from kvd.disk.store import (
     ReadMiss,
     WriteRefusal,
 )
+from kvd.disk.store import DiskStore
 
 PAGE_BYTES, PAGE_SIZE = 8192, 16
 

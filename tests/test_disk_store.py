@@ -18,9 +18,7 @@ import pytest
 from disk_pages import CHUNK, content, host_pages, identity, number_of, open_store, read_back, write
 
 from kvd.disk.layout import BLOCK, FILE_NAME, SlotClass
-from kvd.disk.slot_file import direct_io_alignment
-from kvd.disk.store import (
-    DiskStore,
+from kvd.disk.results import (
     NotWritten,
     PageRead,
     PageWrite,
@@ -31,6 +29,8 @@ from kvd.disk.store import (
     WriteRefusal,
     Written,
 )
+from kvd.disk.slot_file import direct_io_alignment
+from kvd.disk.store import DiskStore
 from kvd.durability.meta import page_checksum
 
 PAGE_SIZE = 16

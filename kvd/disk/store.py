@@ -5,7 +5,9 @@ read back, freed and found again after a crash, all off the caller's thread.
 (kvd/disk/slot_file.py, format in kvd/disk/layout.py), recovers what it holds
 (kvd/disk/recovery.py) and answers ``Opened`` (the store and every valid page on disk,
 for the tier to index) or ``OpenRefused`` (no such directory, not writable, the budget
-does not fit, the file cannot be read). Then:
+does not fit, the file cannot be read). Opening reads every slot header and blocks while
+it does (~0.2-0.5 s for 10,000 pages here): call it at start-up or on a thread, never on
+the event loop. Then (results in kvd/disk/results.py, free slots in kvd/disk/slots.py):
 
 - ``write([PageWrite(identity, view, seal)])`` stores pages from the caller's buffers
   (numpy views of shared-memory pages): the store picks free slots (pages of one size
@@ -42,13 +44,10 @@ workers, so a large promotion keeps several requests in flight.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import errno
-import heapq
 import itertools
 import logging
 import mmap
-import os
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -65,18 +64,33 @@ from kvd.disk.layout import (
     SCOPE_BYTES,
     ChunkFormat,
     DiskPage,
-    PageIdentity,
     SlotClass,
     SlotId,
     SlotStamp,
-    chunk_of,
     file_bytes,
     pack_chunk_header,
     pack_slot_header,
-    slot_id,
 )
 from kvd.disk.recovery import recover
+from kvd.disk.results import (
+    DiskCounters,
+    NotWritten,
+    Opened,
+    OpenRefusal,
+    OpenRefused,
+    PageRead,
+    PageWrite,
+    ReadFailure,
+    ReadMiss,
+    ReadOk,
+    ReadResult,
+    RecoveryReport,
+    WriteRefusal,
+    WriteResult,
+    Written,
+)
 from kvd.disk.slot_file import SlotFile, Staging
+from kvd.disk.slots import Chunk, SlotTable
 from kvd.durability.meta import page_checksum
 
 log = logging.getLogger(__name__)
@@ -86,138 +100,6 @@ DEFAULT_THREADS = 4
 MAX_RUN_PAGES = 256  # a page takes at most 3 buffers of a preadv: IOV_MAX is 1024
 MAX_RUN_BYTES = 4 << 20  # a large call is split in runs the workers share: reads overlap checksums
 
-
-# ---- results --------------------------------------------------------------------------
-
-
-class OpenRefusal(enum.Enum):
-    MISSING = "missing"  # the directory does not exist (vanished, not mounted)
-    READ_ONLY = "read-only"  # the directory or its file system is not writable
-    NO_SPACE = "no-space"  # the file system cannot hold the budget
-    IO_ERROR = "io-error"  # the file cannot be read or written
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    pages: int  # valid pages found on disk
-    torn: int  # headers found torn or invalid (their slots are free)
-    formatted: bool  # the file was formatted now: nothing before survives
-    header_bytes_read: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Opened:
-    store: DiskStore
-    pages: list[DiskPage]  # every valid page on disk, for the tier to index
-    recovery: RecoveryReport
-
-
-@dataclass(frozen=True)
-class OpenRefused:
-    reason: OpenRefusal
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class Seal:
-    """A page's seal in host memory (kvd/durability/meta.py): checked before the page is written."""
-
-    covered: bytes
-    checksum: int
-
-
-@dataclass(frozen=True, slots=True)
-class PageWrite:
-    identity: PageIdentity
-    view: np.ndarray  # uint8 [page_bytes], kept unchanged until the write's future is done
-    seal: Seal | None = None  # when given, a page whose bytes no longer match it is not written
-
-
-class WriteRefusal(enum.Enum):
-    FULL = "full"  # no free slot of the page's size: the tier frees some (its eviction policy)
-    TOO_LARGE = "too-large"  # the page does not fit in a chunk
-    NO_SPACE = "no-space"  # the file system answered ENOSPC (one that does not honour fallocate)
-    IO_ERROR = "io-error"  # the write or its sync failed
-    CHANGED = "changed"  # the page's bytes no longer match its seal
-    VANISHED = "vanished"  # the file was removed under the store (its directory deleted)
-    CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    page: DiskPage
-
-
-@dataclass(frozen=True, slots=True)
-class NotWritten:
-    reason: WriteRefusal
-
-
-WriteResult = Written | NotWritten
-
-
-@dataclass(frozen=True, slots=True)
-class PageRead:
-    slot: SlotId
-    view: np.ndarray  # uint8 [page_bytes]: where the page lands
-
-
-class ReadFailure(enum.Enum):
-    NOT_STORED = "not-stored"  # the slot holds no page (freed or dropped meanwhile)
-    CORRUPT = "corrupt"  # the bytes read fail the header's checksum: dropped
-    IO_ERROR = "io-error"  # the read failed: dropped
-    CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True)
-class ReadOk:
-    page: DiskPage
-
-
-@dataclass(frozen=True, slots=True)
-class ReadMiss:
-    slot: SlotId
-    reason: ReadFailure
-
-    @property
-    def dropped(self) -> bool:
-        """Whether the store dropped the page (the tier forgets it)."""
-        return self.reason in (ReadFailure.CORRUPT, ReadFailure.IO_ERROR)
-
-
-ReadResult = ReadOk | ReadMiss
-
-
-@dataclass
-class DiskCounters:
-    """What the tier exposes; gauges (pages, bytes, backlog) and counts that only grow."""
-
-    direct_io: bool = False
-    capacity_bytes: int = 0  # the file's size
-    pages: int = 0  # pages on disk now
-    bytes: int = 0  # their page bytes
-    writes: int = 0  # pages written
-    write_bytes: int = 0
-    reads: int = 0  # pages read back and verified
-    read_bytes: int = 0
-    write_errors: int = 0  # pages whose write (or sync) failed
-    read_errors: int = 0  # pages whose read failed (dropped)
-    refused_full: int = 0  # pages refused: no free slot of their size, or too large
-    refused_no_space: int = 0  # pages refused: ENOSPC at the write
-    refused_vanished: int = 0  # pages refused: the file was removed
-    changed_pages: int = 0  # pages not written: their bytes no longer matched their seal
-    dropped_pages: int = 0  # pages read back that failed their checksum (torn, corrupted): dropped
-    torn_headers: int = 0  # invalid headers found when the file was opened
-    lost_slots: int = 0  # slots whose header could not be zeroed: unused until the next open
-    backlog_pages: int = 0  # writes submitted and not finished
-    backlog_bytes: int = 0
-    bounced_pages: int = 0  # pages moved through an aligned bounce buffer (unaligned views)
-    recovered_pages: int = 0
-    recovery_seconds: float = 0.0
-
-
-# ---- the store ------------------------------------------------------------------------
 
 T = TypeVar("T")
 
@@ -247,21 +129,6 @@ class _Calls(Generic[T]):
             self.future.set_exception(error)
 
 
-class _Chunk:
-    """A formatted chunk in memory: its free slots (lowest first, so runs stay consecutive)."""
-
-    __slots__ = ("format", "free", "used", "on_disk", "listed", "lock")
-
-    def __init__(self, fmt: ChunkFormat, used: Iterable[int] = (), on_disk: bool = False) -> None:
-        self.format = fmt
-        taken = set(used)
-        self.free = [i for i in range(fmt.slots) if i not in taken]  # sorted: a heap
-        self.used = len(taken)  # slots written, being written, read or freed
-        self.on_disk = on_disk  # its header is written and synced
-        self.listed = False  # in its class's heap of chunks with free slots
-        self.lock = threading.Lock()
-
-
 @dataclass(frozen=True, slots=True)
 class _Item:
     """One page of a call, placed in a slot."""
@@ -276,16 +143,11 @@ class DiskStore:
 
     def __init__(self, file: SlotFile, chunk_bytes: int, chunks: int, threads: int) -> None:
         self._file = file
-        self._chunk_bytes = chunk_bytes
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvd-disk")
         self._lock = threading.Lock()  # everything below; never held across a transfer
         self._closed = False
         self._file_id = b""
-        self._chunks: list[_Chunk | None] = [None] * chunks
-        # per class, the indexes of chunks that may have free slots, lowest first (stale entries
-        # of chunks since formatted for another class are skipped when reached)
-        self._open: dict[SlotClass, list[int]] = defaultdict(list)
-        self._empty: set[int] = set(range(chunks))  # chunks with no slot in use (unformatted or all free)
+        self._slots = SlotTable(chunk_bytes, chunks)
         self._pages: dict[SlotId, DiskPage] = {}
         self._readers: Counter[SlotId] = Counter()
         self._free_after_read: set[SlotId] = set()
@@ -334,17 +196,8 @@ class DiskStore:
 
     def _adopt(self, file_id: bytes, formats: list[ChunkFormat | None], pages: list[DiskPage]) -> None:
         self._file_id = file_id
-        used: dict[int, list[int]] = defaultdict(list)
-        for page in pages:
-            chunk, index = chunk_of(page.slot)
-            used[chunk].append(index)
-            self._pages[page.slot] = page
-        for fmt in formats:
-            if fmt is not None:
-                self._chunks[fmt.index] = chunk = _Chunk(fmt, used[fmt.index], on_disk=True)
-                self._list(chunk)
-                if chunk.used:
-                    self._empty.discard(fmt.index)
+        self._slots.adopt(formats, pages)
+        self._pages = {page.slot: page for page in pages}
         self._sequence = itertools.count(max((p.sequence for p in pages), default=0) + 1)
         c = self._counters
         c.pages, c.bytes, c.recovered_pages = len(pages), sum(p.page_bytes for p in pages), len(pages)
@@ -383,7 +236,7 @@ class DiskStore:
                 _check_write(w)
                 by_class[SlotClass(w.view.nbytes, len(w.identity.tokens) // 4)].append(i)
             for page_class, indexes in by_class.items():
-                slots = [] if self._closed else self._take(page_class, len(indexes))
+                slots = [] if self._closed else self._slots.take(page_class, len(indexes))
                 for i, slot in zip(indexes, slots):
                     placed.append(_Item(i, slot, next(self._sequence)))
                 for i in indexes[len(slots) :]:
@@ -433,48 +286,11 @@ class DiskStore:
         self._executor.shutdown(wait=True)
         self._file.close()
 
-    # ---- slots (under the lock) ------------------------------------------------------------
-
-    def _take(self, page_class: SlotClass, n: int) -> list[SlotId]:
-        """Up to ``n`` free slots of ``page_class``, lowest first; formats chunks as needed."""
-        taken: list[SlotId] = []
-        heap = self._open[page_class]
-        while len(taken) < n:
-            chunk = self._chunks[heap[0]] if heap else self._new_chunk(page_class)
-            if chunk is None:
-                break
-            if chunk.format.cls != page_class or not chunk.free:  # stale, or used up
-                heapq.heappop(heap)
-                chunk.listed = chunk.listed and chunk.format.cls != page_class
-                continue
-            self._empty.discard(chunk.format.index)
-            while chunk.free and len(taken) < n:
-                taken.append(slot_id(chunk.format.index, heapq.heappop(chunk.free)))
-                chunk.used += 1
-        return taken
-
-    def _new_chunk(self, page_class: SlotClass) -> _Chunk | None:
-        """The lowest chunk with no slot in use (unformatted, or of another class: ``_take`` found
-        none of this class with a free slot), formatted for ``page_class`` and listed."""
-        slots = page_class.slots_in(self._chunk_bytes)
-        if slots == 0 or not self._empty:
-            return None
-        index = min(self._empty)
-        generation = int.from_bytes(os.urandom(8), "little")
-        self._chunks[index] = chunk = _Chunk(ChunkFormat(index, generation, page_class, slots, self._chunk_bytes))
-        self._list(chunk)
-        return chunk
-
-    def _list(self, chunk: _Chunk) -> None:
-        if chunk.free and not chunk.listed:
-            heapq.heappush(self._open[chunk.format.cls], chunk.format.index)
-            chunk.listed = True
-
     def _refusal(self, page_class: SlotClass) -> WriteRefusal:
         if self._closed:
             return WriteRefusal.CLOSED
         self._counters.refused_full += 1
-        return WriteRefusal.FULL if page_class.slots_in(self._chunk_bytes) else WriteRefusal.TOO_LARGE
+        return WriteRefusal.FULL if self._slots.fits(page_class) else WriteRefusal.TOO_LARGE
 
     def _forget(self, slot: SlotId) -> DiskPage | None:
         """Removes the page in ``slot`` from the store (not from the disk); None when there is none."""
@@ -483,17 +299,6 @@ class DiskStore:
             self._counters.pages -= 1
             self._counters.bytes -= page.page_bytes
         return page
-
-    def _release(self, slots: Iterable[SlotId]) -> None:
-        """Slots whose header on disk is invalid become free."""
-        for slot in slots:
-            index, i = chunk_of(slot)
-            chunk = self._chunks[index]
-            heapq.heappush(chunk.free, i)
-            chunk.used -= 1
-            self._list(chunk)
-            if chunk.used == 0:
-                self._empty.add(index)
 
     # ---- work on the workers ---------------------------------------------------------------
 
@@ -521,14 +326,10 @@ class DiskStore:
         return runs
 
     def _run_pages(self, slot: SlotId) -> int:
-        return min(MAX_RUN_PAGES, max(1, MAX_RUN_BYTES // self._chunk(slot)[0].cls.data_bytes))
-
-    def _chunk(self, slot: SlotId) -> tuple[ChunkFormat, int]:
-        chunk, index = chunk_of(slot)
-        return self._chunks[chunk].format, index
+        return min(MAX_RUN_PAGES, max(1, MAX_RUN_BYTES // self._slots.place(slot)[0].cls.data_bytes))
 
     def _write_run(self, run: list[_Item], pages: Sequence[PageWrite]) -> list[tuple[int, WriteResult]]:
-        fmt, first = self._chunk(run[0].slot)
+        fmt, first = self._slots.place(run[0].slot)
         header_bytes = fmt.cls.header_bytes
         views = [pages[item.index].view for item in run]
         written: list[tuple[int, WriteResult]] = []
@@ -536,7 +337,7 @@ class DiskStore:
         try:
             if self._file.vanished():
                 raise OSError(errno.ESTALE, "the file was removed")
-            self._format(self._chunks[chunk_of(run[0].slot)[0]])
+            self._format(self._slots.chunk(run[0].slot))
             staging = self._headers.take(len(run) * header_bytes)
             for k, item in enumerate(run):
                 w = pages[item.index]
@@ -573,7 +374,7 @@ class DiskStore:
                     c.write_bytes += result.page.page_bytes
                 else:
                     c.changed_pages += 1
-                    self._release([item.slot])
+                    self._slots.release([item.slot])
         return written
 
     def _write_failed(
@@ -596,12 +397,12 @@ class DiskStore:
             else:
                 c.refused_vanished += len(run)
             if not headers_sent:  # the headers on disk are still the invalid ones they were
-                self._release(item.slot for item in run)
+                self._slots.release(item.slot for item in run)
         if headers_sent:  # a header may have reached the disk: zero them before the slots are reused
             self._invalidate_run(run)
         return [(item.index, NotWritten(reason)) for item in run]
 
-    def _format(self, chunk: _Chunk) -> None:
+    def _format(self, chunk: Chunk) -> None:
         """Writes a newly formatted chunk's header (once), before any slot of it is written."""
         if chunk.on_disk:
             return
@@ -616,7 +417,7 @@ class DiskStore:
             chunk.on_disk = True
 
     def _read_run(self, run: list[_Item], reads: Sequence[PageRead]) -> list[tuple[int, ReadResult]]:
-        fmt, first = self._chunk(run[0].slot)
+        fmt, first = self._slots.place(run[0].slot)
         views = [reads[item.index].view for item in run]
         with self._lock:
             pages = [self._pages.get(item.slot) for item in run]
@@ -665,7 +466,7 @@ class DiskStore:
 
     def _invalidate_run(self, run: list[_Item]) -> list[tuple[int, bool]]:
         """Zeroes the headers of a run of slots, syncs, and frees the slots."""
-        fmt, first = self._chunk(run[0].slot)
+        fmt, first = self._slots.place(run[0].slot)
         try:
             self._file.write_zeros(fmt.header_offset(first), len(run) * fmt.cls.header_bytes)
             crashpoints.reached("disk-slot-invalidated")
@@ -677,7 +478,7 @@ class DiskStore:
                 self._counters.lost_slots += len(run)
         else:
             with self._lock:
-                self._release(item.slot for item in run)
+                self._slots.release(item.slot for item in run)
         return [(item.index, True) for item in run]
 
 
