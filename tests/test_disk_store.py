@@ -278,6 +278,7 @@ def test_a_closed_store_answers_closed(tmp_path):
     view = host_pages(1, 8192)[0]
     assert opened.store.write([PageWrite(identity(1, PAGE_SIZE), view)]).result() == [NotWritten(WriteRefusal.CLOSED)]
     assert opened.store.read([PageRead(page.slot, view)]).result() == [ReadMiss(page.slot, ReadFailure.CLOSED)]
+    assert opened.store.free([page.slot]).result() == [False]
     opened.store.close()  # a second close does nothing
 
 

@@ -268,7 +268,7 @@ class DiskStore:
         items: list[_Item] = []
         with self._lock:
             for i, slot in enumerate(slots):
-                if self._forget(slot) is None:
+                if self._closed or self._forget(slot) is None:
                     continue
                 results[i] = True
                 if self._readers[slot]:
@@ -278,7 +278,8 @@ class DiskStore:
             return self._fan_out(items, results, self._invalidate_run)
 
     def close(self) -> None:
-        """Waits for the transfers in flight, then closes the file; later calls answer CLOSED."""
+        """Waits for the transfers in flight, then closes the file; later calls answer CLOSED
+        (``free``: False). Not from a future's callback: that runs on a worker it would wait for."""
         with self._lock:
             if self._closed:
                 return
