@@ -105,7 +105,7 @@ KVD_LAYERS = (
     ("kvd.durability",),  # what survives a crash: seals, warm restart
     ("kvd.config",),  # settings: the core and durability get values, never the settings
     ("kvd.cache",),  # what client calls do on top of the core
-    ("kvd.remote",),  # a tier beside the cache (the cache hears it through kvd/cache/tier.py)
+    ("kvd.remote", "kvd.disk"),  # the tiers beside the cache (it hears them through kvd/cache/tier.py)
     ("kvd.server",),  # the daemon's edge
     ("kvd.cli",),
 )

@@ -146,6 +146,11 @@ class Engine:
         self.send("generate", prompts, max_tokens)
         return self.receive()
 
+    def counter(self, name: str) -> float:
+        """A counter of the engine's Prometheus metrics (vLLM's and the connector's), summed."""
+        self.send("counter", name)
+        return self.receive()
+
     def forget_local_cache(self) -> None:
         """Empties vLLM's own prefix cache, so that only kvd can supply a prefix."""
         self.send("reset_prefix_cache")
@@ -556,6 +561,7 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_and_hits_resume_once_it_
     a.generate([{"tokens": prompt("a")}])  # kvd holds every block of a's prompt (saves what it misses)
     assert timed(a)[2] == loadable("a")
     computed, _, _ = timed(baseline)  # the same request computed, without kvd
+    unanswered = a.counter("vllm:kvd_lookups_unanswered")
     os.kill(daemon.process.pid, signal.SIGSTOP)
     try:
         first, first_tokens, first_hits = timed(a)
@@ -564,6 +570,7 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_and_hits_resume_once_it_
         os.kill(daemon.process.pid, signal.SIGCONT)
     print(f"without kvd: {computed:.2f} s; kvd stopped: the first request {first:.2f} s, the next {later:.2f} s")
     assert first_tokens == later_tokens == expected and first_hits == later_hits == 0
+    assert a.counter("vllm:kvd_lookups_unanswered") == unanswered + 2, "each request kvd did not answer counts once"
     # a later request waits on no call timeout (on a loaded box compute alone varies by seconds)
     assert later < computed + CALL_TIMEOUT, f"a later request took {later:.2f} s, vLLM without kvd {computed:.2f} s"
     assert first - later < 2 * CALL_TIMEOUT + 2.0, (

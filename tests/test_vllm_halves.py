@@ -621,6 +621,8 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
         os.kill(daemon.process.pid, signal.SIGCONT)
     patience = b.scheduler.lookahead.patience
     assert patience <= lookup < patience + 0.5, f"the scheduler half answered after {lookup:.2f} s"
+    # r1 and the three later requests were computed without kvd's answer, each counted once
+    assert (b.scheduler.lookahead.take_unanswered(), b.scheduler.lookahead.take_unanswered()) == (4, 0)
     assert longest_ask < 0.05, f"an ask held vLLM's scheduler {longest_ask * 1000:.1f} ms"
     assert timeout <= save < timeout + 0.5, f"the worker half's step took {save:.2f} s"
     assert later < 0.5, f"three more requests took {later:.2f} s: kvd was not skipped"
@@ -779,3 +781,33 @@ def test_vllm_finds_the_connector_under_the_path_configurations_name():
         kv_connector="KVDConnector", kv_connector_module_path="gpu_worker.vllm_connector", kv_role="kv_both"
     )
     assert KVConnectorFactory.get_connector_class(config) is KVDConnector
+
+
+def test_the_connector_stats_add_up_over_intervals_and_reach_prometheus():
+    """vLLM adds the scheduler half's counts of each interval (`aggregate`), logs the sums
+    (`reduce`) and hands them to the connector's Prometheus counters, per engine."""
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    from gpu_worker.vllm_connector import KVDConnector
+
+    first, second = (KVDConnector.build_kv_connector_stats({"lookups_unanswered": n}) for n in (2, 3))
+    assert KVDConnector.build_kv_connector_stats({"lookups_unanswered": 0}).is_empty()
+    total = first.aggregate(second)
+    assert not total.is_empty() and total.reduce() == {"lookups_unanswered": 5}
+    registry = prometheus_client.CollectorRegistry()
+    types = {
+        kind: functools.partial(kind, registry=registry)
+        for kind in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)
+    }
+    prom = KVDConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    prom.observe(total.data, engine_idx=0)
+    prom.observe({"lookups_unanswered": 1}, engine_idx=0)
+    assert registry.get_sample_value("vllm:kvd_lookups_unanswered_total", {"engine": "0"}) == 6
+    logged = []
+    connector_log = KVConnectorLogging.__new__(KVConnectorLogging)  # its constructor finds the class by config
+    connector_log.connector_cls = KVDConnector
+    connector_log.reset()
+    connector_log.observe({"lookups_unanswered": 4})
+    connector_log.log(lambda fmt, *args: logged.append(fmt % args))
+    assert logged == ["KV Transfer metrics: lookups_unanswered=4"]

@@ -81,7 +81,7 @@ def kvd(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("vllm-models"))
     socket, daemon, _ = start_kvd(workdir)
     try:
-        yield {"socket": socket, "workdir": workdir}
+        yield {"socket": socket, "workdir": workdir, "daemon": daemon}
     finally:
         daemon.stop()
         remove_shared_memory(socket)
@@ -217,15 +217,25 @@ def tp2(kvd):
     write_tiny_llama(model)  # 2 KV heads: one per rank
     files = fault_files(workdir, "tp-a")
     tp = {"KVD_TEST_TP": "2"}
+    # Nine processes on two cores: a lookup may wait seconds for CPU, and what these tests
+    # mean to see is a page lost, not a lookup given up on (that is counted, and checked).
+    patient = {"lookup_patience_seconds": 60}
     engines = {
-        "a": Engine("tp-a", model, workdir, kvd["socket"], env=faulty(files, **tp)),
-        "b": Engine("tp-b", model, workdir, kvd["socket"], env=tp),
+        "a": Engine("tp-a", model, workdir, kvd["socket"], env=faulty({**files, **patient}, **tp)),
+        "b": Engine("tp-b", model, workdir, kvd["socket"], env={"KVD_TEST_CONNECTOR_EXTRA": json.dumps(patient), **tp}),
         "baseline": Engine("tp-baseline", model, workdir, None, env=tp),
     }
     with started(engines) as running:
         [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
         running["baseline"].stop()  # its 3 processes would only take the 2 cores from a, b and kvd
-        yield {**running, "expected": expected, "files": files}
+        yield {**running, "expected": expected, "files": files, "daemon": kvd["daemon"]}
+
+
+def answered_every_lookup(engine: Engine, daemon) -> None:
+    """Fails, saying so, when kvd gave the engine no answer for a request (a call that failed
+    or timed out): that request was computed without kvd, whatever the test meant to see."""
+    unanswered = engine.counter("vllm:kvd_lookups_unanswered")
+    assert unanswered == 0, f"kvd did not answer {unanswered:.0f} lookups of {engine.name}:\n{daemon.log()[-3000:]}"
 
 
 def test_tensor_parallel_engines_share_each_ranks_pages(tp2):
@@ -233,6 +243,7 @@ def test_tensor_parallel_engines_share_each_ranks_pages(tp2):
     [tokens], hits = a.generate([{"tokens": PROMPT}])
     assert hits == 0 and tokens == expected
     [tokens], hits = b.generate([{"tokens": PROMPT}])
+    answered_every_lookup(b, tp2["daemon"])
     assert hits == LOADABLE, f"the second TP=2 engine loaded {hits} prompt tokens from kvd"
     assert tokens == expected, "tokens differ from TP=2 without kvd"
 
@@ -253,7 +264,10 @@ def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
     assert tokens == tp2["expected"], "tokens after recomputing differ from TP=2 without kvd"
     b.forget_local_cache()  # what a saved while recomputing is right: b loads it all again
     [tokens], hits = b.generate([{"tokens": PROMPT}])
-    assert hits == LOADABLE and tokens == tp2["expected"]
+    answered_every_lookup(b, tp2["daemon"])
+    answered_every_lookup(a, tp2["daemon"])
+    assert hits == LOADABLE, f"b loaded {hits} tokens after a recomputed rank 1's pages:\n{tp2['daemon'].log()[-3000:]}"
+    assert tokens == tp2["expected"]
 
 
 def vllm_settings(tp: int = 1, pp: int = 1):
@@ -287,7 +301,7 @@ def attention(kind: str, **fields):
 
 
 def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
-    from gpu_worker.vllm.connector import namespace_spec
+    from gpu_worker.vllm.cache_shape import namespace_spec
 
     def shape(*specs, layers=None, **settings):
         return namespace_spec(vllm_settings(**settings), groups_of(*specs, layers=layers))
@@ -325,7 +339,7 @@ def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, name
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from gpu_worker.vllm.connector import namespace_spec
+    from gpu_worker.vllm.cache_shape import namespace_spec
 
     def spec(kind: str):
         if kind == "mamba":

@@ -99,6 +99,9 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
             channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
         elif command == "reset_prefix_cache":
             channel.send(llm.reset_prefix_cache())
+        elif command == "counter":
+            [name] = args
+            channel.send(sum(m.value for m in llm.get_metrics() if m.name == name))
         elif command == "steps":
             channel.send(sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total"))
         elif command == "stop":

@@ -18,7 +18,8 @@ answer: the daemon ends the session, and whatever the call did with it, once it 
 the session's stream end. So a hung daemon costs the engine one call timeout, then kvd is
 skipped until the thread has a new session. One warning is logged per outage, and one
 line when kvd is back. A call the daemon refuses for another reason (budget exhausted, a
-sequence it no longer knows) is logged and also answers `None`.
+sequence it no longer knows) is logged and also answers `None`, as does a call that maps
+kvd's pages into this process (`maps_memory`: the worker half's) and cannot.
 
 `session` names the current session: sequences and pins belong to it and end with it.
 One thread makes the link's calls (the engine's, or one the adapter keeps for them);
@@ -150,13 +151,20 @@ class KVDLink:
         """The kvd sequence id of an engine request, unique to this link."""
         return self.seq_prefix + request_id
 
-    def attempt(self, what: str, action: Callable[[KVDClient, int], T]) -> T | None:
-        """`action(client, namespace_id)`, or None when kvd cannot serve it now."""
-        return self.attempt_all(what, lambda client, namespaces: action(client, namespaces[0]))
+    def attempt(self, what: str, action: Callable[[KVDClient, int], T], maps_memory: bool = False) -> T | None:
+        """`action(client, namespace_id)`, or None when kvd cannot serve it now (`attempt_all`)."""
+        return self.attempt_all(what, lambda client, namespaces: action(client, namespaces[0]), maps_memory)
 
-    def attempt_all(self, what: str, action: Callable[[KVDClient, tuple[int, ...]], T]) -> T | None:
+    def attempt_all(
+        self, what: str, action: Callable[[KVDClient, tuple[int, ...]], T], maps_memory: bool = False
+    ) -> T | None:
         """`action(client, namespace_ids)` (the link's namespace, then its peers'), or None
-        when kvd cannot serve it now."""
+        when kvd cannot serve it now.
+
+        An action that `maps_memory` (maps kvd's pages into this process, registers them
+        with CUDA) fails open on any error, not only kvd's: a page that cannot be mapped
+        is a failed copy, logged, never the engine's crash. Any other action's own error
+        is a bug and is raised."""
         current = self._current()
         if current is None:
             return None
@@ -168,6 +176,11 @@ class KVDLink:
                 self._warn_once()
             else:
                 log.warning("kvd refused %s: %s", what, e)
+            return None
+        except Exception as e:
+            if not maps_memory:
+                raise
+            log.warning("kvd %s failed: %s", what, e)
             return None
 
     def serving_instance(self) -> str:

@@ -15,7 +15,7 @@ A hold is not offered any more (`answer` forgets it and asks again) once
 - its session ended: the daemon restarted or stopped answering, and the pages went
   with the session (page ids of another daemon instance mean nothing);
 - kvd removed one of its pages (the audit dropped a corrupted page), heard on kvd's
-  event stream (gpu_worker/vllm/kvd_events.py `RemovalFeed`). Evictions cannot take a
+  event stream (gpu_worker/vllm/removal_feed.py `RemovalFeed`). Evictions cannot take a
   held page.
 A hold vLLM allocated blocks for (`claim`) is the request's load; `usable_blocks` says
 how many of its blocks are still there (before the first page kvd removed since), so the
@@ -29,10 +29,13 @@ queue does not pin a long list of cached pages.
 
 When kvd cannot answer (not running, hung, refusing) a prompt gets an empty hold: a
 miss. An answer that takes longer than `patience` seconds (by default the link's call
-timeout: one call's worth) is given up (an empty hold; the hold, should it come, is let
-go), so a slow daemon never delays a request longer than that, and the requests running
-meanwhile not at all. While kvd fetches more of a prompt from its remote store, the thread asks
-again every `remote_poll` seconds and `answer` stays None, as long as the fetch lasts.
+timeout: one call's worth; the connector's `lookup_patience_seconds`) is given up (an
+empty hold; the hold, should it come, is let go), so a slow daemon never delays a request
+longer than that, and the requests running meanwhile not at all. Each request kvd gave
+no answer for (its lookup or hold call failed, or the patience ran out) is logged (a
+warning) and counted (`take_unanswered`, vLLM's `vllm:kvd_lookups_unanswered`).
+While kvd fetches more of a prompt from its remote store, the thread asks again every
+`remote_poll` seconds and `answer` stays None, as long as the fetch lasts.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_client import SequenceRequest
-from gpu_worker.vllm.kvd_events import RemovalFeed
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.removal_feed import RemovalFeed
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,7 @@ class Lookahead:
         self._holders: dict[bytes, set[tuple[str, int]]] = {}  # kvd key -> (request, block) of holds of its page
         self._abandoned: set[str] = set()  # let go while the thread was at them
         self._let_go: list[Hold] = []  # to release with the thread's next turn
+        self._unanswered = 0  # requests kvd gave no answer for, since `take_unanswered` last ran
         self._closing = False
         self._serial = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kvd-lookahead", daemon=True)
@@ -139,6 +143,7 @@ class Lookahead:
                 if self._asked.pop(req_id, None) is None:
                     self._abandoned.add(req_id)
                 self._holds[req_id] = MISS
+                self._unanswered += 1
                 log.warning("kvd gave no answer for request %s in %.1f s: computed without kvd", req_id, self.patience)
                 return MISS
             return None
@@ -166,6 +171,12 @@ class Lookahead:
             if req_id in self._busy:
                 self._abandoned.add(req_id)
             self._forget(req_id)
+
+    def take_unanswered(self) -> int:
+        """How many requests kvd gave no answer for (computed without kvd) since the last call."""
+        with self._lock:
+            unanswered, self._unanswered = self._unanswered, 0
+            return unanswered
 
     def close(self) -> None:
         with self._lock:
@@ -237,6 +248,7 @@ class Lookahead:
         answers: dict[str, Hold] = {}
         remote: dict[str, SequenceRequest] = {}
         hits: dict[str, SequenceRequest] = {}
+        unanswered = set() if by_rank else set(asked)  # the lookup call failed
         for i, (req_id, w) in enumerate(asked.items()):
             found = [rank[i] for rank in by_rank] if by_rank else []
             hit = min((r.hit_tokens for r in found), default=0) // self.block_size * self.block_size
@@ -247,8 +259,13 @@ class Lookahead:
                 hits[req_id] = SequenceRequest(seq_id, w.token_ids[:hit], w.extra_keys)
             else:
                 answers[req_id] = MISS
-        answers.update(self._hold(hits))
+        held = self._hold(hits)
+        if held is None:  # the hold call failed
+            unanswered.update(hits)
+            held = dict.fromkeys(hits, MISS)
+        answers.update(held)
         with self._lock:
+            self._unanswered += len(unanswered - self._abandoned)  # the abandoned were given up on: counted
             for req_id, w in remote.items():
                 since = self._busy.pop(req_id)
                 if req_id not in self._abandoned:
@@ -265,9 +282,10 @@ class Lookahead:
                         self._holders.setdefault(key, set()).add((req_id, block))
             self._abandoned -= set(asked)
 
-    def _hold(self, hits: dict[str, SequenceRequest]) -> dict[str, Hold]:
+    def _hold(self, hits: dict[str, SequenceRequest]) -> dict[str, Hold] | None:
         """Holds each hit in every rank's namespace, one call a rank (all ranks or none: a
-        rank that refuses lets the others' holds go), as far as every rank still has it."""
+        rank that refuses lets the others' holds go), as far as every rank still has it;
+        None when kvd did not hold them."""
         if not hits:
             return {}
         requests = list(hits.values())
@@ -292,5 +310,5 @@ class Lookahead:
             if held:
                 seq_ids = [r.seq_id for r in requests]
                 self.link.attempt_all("release", lambda kvd, _: [kvd.release(ns, seq_ids) for ns in held])
-            return dict.fromkeys(hits, MISS)
+            return None
         return dict(zip(hits, holds))

@@ -28,7 +28,7 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
 5. `update_from_workers` notes the workers' daemon instance and turns what they published
    into vLLM KV events (`BlockStored`); with KV events on, it remembers the kvd keys of
    those blocks, and `take_events` adds `BlockRemoved` for them once kvd evicts or drops
-   them (gpu_worker/vllm/kvd_events.py).
+   them (gpu_worker/vllm/block_events.py).
 6. `finished` lets the request's hold go and tells the workers to release their
    sequences. Published pages stay cached in kvd.
 
@@ -53,16 +53,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.distributed.kv_events import KVCacheEvent
 
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
-from gpu_worker.vllm.kvd_events import StoredBlocks
+from gpu_worker.vllm.block_events import BlockEvents, KeyChain
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.lookahead import Hold, Lookahead
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
-
-MEDIUM = "kvd"  # the medium of the connector's KV events
 
 
 def kvd_extra_keys(request) -> tuple[ExtraKey, ...]:
@@ -106,8 +103,7 @@ class _Tracked:
     planned: int = 0  # blocks [0, planned) were in a save plan already
     announced: bool = False  # its prompt went to the workers with a plan
     awaits_load: bool = False  # an asynchronous load was planned; vLLM allocates again once it is done
-    keyed_pages: int = 0  # kvd keys of blocks [0, keyed_pages) were computed (for KV events)
-    last_key: bytes | None = None  # the key of block keyed_pages - 1, where the chain goes on
+    keys: KeyChain = field(default_factory=KeyChain)  # how far its kvd keys were computed (for KV events)
 
 
 @dataclass(frozen=True)
@@ -129,7 +125,9 @@ class KVDSchedulerSide:
         save_generated: bool = True,
         track_removals: bool = True,
         sliding_groups: tuple[bool, ...] = (False,),
+        lookup_patience: float | None = None,
     ) -> None:
+        """`lookup_patience`: seconds a request waits for its lookup (None: one call timeout)."""
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
@@ -140,16 +138,14 @@ class KVDSchedulerSide:
         # for such loads between steps, and a failed one fails its request (plans.LoadPlan)
         self.async_loads = len(sliding_groups) > 1
         self._failed_loads: set[str] = set()  # requests whose asynchronous load failed: computed
-        # kvd key -> vLLM hash of the blocks reported stored, for BlockRemoved when kvd drops them
-        self._stored = StoredBlocks() if track_removals else None
-        self.lookahead = Lookahead(link, block_size, [self._stored.removed] if self._stored else [])
+        self.events = BlockEvents(link, block_size, track_removals)
+        self.lookahead = Lookahead(link, block_size, self.events.removal_listeners, patience=lookup_patience)
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, _Load] = {}  # the step's loads, planned when its metadata is built
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
-        self._events: list[KVCacheEvent] = []
 
     # ---- lookup and allocation ----------------------------------------------------
 
@@ -266,10 +262,7 @@ class KVDSchedulerSide:
         for req_id, (start, end) in (worker_meta.published if worker_meta else {}).items():
             t = self._tracked.get(req_id) or self._finished_requests.get(req_id)
             if t is not None:
-                event = self._stored_event(t.request, start, end)
-                self._events.append(event)
-                if self._stored is not None:
-                    self._remember(t, end, event.block_hashes)
+                self.events.stored(t.request, t.prompt.extra_keys, t.keys, start, end)
         self._finished_requests.clear()  # a step's output answers its saves; none come later
 
     def finished(self, request) -> None:
@@ -284,11 +277,7 @@ class KVDSchedulerSide:
             self._finished_requests[req_id] = t
 
     def take_events(self) -> list[KVCacheEvent]:
-        events, self._events = self._events, []
-        removed = self._stored.take_removed() if self._stored is not None else []
-        if removed:
-            events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
-        return events
+        return self.events.take()
 
     def close(self) -> None:
         self.lookahead.close()
@@ -309,41 +298,6 @@ class KVDSchedulerSide:
         """Whether the workers' kvd sessions are with this daemon instance (their last
         report says so, or none came yet), so that they can load what it holds."""
         return self._workers_instance is None or self._workers_instance == instance
-
-    def _remember(self, t: _Tracked, end: int, hashes: list) -> None:
-        """The kvd keys of the request's blocks [end - len(hashes), end), mapped to their vLLM hashes.
-
-        The chain goes on from the last key computed for the request, so a long decode that
-        publishes its generated blocks a few at a time hashes each block once, not its whole
-        prefix each time. Blocks before that key (published again) are hashed from the
-        request's first block on."""
-        if not hashes:
-            return
-        if t.keyed_pages > end - len(hashes):
-            t.keyed_pages, t.last_key = 0, None
-        first_page, parent = t.keyed_pages, t.last_key
-        tokens = t.request.all_token_ids[first_page * self.block_size : end * self.block_size]
-        extra_keys = t.prompt.extra_keys  # blocks past the prompt: no item was cut
-        new_keys = self.link.page_keys(tokens, extra_keys, first_page=first_page, parent=parent)
-        if new_keys is not None and len(new_keys) == end - first_page:
-            t.keyed_pages, t.last_key = end, new_keys[-1]
-            self._stored.remember(new_keys[len(new_keys) - len(hashes) :], hashes)
-
-    def _stored_event(self, request, first: int, end: int) -> BlockStored:
-        """vLLM's KV event for blocks [first, end) of the request, keyed by vLLM's own block
-        hashes so that KV-aware routers match them to vLLM's other events."""
-        hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[first:end]]
-        parent = maybe_convert_block_hash(request.block_hashes[first - 1]) if first and request.block_hashes else None
-        lora = request.lora_request
-        return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent,
-            token_ids=list(request.all_token_ids[first * self.block_size : end * self.block_size]),
-            block_size=self.block_size,
-            lora_id=lora.lora_int_id if lora else None,
-            medium=MEDIUM,
-            lora_name=lora.lora_name if lora else None,
-        )
 
     def _plan_loads(self) -> list[LoadPlan]:
         """The step's loads from the holds vLLM took: each rank's pages into the blocks

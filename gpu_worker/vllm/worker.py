@@ -8,6 +8,8 @@ released when the scheduler says the request finished): after each layer's atten
 wrote its KV, the layer is copied into the sequence's private pages, and once the step's
 copies are done the worker publishes every block it wrote, in order. So no process writes
 a page another session owns, and a page is published only after its bytes are complete.
+Those sequences, and how far each is written and published, are the `SaveLedger`'s
+(gpu_worker/vllm/save_ledger.py); this module copies.
 Each kvd call covers the whole step: one allocation for the requests new to this worker,
 one `extend_batch`, one `publish` of many sequences, one `release` of the finished ones.
 
@@ -33,20 +35,18 @@ that layer's attention and waited for in `wait_for_save`, before they are publis
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine_client import ErrorCode, ExtendItem, KVDError, SequenceRequest
+from engine_client import ErrorCode, KVDError
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.page_copies import ExtentCopies, by_extent, copy_layer
-from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
-
-log = logging.getLogger(__name__)
+from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
+from gpu_worker.vllm.save_ledger import SaveLedger, SaveTarget
 
 
 def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_v_rows: bool) -> torch.Tensor:
@@ -57,7 +57,7 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
     (K and V of a token side by side), which is kvd's order. vLLM's CPU backend
     (`k_then_v_rows`) stores each block in an arrangement of its own kernel's (each
     head's K rows, then its V rows): its pages are kept apart in a namespace of their own
-    (connector.cpu_kv_layout), so the view maps the block's bytes one to one, in vLLM's
+    (cache_shape.cpu_kv_layout), so the view maps the block's bytes one to one, in vLLM's
     order, and a block's copy is one memcpy (gpu_worker/vllm/page_copies.py)."""
     blocks, heads, block_size, width = kv_layer.shape
     if heads != num_kv_heads or width != 2 * head_dim:
@@ -70,25 +70,14 @@ def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_
     return kv_layer.unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
 
 
-@dataclass
-class _Saving:
-    """One request's kvd sequence in this worker's session."""
-
-    session: str  # this worker's session that owns the sequence
-    page_ids: list[int]  # one per full block it knows (the kvd sequence holds full blocks only)
-    published: int  # blocks [0, published) are published (hits count from the start)
-    written: set[int] = field(default_factory=set)
-
-
 Copies = list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
 
 
 @dataclass(frozen=True)
 class _StepSave:
-    """This step's copies for one request: vLLM blocks into the sequence's pages."""
+    """This step's copies for one request: vLLM blocks into its sequence's pages."""
 
-    req_id: str
-    positions: list[int]  # the request's blocks saved
+    target: SaveTarget
     copies: list[Copies]  # per KV-cache group
 
 
@@ -119,12 +108,10 @@ class KVDWorkerSide:
         self._load_errors: set[int] = set()
         self._recving: set[str] = set()  # asynchronous loads done since vLLM last asked
         self._failed_recving: set[str] = set()  # of those, the ones that failed
-        self._known: dict[str, PromptKey] = {}  # per request: the tokens the plans sent so far
-        self._sequences: dict[str, _Saving] = {}
+        self.ledger = SaveLedger(link)
         self._saves: list[_StepSave] = []
         self._save_copies: list[list[ExtentCopies]] = []  # per KV-cache group: the step's saves, merged per extent
         self._saved_layers: set[int] = set()
-        self._published: dict[str, tuple[int, int]] = {}
         self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -143,7 +130,7 @@ class KVDWorkerSide:
         saves, and copy every planned load into its vLLM block (all layers; on CUDA queued).
         Whatever the batch, a step costs at most one kvd call of each kind: release,
         allocate, extend (here) and publish (`wait_for_save`)."""
-        self._finished(meta.finished)
+        self.ledger.finished(meta.finished)  # vLLM runs a step for them even when nothing else is scheduled
         failed = self._start_loads(meta.loads)
         self._saves = self._prepare_saves(meta.saves, failed)
         self._save_copies = self._merged([save.copies for save in self._saves])
@@ -214,63 +201,13 @@ class KVDWorkerSide:
         Nothing is saved for a request with a load error in this step: the blocks it failed
         to load hold stale bytes, and what this step computes attended to them. vLLM
         recomputes from the first failed block, and the scheduler plans those saves again."""
-        for plan in plans:
-            if plan.prompt is not None:  # a list of this worker's own, grown in place below
-                self._known[plan.req_id] = PromptKey(list(plan.prompt.token_ids), plan.prompt.extra_keys)
-            if plan.more_tokens and plan.req_id in self._known:
-                self._known[plan.req_id].token_ids.extend(plan.more_tokens)
-        plans = [plan for plan in plans if plan.req_id not in failed and plan.req_id in self._known]
-        self._allocate([plan.req_id for plan in plans if not self._has_sequence(plan.req_id)])
-        plans = [plan for plan in plans if self._has_sequence(plan.req_id)]
-        self._extend([p.req_id for p in plans if max(p.positions) >= len(self._sequences[p.req_id].page_ids)])
+        self.ledger.learn(plans)
         saves = []
-        for plan in plans:
-            seq = self._sequences[plan.req_id]
-            todo = [i for i, p in enumerate(plan.positions) if seq.published <= p < len(seq.page_ids)]
-            if not todo:
-                continue
-            positions = [plan.positions[i] for i in todo]
-            block_ids = [[blocks[i] for i in todo] for blocks in plan.block_ids]
-            groups = self._resolve(
-                None, [seq.page_ids[p] for p in positions], f"save for request {plan.req_id}", writable=True
-            )
+        for target in self.ledger.targets([plan for plan in plans if plan.req_id not in failed]):
+            groups = self._resolve(None, target.page_ids, f"save for request {target.req_id}", writable=True)
             if groups is not None:
-                saves.append(_StepSave(plan.req_id, positions, [_to_blocks(groups, b) for b in block_ids]))
+                saves.append(_StepSave(target, [_to_blocks(groups, b) for b in target.block_ids]))
         return saves
-
-    def _has_sequence(self, req_id: str) -> bool:
-        """Whether the request has a kvd sequence in this worker's current session."""
-        seq = self._sequences.get(req_id)
-        return seq is not None and seq.session == self.link.session
-
-    def _allocate(self, req_ids: list[str]) -> None:
-        """Allocates the requests' kvd sequences (again, for every token known by then,
-        after a daemon restart), in one call; none when kvd cannot hold them all."""
-        if not req_ids:
-            return
-        for req_id in req_ids:
-            self._sequences.pop(req_id, None)
-        requests = [
-            SequenceRequest(self.link.seq_id(r), self._known[r].token_ids, self._known[r].extra_keys) for r in req_ids
-        ]
-        found = self.link.attempt("allocate", lambda kvd, ns: kvd.allocate_with_prefix(ns, requests))
-        for req_id, allocation in zip(req_ids, found or ()):
-            self._sequences[req_id] = _Saving(
-                self.link.session, allocation.pages, published=len(allocation.shared_pages)
-            )
-
-    def _extend(self, req_ids: list[str]) -> None:
-        """Grows the requests' kvd sequences by the full blocks the plans sent since they were
-        allocated (generated tokens), in one call; none when kvd cannot grow them all."""
-        if not req_ids:
-            return
-        items = []
-        for req_id in req_ids:
-            tokens = self._known[req_id].token_ids[len(self._sequences[req_id].page_ids) * self.layout.page_size :]
-            items.append(ExtendItem(self.link.seq_id(req_id), len(tokens), token_ids=tokens))
-        grown = self.link.attempt("extend", lambda kvd, ns: kvd.extend_batch(ns, items))
-        for req_id, result in zip(req_ids, grown or ()):
-            self._sequences[req_id].page_ids += result.new_pages
 
     def save_layer(self, layer_name: str) -> None:
         """Copy this layer of the step's saved blocks into their kvd pages (its attention
@@ -295,53 +232,17 @@ class KVDWorkerSide:
         if self._cuda:
             self._record().synchronize()
         for save in self._saves:
-            self._sequences[save.req_id].written.update(save.positions)
-        self._publish([save.req_id for save in self._saves])
+            self.ledger.written(save.target)
+        self.ledger.publish([save.target.req_id for save in self._saves])
         self._saves, self._save_copies = [], []
-
-    def _publish(self, req_ids: list[str]) -> None:
-        """Publishes each sequence's blocks written so far in order from its first
-        unpublished one, all in one call."""
-        ends = {}
-        for req_id in req_ids:
-            seq = self._sequences[req_id]
-            end = seq.published
-            while end in seq.written:
-                end += 1
-            if end > seq.published and seq.session == self.link.session:
-                ends[req_id] = end
-        if not ends:
-            return
-        num_tokens = {self.link.seq_id(r): end * self.layout.page_size for r, end in ends.items()}
-        if self.link.attempt("publish", lambda kvd, ns: kvd.publish(ns, list(num_tokens), num_tokens)) is None:
-            return
-        for req_id, end in ends.items():
-            seq = self._sequences[req_id]
-            start = self._published.get(req_id, (seq.published, 0))[0]
-            self._published[req_id] = (start, end)
-            seq.published = end
 
     def worker_metadata(self) -> KVDWorkerMetadata:
         """What this worker published since the last step (for the scheduler's KV events)
         and the daemon instance it can load from now (the scheduler's offers wait for it)."""
-        published, self._published = self._published, {}
-        return KVDWorkerMetadata(published, self.link.serving_instance())
-
-    def _finished(self, req_ids: set[str]) -> None:
-        """The requests are done: release their sequences (published pages stay cached).
-        vLLM runs a step for requests that finished even when nothing else is scheduled,
-        so this comes right after the request's last step."""
-        for req_id in req_ids:
-            self._known.pop(req_id, None)
-        live = [
-            self.link.seq_id(r)
-            for r in req_ids
-            if (seq := self._sequences.pop(r, None)) is not None and seq.session == self.link.session
-        ]
-        if live:
-            self.link.attempt("release", lambda kvd, ns: kvd.release(ns, live))
+        return KVDWorkerMetadata(self.ledger.take_published(), self.link.serving_instance())
 
     # ---- helpers ----------------------------------------------------------------------
+
     def _resolve(self, daemon_instance: str | None, page_ids: list[int], what: str, writable: bool = False):
         """The pages grouped by extent, or None when they cannot be trusted or mapped.
 
@@ -360,11 +261,7 @@ class KVDWorkerSide:
                 )
             return groups
 
-        try:
-            return self.link.attempt(what, locate)
-        except Exception as e:  # noqa: BLE001 - a page that cannot be mapped is a failed copy, not a crash
-            log.warning("kvd %s failed: %s", what, e)
-            return None
+        return self.link.attempt(what, locate, maps_memory=True)  # a page it cannot map: a failed copy
 
     @contextmanager
     def _side_stream(self) -> Iterator[None]:

@@ -1,18 +1,11 @@
-"""kvd's event stream as the vLLM connector's scheduler half hears it.
+"""`RemovalFeed`: kvd's event stream as the vLLM connector's scheduler half hears it.
 
-`RemovalFeed` follows the stream of the link's session on a thread of its own (its
-removals only: the daemon sends no batch of stores, which would cost the scheduler
-process a parse each) and hands the kvd keys of every page kvd evicts or drops to its
-listeners: the scheduler half's
-holds (gpu_worker/vllm/lookahead.py: a hold whose page went is not offered) and, with
-vLLM's KV events on, `StoredBlocks`.
-
-`StoredBlocks` keeps the kvd key → vLLM hash of every block the scheduler half reported
-to vLLM as stored (`BlockStored`, keyed by vLLM's own block hashes; kvd keys computed
-locally, `KVDLink.page_keys`), so that when kvd later drops such a page, routers hear
-`BlockRemoved` for the same vLLM hash. Keys it never reported (pages of other processes,
-pages it only loaded) are ignored. At most `max_tracked` keys are remembered, the oldest
-forgotten first.
+It follows the stream of the link's session on a thread of its own (its removals only:
+the daemon sends no batch of stores, which would cost the scheduler process a parse each)
+and hands the kvd keys of every page kvd evicts or drops to its listeners: the scheduler
+half's holds (gpu_worker/vllm/lookahead.py: a hold whose page went is not offered) and,
+with vLLM's KV events on, its `BlockEvents` (gpu_worker/vllm/block_events.py: routers
+hear `BlockRemoved`).
 
 The stream follows the link's session: when the link reconnects, a new subscription
 starts, resuming after the last batch seen when the daemon instance is the same.
@@ -24,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from engine_client import BlockRemoved, KVDError
@@ -77,31 +69,3 @@ class RemovalFeed:
                             listener(event.block_hashes)
         except KVDError as e:
             log.info("kvd event stream ended (%s); removals are heard again once the link reconnects", e)
-
-
-class StoredBlocks:
-    def __init__(self, max_tracked: int = 1 << 20) -> None:
-        self.max_tracked = max_tracked
-        self._hashes: OrderedDict[bytes, object] = OrderedDict()  # kvd key -> the vLLM block hash reported
-        self._removed: deque[bytes] = deque()  # kvd keys the stream reported removed, not yet matched
-
-    def remember(self, keys: list[bytes], hashes: list) -> None:
-        """Blocks reported to vLLM as stored: kvd keys and the vLLM hashes they were reported under."""
-        for key, block_hash in zip(keys, hashes):
-            self._hashes[key] = block_hash
-            self._hashes.move_to_end(key)
-        while len(self._hashes) > self.max_tracked:
-            self._hashes.popitem(last=False)
-
-    def removed(self, keys: list[bytes]) -> None:
-        """kvd removed these pages (the feed's thread calls this)."""
-        self._removed.extend(keys)
-
-    def take_removed(self) -> list:
-        """vLLM hashes of remembered blocks that kvd removed since the last call, oldest first."""
-        hashes = []
-        while self._removed:
-            block_hash = self._hashes.pop(self._removed.popleft(), None)
-            if block_hash is not None:
-                hashes.append(block_hash)
-        return hashes
