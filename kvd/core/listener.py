@@ -12,18 +12,17 @@ not to the pool: the caller hands it in, and the pool passes it on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvd.core.index import ExtraKey, PageContent
 from kvd.core.namespaces import Namespace
 from kvd.core.types import NamespaceId, PageId
 
 
-@dataclass(frozen=True, slots=True)
-class ChainPlace:
+class ChainPlace(NamedTuple):
     """Where a published page sits in its chain: what its record, its KV event and a tier's
-    copy of it name beside its content."""
+    copy of it name beside its content. (A named tuple: one is made per page published, and
+    it costs half a frozen dataclass.)"""
 
     ns: Namespace
     page_index: int  # pages before it in its chain
