@@ -4,7 +4,9 @@ of the page core.
 ``KVCacheManager`` (manager.py) checks every request whole, then acts; an allocation and a
 publish run as jobs in steps (allocation.py, publishing.py); ``Catalog`` (catalog.py) acts
 on a namespace's published pages apart from any session (registration, warm restart,
-reset); ``Room`` (room.py) decides what to give up when a namespace needs pages. The KV
-events routers hear are events.py's; a tier beside the cache (the remote store's) hears of
-it through tier.py only; invariants.py audits it all.
+reset); ``Room`` (room.py) gives a namespace new pages and decides what to give up for
+them. What follows a page's changes in the pool (its record, its KV event, the tiers) is
+``PageEvents``'s (page_events.py); the KV events routers hear are events.py's; a tier
+beside the cache (the remote store's) hears of it through tier.py only; invariants.py
+audits it all.
 """
