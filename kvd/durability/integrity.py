@@ -17,9 +17,10 @@ manager waits for the sealer before it unmaps an extent.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -63,11 +64,13 @@ SEAL_BATCH = 128
 
 
 class Sealer:
-    """One background thread that computes checksums of freshly published pages."""
+    """One background thread that computes checksums: of freshly published pages (``submit``)
+    and of an audit's pages (``rehash``)."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-sealer")
         self._pending: list[tuple[list[SealJob], Future]] = []
+        self._rehashing: set[Future] = set()  # an audit's batches in flight: they read shared memory too
         # Set by the server: schedules apply on the event loop when a batch is done.
         self.notify: Callable[[], None] | None = None
 
@@ -86,9 +89,23 @@ class Sealer:
         if notify is not None:
             notify()
 
+    def rehash(self, jobs: list[SealJob]) -> Future:
+        """The checksums of pages sealed before, computed again (a list, in order)."""
+        future = self._executor.submit(_hash_all, jobs)
+        self._rehashing.add(future)
+        future.add_done_callback(self._rehashing.discard)
+        return future
+
+    def in_flight(self) -> list[Future]:
+        """The seal batches not taken yet."""
+        return [future for _, future in self._pending]
+
     def finished(self, wait: bool = False):
         """(job, checksum) of one finished batch (each batch notifies once, so every one is
-        taken); with ``wait``, of every batch."""
+        taken); with ``wait``, of every batch, once every read of shared memory in flight
+        (an audit's too) is done."""
+        if wait:
+            concurrent.futures.wait(list(self._rehashing))
         still, taken = [], False
         for jobs, future in self._pending:
             if not wait and (taken or not future.done()):
@@ -130,6 +147,13 @@ class Integrity:
         covered = extent.meta.describe(slot, content.key, content.parent, page_index, content.local, content.tokens)
         self._to_seal.append(SealJob(page, content, extent.meta, slot, covered, extent.page_bytes_view(page)))
 
+    def seal_job(self, content: PageContent) -> SealJob:
+        """What hashing a described page again reads: its record's fields and its bytes."""
+        page = content.page
+        extent = self.arena.extent_of(page)
+        slot = page - extent.first_page
+        return SealJob(page, content, extent.meta, slot, extent.meta.covered(slot), extent.page_bytes_view(page))
+
     def submit(self) -> None:
         """Hands the pages described since the last call to the sealer thread."""
         self.apply()
@@ -150,32 +174,9 @@ class Integrity:
         """The checksums of the pages a warm restart verified."""
         self.checksums.update(checksums)
 
-    def verify(self) -> VerifyResult:
-        """Re-hashes every sealed published or cached page; drops the ones whose bytes changed.
-
-        Runs on the event loop (an admin call: ~35 ms per GiB of published pages)."""
-        start = time.perf_counter()
-        self.apply(wait=True)
-        checked = checked_bytes = 0
-        corrupted_pages = []
-        for page, checksum in self.checksums.items():
-            extent = self.arena.extent_of(page)
-            checked += 1
-            checked_bytes += extent.plan.page_bytes
-            if page_checksum(extent.meta.covered(page - extent.first_page), extent.page_bytes_view(page)) != checksum:
-                corrupted_pages.append(page)
-        for page in corrupted_pages:
-            self.drop_corrupted(page)
-        corrupted = len(corrupted_pages)
-        seconds = time.perf_counter() - start
-        log.info(
-            "verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
-            checked,
-            checked_bytes,
-            seconds * 1e3,
-            corrupted,
-        )
-        return VerifyResult(checked, checked_bytes, corrupted, seconds)
+    def verification(self) -> Verification:
+        """An audit of every sealed published or cached page, done in steps (``Verification``)."""
+        return Verification(self)
 
     def drop_corrupted(self, page: PageId) -> None:
         """A published page whose bytes changed is never served again: out of the index now,
@@ -201,3 +202,73 @@ class Integrity:
         extent = self.arena.extent_of(page)
         extent.meta.clear(page - extent.first_page)
         self.checksums.pop(page, None)
+
+
+# Bytes an audit hashes per step off the loop (~2 ms at xxh3's speed here): the loop
+# records a step's outcome between two, so other calls run meanwhile.
+VERIFY_BATCH_BYTES = 64 << 20
+
+
+class Verification:
+    """One audit (``kvd verify``): every sealed page hashed again, the ones whose bytes
+    changed dropped (``Integrity.drop_corrupted``).
+
+    Hashing a large cache takes long (~35 ms per GiB), so it runs on the sealer's thread,
+    ``VERIFY_BATCH_BYTES`` at a time, and ``steps`` yields each batch's Future for the
+    caller to await (the servicer's ``_drive``); the loop serves other calls meanwhile,
+    and only records a batch's outcome. Seals in flight are awaited first, so each page is
+    audited against its own checksum. A page freed, or freed and published anew, while its
+    batch was hashed is not judged (its checksum changed or went): it is neither counted
+    nor dropped. A batch's pages are all judged before any is dropped (dropping a page
+    frees the cached pages of its chain after it). An extent is unmapped only once the batches reading it are done
+    (``Integrity.apply(wait=True)``, which ``Room`` calls before it reclaims one).
+    """
+
+    def __init__(self, integrity: Integrity) -> None:
+        self._integrity = integrity
+        self.result: VerifyResult | None = None  # once ``steps`` is exhausted
+
+    def steps(self) -> Iterator[Future | None]:
+        integrity = self._integrity
+        start = time.perf_counter()
+        in_flight = integrity.sealer.in_flight()
+        for future in in_flight:
+            yield future
+        for _ in in_flight:  # each takes one finished batch (none that came later: never waits)
+            integrity.apply()
+        sealed = list(integrity.checksums.items())
+        checked = checked_bytes = corrupted = 0
+        at = 0
+        while at < len(sealed):
+            batch, size = [], 0
+            while at < len(sealed) and size < VERIFY_BATCH_BYTES:
+                page, checksum = sealed[at]
+                at += 1
+                if integrity.checksums.get(page) != checksum:
+                    continue  # freed, or published anew, since the snapshot
+                batch.append((integrity.seal_job(integrity.pool.content(page)), checksum))
+                size += batch[-1][0].view.nbytes
+            if not batch:
+                continue
+            future = integrity.sealer.rehash([job for job, _ in batch])
+            yield future
+            judged = [
+                (job, computed != checksum)
+                for (job, checksum), computed in zip(batch, future.result())
+                if integrity.checksums.get(job.page) == checksum and integrity.pool.content(job.page) is job.content
+            ]  # the others were freed, or published anew, while they were hashed
+            checked += len(judged)
+            checked_bytes += sum(job.view.nbytes for job, _ in judged)
+            for job, changed in judged:  # a drop may free pages judged after it: all are judged first
+                if changed:
+                    integrity.drop_corrupted(job.page)
+                    corrupted += 1
+        seconds = time.perf_counter() - start
+        log.info(
+            "verified %d published pages (%d bytes) in %.1f ms: %d corrupted",
+            checked,
+            checked_bytes,
+            seconds * 1e3,
+            corrupted,
+        )
+        self.result = VerifyResult(checked, checked_bytes, corrupted, seconds)

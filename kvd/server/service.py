@@ -98,8 +98,9 @@ async def _let_others_run() -> None:
 
 
 async def _drive(steps: Iterator[Future | None]) -> None:
-    """Runs a core job's steps (kvd/cache/allocation.py, kvd/cache/publishing.py), letting other calls
-    run between them; a Future is an extent built in the background, awaited first."""
+    """Runs a core job's steps (kvd/cache/allocation.py, kvd/cache/publishing.py, an audit of
+    kvd/durability/integrity.py), letting other calls run between them; a Future (an extent
+    built in the background, a batch of checksums) is awaited first."""
     for build in steps:
         if build is not None:
             await asyncio.wrap_future(build)
@@ -428,9 +429,13 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         )
 
     @_unary
-    def VerifyPages(self, r):
+    async def VerifyPages(self, r):
         self.tenants.check_admin(r.ticket)
-        results = [m.integrity.verify() for m in self.tenants.managers()]
+        results = []
+        for m in self.tenants.managers():
+            audit = m.integrity.verification()
+            await _drive(audit.steps())
+            results.append(audit.result)
         return pb.VerifyPagesReply(
             checked_pages=sum(v.checked_pages for v in results),
             checked_bytes=sum(v.checked_bytes for v in results),
