@@ -86,16 +86,22 @@ def written(client: KVDClient, pages: int) -> None:
     wait_until(lambda: client.stats()["disk"]["written_pages"] >= pages, f"{pages} pages written to disk", 10)
 
 
+def evicted_to_disk(client: KVDClient, ns: int) -> list[np.ndarray]:
+    """Publishes prompt 1, evicts it from host memory and waits until it is on disk; its pages' bytes."""
+    want = publish(client, ns, 1)
+    evict(client, ns, range(2, 6))
+    written(client, PAGES)
+    time.sleep(RECHECK)  # its allocation found nothing on disk: not looked for again this soon
+    return want
+
+
 def test_an_evicted_prompt_is_promoted_from_disk_with_equal_bytes_and_survives_a_restart(tmp_path, daemon_factory):
     disk = tmp_path / "disk"
     disk.mkdir()
     d = daemon_factory(*daemon_args(disk))
     with KVDClient.connect(d.socket) as c:
         ns = c.register_namespace(MODEL, LAYOUT)
-        want = publish(c, ns, 1)
-        evict(c, ns, range(2, 6))
-        written(c, PAGES)
-        time.sleep(RECHECK)  # its allocation found nothing on disk: not looked for again this soon
+        want = evicted_to_disk(c, ns)
         first = lookup(c, ns, 1)
         assert first.hit_tokens < PAGES * LAYOUT.page_size and first.remote_pending_tokens > 0
         assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
@@ -124,10 +130,7 @@ def test_a_page_changed_on_disk_is_a_miss_and_dropped(tmp_path, daemon_factory):
     d = daemon_factory(*daemon_args(disk))
     with KVDClient.connect(d.socket) as c:
         ns = c.register_namespace(MODEL, LAYOUT)
-        want = publish(c, ns, 1)
-        evict(c, ns, range(2, 6))
-        written(c, PAGES)
-        time.sleep(RECHECK)  # its allocation found nothing on disk: not looked for again this soon
+        want = evicted_to_disk(c, ns)
         raw = bytearray((disk / FILE_NAME).read_bytes())
         at = raw.find(want[3].tobytes()[:4096])  # page 3 of the prompt, in its slot
         assert at > 0
