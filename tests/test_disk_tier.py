@@ -220,3 +220,28 @@ def test_a_missing_directory_stops_the_start_with_a_clear_error(tmp_path):
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert out.returncode == 1 and "disk.path" in out.stderr and "missing" in out.stderr, out.stderr
+
+
+def test_each_tenant_has_its_own_directory_and_share_of_the_budget(tmp_path, daemon_factory):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    host = budget_for(RAM_PAGES, PAGE_BYTES, LAYOUT.page_size)
+    path = tmp_path / "kvd.toml"
+    path.write_text(
+        f"host_bytes = {2 * host}\n"
+        f"[tenants.mine]\nuids = [{os.getuid()}]\nhost_bytes = {host}\n"
+        f"[tenants.other]\nuids = [{os.getuid() + 1}]\nhost_bytes = {host}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_") and k != "NOTIFY_SOCKET"}
+    env["KVD_CONFIG"] = str(path)
+    flags = list(daemon_args(disk, disk_bytes=2 * (4096 + 8 * CHUNK)))
+    flags[flags.index("--host-bytes") + 1] = str(2 * host)
+    d = daemon_factory(*flags, env=env)
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        want = evicted_to_disk(c, ns)
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        assert all(np.array_equal(a, b) for a, b in zip(hit_bytes(c, ns, 1), want))
+        assert c.stats()["disk"]["capacity_bytes"] == 4096 + 8 * CHUNK  # mine's half
+    assert sorted(os.listdir(disk)) == ["mine", "other"]
+    assert all((disk / t / FILE_NAME).exists() for t in ("mine", "other"))
