@@ -56,7 +56,7 @@ from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
 from kvd.disk.eviction import LruPolicy
-from kvd.disk.layout import DiskPage, PageIdentity
+from kvd.disk.layout import BLOCK, DiskPage, PageIdentity
 from kvd.disk.results import (
     PageRead,
     PageWrite,
@@ -146,7 +146,7 @@ class DiskTier:
         identity = PageIdentity(
             self.scope, place.ns.root, content.key, place.parent_key, place.page_index, content.local, content.tokens
         )
-        copy = self.arena.page_bytes_view(page).copy()
+        copy = _aligned_copy(self.arena.page_bytes_view(page))
         self._backlog += copy.nbytes
         if not self._queued:
             self.loop.call_soon(self._write_queued)  # once the eviction's call is done: one batch
@@ -305,3 +305,13 @@ class DiskTier:
                 self.loop.call_soon_threadsafe(self._answered, then, done.result())
 
         future.add_done_callback(back)
+
+
+def _aligned_copy(view: np.ndarray) -> np.ndarray:
+    """A copy of a page at a block-aligned address: written with direct I/O as it is, never
+    through the store's bounce buffer (kvd/disk/slot_file.py)."""
+    room = np.empty(view.nbytes + BLOCK, dtype=np.uint8)
+    start = -room.ctypes.data % BLOCK
+    copy = room[start : start + view.nbytes]
+    copy[:] = view
+    return copy
