@@ -36,6 +36,7 @@ def _serve(args) -> int:
         "events_endpoint": args.events_endpoint,
         "events_replay_endpoint": args.events_replay_endpoint,
         **{f"remote_{key}": getattr(args, f"remote_{key}") for key in _REMOTE_FLAGS},
+        **{f"disk_{key}": getattr(args, f"disk_{key}") for key in _DISK_FLAGS},
     }
     cfg = config_mod.load(flags, config_file=args.config)
     config_mod.check_socket_directory(cfg)
@@ -53,6 +54,13 @@ def _serve(args) -> int:
         return 1
     return 0
 
+
+_DISK_FLAGS = {
+    "path": "a directory for the disk tier's file: turns the disk tier on (default: off)",
+    "bytes": "the disk tier's budget, e.g. 100GiB (tenants share it as they share --host-bytes)",
+    "backlog_bytes": "copies of evicted pages waiting for the disk, at most (default 256MiB)",
+    "chunk_bytes": "the disk file's unit of space (default 64MiB)",
+}
 
 _REMOTE_FLAGS = {
     "master": "mooncake_master's RPC address host:port: turns the remote tier on (default: off)",
@@ -92,6 +100,15 @@ def stats_table(stats: dict) -> str:
             f"({r['hit_tokens']:,} hit tokens), {r['refused_pages']:,} refused, {r['skipped_pages']:,} skipped, "
             f"{r['rejected_pages']:,} rejected, {r['errors']:,} errors, "
             f"{r['outages']:,} outages ({r['resets']:,} resets)"
+        )
+    d = stats["disk"]
+    if d["state"] != "off":
+        lines.append(
+            f"disk tier: {d['pages']:,} pages ({d['bytes']:,} of {d['capacity_bytes']:,} bytes, "
+            f"{'direct' if d['direct_io'] else 'buffered'} I/O, {d['recovered_pages']:,} found at start), "
+            f"{d['written_pages']:,} written, {d['fetched_pages']:,} promoted ({d['hit_tokens']:,} hit tokens), "
+            f"{d['evicted_pages']:,} evicted, {d['skipped_pages']:,} skipped, {d['refused_pages']:,} refused, "
+            f"{d['rejected_pages']:,} rejected, {d['errors']:,} errors"
         )
     return "\n".join(lines)
 
@@ -265,6 +282,8 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--events-replay-endpoint", help="ZMQ endpoint answering replay requests for missed events")
     for key, text in _REMOTE_FLAGS.items():
         s.add_argument(f"--remote-{key.replace('_', '-')}", dest=f"remote_{key}", help=text)
+    for key, text in _DISK_FLAGS.items():
+        s.add_argument(f"--disk-{key.replace('_', '-')}", dest=f"disk_{key}", help=text)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -31,6 +31,16 @@ as ``KVD_REMOTE_<KEY>`` or as ``--remote-<key>`` flags::
     segment_bytes = "4GiB"                     # memory this host lends to the store
     policy = "publish"                         # store pages when published (write-behind), or "evict"
     reoffer_bytes_per_second = "1GiB"          # pages offered again when the store comes back, at most
+
+The disk tier (kvd/disk/tier.py) is off unless a directory is named, in a ``[disk]`` table,
+as ``KVD_DISK_<KEY>`` or as ``--disk-<key>`` flags; with tenants, each has a subdirectory
+named after it and its share of ``bytes`` (as its share of ``host_bytes``)::
+
+    [disk]
+    path = "/var/lib/kvd/disk"   # an existing directory on a local file system
+    bytes = "200GiB"             # the file reserved there (all tenants together)
+    backlog_bytes = "256MiB"     # copies of evicted pages waiting for the disk, at most
+    chunk_bytes = "64MiB"        # the file's unit of space, one page size per chunk
 """
 
 from __future__ import annotations
@@ -170,6 +180,59 @@ def _remote(values: dict[str, tuple[object, str]]) -> RemoteConfig | None:
 
 
 @dataclass(frozen=True)
+class DiskConfig:
+    """The ``[disk]`` table: the tier below host memory, on a local file system."""
+
+    path: str
+    bytes: int
+    backlog_bytes: int = 256 << 20  # copies of evicted pages waiting to be written (per tenant)
+    chunk_bytes: int = 64 << 20  # kvd/disk/layout.py: pages of one size share a chunk
+
+    def share(self, tenant: str | None, host_bytes: int, total_host_bytes: int) -> tuple[str, int]:
+        """The directory and budget of one tenant (None: the implicit one, the whole table)."""
+        if tenant is None:
+            return self.path, self.bytes
+        return os.path.join(self.path, tenant), self.bytes * host_bytes // total_host_bytes
+
+
+_DISK_KEYS = {f.name: f for f in dataclasses.fields(DiskConfig)}
+_DISK_SIZES = ("bytes", "backlog_bytes", "chunk_bytes")
+DISK_BLOCK = 4096  # kvd/disk/layout.py's BLOCK (the disk package loads only with [disk])
+
+
+def _disk(values: dict[str, tuple[object, str]]) -> DiskConfig | None:
+    """The disk tier's settings from (value, source) by key; None when none is given."""
+    if not values:
+        return None
+    checked = {}
+    for key, (value, source) in values.items():
+        if key not in _DISK_KEYS:
+            raise ConfigError(f"disk: unknown setting {key!r}; known: {sorted(_DISK_KEYS)} (from {source})")
+        if key in _DISK_SIZES:
+            value = parse_bytes(value, f"disk.{key}")
+        elif not isinstance(value, str):
+            raise ConfigError(f"disk.{key}: expected a string, got {value!r} (from {source})")
+        checked[key] = value
+    chunk = checked.get("chunk_bytes", DiskConfig.chunk_bytes)
+    problem = None
+    if not checked.get("path"):
+        problem = "path (an existing directory) is required to turn the disk tier on"
+    elif not os.path.isabs(checked["path"]):
+        problem = f"path: expected an absolute path, got {checked['path']!r}"
+    elif "bytes" not in checked:
+        problem = 'bytes (the budget on disk, e.g. "100GiB") is required to turn the disk tier on'
+    elif chunk % DISK_BLOCK or chunk < 2 * DISK_BLOCK:
+        problem = f"chunk_bytes: a multiple of {DISK_BLOCK} bytes, two blocks at least, got {chunk}"
+    elif checked["bytes"] < DISK_BLOCK + chunk:
+        least = DISK_BLOCK + chunk
+        problem = f"bytes: {checked['bytes']} holds no chunk of {chunk} bytes (chunk_bytes); give at least {least}"
+    if problem:
+        sources = sorted({source for _, source in values.values()})
+        raise ConfigError(f"disk.{problem} (from {', '.join(sources)})")
+    return DiskConfig(**checked)
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     socket: str = dataclasses.field(default_factory=default_socket)
     host_bytes: int = 1 << 30
@@ -192,6 +255,7 @@ class ServeConfig:
     events_buffer_batches: int = 1000  # batches kept for replay (ZMQ and gRPC subscribers)
     tenants: tuple[TenantConfig, ...] = ()  # only from the config file
     remote: RemoteConfig | None = None  # None: no remote tier
+    disk: DiskConfig | None = None  # None: no disk tier
 
     @property
     def shm_prefix(self) -> str:
@@ -212,7 +276,8 @@ class ServeConfig:
         return (self.socket, auth_socket(self.socket), *(tenant_socket(self.socket, t.name) for t in self.tenants))
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name not in ("tenants", "remote")}
+_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name not in ("tenants", "remote", "disk")}
+_TABLES = {"remote": _REMOTE_KEYS, "disk": _DISK_KEYS}  # tables of settings: [remote], KVD_REMOTE_*, --remote-*
 _TENANT_KEYS = ("uids", "gids", "host_bytes", "group")
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
 
@@ -312,6 +377,18 @@ def _check_tenants(cfg: ServeConfig) -> None:
             )
 
 
+def _check_disk(cfg: ServeConfig) -> None:
+    """Each tenant's share of the disk budget must hold a chunk."""
+    disk = cfg.disk
+    for t in cfg.tenants if disk is not None else ():
+        _, budget = disk.share(t.name, t.host_bytes, cfg.host_bytes)
+        if budget < DISK_BLOCK + disk.chunk_bytes:
+            raise ConfigError(
+                f"disk.bytes: tenant {t.name}'s share ({budget} bytes, as its host_bytes is of host_bytes) holds "
+                f"no chunk of {disk.chunk_bytes} bytes; raise disk.bytes or lower disk.chunk_bytes"
+            )
+
+
 def _coerce(name: str, value, source: str):
     kind = _FIELDS[name].type
     try:
@@ -372,7 +449,7 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
     """Merges defaults, the TOML file, KVD_* variables and flags (None means 'not given')."""
     environ = os.environ if environ is None else environ
     values: dict = {}
-    remote: dict[str, tuple[object, str]] = {}
+    tables: dict[str, dict[str, tuple[object, str]]] = {table: {} for table in _TABLES}
     path = find_config_file(environ, config_file)
     if path:
         try:
@@ -386,10 +463,10 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
             if key == "tenants":
                 values[key] = _tenants(value, path)
                 continue
-            if key == "remote":
+            if key in _TABLES:
                 if not isinstance(value, dict):
-                    raise ConfigError(f"config file {path}: remote must be a [remote] table")
-                remote.update((k, (v, path)) for k, v in value.items())
+                    raise ConfigError(f"config file {path}: {key} must be a [{key}] table")
+                tables[key].update((k, (v, path)) for k, v in value.items())
                 continue
             if key not in _FIELDS:
                 raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {sorted(_FIELDS)}")
@@ -399,20 +476,23 @@ def load(flags: dict, environ: dict | None = None, config_file: str | None = Non
         if env is not None:
             source = f"KVD_{name.upper()}"
             values[name] = _check(name, _coerce(name, env, source), source)
-    for key in _REMOTE_KEYS:
-        env = environ.get(f"KVD_REMOTE_{key.upper()}")
-        if env is not None:
-            remote[key] = (env, f"KVD_REMOTE_{key.upper()}")
+    for table, keys in _TABLES.items():
+        for key in keys:
+            env = environ.get(f"KVD_{table.upper()}_{key.upper()}")
+            if env is not None:
+                tables[table][key] = (env, f"KVD_{table.upper()}_{key.upper()}")
     for name, value in flags.items():
-        if value is not None and name.startswith("remote_"):
-            remote[name[len("remote_") :]] = (value, f"--{name.replace('_', '-')}")
+        table = name.split("_", 1)[0]
+        if value is not None and table in _TABLES:
+            tables[table][name[len(table) + 1 :]] = (value, f"--{name.replace('_', '-')}")
         elif value is not None:
             source = f"--{name.replace('_', '-')}"
             values[name] = _check(name, _coerce(name, value, source), source)
-    cfg = ServeConfig(**values, remote=_remote(remote))
+    cfg = ServeConfig(**values, remote=_remote(tables["remote"]), disk=_disk(tables["disk"]))
     _check_events(cfg)
     _check_aux(cfg)
     _check_tenants(cfg)
+    _check_disk(cfg)
     return cfg
 
 

@@ -85,8 +85,10 @@ def test_stats_json_fields_and_values(tmp_path):
                 "aux_bytes_used",
                 "aux_bytes_per_sequence",
                 "remote",
+                "disk",
             }
             assert stats["remote"]["state"] == "off"  # no [remote] table
+            assert stats["disk"]["state"] == "off" and stats["disk"]["pages"] == 0  # no [disk] table
             assert (stats["aux_bytes"], stats["aux_bytes_used"], stats["aux_bytes_per_sequence"]) == (
                 256 << 20,
                 0,

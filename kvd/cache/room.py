@@ -2,7 +2,7 @@
 
 Every caller that needs pages gets them here: ``grant`` for a call (all or nothing: an
 allocation's commit, an extend, a fork), ``grant_spare`` for a speculative fill (a fetch
-from the remote store, kvd/remote/fetching.py: as many as the namespace spares). Both make
+from the remote store, kvd/cache/fetches.py: as many as the namespace spares). Both make
 the room, take the pages off the free list as PRIVATE, and (``grant``) start building the
 namespace's next extent ahead when its free pages run low.
 

@@ -65,6 +65,41 @@ class RemoteStats:
         return asdict(self)
 
 
+@dataclass
+class DiskStats:
+    """The disk tier (kvd/disk/tier.py): what it holds and its counters ("off" without it)."""
+
+    state: str = "off"
+    pages: int = 0  # pages on disk now
+    bytes: int = 0  # their page bytes
+    capacity_bytes: int = 0  # the file reserved
+    written_pages: int = 0
+    fetched_pages: int = 0  # read back, verified and published (promoted)
+    hit_tokens: int = 0  # allocated prefix tokens served by promoted pages
+    skipped_pages: int = 0  # evicted while the write backlog was full (or changed): not written
+    refused_pages: int = 0  # not written: disk full after evicting, out of space, vanished
+    evicted_pages: int = 0  # freed from the disk to make room
+    rejected_pages: int = 0  # read back and failed a check: dropped from the disk
+    errors: int = 0  # reads and writes that failed
+    backlog_bytes: int = 0  # copies of evicted pages waiting to be written
+    recovered_pages: int = 0  # found on disk at start-up
+    direct_io: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def combined_disk(parts: list[DiskStats]) -> DiskStats:
+    """Every tenant's disk tier together: counts summed, on when any is, direct I/O when all are."""
+    on = [part for part in parts if part.state != "off"]
+    total = DiskStats(state="on" if on else "off", direct_io=bool(on) and all(part.direct_io for part in on))
+    for part in on:
+        for f in fields(part):
+            if f.name not in ("state", "direct_io"):
+                setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
+    return total
+
+
 def combined_remote(parts: list[RemoteStats]) -> RemoteStats:
     """Tenants share one link: its state, outages and resets once, the tiers' counters summed."""
     link = ("state", "outages", "resets")
@@ -99,6 +134,7 @@ class Stats:
     shm_refusals: int = 0  # extents /dev/shm could not hold
     recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
     remote: RemoteStats = field(default_factory=RemoteStats)
+    disk: DiskStats = field(default_factory=DiskStats)
 
     def as_dict(self) -> dict:
         return {
@@ -114,6 +150,7 @@ class Stats:
             "shm_refusals": self.shm_refusals,
             "recovery": self.recovery.as_dict(),
             "remote": self.remote.as_dict(),
+            "disk": self.disk.as_dict(),
             "namespaces": [
                 {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **n.pages.as_dict()}
                 for n in self.namespaces
@@ -175,7 +212,8 @@ def collect(manager) -> Stats:
         manager.aux.per_sequence,
         arena.shm_refusals,
         manager.catalog.last_recovery or RecoveryReport(),
-        manager.tiers.stats(),
+        manager.tiers.stats(RemoteStats),
+        manager.tiers.stats(DiskStats),
     )
 
 
@@ -193,6 +231,7 @@ def combined(parts: list[Stats]) -> Stats:
         shm_refusals=sum(part.shm_refusals for part in parts),
         recovery=RecoveryReport.combined([part.recovery for part in parts]),
         remote=combined_remote([part.remote for part in parts]),
+        disk=combined_disk([part.disk for part in parts]),
         host_bytes_used=sum(part.host_bytes_used for part in parts),
         host_bytes_free=sum(part.host_bytes_free for part in parts),
         aux_bytes=sum(part.aux_bytes for part in parts),

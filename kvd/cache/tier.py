@@ -4,12 +4,14 @@ one place a tier plugs in.
 A ``Tier`` hears the moments a tier cares about and knows nothing else of the cache: a
 page published and indexed, a publish done, a published page about to be freed (through
 ``PageEvents``, kvd/cache/page_events.py, in the order it documents), a request matched
-and an allocation's hits (from the manager and kvd/cache/allocation.py). The remote store's
-tier (kvd/remote/tier.py, imported only with a remote tier configured) implements it.
+and an allocation's hits (from the manager and kvd/cache/allocation.py). The disk tier
+(kvd/disk/tier.py) and the remote store's tier (kvd/remote/tier.py), each imported only
+when configured, implement it.
 
 ``Tiers`` holds a cache's tiers, nearest host memory first, and is what the cache calls:
 each call goes to every tier in that order. A tier plugs in with ``Tiers.attach``, once,
-before the daemon takes calls (kvd/server/daemon.py attaches the remote tier); without any,
+before the daemon takes calls (kvd/server/daemon.py attaches the disk tier, then the remote
+tier); without any,
 every call does nothing, so the cache and the page core under it read, run and test
 without a tier and its store client.
 """
@@ -17,13 +19,15 @@ without a tier and its store client.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from kvd.cache.stats import RemoteStats
+from kvd.cache.stats import DiskStats, RemoteStats
 from kvd.core.index import ChainSpec, ExtraKey, PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
+
+S = TypeVar("S", RemoteStats, DiskStats)
 
 
 class Tier(Protocol):
@@ -54,7 +58,7 @@ class Tier(Protocol):
     def holds(self) -> Counter[PageId]:
         """The pool references the tier holds right now, by page (kvd/cache/invariants.py)."""
 
-    def stats(self) -> RemoteStats:
+    def stats(self) -> RemoteStats | DiskStats:
         """Its state and counters (kvd/cache/stats.py)."""
 
 
@@ -95,8 +99,14 @@ class Tiers:
         hits: list[PageId],
         hit_keys: list[PageKey],
     ) -> int:
-        """Every tier hears of the miss; the most tokens any may still bring."""
-        return max((tier.missed(ns, chain, extra_keys, tokens, hits, hit_keys) for tier in self._tiers), default=0)
+        """The tiers hear of the miss nearest first, until one may still bring tokens: a page
+        the disk is bringing is not fetched from the remote store too. The client asks again
+        once that fetch ends, and the next tier hears of what it did not bring."""
+        for tier in self._tiers:
+            pending = tier.missed(ns, chain, extra_keys, tokens, hits, hit_keys)
+            if pending:
+                return pending
+        return 0
 
     def holds(self) -> Counter[PageId]:
         """The pool references all tiers hold, by page."""
@@ -105,10 +115,10 @@ class Tiers:
             held.update(tier.holds())
         return held
 
-    def stats(self) -> RemoteStats:
-        """The remote store's tier's, the one kind there is ("off" without it); a tier of
-        another kind brings stats of its own."""
-        return self._tiers[0].stats() if self._tiers else RemoteStats()
+    def stats(self, kind: type[S]) -> S:
+        """The stats of the tier whose stats are of ``kind`` (RemoteStats, DiskStats); the
+        kind's default ("off") without one."""
+        return next((s for s in (tier.stats() for tier in self._tiers) if isinstance(s, kind)), kind())
 
 
 class _NoTiers(Tiers):

@@ -2,8 +2,9 @@
 with other hosts through a Mooncake Store.
 
 ``RemoteTier`` (tier.py, one per tenant) is what the cache calls through kvd/cache/tier.py:
-storing pages and offering them again (storing.py), fetching them (fetching.py), with the
-holds and counters both share (ledger.py) and the jobs both run on the link's thread
+storing pages and offering them again (storing.py), fetching them (kvd/cache/fetches.py,
+the store its source through fetching.py), with the counters both share (ledger.py; the
+holds are kvd/cache/holds.py) and the jobs both run on the link's thread
 (jobs.py); ``RemoteLink`` (link.py, one per daemon) that thread and the link's state;
 format.py a page's key and value in the store; mooncake_store.py the only module that
 imports the store's client. Only the launcher (kvd/server/daemon.py) builds it.

@@ -1,223 +1,57 @@
-"""Fetching: a prompt's pages past its local hit, brought from the remote store.
+"""The remote store as a fetch's source (``Fetches``, kvd/cache/fetches.py, runs the fetch).
 
-``missed`` is called by lookups and allocations whose prompt has full pages past its local
-hit. It holds the local hit and asks the worker (``find``, kvd/remote/jobs.py) for the keys
-of the missing pages and one batched existence query (``_found`` takes the answer); the
-leading run of pages found gets newly allocated local pages (PRIVATE, held by the tier; as
-many as the namespace has without evicting anything but its own cached pages:
-``Room.grant_spare``), the worker reads the values into them and checks each header's checksum
-(``get``); back on the loop (``_arrived``) each page's header must equal what the request
-expects (token ids, parent key, extra-key digest, page index), and the pages that pass are
-published in chain order like any page (their records, seals and KV events follow,
-kvd/cache/page_events.py) and become CACHED: the next lookup hits them locally. The first
-page that fails ends the chain there; pages not landed are freed. A page published here
-meanwhile wins (the fetched copy is freed). A fetch is asynchronous: while it is in flight,
-lookups of the same prompt report ``remote_pending_tokens``, and the client asks again.
-
-A page that did not arrive (the store could not transfer it: the host holding it died,
-or it went meanwhile) is an error, counted in ``errors`` and asked for again by a later
-lookup; a page whose bytes arrived but fail a check is rejected (``rejected_pages``) and
-its key is never fetched again.
+``find`` hands the link's worker one job (kvd/remote/jobs.py) that hashes the missing pages'
+chain keys and asks the store which it holds in one batched existence query; ``get`` reads
+the values into the new local pages and checks each header's checksum. A page that did not
+arrive (the host holding it died, or it went meanwhile) is ``Arrival.FAILED``, asked for
+again by a later lookup; a key whose value arrived and failed a check is never fetched again.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-from kvd.cache.page_events import PageEvents
-from kvd.cache.room import Room
-from kvd.core.arena import Arena
-from kvd.core.eviction import release_order
-from kvd.core.index import ChainSpec, ExtraKey, PageContent, PrefixIndex
-from kvd.core.listener import ChainPlace
+import numpy as np
+
+from kvd.cache.fetches import Arrival, Done, Found
+from kvd.core.index import ChainSpec
 from kvd.core.namespaces import Namespace
-from kvd.core.pool import PagePool
-from kvd.core.types import PageId, PageKey
-from kvd.remote.format import PageHeader
 from kvd.remote.jobs import TierJobs, find, get
-from kvd.remote.ledger import Holds, RemoteCounters
 from kvd.remote.mooncake_store import GetOutcome
-from kvd.wire.codec import TOKEN_BYTES
-
-log = logging.getLogger(__name__)
 
 MAX_REJECTED_KEYS = 4096  # store keys whose value failed its checks, never fetched again
-# A prompt whose fetch just ended is not looked up in the store again this soon: the client
-# that asks again learns that nothing more is coming instead of starting another fetch.
-RECHECK_SECONDS = 1.0
-MAX_RECENT_FETCHES = 4096
 
 
-@dataclass
-class _Fetch:
-    """One prompt's missing pages on their way from the store."""
+class RemoteSource:
+    """One tier's door to the store for fetches, and the keys it no longer fetches."""
 
-    ns: Namespace
-    chain: ChainSpec
-    extra_keys: tuple[ExtraKey, ...]  # as requested, for the KV events of the pages that land
-    tokens: bytes
-    hits: list[PageId]  # the local hit, held until the fetch ends
-    parent_key: bytes  # the key of the last hit page, or the chain root
-    pending_tokens: int
-    expected: list[tuple[str, PageHeader]] = field(default_factory=list)
-    landing: list[PageId] = field(default_factory=list)  # PRIVATE pages held by the tier
+    name = "the remote store"
 
-
-class Fetches:
-    """One tier's fetches in flight, and which published pages came from the store."""
-
-    def __init__(
-        self,
-        jobs: TierJobs,
-        holds: Holds,
-        counters: RemoteCounters,
-        arena: Arena,
-        pool: PagePool,
-        index: PrefixIndex,
-        room: Room,
-        pages: PageEvents,
-    ) -> None:
+    def __init__(self, jobs: TierJobs) -> None:
         self.jobs = jobs
-        self.holds = holds
-        self.counters = counters
-        self.arena = arena
-        self.pool = pool
-        self.index = index
-        self.room = room
-        self.pages = pages  # fetched pages are published like any: their seals and events follow
-        self._fetches: dict[tuple, _Fetch] = {}  # by (namespace, chain root, full-page token ids)
-        self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
-        self._fetched: set[PageId] = set()  # published pages that came from the store
         # Store keys whose value failed its checks: a fetch stops before them (read by the worker).
         self._rejected: OrderedDict[str, None] = OrderedDict()
 
-    def missed(
-        self,
-        ns: Namespace,
-        chain: ChainSpec,
-        extra_keys: tuple[ExtraKey, ...],
-        tokens: bytes,
-        hits: list[PageId],
-        hit_keys: list[PageKey],
-    ) -> int:
-        """A prompt's full pages past its local hit: starts fetching them unless a fetch of the
-        same prompt is in flight. Returns the tokens a fetch in flight may still bring."""
-        page_bytes = ns.page_size * TOKEN_BYTES
-        full_pages = len(tokens) // page_bytes
-        if len(hits) >= full_pages:
-            return 0
-        ident = (ns.id, chain.root, tokens[: full_pages * page_bytes])
-        fetch = self._fetches.get(ident)
-        if fetch is not None:
-            return fetch.pending_tokens
-        if not self.jobs.up or self._recent.get(ident, 0.0) > time.monotonic():
-            return 0
-        parent_key = hit_keys[-1] if hit_keys else chain.root
-        fetch = _Fetch(ns, chain, extra_keys, ident[2], list(hits), parent_key, (full_pages - len(hits)) * ns.page_size)
-        self._fetches[ident] = fetch
-        self.holds.hold(fetch.hits, 0)
-        missing = range(len(hits), full_pages)
+    @property
+    def up(self) -> bool:
+        return self.jobs.up
+
+    def find(self, ns: Namespace, chain: ChainSpec, tokens: bytes, parent_key: bytes, pages: range, done: Done) -> None:
         scope, rejected = self.jobs.scope, self._rejected
-        self.jobs.run(
-            lambda store: find(store, scope, ns, chain, fetch.tokens, parent_key, missing, rejected),
-            lambda found, error: self._found(ident, found, error),
-        )
-        return fetch.pending_tokens
+        self.jobs.run(lambda store: find(store, scope, ns, chain, tokens, parent_key, pages, rejected), done)
 
-    def brought(self, page: PageId) -> bool:
-        """Whether the published page came from the store."""
-        return page in self._fetched
-
-    def forget(self, page: PageId) -> bool:
-        """The page stops being published; returns whether it came from the store."""
-        fetched = page in self._fetched
-        self._fetched.discard(page)
-        return fetched
-
-    def served(self, hits: list[PageId], page_size: int) -> None:
-        """An allocation's prefix hit: counts the tokens of pages that came from the store."""
-        if self._fetched:
-            self.counters.hit_tokens += page_size * sum(1 for page in hits if page in self._fetched)
-
-    def _found(self, ident: tuple, found, error) -> None:
-        """The leading run of missing pages the store holds: read into new local pages, as
-        many as the namespace spares."""
-        fetch = self._fetches[ident]
-        if error is not None or not found:
-            self.counters.errors += error is not None
-            self._end(ident)
-            return
-        ns = fetch.ns
-        fetch.landing = self.room.grant_spare(ns, len(found))
-        if not fetch.landing:
-            log.info("namespace %d: no room for %d pages from the remote store; not fetched", ns.id, len(found))
-            self._end(ident)
-            return
-        self.holds.take(fetch.landing)
-        found = found[: len(fetch.landing)]
-        fetch.expected = found
-        fetch.pending_tokens = len(found) * ns.page_size
-        views = [self.arena.page_bytes_view(page) for page in fetch.landing]
+    def get(self, ns: Namespace, found: Found, views: list[np.ndarray], done: Done) -> None:
         staging = self.jobs.staging_for(ns.page_size)
         self.jobs.run(
             lambda store: get(store, found, views, staging),
-            lambda headers, error: self._arrived(ident, headers, error),
+            lambda got, error: done(None if got is None else [_arrival(g) for g in got], error),
         )
 
-    def _arrived(self, ident: tuple, got, error) -> None:
-        """Publishes the fetched pages that match the request, in chain order, as CACHED."""
-        fetch = self._fetches[ident]
-        ns = fetch.ns
-        self.counters.errors += error is not None
-        parent = fetch.hits[-1] if fetch.hits else None
-        landed: list[PageId] = []
-        for n, (key, want) in enumerate(fetch.expected if error is None else []):
-            page = fetch.landing[n]
-            if got[n] is GetOutcome.FAILED:
-                self.counters.errors += 1
-                log.error(
-                    "namespace %d: page %d of a prompt did not arrive from the remote store (the host holding "
-                    "it may be gone); not served, asked for again by a later lookup",
-                    ns.id,
-                    want.page_index,
-                )
-                break
-            if got[n] != want:
-                self.counters.rejected_pages += 1
-                self._rejected[key] = None
-                if len(self._rejected) > MAX_REJECTED_KEYS:
-                    self._rejected.popitem(last=False)
-                log.warning(
-                    "namespace %d: page %d of a prompt fetched from the remote store does not match its key; "
-                    "not served",
-                    ns.id,
-                    want.page_index,
-                )
-                break
-            existing = self.index.lookup(want.key)
-            if existing is not None:  # published here meanwhile
-                if not existing.matches(want.tokens, parent, want.local):
-                    break
-                parent = existing.page
-                continue
-            content = PageContent(page, want.key, want.tokens, parent, want.local)
-            self._fetched.add(page)  # never stored again (kvd/remote/storing.py)
-            self.pool.publish(page, content, ChainPlace(ns, want.page_index, want.parent_key, fetch.extra_keys))
-            landed.append(page)
-            parent = page
-        self.counters.fetched_pages += len(landed)
-        self.pages.submit()
-        self._end(ident)
+    def reject(self, key: str) -> None:
+        self._rejected[key] = None
+        if len(self._rejected) > MAX_REJECTED_KEYS:
+            self._rejected.popitem(last=False)
 
-    def _end(self, ident: tuple) -> None:
-        """Drops a fetch's holds: landed pages become CACHED, the rest are freed."""
-        fetch = self._fetches.pop(ident)
-        self._recent[ident] = time.monotonic() + RECHECK_SECONDS
-        self._recent.move_to_end(ident)
-        while len(self._recent) > MAX_RECENT_FETCHES or next(iter(self._recent.values())) < time.monotonic():
-            self._recent.popitem(last=False)
-        self.holds.release(list(release_order(fetch.landing)), 0)
-        self.holds.release(list(release_order(fetch.hits)), 0)
+
+def _arrival(got):
+    return Arrival.FAILED if got is GetOutcome.FAILED else got

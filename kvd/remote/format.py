@@ -25,11 +25,11 @@ anything else is a miss, never wrong KV.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from kvd.cache.fetches import PageHeader
 from kvd.core.types import PageKey
 
 MAGIC = b"KVDRPAG1"
@@ -46,17 +46,6 @@ def header_bytes(page_size: int) -> int:
 def store_key(scope: str, namespace_root: bytes, key: PageKey) -> str:
     """The store's name for a page: the same on every host for the same identity and chain."""
     return f"kvd1/{scope or '-'}/{namespace_root.hex()}/{key.hex()}"
-
-
-@dataclass(frozen=True)
-class PageHeader:
-    """What a stored page claims to be; compared with what the request expects."""
-
-    page_index: int
-    key: PageKey
-    parent_key: bytes
-    local: bytes  # b"" when the page has no local extra bytes
-    tokens: bytes
 
 
 def write_header(out: np.ndarray, header: PageHeader, page: np.ndarray) -> None:

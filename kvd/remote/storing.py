@@ -33,10 +33,12 @@ import time
 from collections.abc import Iterable
 
 from kvd.cache.events import MEDIUM_REMOTE, EventLog
+from kvd.cache.holds import Holds
+from kvd.cache.places import page_seal, recovered_places
 from kvd.config import RemoteConfig
 from kvd.core.arena import Arena
 from kvd.core.eviction import release_order
-from kvd.core.index import PageContent, PrefixIndex, chain_spec
+from kvd.core.index import PageContent, PrefixIndex
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import NamespaceRegistry
 from kvd.core.pool import PagePool
@@ -44,7 +46,7 @@ from kvd.core.types import PageId
 from kvd.durability.integrity import Integrity
 from kvd.remote.format import PageHeader, store_key
 from kvd.remote.jobs import MAX_BATCH_PAGES, Put, TierJobs, Unsent, put
-from kvd.remote.ledger import Holds, RemoteCounters
+from kvd.remote.ledger import RemoteCounters
 from kvd.remote.mooncake_store import PutOutcome
 from kvd.wire.codec import TOKEN_BYTES
 
@@ -84,7 +86,7 @@ class WriteBehind:
         self.reoffer_rate = settings.reoffer_bytes_per_second
         self._queued: list[Put] = []
         # Published pages whose place in their chain is known: what storing them needs.
-        self._placed: dict[PageId, ChainPlace] = _recovered_places(pool, index, namespaces)
+        self._placed: dict[PageId, ChainPlace] = recovered_places(pool, index, namespaces)
         self._reoffer: list[PageId] = []  # pages left to offer again, the next one last
         self._reoffering = False  # a batch offered again is in flight, or the next one is scheduled
 
@@ -195,13 +197,7 @@ class WriteBehind:
         self._queued.append(Put(key, None, copy, header, ns, place.extra_keys, sealed))
 
     def _seal(self, page: PageId) -> tuple[bytes, int] | None:
-        """The page's record fields and checksum, which its bytes must match; None before it
-        is sealed, or once its seal is gone."""
-        checksum = self.integrity.checksums.get(page)
-        if checksum is None:
-            return None
-        extent = self.arena.extent_of(page)
-        return extent.meta.covered(page - extent.first_page), checksum
+        return page_seal(self.integrity, self.arena, page)
 
     # ---- offering again ---------------------------------------------------------------
 
@@ -276,29 +272,3 @@ class WriteBehind:
     def _offer_later(self, delay: float) -> None:
         self._reoffering = True
         asyncio.get_running_loop().call_later(delay, self._offer_next)
-
-
-def _recovered_places(pool: PagePool, index: PrefixIndex, namespaces: NamespaceRegistry) -> dict[PageId, ChainPlace]:
-    """Where each page a warm restart recovered sits in its chain: how many parents it has
-    (each page is walked once) and its parent's key. Page 0's parent key is its chain root,
-    which records do not keep: it is known only for a chain without request-wide extra keys
-    (LoRA, cache salt) nor a multimodal item on page 0, whose local digest is then that of
-    the namespace's plain root."""
-    places: dict[PageId, ChainPlace] = {}
-    depth: dict[PageId, int] = {}
-    plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
-    for _, at in index.items():
-        walk = []  # the page and its ancestors not walked yet, deepest first
-        while at is not None and at not in depth:
-            walk.append(at)
-            at = pool.content(at).parent
-        page_index = -1 if at is None else depth[at]
-        for page in reversed(walk):
-            page_index += 1
-            depth[page] = page_index
-            content, ns = pool.content(page), namespaces.get(pool.namespace_of(page))
-            if content.parent is not None:
-                places[page] = ChainPlace(ns, page_index, pool.content(content.parent).key)
-            elif content.local == plain[ns.id].local_digest(0):
-                places[page] = ChainPlace(ns, page_index, plain[ns.id].root)
-    return places

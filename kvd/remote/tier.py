@@ -1,12 +1,13 @@
 """The remote tier of one cache (one tenant): what the cache calls as its ``Tier``.
 
-Its parts, one job each, share the tier's holds and counters (kvd/remote/ledger.py):
+Its parts, one job each, share the tier's holds (kvd/cache/holds.py) and counters (kvd/remote/ledger.py):
 
 - ``WriteBehind`` (kvd/remote/storing.py): which published pages go to the store, and when
   (as they are published, or as they are evicted), and offering them all again each time
   the link comes up (a restarted master has lost them);
-- ``Fetches`` (kvd/remote/fetching.py): a prompt's pages past its local hit, found in the
-  store, read into new local pages, checked and published;
+- ``Fetches`` (kvd/cache/fetches.py, the store its source through kvd/remote/fetching.py):
+  a prompt's pages past its local hit, found in the store, read into new local pages,
+  checked and published;
 - ``TierJobs`` (kvd/remote/jobs.py): the jobs both hand the link's worker thread, and the
   door to it.
 
@@ -22,15 +23,17 @@ from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from kvd.cache.fetches import Fetches
+from kvd.cache.holds import Holds
 from kvd.cache.stats import RemoteStats
 from kvd.config import RemoteConfig
 from kvd.core.index import ChainSpec, ExtraKey, PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
-from kvd.remote.fetching import Fetches
+from kvd.remote.fetching import RemoteSource
 from kvd.remote.jobs import TierJobs
-from kvd.remote.ledger import Holds, RemoteCounters
+from kvd.remote.ledger import RemoteCounters
 from kvd.remote.link import RemoteLink
 from kvd.remote.storing import WriteBehind
 
@@ -51,7 +54,9 @@ class RemoteTier:
         self.write_behind = WriteBehind(
             jobs, self._holds, self.counters, settings, m.arena, m.pool, m.index, m.integrity, m.events, m.namespaces
         )
-        self.fetches = Fetches(jobs, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
+        self.fetches = Fetches(
+            RemoteSource(jobs), self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events
+        )
         link.on_up.append(self.write_behind.store_came_back)
 
     def published(self, content: PageContent, place: ChainPlace) -> None:

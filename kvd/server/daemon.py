@@ -213,6 +213,44 @@ def _check_shm_room(tenants: Tenants) -> None:
         )
 
 
+def _disk_tiers(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEventLoop) -> list:
+    """Each tenant's disk tier (kvd/disk/tier.py), attached first (RAM → disk → store); none
+    without [disk]. Opening reads every page header on disk, so the pages a previous run (or
+    boot) left are hittable from the first call; a directory that cannot hold the store is a
+    StartupError."""
+    disk = config.disk
+    if disk is None:
+        return []
+    from kvd.disk.results import OpenRefused
+    from kvd.disk.store import DiskStore
+    from kvd.disk.tier import DiskTier
+
+    budgets = {t.name: t.host_bytes for t in config.tenants}
+    tiers = []
+    for name, manager in tenants.items():
+        directory, budget = disk.share(name if config.tenants else None, budgets.get(name, 0), config.host_bytes)
+        if config.tenants:
+            try:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            except OSError as e:
+                _close_disk(tiers)
+                raise StartupError(f"disk.path: cannot create {directory}: {e.strerror}") from None
+        opened = DiskStore.open(directory, budget, chunk_bytes=disk.chunk_bytes)
+        if isinstance(opened, OpenRefused):
+            _close_disk(tiers)
+            raise StartupError(f"disk.path: {directory}: {opened.reason.value}: {opened.detail}")
+        tier = DiskTier(opened, name, disk, manager, loop)
+        manager.tiers.attach(tier)
+        tiers.append(tier)
+    return tiers
+
+
+def _close_disk(tiers: list) -> None:
+    """Waits for the disk transfers in flight: before host memory is unmapped."""
+    for tier in tiers:
+        tier.close()
+
+
 def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEventLoop):
     """The remote store's link, shared by every tenant's tier (kvd/remote/tier.py); None without [remote]."""
     remote = config.remote
@@ -271,6 +309,7 @@ class _Daemon:
         self.tenants = _tenants(config, self.publisher)
         _check_shm_room(self.tenants)
         loop = asyncio.get_running_loop()
+        self.disk = _disk_tiers(config, self.tenants, loop)
         self.link = _remote_link(config, self.tenants, loop)
         for manager in self.tenants.managers():
             manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
@@ -363,6 +402,7 @@ class _Daemon:
             manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
         # Kept, published pages stay in shared memory, sealed, so `kvd serve` finds them again
         # (systemctl restart keeps the cache); `kvd clean` removes them for good.
+        _close_disk(self.disk)
         self.store_left_open = not _close_all(
             self.tenants, self.link, keep_cache, max(0.0, deadline - time.monotonic())
         )

@@ -214,6 +214,10 @@ def remote_stats_message(s: Stats) -> pb.RemoteStats:
     return pb.RemoteStats(**s.remote.as_dict())
 
 
+def disk_stats_message(s: Stats) -> pb.DiskStats:
+    return pb.DiskStats(**s.disk.as_dict())
+
+
 def stats_reply(s: Stats, namespaces: list[pb.NamespaceStats] | None = None) -> pb.StatsReply:
     """The stats of one cache; ``namespaces`` in place of its own (the tenants' together)."""
     return pb.StatsReply(
@@ -230,6 +234,7 @@ def stats_reply(s: Stats, namespaces: list[pb.NamespaceStats] | None = None) -> 
         shm_refusals=s.shm_refusals,
         recovery=recovery_stats(s.recovery),
         remote=remote_stats_message(s),
+        disk=disk_stats_message(s),
     )
 
 

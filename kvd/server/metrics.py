@@ -1,5 +1,5 @@
 """Prometheus metrics (``--metrics-port``): page stats, budget, sessions, call latency,
-the remote tier (``kvd_remote_*``), the daemon's build and the standard ``process_*``
+the remote tier (``kvd_remote_*``), the disk tier (``kvd_disk_*``), the daemon's build and the standard ``process_*``
 metrics; per tenant on a daemon with [tenants].
 
 Every scrape shows live values: the HTTP endpoint runs on prometheus-client's own
@@ -72,6 +72,34 @@ def _remote_families(remote):
         yield CounterMetricFamily(f"kvd_remote_{name}", doc, value=getattr(remote, name))
 
 
+_DISK_COUNTERS = {
+    "written_pages": "Pages written to the disk tier (copies of pages host memory evicted)",
+    "fetched_pages": "Pages read back from the disk tier, verified and published (promoted)",
+    "hit_tokens": "Allocated prefix tokens served by pages promoted from the disk tier",
+    "skipped_pages": "Evicted pages not written to disk: the write backlog full, or their bytes changed",
+    "refused_pages": "Pages the disk tier refused: full after evicting, out of space, or its directory gone",
+    "evicted_pages": "Pages freed from the disk tier to make room",
+    "rejected_pages": "Pages read back from disk that failed a check: served as a miss and dropped",
+    "errors": "Disk tier reads and writes that failed",
+}
+_DISK_GAUGES = {
+    "pages": "Pages on the disk tier",
+    "bytes": "Page bytes on the disk tier",
+    "capacity_bytes": "Bytes of the disk tier's file",
+    "backlog_bytes": "Copies of evicted pages waiting to be written to disk",
+    "direct_io": "1 when the disk tier bypasses the page cache (O_DIRECT)",
+}
+
+
+def _disk_families(disk):
+    """The disk tier: on or off, what it holds, and its counters."""
+    yield GaugeMetricFamily("kvd_disk_on", "1 when the disk tier is configured", value=float(disk.state == "on"))
+    for name, doc in _DISK_GAUGES.items():
+        yield GaugeMetricFamily(f"kvd_disk_{name}", doc, value=float(getattr(disk, name)))
+    for name, doc in _DISK_COUNTERS.items():
+        yield CounterMetricFamily(f"kvd_disk_{name}", doc, value=getattr(disk, name))
+
+
 class _StatsCollector:
     """Families from live stats: one per page statistic, labelled by namespace id and
     model name (``all`` and ``all`` for the daemon's totals) and, on a daemon with
@@ -142,6 +170,7 @@ class _StatsCollector:
             value=recovery.incomplete_extents,
         )
         yield from _remote_families(every.remote)
+        yield from _disk_families(every.disk)
 
 
 class MetricsExporter:

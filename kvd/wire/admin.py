@@ -52,6 +52,7 @@ def stats_dict(reply: pb.StatsReply) -> Stats:
         "shm_refusals": reply.shm_refusals,
         "recovery": recovery_dict(reply.recovery),
         "remote": _fields(reply.remote) | {"state": reply.remote.state or "off"},
+        "disk": _fields(reply.disk) | {"state": reply.disk.state or "off"},
         "namespaces": [
             {
                 "namespace_id": n.namespace_id,

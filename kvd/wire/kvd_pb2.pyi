@@ -645,8 +645,42 @@ class RemoteStats(_message.Message):
     resets: int
     def __init__(self, state: _Optional[str] = ..., stored_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., refused_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., outages: _Optional[int] = ..., reoffered_pages: _Optional[int] = ..., resets: _Optional[int] = ...) -> None: ...
 
+class DiskStats(_message.Message):
+    __slots__ = ("state", "pages", "bytes", "capacity_bytes", "written_pages", "fetched_pages", "hit_tokens", "skipped_pages", "refused_pages", "evicted_pages", "rejected_pages", "errors", "backlog_bytes", "recovered_pages", "direct_io")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_IO_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    pages: int
+    bytes: int
+    capacity_bytes: int
+    written_pages: int
+    fetched_pages: int
+    hit_tokens: int
+    skipped_pages: int
+    refused_pages: int
+    evicted_pages: int
+    rejected_pages: int
+    errors: int
+    backlog_bytes: int
+    recovered_pages: int
+    direct_io: bool
+    def __init__(self, state: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., refused_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., backlog_bytes: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., direct_io: _Optional[bool] = ...) -> None: ...
+
 class StatsReply(_message.Message):
-    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote")
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote", "disk")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -660,6 +694,7 @@ class StatsReply(_message.Message):
     AUX_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     AUX_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     totals: PageStats
     host_bytes: int
     arena_bytes: int
@@ -673,7 +708,8 @@ class StatsReply(_message.Message):
     aux_bytes_used: int
     aux_bytes_per_sequence: int
     remote: RemoteStats
-    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+    disk: DiskStats
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("session", "ticket")

@@ -76,6 +76,26 @@ class RemoteStats(TypedDict):
     reoffered_pages: int  # pages offered to the store again after it came back
 
 
+class DiskStats(TypedDict):
+    """The disk tier's work; ``state`` is "off" without one."""
+
+    state: str  # off, on
+    pages: int  # on disk now
+    bytes: int
+    capacity_bytes: int
+    written_pages: int
+    fetched_pages: int  # read back, verified and published (promoted)
+    hit_tokens: int
+    skipped_pages: int  # evicted while the write backlog was full: not written
+    refused_pages: int  # disk full after evicting, out of space, vanished
+    evicted_pages: int
+    rejected_pages: int  # read back and failed a check: dropped
+    errors: int
+    backlog_bytes: int
+    recovered_pages: int
+    direct_io: bool
+
+
 class Stats(PageStats):
     """The daemon's totals at top level, then its budgets, its start and each namespace."""
 
@@ -90,6 +110,7 @@ class Stats(PageStats):
     shm_refusals: int
     recovery: RecoveryStats
     remote: RemoteStats
+    disk: DiskStats
     namespaces: list[NamespaceStats]
 
 

@@ -1,0 +1,317 @@
+"""The disk tier of one cache (one tenant): pages RAM gives up kept in a file on local disk,
+promoted back into host memory when a prompt asks for them, and still there after a daemon
+restart or a host reboot.
+
+Writes are **write-back on eviction**: when RAM unpublishes a page (``unpublished``: evicted,
+reclaimed, reset), its bytes are copied at once while they and their seal are still there
+(the page is reused next) and written from the copy on the store's threads
+(kvd/disk/store.py); the store checks the copy against the seal, so a page whose bytes
+changed in host memory never reaches the disk. An eviction never waits for the disk: with
+``backlog_bytes`` of copies already waiting, the page is not written (``skipped_pages``).
+The trace study (bench/trace_sim.py, bench/RESULTS.md) chose it: on Mooncake's traces,
+write-back serves the same hits as write-through at a fraction of the bytes written (a page
+RAM still holds is hit there, so writing it at publish is spent unless it is evicted), and
+costs the publish path nothing. A page promoted from the disk and evicted again is not
+written again while the disk still holds it.
+
+The tier's index (``_on_disk``) maps (namespace root, chain key) to the ``DiskPage`` that
+holds it: built at start-up from the pages the store recovered (``DiskStore.open`` reads
+every header; the daemon opens it before taking calls), then from each page written. When
+a write finds the disk full, the policy (``LruPolicy``, kvd/disk/eviction.py) names the
+pages to free, and the refused pages are written once more after the frees (still full:
+``refused_pages``).
+
+Hits: the tier is a ``FetchSource`` for the cache's fetch machinery (``Fetches``,
+kvd/cache/fetches.py, shared with the remote tier): ``find`` walks the missing pages' chain
+keys through the index, ``get`` reads the leading run into newly granted host pages
+(``DiskStore.read``, which checks each page's checksum; a page that fails it is dropped
+from the disk) and answers each page's header, which ``Fetches`` compares with what the
+request expects before publishing the pages in chain order as CACHED. A page read back for
+another tenant or namespace root never matches. A page rejected there is freed from the
+disk (``reject``).
+
+The launcher (kvd/server/daemon.py) attaches one to each tenant's cache before the remote
+tier (RAM → disk → store): ``Tiers.missed`` asks the remote tier only when the disk brings
+nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvd.cache.fetches import Arrival, Done, Fetches, Found, PageHeader
+from kvd.cache.holds import Holds
+from kvd.cache.places import page_seal, recovered_places
+from kvd.cache.stats import DiskStats
+from kvd.config import DiskConfig
+from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
+from kvd.core.listener import ChainPlace
+from kvd.core.namespaces import Namespace
+from kvd.core.types import PageId, PageKey
+from kvd.disk.eviction import LruPolicy
+from kvd.disk.layout import BLOCK, DiskPage, PageIdentity
+from kvd.disk.results import (
+    PageRead,
+    PageWrite,
+    ReadFailure,
+    ReadOk,
+    Seal,
+    WriteRefusal,
+    Written,
+)
+from kvd.disk.store import Opened
+from kvd.wire.codec import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from kvd.cache.manager import KVCacheManager
+
+log = logging.getLogger(__name__)
+
+DiskKey = tuple[bytes, PageKey]  # (namespace root, chain key)
+
+
+@dataclass
+class DiskTierCounters:
+    written_pages: int = 0  # pages written to disk
+    fetched_pages: int = 0  # pages read back, verified and published (promoted)
+    hit_tokens: int = 0  # allocated prefix tokens served by promoted pages
+    skipped_pages: int = 0  # evicted while the write backlog was full, or changed: not written
+    refused_pages: int = 0  # not written: the disk full (after evicting), out of space, vanished
+    evicted_pages: int = 0  # freed from the disk to make room
+    rejected_pages: int = 0  # read back and failed a check: a miss, dropped from the disk
+    errors: int = 0  # reads and writes that failed
+
+
+class DiskTier:
+    """One tenant's pages on disk: their index, the writes on their way, the promotions."""
+
+    name = "the disk"
+
+    def __init__(
+        self, opened: Opened, scope: str, settings: DiskConfig, manager: KVCacheManager, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Built before the daemon takes any call, after a warm restart's pages are restored;
+        ``opened`` is the tenant's store as ``DiskStore.open`` found it."""
+        m = manager
+        self.store = opened.store
+        self.scope = scope
+        self.backlog_limit = settings.backlog_bytes
+        self.loop = loop
+        self.arena, self.pool, self.integrity = m.arena, m.pool, m.integrity
+        self.counters = DiskTierCounters()
+        self.policy = LruPolicy()
+        self._holds = Holds(m.pool)
+        self._placed: dict[PageId, ChainPlace] = recovered_places(m.pool, m.index, m.namespaces)
+        self._on_disk: dict[DiskKey, DiskPage] = {}
+        self._queued: list[PageWrite] = []
+        self._backlog = 0  # bytes of copies queued or being written
+        self._closed = False  # host memory is being unmapped: answers that come later are dropped
+        self.fetches = Fetches(self, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
+        for page in sorted(opened.pages, key=lambda p: p.sequence):
+            if page.identity.scope == scope:
+                self._index(page)
+
+    # ---- Tier -------------------------------------------------------------------------
+
+    def published(self, content: PageContent, place: ChainPlace) -> None:
+        self._placed[content.page] = place
+
+    def submit(self) -> None:
+        pass  # pages are written when RAM gives them up
+
+    def unpublished(self, page: PageId) -> None:
+        """Copies the page for the disk (its bytes and seal are still there), unless it came
+        from the disk and is there still."""
+        place = self._placed.pop(page, None)
+        fetched = self.fetches.forget(page)
+        content = self.pool.content(page)
+        if place is None or place.parent_key is None:
+            return
+        key = (place.ns.root, content.key)
+        if key in self._on_disk:
+            return
+        sealed = page_seal(self.integrity, self.arena, page)
+        if sealed is None or fetched:
+            return
+        if self._backlog + place.ns.page_bytes > self.backlog_limit:
+            self.counters.skipped_pages += 1
+            return
+        identity = PageIdentity(
+            self.scope, place.ns.root, content.key, place.parent_key, place.page_index, content.local, content.tokens
+        )
+        copy = _aligned_copy(self.arena.page_bytes_view(page))
+        self._backlog += copy.nbytes
+        if not self._queued:
+            self.loop.call_soon(self._write_queued)  # once the eviction's call is done: one batch
+        self._queued.append(PageWrite(identity, copy, Seal(*sealed)))
+
+    def served(self, hits: list[PageId], page_size: int) -> None:
+        self.fetches.served(hits, page_size)
+
+    def missed(
+        self,
+        ns: Namespace,
+        chain: ChainSpec,
+        extra_keys: tuple[ExtraKey, ...],
+        tokens: bytes,
+        hits: list[PageId],
+        hit_keys: list[PageKey],
+    ) -> int:
+        return self.fetches.missed(ns, chain, extra_keys, tokens, hits, hit_keys) if self._on_disk else 0
+
+    def holds(self) -> Counter[PageId]:
+        return self._holds.all()
+
+    def stats(self) -> DiskStats:
+        c, s = self.counters, self.store.counters()
+        return DiskStats(
+            state="on",
+            pages=len(self._on_disk),
+            bytes=sum(p.page_bytes for p in self._on_disk.values()),
+            capacity_bytes=s.capacity_bytes,
+            written_pages=c.written_pages,
+            fetched_pages=c.fetched_pages,
+            hit_tokens=c.hit_tokens,
+            skipped_pages=c.skipped_pages,
+            refused_pages=c.refused_pages,
+            evicted_pages=c.evicted_pages,
+            rejected_pages=c.rejected_pages,
+            errors=c.errors,
+            backlog_bytes=self._backlog,
+            recovered_pages=s.recovered_pages,
+            direct_io=s.direct_io,
+        )
+
+    def close(self) -> None:
+        """Waits for the transfers in flight (before host memory is unmapped); their answers
+        are dropped: the cache is closing."""
+        self._closed = True
+        self.store.close()
+
+    # ---- FetchSource (kvd/cache/fetches.py) ---------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    def find(self, ns: Namespace, chain: ChainSpec, tokens: bytes, parent_key: bytes, pages: range, done: Done) -> None:
+        step = ns.page_size * TOKEN_BYTES
+        found: Found = []
+        for i in pages:
+            page_tokens = tokens[i * step : (i + 1) * step]
+            key = page_key(parent_key, i, page_tokens, chain.local_bytes(i))
+            on_disk = self._on_disk.get((ns.root, key))
+            if on_disk is None:
+                break
+            self.policy.hit((ns.root, key))
+            found.append((on_disk, PageHeader(i, key, parent_key, chain.local_digest(i), page_tokens)))
+            parent_key = key
+        self.loop.call_soon(done, found, None)  # as the store's answer would: after the caller's call
+
+    def get(self, ns: Namespace, found: Found, views: list[np.ndarray], done: Done) -> None:
+        reads = [PageRead(on_disk.slot, view) for (on_disk, _), view in zip(found, views)]
+        self._when_done(self.store.read(reads), lambda results: done(self._arrivals(ns, found, results), None))
+
+    def reject(self, on_disk: DiskPage) -> None:
+        """The page read back is not the one the request expects: freed from the disk."""
+        if self._forget(on_disk):
+            self.store.free([on_disk.slot])
+
+    def _arrivals(self, ns: Namespace, found: Found, results) -> list[PageHeader | Arrival]:
+        """Each page's header as the disk has it, once its checksum held; a page the store
+        dropped is forgotten."""
+        got: list[PageHeader | Arrival] = []
+        for (on_disk, _), result in zip(found, results):
+            if isinstance(result, ReadOk):
+                i = result.page.identity
+                ours = i.scope == self.scope and i.namespace_root == ns.root
+                got.append(
+                    PageHeader(i.page_index, i.key, i.parent_key, i.local, i.tokens) if ours else Arrival.MISMATCHED
+                )
+                continue
+            if result.dropped:
+                self._forget(on_disk)
+            if result.reason is ReadFailure.CORRUPT:
+                got.append(Arrival.MISMATCHED)
+            else:
+                got.append(Arrival.FAILED)
+        return got
+
+    # ---- writing ------------------------------------------------------------------------
+
+    def _write_queued(self, retry: bool = False, queued: list[PageWrite] | None = None) -> None:
+        if queued is None:
+            queued, self._queued = self._queued, []
+        if queued:
+            self._when_done(self.store.write(queued), lambda results: self._written(queued, results, retry))
+
+    def _written(self, writes: list[PageWrite], results, retry: bool) -> None:
+        """Indexes the pages written; the disk full, frees the policy's victims and writes
+        the refused pages once more."""
+        full: list[PageWrite] = []
+        for write, result in zip(writes, results):
+            if isinstance(result, Written):
+                self.counters.written_pages += 1
+                self._index(result.page)
+            elif result.reason is WriteRefusal.FULL and not retry:
+                full.append(write)
+                continue
+            elif result.reason is WriteRefusal.CHANGED:
+                self.counters.skipped_pages += 1
+            elif result.reason is WriteRefusal.IO_ERROR:
+                self.counters.errors += 1
+            elif result.reason is not WriteRefusal.CLOSED:
+                self.counters.refused_pages += 1
+            self._backlog -= write.view.nbytes
+        if not full:
+            return
+        victims = [self._on_disk.pop(key) for key in self.policy.victims(len(full))]
+        self.counters.evicted_pages += len(victims)
+        self._when_done(self.store.free([v.slot for v in victims]), lambda _: self._write_queued(True, full))
+
+    def _index(self, page: DiskPage) -> None:
+        """A page on disk becomes findable; an older copy of the same page is freed."""
+        key = (page.identity.namespace_root, page.identity.key)
+        older = self._on_disk.get(key)
+        self._on_disk[key] = page
+        self.policy.admitted(key)
+        if older is not None:
+            self.store.free([older.slot])
+
+    def _forget(self, on_disk: DiskPage) -> bool:
+        key = (on_disk.identity.namespace_root, on_disk.identity.key)
+        if self._on_disk.get(key) != on_disk:
+            return False
+        del self._on_disk[key]
+        self.policy.forget(key)
+        return True
+
+    def _answered(self, then, results) -> None:
+        if not self._closed:
+            then(results)
+
+    def _when_done(self, future: Future, then) -> None:
+        """``then(results)`` on the event loop once the store's call is done."""
+
+        def back(done: Future) -> None:
+            if not self._closed:
+                self.loop.call_soon_threadsafe(self._answered, then, done.result())
+
+        future.add_done_callback(back)
+
+
+def _aligned_copy(view: np.ndarray) -> np.ndarray:
+    """A copy of a page at a block-aligned address: written with direct I/O as it is, never
+    through the store's bounce buffer (kvd/disk/slot_file.py)."""
+    room = np.empty(view.nbytes + BLOCK, dtype=np.uint8)
+    start = -room.ctypes.data % BLOCK
+    copy = room[start : start + view.nbytes]
+    copy[:] = view
+    return copy
