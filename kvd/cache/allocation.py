@@ -78,7 +78,10 @@ class AllocationJob:
         self.pool, self.room, self.sequences, self.sessions = pool, room, sequences, sessions
         self.events, self.tier, self.counters, self.jobs = events, tier, counters, jobs
         self.reentries = self._reentries()
-        self.need = sum(self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, matches))
+        page_size = self.ns.page_size
+        # Each request's new private pages, past its hit; the plan ``commit`` carries out.
+        self.new_pages = [-(-p.num_tokens // page_size) - len(hit.pages) for p, hit in zip(self.prepared, matches)]
+        self.need = sum(self.new_pages)
         room.check(self.ns, self.need, held=self.held())  # raises before anything moves
         for hit in matches:  # one request at a time: a page two requests hit is held twice
             pool.acquire_all(hit.pages)
@@ -93,15 +96,14 @@ class AllocationJob:
     def __enter__(self) -> AllocationJob:
         """What the job evicts, and whatever calls served between its steps announce, is one
         event batch, as for a call in one piece (kvd/cache/events.py)."""
-        self._events_held = self.events.held()
-        self._events_held.__enter__()
+        self.events.hold()
         return self
 
     def __exit__(self, *exc) -> None:
         try:
             self.close()
         finally:
-            self._events_held.__exit__(None, None, None)
+            self.events.end_hold()
 
     def steps(self) -> Iterator[Future | None]:
         """Frees the pages the batch still needs, in parts between which the caller lets the
@@ -118,7 +120,7 @@ class AllocationJob:
         ns = self.ns
         self.sessions.get(self.session.id)  # its session may have ended between steps
         self.reentries = self._reentries()  # another call of the session may have taken an id
-        granted = self.room.grant(ns, [self._pages(p) - len(hit.pages) for p, hit in zip(self.prepared, self.matches)])
+        granted = self.room.grant(ns, self.new_pages)
         self._open = False  # the holds become the sequences' references
         self.jobs.discard(self)
         plans = []
@@ -159,9 +161,6 @@ class AllocationJob:
         self.jobs.discard(self)
         for hit in reversed(self.matches):
             self.pool.release_all(release_order(hit.pages))
-
-    def _pages(self, p: PreparedRequest) -> int:
-        return -(-p.num_tokens // self.ns.page_size)
 
     def _reentries(self) -> list[Sequence | None]:
         """Each request's id against the namespace's sequences: new (None), or an EVICTED

@@ -17,8 +17,8 @@ hash of the token ids indexes kvd's pages too.
   one chain merge into one event;
 - the events of one turn of the event loop (one call: a publish, an allocation that
   evicted, a reset) close as one ``EventBatch`` with the next sequence number, never
-  one per page; a call that runs in steps over many turns (``held``) closes its batch
-  when it ends;
+  one per page; a call that runs in steps over many turns (``hold`` … ``end_hold``)
+  closes its batch when it ends;
 - closed batches go to the consumers (the ZMQ publisher, gRPC subscriptions) and stay in
   a bounded buffer for replay.
 
@@ -34,7 +34,6 @@ same calls with ``medium="REMOTE"``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -163,7 +162,7 @@ class EventLog:
         self._buffer: deque[EventBatch] = deque(maxlen=buffer_batches)
         self._next_seq = 0
         self._flush_scheduled = False
-        self._held = 0  # calls running in steps (``held``)
+        self._held = 0  # calls running in steps (``hold``)
 
     @property
     def active(self) -> bool:
@@ -245,19 +244,17 @@ class EventLog:
         if not self._held:  # else the last held call's end closes the batch
             self.flush()
 
-    @contextlib.contextmanager
-    def held(self):
+    def hold(self) -> None:
         """A call that runs in steps and lets the loop turn between them (a publish, an
         allocation's eviction, kvd/cache/publishing.py) closes its events as one batch when it
-        ends, as a call in one piece does; events of calls served between its steps join
-        that batch, in the order they happened."""
+        ends (``end_hold``, in any case), as a call in one piece does; events of calls served
+        between its steps join that batch, in the order they happened."""
         self._held += 1
-        try:
-            yield
-        finally:
-            self._held -= 1
-            if self._pending:
-                self._schedule_flush()
+
+    def end_hold(self) -> None:
+        self._held -= 1
+        if self._pending:
+            self._schedule_flush()
 
     # ---- batches ---------------------------------------------------------------------
 

@@ -93,9 +93,12 @@ class PublishJob:
     def steps(self) -> Iterator[None]:
         """``step`` until done, yielding between steps (the servicer lets other calls run
         there); what it indexes is one event batch, as for a call in one piece."""
-        with self.events.held():
+        self.events.hold()
+        try:
             while not self.step():
                 yield None
+        finally:
+            self.events.end_hold()
 
     def run(self) -> list[PublishResult]:
         """Every step at once (in-process callers: tests, benchmarks)."""
