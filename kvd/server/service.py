@@ -107,6 +107,11 @@ async def _drive(steps: Iterator[Future | None]) -> None:
         await _let_others_run()
 
 
+# A call that takes longer than this is logged: an engine's link gives up on a call after
+# 5 s (gpu_worker/vllm/kvd_link.py), and the log then says whether the daemon took that long.
+SLOW_CALL_SECONDS = 1.0
+
+
 def _unary(method):
     """Runs a core call; maps core errors to statuses and reports latency. A large request
     is parsed on the offload thread first (kvd/server/messages.py ``Unparsed``). A coroutine
@@ -133,6 +138,8 @@ def _unary(method):
                 if self.observe_latency is not None:
                     self.observe_latency(name, seconds)
                 log.debug("%s: %s in %.3f ms %s", name, code.name, seconds * 1e3, message)
+                if seconds > SLOW_CALL_SECONDS:
+                    log.warning("%s: %s took %.2f s (clients give up after 5 s)", name, code.name, seconds)
         # Set, not raised: an exception's traceback would keep the request (possibly
         # hundreds of MiB) alive in a reference cycle until the next garbage collection.
         context.set_code(code)
