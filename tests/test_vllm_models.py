@@ -217,9 +217,10 @@ def tp2(kvd):
     write_tiny_llama(model)  # 2 KV heads: one per rank
     files = fault_files(workdir, "tp-a")
     tp = {"KVD_TEST_TP": "2"}
-    # Nine processes on two cores: a lookup may wait seconds for CPU, and what these tests
-    # mean to see is a page lost, not a lookup given up on (that is counted, and checked).
-    patient = {"lookup_patience_seconds": 60}
+    # Nine processes on two cores: a kvd call may wait seconds for CPU (two full suites saw a
+    # lookup and a hold pass the 5 s call timeout while the daemon logged no call over 1 s),
+    # and what these tests mean to see is a page lost, not a call given up on (counted, checked).
+    patient = {"lookup_patience_seconds": 60, "call_timeout_seconds": 30}
     engines = {
         "a": Engine("tp-a", model, workdir, kvd["socket"], env=faulty({**files, **patient}, **tp)),
         "b": Engine("tp-b", model, workdir, kvd["socket"], env={"KVD_TEST_CONNECTOR_EXTRA": json.dumps(patient), **tp}),

@@ -41,7 +41,9 @@ steps, and a load that fails is reported as its request's (`get_transfer_results
 the config file, `/run/kvd/kvd.sock` when it exists, the per-user default), `client_name`,
 `load_failure_policy` ("recompute" or "fail"), `save_generated` (default true: generated
 full blocks are saved like prompt blocks; false: prompt blocks only),
-`lookup_patience_seconds` (default: one call timeout, 5 s: how long a new request waits
+`call_timeout_seconds` (default 5: how long one kvd call may take before that half drops
+its session and computes without kvd), `lookup_patience_seconds` (default: one call
+timeout: how long a new request waits
 for kvd's answer before it is computed without kvd; each request kvd gave no answer for
 is a warning and counts in `vllm:kvd_lookups_unanswered`, gpu_worker/vllm/connector_stats.py).
 """
@@ -78,12 +80,13 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         shape = namespace_spec(vllm_config, kv_cache_config)
         spec = shape.namespace
         name = extra.get("client_name", "vllm")
+        call_timeout = float(extra.get("call_timeout_seconds", 5.0))
         if role == KVConnectorRole.SCHEDULER:  # offers only what every rank can load
             ranks = tuple(spec.of_rank(r) for r in range(1, spec.tp_size))
-            link = KVDLink(extra.get("socket"), f"{name}-scheduler", spec, peers=ranks)
+            link = KVDLink(extra.get("socket"), f"{name}-scheduler", spec, call_timeout=call_timeout, peers=ranks)
         else:  # each rank saves and loads its own KV heads
             rank = get_tensor_model_parallel_rank()
-            link = KVDLink(extra.get("socket"), f"{name}-worker{rank}", spec.of_rank(rank))
+            link = KVDLink(extra.get("socket"), f"{name}-worker{rank}", spec.of_rank(rank), call_timeout=call_timeout)
         # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
         events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         self._scheduler = (
