@@ -265,7 +265,7 @@ class Lookahead:
             held = dict.fromkeys(hits, MISS)
         answers.update(held)
         with self._lock:
-            self._unanswered += len(unanswered - self._abandoned)  # the abandoned were given up on: counted
+            self._unanswered += len(unanswered - self._abandoned)  # abandoned: given up on (counted) or let go
             for req_id, w in remote.items():
                 since = self._busy.pop(req_id)
                 if req_id not in self._abandoned:
