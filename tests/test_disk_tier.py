@@ -90,8 +90,7 @@ def evicted_to_disk(client: KVDClient, ns: int) -> list[np.ndarray]:
     """Publishes prompt 1, evicts it from host memory and waits until it is on disk; its pages' bytes."""
     want = publish(client, ns, 1)
     evict(client, ns, range(2, 6))
-    written(client, PAGES)
-    time.sleep(RECHECK)  # its allocation found nothing on disk: not looked for again this soon
+    written(client, PAGES)  # at once: its allocation's miss on disk left no recheck delay
     return want
 
 
@@ -122,6 +121,23 @@ def test_an_evicted_prompt_is_promoted_from_disk_with_equal_bytes_and_survives_a
         assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
         got = hit_bytes(c, ns, 1)
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_prompt_not_on_disk_is_no_pending_fetch(tmp_path, daemon_factory):
+    """A disk lookup is an index lookup: a prompt whose next page is not on disk is answered at
+    once, so the client is not told to ask again (and the remote tier below hears of the miss
+    in the same call, tests/test_remote.py), and its first page written to disk is found by
+    the next ask, whatever the recheck delay after a fetch that ended."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        evicted_to_disk(c, ns)
+        for seed in (1, 99):  # on disk (a disk is there to look in), never published
+            assert lookup(c, ns, seed).remote_pending_tokens == (PAGES * LAYOUT.page_size if seed == 1 else 0)
+        assert lookup(c, ns, 99).remote_pending_tokens == 0, "asked again: still nothing to wait for"
+        assert c.stats()["disk"]["errors"] == 0
 
 
 def test_a_page_changed_on_disk_is_a_miss_and_dropped(tmp_path, daemon_factory):
@@ -157,7 +173,6 @@ def test_a_full_disk_evicts_its_oldest_pages(tmp_path, daemon_factory):
         for seed in range(1, 13):
             publish(c, ns, seed)
         written(c, 9 * PAGES)  # prompts 1-9 left host memory
-        time.sleep(RECHECK)  # their allocations found nothing on disk: not looked for again this soon
         s = c.stats()["disk"]
         assert s["pages"] == 51 and s["evicted_pages"] == 9 * PAGES - 51 and s["errors"] == s["refused_pages"] == 0
         assert settled_hit(c, ns, 1) < PAGES * LAYOUT.page_size  # the oldest prompt left the disk

@@ -21,18 +21,38 @@ then the process dies:
 - ``disk-header-torn``: a run of slot headers (half of what the headers hold, rounded down
   to the file's direct-I/O alignment).
 
+And one that makes a file call fail, as a failing disk would (the hook ``DiskStore.inject``
+sets from a test in the same process, for a daemon in its own):
+
+- ``KVD_DISK_FAULT=OP:ERRNO[:SKIP]``: once a store is open (its recovery's reads done), the
+  call of OP (``read``, ``write``, ``sync``: kvd/disk/slot_file.py) after SKIP (default 0)
+  that succeed fails with ERRNO (a name: ``EIO``, ``ENOSPC``).
+
 Unset (always, in production) a step costs one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
+from typing import NamedTuple
 
 STEPS = ("disk-chunk-formatted", "disk-data-written", "disk-header-written", "disk-slot-invalidated")
 TEARS = ("disk-data-torn", "disk-header-torn")
 VARIABLE = "KVD_DISK_CRASH_AT"
+FAULT_VARIABLE = "KVD_DISK_FAULT"
+FAULT_OPS = ("read", "write", "sync")  # the file calls kvd/disk/slot_file.py makes
+
+
+class Fault(NamedTuple):
+    """A file call to fail: ``DiskStore.inject``'s arguments."""
+
+    op: str
+    error: int
+    count: int
+    skip: int
 
 
 def _target() -> tuple[str, int] | None:
@@ -45,7 +65,20 @@ def _target() -> tuple[str, int] | None:
     return step, int(nth or 1)
 
 
+def _fault() -> Fault | None:
+    value = os.environ.get(FAULT_VARIABLE, "")
+    if not value:
+        return None
+    op, _, rest = value.partition(":")
+    name, _, skip = rest.partition(":")
+    error = getattr(errno, name, None) if name.startswith("E") else None
+    if op not in FAULT_OPS or not isinstance(error, int) or (skip and not skip.isdigit()):
+        raise ValueError(f"{FAULT_VARIABLE}={value!r}: expected OP:ERRNO[:SKIP], OP one of {', '.join(FAULT_OPS)}")
+    return Fault(op, error, 1, int(skip or 0))
+
+
 _TARGET = _target()
+FAULT = _fault()  # injected into each store this process opens
 _seen = 0
 _lock = threading.Lock()  # the engine's worker threads reach steps concurrently
 

@@ -43,7 +43,7 @@ from kvd.disk.layout import BLOCK, FILE_NAME
 log = logging.getLogger(__name__)
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-OPS = ("read", "write", "sync")
+OPS = crashpoints.FAULT_OPS  # the file calls a test may make fail
 _ZEROS = bytes(BLOCK)
 
 

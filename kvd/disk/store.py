@@ -189,6 +189,8 @@ class DiskStore:
             store.close()
             return _refused(OpenRefusal.IO_ERROR, directory, e)
         store._adopt(recovered.file_id, recovered.chunks, recovered.pages)
+        if crashpoints.FAULT is not None:
+            store.inject(*crashpoints.FAULT)
         report = RecoveryReport(
             len(recovered.pages), recovered.torn, recovered.formatted, recovered.header_bytes_read, recovered.seconds
         )

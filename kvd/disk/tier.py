@@ -164,10 +164,27 @@ class DiskTier:
         hits: list[PageId],
         hit_keys: list[PageKey],
     ) -> int:
-        return self.fetches.missed(ns, chain, extra_keys, tokens, hits, hit_keys) if self._on_disk else 0
+        """Fetches the pages past the hit when the next one is on disk; answers 0 at once when
+        it is not (an index lookup: no fetch, no recheck delay), and the remote tier below
+        hears of the miss in the same call."""
+        if not self._holds_next(ns, chain, tokens, hits, hit_keys):
+            return 0
+        return self.fetches.missed(ns, chain, extra_keys, tokens, hits, hit_keys)
 
     def holds(self) -> Counter[PageId]:
         return self._holds.all()
+
+    def _holds_next(
+        self, ns: Namespace, chain: ChainSpec, tokens: bytes, hits: list[PageId], hit_keys: list[PageKey]
+    ) -> bool:
+        """Whether the prompt's first full page past its local hit is on disk."""
+        step = ns.page_size * TOKEN_BYTES
+        i = len(hits)
+        page_tokens = tokens[i * step : (i + 1) * step]
+        if not self._on_disk or len(page_tokens) < step:
+            return False
+        key = page_key(hit_keys[-1] if hit_keys else chain.root, i, page_tokens, chain.local_bytes(i))
+        return (ns.root, key) in self._on_disk
 
     def stats(self) -> DiskStats:
         c, s = self.counters, self.store.counters()
