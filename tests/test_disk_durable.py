@@ -1,0 +1,221 @@
+"""The disk tier through a real daemon at its dangerous instants (issue 30): ``kill -9`` while a
+write-back is in flight and while the tier frees disk pages to make room, aimed with the
+storage engine's crash points (kvd/disk/crashpoints.py, ``KVD_DISK_CRASH_AT`` in the daemon's
+environment); then a warm restart (the same /dev/shm) and a host reboot (``kvd clean``: a
+fresh /dev/shm) find exactly the completed pages on disk, serve them with their own bytes, and
+never find a torn one. And a failing disk (``KVD_DISK_FAULT``: EIO at the syscall boundary,
+as tests/test_disk_faults.py injects it in process): a read error during a promotion and a
+write error during a write-back are counted, logged, a miss or a refusal; host memory keeps
+serving and nothing served changes.
+
+Each crash test fails on a build without the protection it tests: the page bytes synced
+before their headers (a header would describe bytes that never arrived: ``disk-data-torn``),
+the header checksum (a torn header would be recovered: ``disk-header-torn``), zeroing a freed
+slot's header before the slot is written again (a victim's header would describe the bytes
+of the page written in its place: ``disk-data-written`` of the write after the free)."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+from conftest import budget_for, clean_env, remove_shared_memory, wait_until
+
+from engine_client import KVDClient, PageLayout, SequenceRequest
+from kvd.disk.layout import BLOCK, SlotClass
+
+# A slot header with 256 token ids spans three 512-byte sectors: a torn one loses token ids.
+LAYOUT = PageLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=256, dtype="float16")  # 8 KiB pages
+PAGE_BYTES = 8 << 10
+MODEL = "disk-durable"
+PAGES = 4  # a prompt's full pages
+PROMPT_TOKENS = PAGES * LAYOUT.page_size
+RAM_PAGES = 3 * PAGES  # three prompts fit in host memory
+CHUNK = 128 << 10
+SLOTS = SlotClass(PAGE_BYTES, LAYOUT.page_size).slots_in(CHUNK)  # 10: two prompts and a half
+
+
+def daemon_args(disk, chunks: int = 8) -> tuple[str, ...]:
+    host = budget_for(RAM_PAGES, PAGE_BYTES, LAYOUT.page_size)
+    return (
+        "--enable-prefix-reuse",
+        "--host-bytes", str(host), "--extent-bytes", str(host),
+        "--disk-path", str(disk), "--disk-bytes", str(BLOCK + chunks * CHUNK), "--disk-chunk-bytes", str(CHUNK),
+    )  # fmt: skip
+
+
+class Prompts:
+    """Prompts of one namespace, each ``PAGES`` full pages of random K/V named by a seed."""
+
+    def __init__(self, client: KVDClient) -> None:
+        self.client = client
+        self.ns = client.register_namespace(MODEL, LAYOUT)
+
+    @staticmethod
+    def tokens(seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).integers(0, 30000, PROMPT_TOKENS, dtype=np.int32)
+
+    def publish(self, seed: int) -> list[np.ndarray]:
+        """Publishes prompt ``seed`` and releases it (CACHED: evicted when three more come); its pages' bytes."""
+        c, seq = self.client, f"p{seed}"
+        [alloc] = c.allocate_with_prefix(self.ns, [SequenceRequest(seq, self.tokens(seed))])
+        rng = np.random.default_rng(seed)
+        for page in alloc.private_pages:
+            view = c.page_array(self.ns, page)
+            view[...] = rng.standard_normal(view.shape).astype(view.dtype)
+        c.publish(self.ns, [seq])
+        pages = [c.page_array(self.ns, page).copy() for page in alloc.pages]
+        c.release(self.ns, [seq])
+        return pages
+
+    def served(self, seed: int, want: list[np.ndarray]) -> int:
+        """How many of the prompt's pages are served once any promotion from disk ended; each
+        must equal ``want``'s."""
+
+        def settled():
+            [r] = self.client.lookup(self.ns, [SequenceRequest("ask", self.tokens(seed))])
+            return r if r.remote_pending_tokens == 0 else None
+
+        hit = wait_until(settled, f"prompt {seed}'s promotion ended", 10).hit_tokens
+        [alloc] = self.client.allocate_with_prefix(self.ns, [SequenceRequest(f"hit{seed}", self.tokens(seed))])
+        got = [self.client.page_array(self.ns, page).copy() for page in alloc.shared_pages]
+        self.client.release(self.ns, [f"hit{seed}"])
+        assert len(got) * LAYOUT.page_size == hit
+        for n, (a, b) in enumerate(zip(got, want)):
+            assert np.array_equal(a, b), f"prompt {seed}'s page {n} served with other bytes"
+        return len(got)
+
+    def disk(self) -> dict:
+        return self.client.stats()["disk"]
+
+
+def written(prompts: Prompts, pages: int) -> None:
+    wait_until(lambda: prompts.disk()["written_pages"] >= pages, f"{pages} pages written to disk", 10)
+
+
+def crashed(d, prompts: Prompts, seed: int) -> None:
+    """Publishes prompt ``seed``, whose eviction of an older prompt leads the daemon to its crash point."""
+    try:
+        prompts.publish(seed)
+    except Exception:  # noqa: BLE001 - the daemon may die before it replies
+        pass
+    assert d.process.wait(timeout=20) == -signal.SIGKILL, d.log()
+    prompts.client.close()
+
+
+def after_crash(
+    daemon_factory, disk, recovered: int, want: dict[int, list[np.ndarray]], in_ram: set[int], on_disk: dict[int, int]
+):
+    """A warm restart finds exactly the completed pages on disk (``recovered`` of the stats) and
+    serves ``in_ram``'s prompts from host memory; killed, then a reboot (``kvd clean``) serves
+    ``on_disk``'s leading pages (prompt → how many) from disk, and nothing else, rejecting none.
+    (The warm restart promotes nothing: a promotion would evict host pages, written to disk.)"""
+    warm = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(warm.socket) as c:
+        p = Prompts(c)
+        assert p.disk()["recovered_pages"] == recovered, "the pages whose writes completed, not freed"
+        assert all(p.served(seed, want[seed]) == PAGES for seed in in_ram)
+    warm.process.kill()  # no graceful stop: it would write what host memory holds
+    warm.process.wait()
+    remove_shared_memory(warm.socket)
+    rebooted = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(rebooted.socket) as c:
+        p = Prompts(c)
+        assert p.disk()["recovered_pages"] == recovered
+        for seed in sorted(want):
+            assert p.served(seed, want[seed]) == on_disk.get(seed, 0), f"prompt {seed}"
+        s = p.disk()
+        assert (s["rejected_pages"], s["errors"]) == (0, 0), "a torn page was found on disk"
+        assert c.check_invariants() == []
+
+
+@pytest.mark.parametrize(
+    "crash_at, completed",
+    [
+        ("disk-data-torn:2", False),  # half of the second write-back's page bytes written
+        ("disk-data-written:2", False),  # all its bytes, no header yet
+        ("disk-header-torn:2", False),  # half of its first header's bytes
+        ("disk-header-written:2", True),  # its headers whole, neither synced nor reported
+    ],
+)
+def test_a_kill_while_a_write_back_is_in_flight_keeps_exactly_the_completed_pages(
+    tmp_path, daemon_factory, crash_at, completed
+):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk), env=clean_env(tmp_path, KVD_DISK_CRASH_AT=crash_at))
+    p = Prompts(KVDClient.connect(d.socket))
+    want = {seed: p.publish(seed) for seed in range(1, 5)}  # the fourth evicts prompt 1
+    written(p, PAGES)
+    crashed(d, p, 5)  # evicts prompt 2: the daemon dies while its pages are written
+    on_disk = {1: PAGES, 2: PAGES} if completed else {1: PAGES}
+    after_crash(daemon_factory, disk, sum(on_disk.values()), want, in_ram={3, 4}, on_disk=on_disk)
+
+
+@pytest.mark.parametrize(
+    "crash_at",
+    [
+        "disk-slot-invalidated:1",  # the victims' headers zeroed, neither synced nor reported
+        "disk-data-written:4",  # the refused pages' bytes in the victims' slots, no header yet
+    ],
+)
+def test_a_kill_while_disk_space_is_reclaimed_keeps_exactly_the_pages_not_freed(tmp_path, daemon_factory, crash_at):
+    """One chunk of ten slots holds prompts 1 and 2; prompt 3's eviction finds room for two of
+    its pages: the tier frees its two least recent pages (prompt 1's) for the other two, and
+    the daemon dies freeing them or writing into their slots."""
+    assert SLOTS == 2 * PAGES + 2
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk, chunks=1), env=clean_env(tmp_path, KVD_DISK_CRASH_AT=crash_at))
+    p = Prompts(KVDClient.connect(d.socket))
+    want = {seed: p.publish(seed) for seed in range(1, 6)}  # prompts 1 and 2 evicted
+    written(p, 2 * PAGES)
+    crashed(d, p, 6)  # evicts prompt 3
+    # A chain is evicted (and written) tail first: the victims were prompt 1's last two pages,
+    # prompt 3's two pages on disk are its last two (no hit without their parents).
+    after_crash(daemon_factory, disk, SLOTS - 2, want, in_ram={4, 5}, on_disk={1: PAGES - 2, 2: PAGES})
+
+
+def test_a_read_error_during_a_promotion_is_a_miss_and_host_memory_keeps_serving(tmp_path, daemon_factory):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk), env=clean_env(tmp_path, KVD_DISK_FAULT="read:EIO"))  # the first read
+    with KVDClient.connect(d.socket) as c:
+        p = Prompts(c)
+        want = {seed: p.publish(seed) for seed in range(1, 6)}  # prompts 1 and 2 evicted
+        written(p, 2 * PAGES)
+        [held] = c.allocate_with_prefix(p.ns, [SequenceRequest("held", p.tokens(5))])  # served from RAM
+        held_bytes = [c.page_array(p.ns, page).copy() for page in held.shared_pages]
+        assert p.served(1, want[1]) == 0, "a read error is a miss"
+        s = p.disk()
+        assert s["errors"] == 1 and s["fetched_pages"] == 0
+        assert s["pages"] == s["written_pages"] - PAGES, "prompt 1 dropped from disk (its room evicted prompt 3 to it)"
+        assert p.served(1, want[1]) == 0, "and not read again"
+        assert p.served(2, want[2]) == PAGES, "the disk serves its other pages"
+        assert p.served(4, want[4]) == PAGES, "host memory keeps serving"
+        assert all(np.array_equal(c.page_array(p.ns, page), b) for page, b in zip(held.shared_pages, held_bytes))
+        c.release(p.ns, ["held"])
+        assert c.check_invariants() == []
+    log = d.log()
+    assert "pages not read back" in log and "did not arrive from the disk" in log and "Traceback" not in log
+
+
+def test_a_write_error_during_a_write_back_is_a_counted_refusal(tmp_path, daemon_factory):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # The first write is the chunk's header; the second, the first write-back's page bytes.
+    d = daemon_factory(*daemon_args(disk), env=clean_env(tmp_path, KVD_DISK_FAULT="write:EIO:1"))
+    with KVDClient.connect(d.socket) as c:
+        p = Prompts(c)
+        want = {seed: p.publish(seed) for seed in range(1, 5)}  # prompt 1 evicted: its write fails
+        wait_until(lambda: p.disk()["errors"] == PAGES, "the failed write counted", 10)
+        assert p.served(1, want[1]) == 0, "not on disk: a miss"
+        want[5] = p.publish(5)  # prompt 2 evicted: written in the slots the failed write left free
+        written(p, PAGES)
+        assert p.served(2, want[2]) == PAGES
+        assert all(p.served(seed, want[seed]) == PAGES for seed in (4, 5)), "host memory keeps serving"
+        s = p.disk()
+        assert (s["errors"], s["refused_pages"], s["pages"]) == (PAGES, 0, s["written_pages"])
+        assert c.check_invariants() == []
+    assert "pages not written (io-error)" in d.log() and "Traceback" not in d.log()
