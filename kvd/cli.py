@@ -60,6 +60,7 @@ _DISK_FLAGS = {
     "bytes": "the disk tier's budget, e.g. 100GiB (tenants share it as they share --host-bytes)",
     "backlog_bytes": "copies of evicted pages waiting for the disk, at most (default 256MiB)",
     "chunk_bytes": "the disk file's unit of space (default 64MiB)",
+    "stop_write_seconds": "a graceful stop writes what host memory holds to disk, this long at most (default 10)",
 }
 
 _REMOTE_FLAGS = {

@@ -41,6 +41,7 @@ named after it and its share of ``bytes`` (as its share of ``host_bytes``)::
     bytes = "200GiB"             # the file reserved there (all tenants together)
     backlog_bytes = "256MiB"     # copies of evicted pages waiting for the disk, at most
     chunk_bytes = "64MiB"        # the file's unit of space, one page size per chunk
+    stop_write_seconds = 10      # a graceful stop writes what host memory holds, this long at most
 """
 
 from __future__ import annotations
@@ -179,6 +180,16 @@ def _remote(values: dict[str, tuple[object, str]]) -> RemoteConfig | None:
     return RemoteConfig(**checked)
 
 
+def _seconds(value: object, name: str, source: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not seconds >= 0:
+        raise ConfigError(f"{name}: expected seconds >= 0, got {value!r} (from {source})")
+    return seconds
+
+
 @dataclass(frozen=True)
 class DiskConfig:
     """The ``[disk]`` table: the tier below host memory, on a local file system."""
@@ -187,6 +198,7 @@ class DiskConfig:
     bytes: int
     backlog_bytes: int = 256 << 20  # copies of evicted pages waiting to be written (per tenant)
     chunk_bytes: int = 64 << 20  # kvd/disk/layout.py: pages of one size share a chunk
+    stop_write_seconds: float = 10.0  # kvd/disk/stop_writes.py: a graceful stop's writes, at most
 
     def share(self, tenant: str | None, host_bytes: int, total_host_bytes: int) -> tuple[str, int]:
         """The directory and budget of one tenant (None: the implicit one, the whole table)."""
@@ -210,6 +222,8 @@ def _disk(values: dict[str, tuple[object, str]]) -> DiskConfig | None:
             raise ConfigError(f"disk: unknown setting {key!r}; known: {sorted(_DISK_KEYS)} (from {source})")
         if key in _DISK_SIZES:
             value = parse_bytes(value, f"disk.{key}")
+        elif key == "stop_write_seconds":
+            value = _seconds(value, f"disk.{key}", source)
         elif not isinstance(value, str):
             raise ConfigError(f"disk.{key}: expected a string, got {value!r} (from {source})")
         checked[key] = value

@@ -30,7 +30,6 @@ LAYOUT = PageLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=256, dty
 PAGE_BYTES = 8 << 10
 MODEL = "disk-durable"
 PAGES = 4  # a prompt's full pages
-PROMPT_TOKENS = PAGES * LAYOUT.page_size
 RAM_PAGES = 3 * PAGES  # three prompts fit in host memory
 CHUNK = 128 << 10
 SLOTS = SlotClass(PAGE_BYTES, LAYOUT.page_size).slots_in(CHUNK)  # 10: two prompts and a half
@@ -48,13 +47,13 @@ def daemon_args(disk, chunks: int = 8) -> tuple[str, ...]:
 class Prompts:
     """Prompts of one namespace, each ``PAGES`` full pages of random K/V named by a seed."""
 
-    def __init__(self, client: KVDClient) -> None:
+    def __init__(self, client: KVDClient, model: str = MODEL, layout: PageLayout = LAYOUT) -> None:
         self.client = client
-        self.ns = client.register_namespace(MODEL, LAYOUT)
+        self.ns = client.register_namespace(model, layout)
+        self.prompt_tokens = PAGES * layout.page_size
 
-    @staticmethod
-    def tokens(seed: int) -> np.ndarray:
-        return np.random.default_rng(seed).integers(0, 30000, PROMPT_TOKENS, dtype=np.int32)
+    def tokens(self, seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).integers(0, 30000, self.prompt_tokens, dtype=np.int32)
 
     def publish(self, seed: int) -> list[np.ndarray]:
         """Publishes prompt ``seed`` and releases it (CACHED: evicted when three more come); its pages' bytes."""
@@ -81,7 +80,7 @@ class Prompts:
         [alloc] = self.client.allocate_with_prefix(self.ns, [SequenceRequest(f"hit{seed}", self.tokens(seed))])
         got = [self.client.page_array(self.ns, page).copy() for page in alloc.shared_pages]
         self.client.release(self.ns, [f"hit{seed}"])
-        assert len(got) * LAYOUT.page_size == hit
+        assert len(got) * self.prompt_tokens // PAGES == hit
         for n, (a, b) in enumerate(zip(got, want)):
             assert np.array_equal(a, b), f"prompt {seed}'s page {n} served with other bytes"
         return len(got)
@@ -219,3 +218,85 @@ def test_a_write_error_during_a_write_back_is_a_counted_refusal(tmp_path, daemon
         assert (s["errors"], s["refused_pages"], s["pages"]) == (PAGES, 0, s["written_pages"])
         assert c.check_invariants() == []
     assert "pages not written (io-error)" in d.log() and "Traceback" not in d.log()
+
+
+def test_a_clean_stop_writes_what_host_memory_holds_and_a_reboot_finds_it_warm(tmp_path, daemon_factory):
+    """Prompts 1 and 2 were evicted to disk; 3 and 4 are cached in host memory and 5 is still
+    held by a sequence at the stop: ``kvd stop``, ``kvd clean`` and a start serve all five."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(d.socket) as c:
+        p = Prompts(c)
+        want = {seed: p.publish(seed) for seed in range(1, 6)}
+        written(p, 2 * PAGES)
+        c.allocate_with_prefix(p.ns, [SequenceRequest("held", p.tokens(5))])  # referenced at the stop
+        assert p.disk()["pages"] == 2 * PAGES
+    assert d.stop() == 0
+    assert f"wrote {3 * PAGES} pages host memory held" in d.log() and "Traceback" not in d.log()
+    remove_shared_memory(d.socket)  # a reboot
+    again = daemon_factory(*daemon_args(disk), name="again")
+    with KVDClient.connect(again.socket) as c:
+        p = Prompts(c)
+        assert p.disk()["recovered_pages"] == 5 * PAGES
+        assert all(p.served(seed, want[seed]) == PAGES for seed in want)
+        assert c.check_invariants() == []
+
+
+@pytest.mark.parametrize("chunks, seconds", [(1, "10"), (8, "0")])
+def test_a_clean_stop_writes_no_more_than_the_disk_holds_nor_for_longer_than_its_time(
+    tmp_path, daemon_factory, chunks, seconds
+):
+    """One chunk of ten slots, prompts 1 and 2 on it, three in host memory: the stop writes
+    the most recently used two (what the file holds); no time at all: it writes none."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = daemon_args(disk, chunks) + ("--disk-stop-write-seconds", seconds)
+    d = daemon_factory(*args)
+    with KVDClient.connect(d.socket) as c:
+        p = Prompts(c)
+        want = {seed: p.publish(seed) for seed in range(1, 6)}
+        written(p, 2 * PAGES)
+    assert d.stop() == 0
+    left = 3 * PAGES - SLOTS if chunks == 1 else 3 * PAGES
+    assert f"wrote {3 * PAGES - left} pages host memory held" in d.log()
+    assert (f"{left} not written" in d.log()) == (seconds == "0"), d.log()
+    remove_shared_memory(d.socket)
+    again = daemon_factory(*args, name="again")
+    with KVDClient.connect(again.socket) as c:
+        p = Prompts(c)
+        assert p.disk()["recovered_pages"] == (SLOTS if chunks == 1 else 2 * PAGES)
+        served = {seed: p.served(seed, want[seed]) for seed in sorted(want)}
+    # host memory's most recent pages first (prompt 5, 4, then prompt 3's head), disk's least recent evicted
+    assert served == ({1: 0, 2: 0, 3: 2, 4: PAGES, 5: PAGES} if chunks == 1 else {1: PAGES, 2: PAGES, 3: 0, 4: 0, 5: 0})
+
+
+def test_a_full_disk_of_another_page_size_empties_a_chunk_for_the_refused_pages(tmp_path, daemon_factory):
+    """Two chunks of ten slots full of namespace A's pages; namespace B's pages (as large, half
+    the tokens: another slot size) find no slot. Freeing A's least recent pages one for one
+    would free slots B cannot use: the tier empties A's least recent chunk instead, which is
+    formatted for B's size, and B's pages are written there."""
+    other = PageLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=128, dtype="float16")  # 8 KiB pages
+    extent = max(budget_for(RAM_PAGES, PAGE_BYTES, size) for size in (LAYOUT.page_size, other.page_size))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = daemon_args(disk, chunks=2)
+    host = args.index("--host-bytes")
+    args = args[:host] + ("--host-bytes", str(2 * extent), "--extent-bytes", str(extent)) + args[host + 4 :]
+    d = daemon_factory(*args)
+    with KVDClient.connect(d.socket) as c:
+        a, b = Prompts(c), Prompts(c, "disk-durable-other", other)  # each namespace builds its one extent
+        seed = 0
+        while a.disk()["pages"] < 2 * SLOTS:  # A's evicted prompts fill the disk
+            seed += 1
+            a.publish(seed)
+            wait_until(lambda: a.disk()["backlog_bytes"] == 0, "the write-back done", 10)
+        before = a.disk()
+        want = {seed: b.publish(seed) for seed in range(1, 5)}  # B's prompt 1 (at least) evicted
+        wait_until(lambda: a.disk()["backlog_bytes"] == 0, "the write-back done", 10)
+        s = a.disk()
+        assert s["refused_pages"] == 0 and s["evicted_pages"] - before["evicted_pages"] == SLOTS, s
+        b_written = s["written_pages"] - before["written_pages"]  # B's pages host memory evicted, in chunk 0
+        assert b_written >= PAGES and s["pages"] == SLOTS + b_written
+        assert b.served(1, want[1]) == PAGES
+        assert c.check_invariants() == []

@@ -7,8 +7,9 @@ recent; ``victims`` names the least recent ones. Keys are the tier's (namespace 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class LruPolicy:
@@ -29,6 +30,10 @@ class LruPolicy:
     def forget(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
-    def victims(self, count: int) -> list[Hashable]:
-        """The ``count`` least recent pages (fewer when fewer are on disk), forgotten now."""
-        return [self._order.popitem(last=False)[0] for _ in range(min(count, len(self._order)))]
+    def victims(self, count: int, usable: Callable[[Hashable], bool] = lambda key: True) -> list[Hashable]:
+        """The ``count`` least recent pages ``usable`` accepts (fewer when fewer are on disk),
+        forgotten now."""
+        chosen = list(itertools.islice((key for key in self._order if usable(key)), count))
+        for key in chosen:
+            del self._order[key]
+        return chosen

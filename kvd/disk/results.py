@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.disk.layout import DiskPage, PageIdentity, SlotId
+from kvd.disk.layout import DiskPage, PageIdentity, SlotClass, SlotId
 
 
 class OpenRefusal(enum.Enum):
@@ -52,6 +52,11 @@ class PageWrite:
     identity: PageIdentity
     view: np.ndarray  # uint8 [page_bytes], kept unchanged until the write's future is done
     seal: Seal | None = None  # when given, a page whose bytes no longer match it is not written
+
+    @property
+    def page_class(self) -> SlotClass:
+        """The slots the page fits."""
+        return SlotClass(self.view.nbytes, len(self.identity.tokens) // 4)
 
 
 class WriteRefusal(enum.Enum):

@@ -67,6 +67,10 @@ class SlotTable:
         """Whether a chunk holds a page of ``page_class`` at all."""
         return page_class.slots_in(self.chunk_bytes) > 0
 
+    def most(self, page_class: SlotClass) -> int:
+        """How many pages of ``page_class`` the file holds, every chunk formatted for them."""
+        return page_class.slots_in(self.chunk_bytes) * len(self._chunks)
+
     def chunk(self, slot: SlotId) -> Chunk:
         chunk = self._chunks[chunk_of(slot)[0]]
         assert chunk is not None, f"slot {slot} is in a chunk that was never formatted"

@@ -224,6 +224,10 @@ class DiskStore:
         with self._lock:
             return list(self._pages.values())
 
+    def holds_at_most(self, page_class: SlotClass) -> int:
+        """How many pages of ``page_class`` the file holds, every chunk formatted for them."""
+        return self._slots.most(page_class)
+
     def counters(self) -> DiskCounters:
         """A copy of the counters, consistent at one instant."""
         with self._lock:
@@ -242,7 +246,7 @@ class DiskStore:
             by_class: dict[SlotClass, list[int]] = defaultdict(list)
             for i, w in enumerate(pages):
                 _check_write(w)
-                by_class[SlotClass(w.view.nbytes, len(w.identity.tokens) // 4)].append(i)
+                by_class[w.page_class].append(i)
             for page_class, indexes in by_class.items():
                 slots = [] if self._closed else self._slots.take(page_class, len(indexes))
                 for i, slot in zip(indexes, slots):

@@ -16,10 +16,13 @@ written again while the disk still holds it.
 
 The tier's index (``_on_disk``) maps (namespace root, chain key) to the ``DiskPage`` that
 holds it: built at start-up from the pages the store recovered (``DiskStore.open`` reads
-every header; the daemon opens it before taking calls), then from each page written. When
-a write finds the disk full, the policy (``LruPolicy``, kvd/disk/eviction.py) names the
-pages to free, and the refused pages are written once more after the frees (still full:
-``refused_pages``).
+every header; the daemon opens it before taking calls), then from each page written. One
+batch is written at a time (the pages evicted meanwhile form the next). When a write finds
+the disk full, the policy (``LruPolicy``, kvd/disk/eviction.py) names the pages to free
+among those whose slots the refused pages can use (kvd/disk/reclaim.py: pages of their
+size, or whole chunks of another), and the refused pages are written once more after the
+frees (still full: ``refused_pages``). At a graceful stop the pages host memory still holds
+are written too (kvd/disk/stop_writes.py).
 
 Hits: the tier is a ``FetchSource`` for the cache's fetch machinery (``Fetches``,
 kvd/cache/fetches.py, shared with the remote tier): ``find`` walks the missing pages' chain
@@ -55,6 +58,7 @@ from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
+from kvd.disk import reclaim
 from kvd.disk.eviction import LruPolicy
 from kvd.disk.layout import BLOCK, DiskPage, PageIdentity
 from kvd.disk.results import (
@@ -112,6 +116,8 @@ class DiskTier:
         self._on_disk: dict[DiskKey, DiskPage] = {}
         self._queued: list[PageWrite] = []
         self._backlog = 0  # bytes of copies queued or being written
+        self._writing = False  # a batch is being written (its retry included)
+        self.chunk_bytes = settings.chunk_bytes
         self._closed = False  # host memory is being unmapped: answers that come later are dropped
         self.fetches = Fetches(self, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
         for page in sorted(opened.pages, key=lambda p: p.sequence):
@@ -131,26 +137,17 @@ class DiskTier:
         from the disk and is there still."""
         place = self._placed.pop(page, None)
         fetched = self.fetches.forget(page)
-        content = self.pool.content(page)
-        if place is None or place.parent_key is None:
-            return
-        key = (place.ns.root, content.key)
-        if key in self._on_disk:
-            return
-        sealed = page_seal(self.integrity, self.arena, page)
-        if sealed is None or fetched:
+        write = None if place is None or fetched else self._write_of(page, place)
+        if write is None:
             return
         if self._backlog + place.ns.page_bytes > self.backlog_limit:
             self.counters.skipped_pages += 1
             return
-        identity = PageIdentity(
-            self.scope, place.ns.root, content.key, place.parent_key, place.page_index, content.local, content.tokens
-        )
-        copy = _aligned_copy(self.arena.page_bytes_view(page))
+        copy = _aligned_copy(write.view)
         self._backlog += copy.nbytes
         if not self._queued:
             self.loop.call_soon(self._write_queued)  # once the eviction's call is done: one batch
-        self._queued.append(PageWrite(identity, copy, Seal(*sealed)))
+        self._queued.append(PageWrite(write.identity, copy, write.seal))
 
     def served(self, hits: list[PageId], page_size: int) -> None:
         self.fetches.served(hits, page_size)
@@ -205,6 +202,30 @@ class DiskTier:
             recovered_pages=s.recovered_pages,
             direct_io=s.direct_io,
         )
+
+    # ---- a graceful stop (kvd/disk/stop_writes.py) -------------------------------------------
+
+    def unwritten(self) -> list[PageWrite]:
+        """The sealed published pages host memory holds and the disk does not, in the order
+        host memory would evict them (cached pages next eviction first, then the referenced
+        ones); each write's view is the page itself, unchanged while no call runs."""
+        namespaces = {place.ns.id for place in self._placed.values()}
+        lru = [page for ns in sorted(namespaces) for page in self.pool.lru_order(ns)]
+        order = {page: n for n, page in enumerate(lru)}
+        pages = sorted(self._placed, key=lambda page: order.get(page, len(order)))
+        return [w for w in (self._write_of(page, self._placed[page]) for page in pages) if w is not None]
+
+    def write(self, writes: list[PageWrite]) -> None:
+        """Writes pages as write-backs are, after them (a full disk evicts); their views stay
+        unchanged until ``backlog_bytes`` is 0."""
+        self._backlog += sum(w.view.nbytes for w in writes)
+        self._queued += writes
+        self._write_queued()
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes of pages queued for the disk or being written."""
+        return self._backlog
 
     def close(self) -> None:
         """Waits for the transfers in flight (before host memory is unmapped); their answers
@@ -263,15 +284,37 @@ class DiskTier:
 
     # ---- writing ------------------------------------------------------------------------
 
-    def _write_queued(self, retry: bool = False, queued: list[PageWrite] | None = None) -> None:
-        if queued is None:
-            queued, self._queued = self._queued, []
-        if queued:
-            self._when_done(self.store.write(queued), lambda results: self._written(queued, results, retry))
+    def _write_of(self, page: PageId, place: ChainPlace) -> PageWrite | None:
+        """Writing a published page to disk (a view of it, sealed), unless the disk holds it,
+        it is not sealed, or its chain's root is not known (a page a warm restart recovered)."""
+        content = self.pool.content(page)
+        if place.parent_key is None or (place.ns.root, content.key) in self._on_disk:
+            return None
+        sealed = page_seal(self.integrity, self.arena, page)
+        if sealed is None:
+            return None
+        identity = PageIdentity(
+            self.scope, place.ns.root, content.key, place.parent_key, place.page_index, content.local, content.tokens
+        )
+        return PageWrite(identity, self.arena.page_bytes_view(page), Seal(*sealed))
+
+    def _write_queued(self) -> None:
+        """Writes the pages queued as one batch, unless a batch is being written: the pages
+        queued meanwhile go when it is done (its retry included), so no write takes the slots
+        freed for another's retry."""
+        if self._writing or not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        self._writing = True
+        self._store_write(queued, retry=False)
+
+    def _store_write(self, writes: list[PageWrite], retry: bool) -> None:
+        self._when_done(self.store.write(writes), lambda results: self._written(writes, results, retry))
 
     def _written(self, writes: list[PageWrite], results, retry: bool) -> None:
-        """Indexes the pages written; the disk full, frees the policy's victims and writes
-        the refused pages once more."""
+        """Indexes the pages written; the disk full, frees the policy's victims among the
+        pages whose slots the refused ones can use (kvd/disk/reclaim.py) and writes the
+        refused pages once more; then the next batch."""
         full: list[PageWrite] = []
         for write, result in zip(writes, results):
             if isinstance(result, Written):
@@ -288,10 +331,18 @@ class DiskTier:
                 self.counters.refused_pages += 1
             self._backlog -= write.view.nbytes
         if not full:
+            self._writing = False
+            self._write_queued()
             return
-        victims = [self._on_disk.pop(key) for key in self.policy.victims(len(full))]
+        refused = Counter(w.page_class for w in full)
+        keys = [
+            k
+            for cls, n in refused.items()
+            for k in reclaim.victims(self.policy, self._on_disk, cls, n, self.chunk_bytes)
+        ]
+        victims = [self._on_disk.pop(key) for key in keys]
         self.counters.evicted_pages += len(victims)
-        self._when_done(self.store.free([v.slot for v in victims]), lambda _: self._write_queued(True, full))
+        self._when_done(self.store.free([v.slot for v in victims]), lambda _: self._store_write(full, retry=True))
 
     def _index(self, page: DiskPage) -> None:
         """A page on disk becomes findable; an older copy of the same page is freed."""

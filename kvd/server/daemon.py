@@ -5,9 +5,11 @@ tenants, one more grpc.aio server per tenant on the same loop, each on the tenan
 socket and serving only its sessions (kvd/cache/tenants.py says why); all share one core.
 The daemon tells systemd it is ready (``READY=1`` on ``$NOTIFY_SOCKET``) only once the
 socket accepts calls. SIGTERM/SIGINT stop it gracefully: no new calls, calls in flight
-finish, the remote store's client closes (the two within ``shutdown_grace_seconds``; a
-client whose master is gone is left unclosed and ``serve`` exits without Mooncake's
-teardown, kvd/remote/link.py says why), then the arena is unmapped and unlinked. A
+finish, the disk tier writes the pages host memory holds (kvd/disk/stop_writes.py, for at
+most ``[disk] stop_write_seconds``), the remote store's client closes (it and the calls in
+flight within ``shutdown_grace_seconds``; a client whose master is gone is left unclosed
+and ``serve`` exits without Mooncake's teardown, kvd/remote/link.py says why), then the
+arena is unmapped and unlinked. A
 daemon that dies instead (``kill -9``, a crash) leaves its extents and their metadata;
 the next one on the same socket re-attaches them and serves the published pages again
 (warm restart, kvd/durability/recovery.py).
@@ -400,12 +402,15 @@ class _Daemon:
         self.offload.close()  # before the caches close: no call's work runs past them
         for manager in self.tenants.managers():
             manager.integrity.sealer.notify = None  # the loop stops taking callbacks; close() applies what is left
+        left = max(0.0, deadline - time.monotonic())  # the remote store's share of the grace
+        if grace is not None and self.disk:  # a graceful stop: a reboot finds what host memory held on disk
+            from kvd.disk.stop_writes import write_host_pages
+
+            await write_host_pages(self.disk, self.config.disk.stop_write_seconds)
         # Kept, published pages stay in shared memory, sealed, so `kvd serve` finds them again
         # (systemctl restart keeps the cache); `kvd clean` removes them for good.
         _close_disk(self.disk)
-        self.store_left_open = not _close_all(
-            self.tenants, self.link, keep_cache, max(0.0, deadline - time.monotonic())
-        )
+        self.store_left_open = not _close_all(self.tenants, self.link, keep_cache, left)
         if self.publisher is not None:
             self.publisher.close()  # after the last call's batch: the loop ran it before the servers stopped
         if self.metrics is not None:
