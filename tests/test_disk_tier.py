@@ -206,6 +206,14 @@ def test_a_vanished_directory_refuses_writes_and_ram_keeps_serving(tmp_path, dae
         ({"disk_path": "/tmp", "disk_bytes": "1MiB"}, "disk.bytes: 1048576 holds no chunk"),
         ({"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_chunk_bytes": "5000"}, "disk.chunk_bytes: a multiple"),
         ({"disk_path": "/tmp", "disk_bytes": "lots"}, "disk.bytes: cannot read 'lots'"),
+        (
+            {"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_stop_write_seconds": "-1"},
+            "disk.stop_write_seconds: expected",
+        ),
+        (
+            {"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_stop_write_seconds": "soon"},
+            "stop_write_seconds: expected",
+        ),
     ],
 )
 def test_bad_disk_settings_are_refused_with_their_source(flags, message):
@@ -219,8 +227,9 @@ def test_disk_settings_from_file_environment_and_flags(tmp_path):
         'host_bytes = "4GiB"\n[disk]\npath = "/var/lib/kvd"\nbytes = "100GiB"\n'
         '[tenants.alpha]\nuids = [1001]\nhost_bytes = "1GiB"\n'
     )
-    cfg = config.load({"disk_backlog_bytes": "64MiB"}, environ={"KVD_DISK_BYTES": "200GiB"}, config_file=str(path))
-    assert cfg.disk == config.DiskConfig("/var/lib/kvd", 200 << 30, backlog_bytes=64 << 20)
+    flags = {"disk_backlog_bytes": "64MiB", "disk_stop_write_seconds": "2.5"}
+    cfg = config.load(flags, environ={"KVD_DISK_BYTES": "200GiB"}, config_file=str(path))
+    assert cfg.disk == config.DiskConfig("/var/lib/kvd", 200 << 30, backlog_bytes=64 << 20, stop_write_seconds=2.5)
     assert cfg.disk.share("alpha", 1 << 30, cfg.host_bytes) == ("/var/lib/kvd/alpha", 50 << 30)
     assert config.load({}, environ={}, config_file=None).disk is None
 

@@ -209,6 +209,49 @@ def test_with_policy_evict_pages_reach_the_store_only_when_evicted(fleet, daemon
         assert a.check_invariants() == [] and b.check_invariants() == []
 
 
+def test_below_a_disk_tier_a_page_only_in_the_store_comes_back_and_one_on_disk_is_not_fetched(
+    fleet, daemon_factory, tmp_path
+):
+    """RAM → disk → store on host C: a prompt host A published is fetched from the store (the
+    disk, asked first, holds none of it); a prompt of C's own, stored and then evicted to
+    C's disk, is promoted from the disk and not fetched from the store."""
+    master, da, _ = fleet
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    budget = budget_for(24, LAYOUT.page_bytes, LAYOUT.page_size)  # three prompts of 8 pages
+    stacked = ("--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", str(budget))
+    disk_args = ("--disk-path", str(disk), "--disk-bytes", str(4096 + (8 << 20)), "--disk-chunk-bytes", "1MiB")
+    dc = daemon_factory(*stacked, *master.daemon_args(), *disk_args, name="stacked")
+    with clients(da, dc) as ((_, a), (_, c)):
+        ns_a, ns_c = a.register_namespace(MODEL, LAYOUT), c.register_namespace(MODEL, LAYOUT)
+        remote_only, own = prompt(80, 8), prompt(81, 8)
+        stored_before = a.stats()["remote"]["stored_pages"]
+        want = publish_prompt(a, ns_a, "r", remote_only)
+        a.release(ns_a, ["r"])
+        stored(a, stored_before + 8)
+        assert fetch(c, ns_c, remote_only, len(remote_only)) == len(remote_only)
+        assert all(np.array_equal(x, y) for x, y in zip(hit_bytes(c, ns_c, "r", remote_only), want))
+        c.release(ns_c, ["r"])
+        s = c.stats()
+        assert (s["remote"]["fetched_pages"], s["disk"]["fetched_pages"]) == (8, 0)
+
+        want = publish_prompt(c, ns_c, "o", own)
+        c.release(ns_c, ["o"])
+        stored(c, 8)  # in the store too
+        for seed in range(82, 85):  # evicts the remote prompt, then C's own, to C's disk
+            publish_prompt(c, ns_c, f"p{seed}", prompt(seed, 8))
+            c.release(ns_c, [f"p{seed}"])
+        wait_until(lambda: c.stats()["disk"]["written_pages"] >= 16, "C's evicted prompts on its disk", 10)
+        change_in_store(master, store_keys(own)[0], want[0].nbytes)  # a fetch from the store: a rejected page
+        assert fetch(c, ns_c, own, len(own)) == len(own)
+        assert all(np.array_equal(x, y) for x, y in zip(hit_bytes(c, ns_c, "o", own), want))
+        c.release(ns_c, ["o"])
+        s = c.stats()
+        assert s["disk"]["fetched_pages"] == 8, "promoted from the disk"
+        assert (s["remote"]["fetched_pages"], s["remote"]["rejected_pages"]) == (8, 0), "not fetched from the store"
+        assert a.check_invariants() == [] and c.check_invariants() == []
+
+
 def test_killing_the_master_leaves_both_hosts_serving_and_they_resume_when_it_returns(tmp_path, master):
     da, db = start_hosts(tmp_path, master)
     try:
@@ -301,9 +344,22 @@ def test_a_full_store_refuses_pages_and_nothing_local_is_lost(master, daemon_fac
         assert c.check_invariants() == []
 
 
-def test_a_page_changed_in_the_store_is_not_served(hosts, fleet):
+def change_in_store(master: MooncakeMaster, key: str, page_bytes: int) -> None:
+    """A third client of the store flips one byte of the K/V of the page stored under ``key``."""
     from mooncake.store import MooncakeDistributedStore
 
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        value = np.zeros(header_bytes(LAYOUT.page_size) + page_bytes, dtype=np.uint8)
+        assert store.get_into(key, value.ctypes.data, value.nbytes) == value.nbytes
+        value[-100] ^= 1
+        assert store.upsert_from(key, value.ctypes.data, value.nbytes) == 0
+    finally:
+        store.close()
+
+
+def test_a_page_changed_in_the_store_is_not_served(hosts, fleet):
     master = fleet[0]
     (_, a), (_, b) = hosts
     before = b.stats()["remote"]
@@ -313,17 +369,7 @@ def test_a_page_changed_in_the_store_is_not_served(hosts, fleet):
     pages = publish_prompt(a, ns_a, "p", tokens)
     stored(a, since + PAGES)
 
-    # A third client of the store flips one byte of page 25's K/V.
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
-    try:
-        key = store_keys(tokens)[25]
-        value = np.zeros(header_bytes(LAYOUT.page_size) + pages[0].nbytes, dtype=np.uint8)
-        assert store.get_into(key, value.ctypes.data, value.nbytes) == value.nbytes
-        value[-100] ^= 1
-        assert store.upsert_from(key, value.ctypes.data, value.nbytes) == 0
-    finally:
-        store.close()
+    change_in_store(master, store_keys(tokens)[25], pages[0].nbytes)
 
     assert fetch(b, ns_b, tokens, 25 * LAYOUT.page_size) == 25 * LAYOUT.page_size  # the head, not the changed page
     got = hit_bytes(b, ns_b, "q", tokens)
