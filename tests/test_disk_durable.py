@@ -300,3 +300,5 @@ def test_a_full_disk_of_another_page_size_empties_a_chunk_for_the_refused_pages(
         assert b_written >= PAGES and s["pages"] == SLOTS + b_written
         assert b.served(1, want[1]) == PAGES
         assert c.check_invariants() == []
+    assert d.stop() == 0 and "Traceback" not in d.log(), d.log()  # the stop writes pages of both sizes
+    assert "not written" not in d.log()

@@ -334,13 +334,11 @@ class DiskTier:
             self._writing = False
             self._write_queued()
             return
-        refused = Counter(w.page_class for w in full)
-        keys = [
-            k
-            for cls, n in refused.items()
-            for k in reclaim.victims(self.policy, self._on_disk, cls, n, self.chunk_bytes)
-        ]
-        victims = [self._on_disk.pop(key) for key in keys]
+        victims: list[DiskPage] = []
+        for cls, n in Counter(w.page_class for w in full).items():  # each size sees the others' victims gone
+            victims += [
+                self._on_disk.pop(k) for k in reclaim.victims(self.policy, self._on_disk, cls, n, self.chunk_bytes)
+            ]
         self.counters.evicted_pages += len(victims)
         self._when_done(self.store.free([v.slot for v in victims]), lambda _: self._store_write(full, retry=True))
 
