@@ -110,7 +110,24 @@ def stats_table(stats: dict) -> str:
             f"{d['evicted_pages']:,} evicted, {d['skipped_pages']:,} skipped, {d['refused_pages']:,} refused, "
             f"{d['rejected_pages']:,} rejected, {d['errors']:,} errors"
         )
+        lines.append(disk_io_line(d))
     return "\n".join(lines)
+
+
+def disk_io_line(d: dict) -> str:
+    """One line on the disk tier's transfers: bytes each way, the write backlog, the promotion latency."""
+    from kvd.cache.stats import bucket_quantile
+
+    reads = sum(d["promotion_buckets"])
+    latency = "no promotion yet"
+    if reads:
+        p50, p99 = (bucket_quantile(d["promotion_buckets"], q) for q in (0.5, 0.99))
+        mean = d["promotion_seconds"] / reads
+        latency = f"promotion reads p50 <= {p50:g} s, p99 <= {p99:g} s, mean {mean:.3f} s ({reads:,} batches)"
+    return (
+        f"disk tier I/O: {d['written_bytes']:,} bytes written, {d['read_bytes']:,} read, "
+        f"{d['backlog_bytes']:,} waiting to be written; {latency}"
+    )
 
 
 def recovery_line(r: dict) -> str:
