@@ -58,10 +58,10 @@ class RouterView:
         return self.held.get(medium, set())
 
 
-def removals_only(client: KVDClient) -> list:
-    """Every event the daemon buffered, as a removals-only subscriber (the vLLM connector's
-    scheduler half) gets them from seq 0."""
-    stream = client.subscribe_events(0, removals_only=True)
+def buffered(client: KVDClient, removals_only: bool = False) -> list:
+    """Every event the daemon buffered, from seq 0, on the gRPC stream (``removals_only``:
+    as the vLLM connector's scheduler half, a client holding host pages, gets them)."""
+    stream = client.subscribe_events(0, removals_only=removals_only)
     got: list = []
 
     def read() -> None:
@@ -118,10 +118,12 @@ def test_pages_moving_to_disk_and_back_are_announced_per_medium_and_counted(tmp_
             in_ram = s["cached_pages"] + s["shared_pages"]
             assert len(view.on(MEDIUM_CPU)) == in_ram, "and its host-memory view too"
 
-            heard = removals_only(c)
+            heard = buffered(c, removals_only=True)
             assert heard and {e.medium for e in heard if hasattr(e, "medium")} == {"CPU"}, (
                 "a removals-only subscriber (a client holding host pages) hears no disk removal"
             )
+            on_disk = [e for e in buffered(c) if getattr(e, "medium", "") == MEDIUM_STORAGE]
+            assert on_disk and {e.namespace_id for e in on_disk} == {ns}, "the gRPC stream names the namespace"
 
             # What an operator sees: bytes each way, the promotion latency, the backlog.
             disk_stats = s["disk"]
@@ -151,6 +153,8 @@ def test_pages_moving_to_disk_and_back_are_announced_per_medium_and_counted(tmp_
         after.take(reader)
         with KVDClient.connect(again.socket) as c:
             recovered = c.stats()["disk"]["recovered_pages"]
+            announced = [e for e in buffered(c) if getattr(e, "medium", "") == MEDIUM_STORAGE]
+            assert {e.namespace_id for e in announced} == {0}, "a namespace no engine registered yet: id 0"
         assert len(after.on(MEDIUM_STORAGE)) == recovered > 0, "what the disk holds, announced at start"
         assert view.on(MEDIUM_STORAGE) <= after.on(MEDIUM_STORAGE)
         assert not after.on(MEDIUM_CPU)
