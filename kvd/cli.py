@@ -268,7 +268,7 @@ def _doctor(args) -> int:
 
 def _disk_doctor_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvd doctor --disk",
+        prog="kvd doctor",
         description="check, where the daemon runs and as its user, the disk tier its config sets up",
     )
     p.add_argument("--disk", action="store_true", required=True, help="check the disk tier (this mode)")
