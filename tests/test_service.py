@@ -536,6 +536,7 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
         assert samples[("kvd_request_seconds_count", (("method", "AllocateWithPrefix"),))] == 2
         assert samples[("kvd_request_seconds_count", (("method", "Publish"),))] == 1
         assert ("kvd_request_seconds_bucket", (("le", "+Inf"), ("method", "AllocateWithPrefix"))) in samples
+        assert samples[("kvd_event_loop_stalls_total", ())] == 0
 
 
 def json_stats(socket: str) -> dict:

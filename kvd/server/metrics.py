@@ -16,7 +16,15 @@ import itertools
 import platform
 import threading
 
-from prometheus_client import CollectorRegistry, Histogram, Info, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvd import __version__
@@ -201,7 +209,15 @@ class MetricsExporter:
             registry=self.registry,
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0),
         )
+        self._stalls = Counter(
+            "kvd_event_loop_stalls",
+            "Times the event loop was held over a second (calls waited; the log says where)",
+            registry=self.registry,
+        )
         self._server = None
+
+    def count_stall(self) -> None:  # on the loop watchdog's thread (kvd/server/loop_watch.py)
+        self._stalls.inc()
 
     def observe_latency(self, method: str, seconds: float) -> None:
         self._latency.labels(method).observe(seconds)
