@@ -11,8 +11,12 @@ vLLM processes (CPU backend) on one real kvd daemon, each compared with vLLM wit
   Mistral with a window on every layer (one `SlidingWindowSpec` group, whose blocks
   outside the window are neither loaded nor saved).
 
-Engines of one model start once for the module (tests/vllm_engine.py); models are written
-here, nothing is downloaded.
+- A tiny random DeepSeek-V2 (MLA, on vLLM's reference CPU MLA backend): a TP=2 and a TP=1
+  engine share one copy of the latent pages (one namespace, rank 0 saves, every rank
+  loads the same bytes).
+
+Engines of one model start once for the module (tests/vllm_engine.py), or for the one
+test that uses them; models are written here, nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -121,9 +125,10 @@ def read_numbers(path: str) -> list[int]:
     return numbers
 
 
-def read_lines(path: str) -> list[list[int]]:
+def read_lines(path: str, word=int) -> list[list]:
+    """The file's lines, each as its words (`word` of each), and the file removed."""
     with open(path) as f:
-        lines = [[int(n) for n in line.split()] for line in f]
+        lines = [[word(w) for w in line.split()] for line in f]
     os.unlink(path)
     return lines
 
@@ -210,67 +215,6 @@ def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
     assert read_lines(mistral["files"]["loads_file"]) == [[LOADABLE // BLOCK - skipped_blocks]]
 
 
-@pytest.fixture(scope="module")
-def tp2(kvd):
-    workdir = kvd["workdir"]
-    model = os.path.join(workdir, "tiny-llama")
-    write_tiny_llama(model)  # 2 KV heads: one per rank
-    files = fault_files(workdir, "tp-a")
-    tp = {"KVD_TEST_TP": "2"}
-    # Nine processes on two cores: a kvd call may wait seconds for CPU (two full suites saw a
-    # lookup and a hold pass the 5 s call timeout while the daemon logged no call over 1 s),
-    # and what these tests mean to see is a page lost, not a call given up on (counted, checked).
-    patient = {"lookup_patience_seconds": 60, "call_timeout_seconds": 30}
-    engines = {
-        "a": Engine("tp-a", model, workdir, kvd["socket"], env=faulty({**files, **patient}, **tp)),
-        "b": Engine("tp-b", model, workdir, kvd["socket"], env={"KVD_TEST_CONNECTOR_EXTRA": json.dumps(patient), **tp}),
-        "baseline": Engine("tp-baseline", model, workdir, None, env=tp),
-    }
-    with started(engines) as running:
-        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
-        running["baseline"].stop()  # its 3 processes would only take the 2 cores from a, b and kvd
-        yield {**running, "expected": expected, "files": files, "daemon": kvd["daemon"]}
-
-
-def answered_every_lookup(engine: Engine, daemon) -> None:
-    """Fails, saying so, when kvd gave the engine no answer for a request (a call that failed
-    or timed out): that request was computed without kvd, whatever the test meant to see."""
-    unanswered = engine.counter("vllm:kvd_lookups_unanswered")
-    assert unanswered == 0, f"kvd did not answer {unanswered:.0f} lookups of {engine.name}:\n{daemon.log()[-3000:]}"
-
-
-def test_tensor_parallel_engines_share_each_ranks_pages(tp2):
-    a, b, expected = tp2["a"], tp2["b"], tp2["expected"]
-    [tokens], hits = a.generate([{"tokens": PROMPT}])
-    assert hits == 0 and tokens == expected
-    [tokens], hits = b.generate([{"tokens": PROMPT}])
-    answered_every_lookup(b, tp2["daemon"])
-    assert hits == LOADABLE, f"the second TP=2 engine loaded {hits} prompt tokens from kvd"
-    assert tokens == expected, "tokens differ from TP=2 without kvd"
-
-
-def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
-    """Rank 1's page 6 (and the pages chained after it) is dropped between vLLM's lookup and
-    its allocation, rank 0's stay: the hit shrinks to what both ranks hold, the blocks past
-    it are load errors, vLLM recomputes them, and the tokens stay right."""
-    a, b, files = tp2["a"], tp2["b"], tp2["files"]
-    b.generate([{"tokens": PROMPT}])  # kvd holds every block on both ranks
-    a.forget_local_cache()
-    with open(files["fault_file"], "w") as f:
-        f.write("corrupt 6 1")
-    [tokens], _ = a.generate([{"tokens": PROMPT}])
-    assert not os.path.exists(files["fault_file"]), "the fault was never injected (no kvd hit to damage)"
-    reported = set(read_numbers(files["errors_file"]))
-    assert len(reported) == LOADABLE // BLOCK - 6, f"blocks reported as load errors: {sorted(reported)}"
-    assert tokens == tp2["expected"], "tokens after recomputing differ from TP=2 without kvd"
-    b.forget_local_cache()  # what a saved while recomputing is right: b loads it all again
-    [tokens], hits = b.generate([{"tokens": PROMPT}])
-    answered_every_lookup(b, tp2["daemon"])
-    answered_every_lookup(a, tp2["daemon"])
-    assert hits == LOADABLE, f"b loaded {hits} tokens after a recomputed rank 1's pages:\n{tp2['daemon'].log()[-3000:]}"
-    assert tokens == tp2["expected"]
-
-
 def write_tiny_deepseek_v2(path: str) -> None:
     """MLA with vLLM's only latent width: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 (two
     dense layers; the MoE is vLLM's to run, the cache is what matters here)."""
@@ -302,7 +246,7 @@ MLA_LOADABLE = (len(MLA_PROMPT) - 1) // MLA_BLOCK * MLA_BLOCK
 BOTH_MLA_PROMPTS = [{"tokens": MLA_PROMPT}, {"tokens": MLA_OTHER_PROMPT}]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def mla(kvd):
     """A tiny DeepSeek-V2 (MLA) with kvd at TP=2 (a: the recording connector) and at TP=1
     (b), and vLLM alone at TP=1: its tokens for both prompts, in the first batch of a fresh
@@ -364,19 +308,73 @@ def test_mla_engines_of_any_tp_degree_share_one_copy_of_the_latent_pages(mla, kv
     [_], hits = a.generate([{"tokens": MLA_PROMPT}])
     answered_every_lookup(a, mla["daemon"])
     assert hits == MLA_LOADABLE, f"TP=2 loaded {hits} prompt tokens of the TP=1 engine's pages"
-    loaded = read_lines_of_words(mla["files"]["loaded_bytes_file"])
+    loaded = read_lines(mla["files"]["loaded_bytes_file"], word=str)
     saved = kvd_pages_digest(kvd["socket"], mla["model"], MLA_PROMPT[:MLA_LOADABLE])
     assert sorted(loaded) == [["0", saved], ["1", saved]], "each rank loads kvd's one copy, byte for byte"
 
 
-def read_lines_of_words(path: str) -> list[list[str]]:
-    with open(path) as f:
-        lines = [line.split() for line in f]
-    os.unlink(path)
-    return lines
+@pytest.fixture(scope="module")
+def tp2(kvd):
+    workdir = kvd["workdir"]
+    model = os.path.join(workdir, "tiny-llama")
+    write_tiny_llama(model)  # 2 KV heads: one per rank
+    files = fault_files(workdir, "tp-a")
+    tp = {"KVD_TEST_TP": "2"}
+    # Nine processes on two cores: a kvd call may wait seconds for CPU (two full suites saw a
+    # lookup and a hold pass the 5 s call timeout while the daemon logged no call over 1 s),
+    # and what these tests mean to see is a page lost, not a call given up on (counted, checked).
+    patient = {"lookup_patience_seconds": 60, "call_timeout_seconds": 30}
+    engines = {
+        "a": Engine("tp-a", model, workdir, kvd["socket"], env=faulty({**files, **patient}, **tp)),
+        "b": Engine("tp-b", model, workdir, kvd["socket"], env={"KVD_TEST_CONNECTOR_EXTRA": json.dumps(patient), **tp}),
+        "baseline": Engine("tp-baseline", model, workdir, None, env=tp),
+    }
+    with started(engines) as running:
+        [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
+        running["baseline"].stop()  # its 3 processes would only take the 2 cores from a, b and kvd
+        yield {**running, "expected": expected, "files": files, "daemon": kvd["daemon"]}
 
 
-def vllm_settings(tp: int = 1, pp: int = 1, dcp: int = 1):
+def answered_every_lookup(engine: Engine, daemon) -> None:
+    """Fails, saying so, when kvd gave the engine no answer for a request (a call that failed
+    or timed out): that request was computed without kvd, whatever the test meant to see."""
+    unanswered = engine.counter("vllm:kvd_lookups_unanswered")
+    assert unanswered == 0, f"kvd did not answer {unanswered:.0f} lookups of {engine.name}:\n{daemon.log()[-3000:]}"
+
+
+def test_tensor_parallel_engines_share_each_ranks_pages(tp2):
+    a, b, expected = tp2["a"], tp2["b"], tp2["expected"]
+    [tokens], hits = a.generate([{"tokens": PROMPT}])
+    assert hits == 0 and tokens == expected
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    answered_every_lookup(b, tp2["daemon"])
+    assert hits == LOADABLE, f"the second TP=2 engine loaded {hits} prompt tokens from kvd"
+    assert tokens == expected, "tokens differ from TP=2 without kvd"
+
+
+def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
+    """Rank 1's page 6 (and the pages chained after it) is dropped between vLLM's lookup and
+    its allocation, rank 0's stay: the hit shrinks to what both ranks hold, the blocks past
+    it are load errors, vLLM recomputes them, and the tokens stay right."""
+    a, b, files = tp2["a"], tp2["b"], tp2["files"]
+    b.generate([{"tokens": PROMPT}])  # kvd holds every block on both ranks
+    a.forget_local_cache()
+    with open(files["fault_file"], "w") as f:
+        f.write("corrupt 6 1")
+    [tokens], _ = a.generate([{"tokens": PROMPT}])
+    assert not os.path.exists(files["fault_file"]), "the fault was never injected (no kvd hit to damage)"
+    reported = set(read_numbers(files["errors_file"]))
+    assert len(reported) == LOADABLE // BLOCK - 6, f"blocks reported as load errors: {sorted(reported)}"
+    assert tokens == tp2["expected"], "tokens after recomputing differ from TP=2 without kvd"
+    b.forget_local_cache()  # what a saved while recomputing is right: b loads it all again
+    [tokens], hits = b.generate([{"tokens": PROMPT}])
+    answered_every_lookup(b, tp2["daemon"])
+    answered_every_lookup(a, tp2["daemon"])
+    assert hits == LOADABLE, f"b loaded {hits} tokens after a recomputed rank 1's pages:\n{tp2['daemon'].log()[-3000:]}"
+    assert tokens == tp2["expected"]
+
+
+def vllm_settings(tp: int = 1, pp: int = 1, dcp: int = 1, cache_dtype: str = "auto"):
     """The fields of vLLM's config that `namespace_spec` reads."""
     import torch
 
@@ -385,7 +383,7 @@ def vllm_settings(tp: int = 1, pp: int = 1, dcp: int = 1):
             tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp
         ),
         model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
-        cache_config=SimpleNamespace(cache_dtype="auto"),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
     )
 
 
@@ -414,6 +412,8 @@ def latent(**fields):
 
 
 def test_an_mla_model_has_latent_pages_in_one_namespace_for_every_rank_and_tp_degree():
+    import torch
+
     from gpu_worker.vllm.cache_shape import namespace_spec
 
     tp1, tp2 = (namespace_spec(vllm_settings(tp=tp), groups_of(latent(), layers=3)) for tp in (1, 2))
@@ -426,6 +426,13 @@ def test_an_mla_model_has_latent_pages_in_one_namespace_for_every_rank_and_tp_de
     assert not any(name == "kv_layout" for name, _ in ns.extra), "one latent vector per token on every backend"
     gqa = namespace_spec(vllm_settings(tp=2), groups_of(attention("FullAttentionSpec")))
     assert not gqa.replicated and gqa.saves(1) and gqa.rank_namespace(1).tp_rank == 1
+    # fp8 latents with a per-tensor scale (the checkpoint's): vLLM keeps e4m3 and e5m2 alike as uint8
+    e4m3, e5m2 = (
+        namespace_spec(vllm_settings(cache_dtype=fp8), groups_of(latent(dtype=torch.uint8, cache_dtype_str=fp8)))
+        for fp8 in ("fp8_e4m3", "fp8_e5m2")
+    )
+    assert e4m3.namespace.layout == e5m2.namespace.layout and e4m3.namespace.layout.dtype == "uint8"
+    assert ("kv_cache_dtype", "fp8_e4m3") in e4m3.namespace.extra and e4m3.namespace != e5m2.namespace
 
 
 def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
