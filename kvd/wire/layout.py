@@ -82,11 +82,6 @@ class PageLayout:
         return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
-    def layer_shape(self) -> tuple[int, ...]:
-        """One layer of a page: [2, page_size, num_kv_heads, head_dim] or [page_size, head_dim]."""
-        return self.page_shape[1:]
-
-    @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
 
