@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import signal
 import time
 from types import SimpleNamespace
@@ -636,7 +637,7 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon, 
     assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(1, 11))))
 
 
-def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon):
+def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon, caplog):
     """SIGSTOP: vLLM's scheduler never waits: each ask about a new request answers at once,
     None until the lookahead's patience runs out, then no hit. The first call of each
     half's link waits one call timeout and drops its session without asking the hung
@@ -689,6 +690,12 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     assert longest_ask < 0.05, f"an ask held vLLM's scheduler {longest_ask * 1000:.1f} ms"
     assert timeout <= save < timeout + 0.5, f"the worker half's step took {save:.2f} s"
     assert later < 0.5, f"three more requests took {later:.2f} s: kvd was not skipped"
+    # each half's call that timed out says so, with its time (the daemon's log cannot)
+    slow = {}
+    for record in caplog.records:
+        if m := re.fullmatch(r"kvd (\w+) took ([\d.]+) s \(timeout 1.5 s\)", record.getMessage()):
+            slow[m[1]] = float(m[2])
+    assert all(timeout <= slow.get(call, 0) < timeout + 0.5 for call in ("lookup", "allocate")), slow
     with KVDClient.connect(daemon.socket) as kvd:  # one session, polled
         wait_until(
             lambda: daemon.log().count("opened by b-") == 4 and kvd.stats()["sessions"] - 1 == sessions,

@@ -17,7 +17,10 @@ hangs), drops the session locally, without a call to the daemon that just failed
 answer: the daemon ends the session, and whatever the call did with it, once it sees
 the session's stream end. So a hung daemon costs the engine one call timeout, then kvd is
 skipped until the thread has a new session. One warning is logged per outage, and one
-line when kvd is back. A call the daemon refuses for another reason (budget exhausted, a
+line when kvd is back. A call that takes over `SLOW_CALL_SECONDS` is logged with its time
+(the daemon logs its own side of a call over a second, kvd/server/service.py, and a loop
+held that long, kvd/server/loop_watch.py: a slow call neither logs waited for CPU or in
+transport). A call the daemon refuses for another reason (budget exhausted, a
 sequence it no longer knows) is logged and also answers `None`, as does a call that maps
 kvd's pages into this process (`maps_memory`: the worker half's) and cannot.
 
@@ -38,6 +41,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A call that fails with one of these has no session behind it any more.
+SLOW_CALL_SECONDS = 1.0
 SESSION_GONE = (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED)
 
 
@@ -170,6 +175,7 @@ class KVDLink:
         current = self._current()
         if current is None:
             return None
+        start = time.perf_counter()
         try:
             return action(current.client, current.namespaces)
         except KVDError as e:
@@ -184,6 +190,10 @@ class KVDLink:
                 raise
             log.warning("kvd %s failed: %s", what, e)
             return None
+        finally:
+            seconds = time.perf_counter() - start
+            if seconds > SLOW_CALL_SECONDS:
+                log.warning("kvd %s took %.2f s (timeout %g s)", what, seconds, self.call_timeout)
 
     def serving_instance(self) -> str:
         """The daemon instance this link's calls go to now, "" while kvd cannot serve them

@@ -30,6 +30,20 @@ request expects before publishing the pages in chain order as CACHED. A page rea
 another tenant or namespace root never matches. A page rejected there is freed from the
 disk (``reject``).
 
+KV events (kvd/cache/events.py) keep a router's view of this host exact: a page becomes
+findable on disk once its write is done (or at start-up, for the pages recovered) and is
+announced ``BlockStored`` with medium ``STORAGE``; a page freed from the disk (to make room,
+rejected, dropped by a failed read) is announced ``BlockRemoved`` with medium ``STORAGE``.
+RAM's own events say the rest: the eviction that sent a page here was its ``BlockRemoved``
+for ``CPU``, a promotion is a ``BlockStored`` for ``CPU`` (the disk keeps its copy).
+Between an eviction and the write's end the page is on neither medium, and announced on
+neither. A recovered page whose namespace no engine registered yet is announced with
+namespace id 0 (the ZMQ stream carries no namespace).
+
+Metrics beside the counters: bytes written and read, and the promotion latency (from the
+reads' start to their pages back on the event loop, checked) as a histogram
+(``Latencies``, kvd/cache/stats.py).
+
 The launcher (kvd/server/daemon.py) attaches one to each tenant's cache before the remote
 tier (RAM → disk → store): ``Tiers.missed`` asks the remote tier only when the disk brings
 nothing.
@@ -39,22 +53,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvd.cache.events import MEDIUM_STORAGE
 from kvd.cache.fetches import Arrival, Done, Fetches, Found, PageHeader
 from kvd.cache.holds import Holds
 from kvd.cache.places import page_seal, recovered_places
-from kvd.cache.stats import DiskStats
+from kvd.cache.stats import DiskStats, Latencies
 from kvd.config import DiskConfig
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
-from kvd.core.types import PageId, PageKey
+from kvd.core.types import NamespaceId, PageId, PageKey
 from kvd.disk.eviction import LruPolicy
 from kvd.disk.layout import BLOCK, DiskPage, PageIdentity
 from kvd.disk.results import (
@@ -87,6 +103,9 @@ class DiskTierCounters:
     evicted_pages: int = 0  # freed from the disk to make room
     rejected_pages: int = 0  # read back and failed a check: a miss, dropped from the disk
     errors: int = 0  # reads and writes that failed
+    written_bytes: int = 0  # page bytes written
+    read_bytes: int = 0  # page bytes read back (promotions, rejected pages included)
+    promotions: Latencies = field(default_factory=Latencies)  # seconds each batch of reads took
 
 
 class DiskTier:
@@ -105,11 +124,13 @@ class DiskTier:
         self.backlog_limit = settings.backlog_bytes
         self.loop = loop
         self.arena, self.pool, self.integrity = m.arena, m.pool, m.integrity
+        self.events, self.namespaces = m.events, m.namespaces
         self.counters = DiskTierCounters()
         self.policy = LruPolicy()
         self._holds = Holds(m.pool)
         self._placed: dict[PageId, ChainPlace] = recovered_places(m.pool, m.index, m.namespaces)
         self._on_disk: dict[DiskKey, DiskPage] = {}
+        self._extra_keys: dict[DiskKey, tuple[ExtraKey, ...]] = {}  # of queued pages that have some: their events
         self._queued: list[PageWrite] = []
         self._backlog = 0  # bytes of copies queued or being written
         self._closed = False  # host memory is being unmapped: answers that come later are dropped
@@ -151,6 +172,8 @@ class DiskTier:
         if not self._queued:
             self.loop.call_soon(self._write_queued)  # once the eviction's call is done: one batch
         self._queued.append(PageWrite(identity, copy, Seal(*sealed)))
+        if place.extra_keys:
+            self._extra_keys[key] = place.extra_keys
 
     def served(self, hits: list[PageId], page_size: int) -> None:
         self.fetches.served(hits, page_size)
@@ -184,6 +207,10 @@ class DiskTier:
             evicted_pages=c.evicted_pages,
             rejected_pages=c.rejected_pages,
             errors=c.errors,
+            written_bytes=c.written_bytes,
+            read_bytes=c.read_bytes,
+            promotion_buckets=list(c.promotions.counts),
+            promotion_seconds=c.promotions.seconds,
             backlog_bytes=self._backlog,
             recovered_pages=s.recovered_pages,
             direct_io=s.direct_io,
@@ -217,19 +244,22 @@ class DiskTier:
 
     def get(self, ns: Namespace, found: Found, views: list[np.ndarray], done: Done) -> None:
         reads = [PageRead(on_disk.slot, view) for (on_disk, _), view in zip(found, views)]
-        self._when_done(self.store.read(reads), lambda results: done(self._arrivals(ns, found, results), None))
+        started = time.monotonic()
+        self._when_done(self.store.read(reads), lambda results: done(self._arrivals(ns, found, results, started), None))
 
     def reject(self, on_disk: DiskPage) -> None:
         """The page read back is not the one the request expects: freed from the disk."""
         if self._forget(on_disk):
             self.store.free([on_disk.slot])
 
-    def _arrivals(self, ns: Namespace, found: Found, results) -> list[PageHeader | Arrival]:
+    def _arrivals(self, ns: Namespace, found: Found, results, started: float) -> list[PageHeader | Arrival]:
         """Each page's header as the disk has it, once its checksum held; a page the store
         dropped is forgotten."""
+        self.counters.promotions.observe(time.monotonic() - started)
         got: list[PageHeader | Arrival] = []
         for (on_disk, _), result in zip(found, results):
             if isinstance(result, ReadOk):
+                self.counters.read_bytes += result.page.page_bytes
                 i = result.page.identity
                 ours = i.scope == self.scope and i.namespace_root == ns.root
                 got.append(
@@ -257,12 +287,14 @@ class DiskTier:
         the refused pages once more."""
         full: list[PageWrite] = []
         for write, result in zip(writes, results):
-            if isinstance(result, Written):
-                self.counters.written_pages += 1
-                self._index(result.page)
-            elif result.reason is WriteRefusal.FULL and not retry:
+            if not isinstance(result, Written) and result.reason is WriteRefusal.FULL and not retry:
                 full.append(write)
                 continue
+            extra_keys = self._extra_keys.pop((write.identity.namespace_root, write.identity.key), ())
+            if isinstance(result, Written):
+                self.counters.written_pages += 1
+                self.counters.written_bytes += result.page.page_bytes
+                self._index(result.page, extra_keys)
             elif result.reason is WriteRefusal.CHANGED:
                 self.counters.skipped_pages += 1
             elif result.reason is WriteRefusal.IO_ERROR:
@@ -272,26 +304,44 @@ class DiskTier:
             self._backlog -= write.view.nbytes
         if not full:
             return
-        victims = [self._on_disk.pop(key) for key in self.policy.victims(len(full))]
+        victims = [self._unindex(key) for key in self.policy.victims(len(full))]
         self.counters.evicted_pages += len(victims)
         self._when_done(self.store.free([v.slot for v in victims]), lambda _: self._write_queued(True, full))
 
-    def _index(self, page: DiskPage) -> None:
-        """A page on disk becomes findable; an older copy of the same page is freed."""
+    def _index(self, page: DiskPage, extra_keys: tuple[ExtraKey, ...] = ()) -> None:
+        """A page on disk becomes findable (and is announced); an older copy of the same page
+        is freed."""
         key = (page.identity.namespace_root, page.identity.key)
         older = self._on_disk.get(key)
         self._on_disk[key] = page
         self.policy.admitted(key)
         if older is not None:
             self.store.free([older.slot])
+            return
+        i = page.identity
+        page_size = len(i.tokens) // TOKEN_BYTES
+        parent = PageKey(i.parent_key) if i.page_index else None
+        ns = self._namespace_id(i.namespace_root)
+        self.events.stored(ns, page_size, i.page_index, i.key, parent, i.tokens, extra_keys, medium=MEDIUM_STORAGE)
+
+    def _unindex(self, key: DiskKey) -> DiskPage:
+        """A page on disk stops being findable (and is announced so)."""
+        page = self._on_disk.pop(key)
+        self.events.removed(self._namespace_id(key[0]), key[1], medium=MEDIUM_STORAGE)
+        return page
 
     def _forget(self, on_disk: DiskPage) -> bool:
         key = (on_disk.identity.namespace_root, on_disk.identity.key)
         if self._on_disk.get(key) != on_disk:
             return False
-        del self._on_disk[key]
+        self._unindex(key)
         self.policy.forget(key)
         return True
+
+    def _namespace_id(self, root: bytes) -> NamespaceId:
+        """The id of the namespace ``root`` roots in this daemon; 0 while no engine registered it."""
+        ns = self.namespaces.by_root(root)
+        return NamespaceId(0) if ns is None else ns.id
 
     def _answered(self, then, results) -> None:
         if not self._closed:

@@ -12,6 +12,7 @@ fails the scrape rather than serve stale values.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import platform
 import threading
 
@@ -24,7 +25,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvd import __version__
 from kvd.cache import stats as stats_mod
@@ -89,6 +90,8 @@ _DISK_COUNTERS = {
     "evicted_pages": "Pages freed from the disk tier to make room",
     "rejected_pages": "Pages read back from disk that failed a check: served as a miss and dropped",
     "errors": "Disk tier reads and writes that failed",
+    "written_bytes": "Page bytes written to the disk tier",
+    "read_bytes": "Page bytes read back from the disk tier (promotions)",
 }
 _DISK_GAUGES = {
     "pages": "Pages on the disk tier",
@@ -106,6 +109,14 @@ def _disk_families(disk):
         yield GaugeMetricFamily(f"kvd_disk_{name}", doc, value=float(getattr(disk, name)))
     for name, doc in _DISK_COUNTERS.items():
         yield CounterMetricFamily(f"kvd_disk_{name}", doc, value=getattr(disk, name))
+    cumulative = list(itertools.accumulate(disk.promotion_buckets))
+    yield HistogramMetricFamily(
+        "kvd_disk_promotion_seconds",
+        "Seconds a batch of promotion reads took, from the reads' start to their pages checked on the daemon's loop",
+        buckets=[(str(bound), n) for bound, n in zip(stats_mod.PROMOTION_BUCKETS, cumulative)]
+        + [("+Inf", cumulative[-1])],
+        sum_value=disk.promotion_seconds,
+    )
 
 
 class _StatsCollector:
