@@ -69,7 +69,7 @@ def run(args, groups, num_pages: int, num_bytes: int) -> None:
     heads, dim, block = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.page_size
     # vLLM's CPU cache, per layer: [num_blocks, kv_heads, block_size, 2 * head_dim]
     cache = [torch.randn(num_pages + 64, heads, block, 2 * dim) for _ in range(LAYOUT.num_layers)]
-    views = [block_view(kv, heads, dim, k_then_v_rows=True) for kv in cache]
+    views = [block_view(kv, LAYOUT, k_then_v_rows=True) for kv in cache]
     consecutive = list(range(10, 10 + num_pages))
     scattered = [int(b) for b in np.random.default_rng(1).permutation(num_pages + 64)[:num_pages]]
     src, dst = np.random.rand(num_bytes // 4).astype(np.float32), np.empty(num_bytes // 4, np.float32)

@@ -239,7 +239,8 @@ class KVDClient:
         return found
 
     def page_array(self, ns: int, page_id: int, writable: bool | None = None) -> np.ndarray:
-        """numpy view of one page, [num_layers, 2, page_size, num_kv_heads, head_dim].
+        """numpy view of one page, [num_layers, 2, page_size, num_kv_heads, head_dim] (latent pages:
+        [num_layers, page_size, head_dim], kvd/wire/layout.py).
 
         Writable only for a private page of this client's live sequences (see ``page``);
         bfloat16 and float8 pages are viewed as uint16/uint8 (numpy has no such dtypes).

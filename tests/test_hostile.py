@@ -461,7 +461,13 @@ BAD_IDENTITIES = {
     "unknown dtype": pb.NamespaceIdentity(model="m", layout=layout(4, dtype="float7")),
     "empty dtype": pb.NamespaceIdentity(model="m", layout=layout(4, dtype="")),
     "tp rank over size": pb.NamespaceIdentity(model="m", layout=layout(4), tp_rank=3, tp_size=2),
-    "unsupported attention": pb.NamespaceIdentity(model="m", layout=layout(4), attention="mla"),
+    "unsupported attention": pb.NamespaceIdentity(model="m", layout=layout(4), attention="dsa"),
+    "mla attention on K/V pages": pb.NamespaceIdentity(model="m", layout=layout(4), attention="mla"),
+    "latent pages without mla": pb.NamespaceIdentity(model="m", layout=layout(4, head_dim=576, kind="latent")),
+    "latent pages of two heads": pb.NamespaceIdentity(
+        model="m", layout=layout(4, num_kv_heads=2, head_dim=576, kind="latent"), attention="mla"
+    ),
+    "unknown page kind": pb.NamespaceIdentity(model="m", layout=layout(4, kind="kv2")),
     # page_bytes = 4 * 2 * (2^32-1)^4: more than the uint64 the reply (and every later
     # GetStats) must carry it in.
     "page bytes beyond uint64": pb.NamespaceIdentity(

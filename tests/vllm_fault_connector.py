@@ -15,15 +15,21 @@ real connector against the real daemon. Block ids it reported as load errors, an
 ``request:ID`` for each asynchronous load it reported failed, are appended to
 `errors_file`, so the test can see the worker reported them; with
 `loads_file` in the extra config, each worker appends how many blocks each load plan
-copies into vLLM, per KV-cache group (a line per plan).
+copies into vLLM, per KV-cache group (a line per plan); with `loaded_bytes_file`, each
+worker appends its tensor-parallel rank and a sha256 of the bytes each load put into
+its cache, block after block, each block's layers in page order (a line per plan), so
+a test can check them against kvd's pages.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
+import torch
 from conftest import raw_page
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from engine_client import KVDClient, SequenceRequest
 from gpu_worker.vllm.plans import NULL_BLOCK
@@ -38,6 +44,8 @@ class FaultyKVDConnector(KVDConnector):
         self._fault_file = extra["fault_file"]
         self._errors_file = extra["errors_file"]
         self._loads_file = extra.get("loads_file")
+        self._loaded_bytes_file = extra.get("loaded_bytes_file")
+        self._kv_caches: dict = {}
         self._block_size = vllm_config.cache_config.block_size
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -71,6 +79,21 @@ class FaultyKVDConnector(KVDConnector):
                 for plan in self._get_connector_metadata().loads:  # blocks copied, per KV-cache group
                     f.write(" ".join(str(sum(b != NULL_BLOCK for b in blocks)) for blocks in plan.block_ids) + "\n")
         super().start_load_kv(forward_context, **kwargs)
+        if self._loaded_bytes_file and self.has_connector_metadata():  # on CPU the loads are done by now
+            layers = [
+                self._kv_caches[name] for name in sorted(self._worker.layer_index, key=self._worker.layer_index.get)
+            ]
+            with open(self._loaded_bytes_file, "a") as f:
+                for plan in self._get_connector_metadata().loads:
+                    digest = hashlib.sha256()
+                    for block in plan.block_ids[0]:
+                        for layer in layers:
+                            digest.update(layer[block].contiguous().view(torch.uint8).numpy().tobytes())
+                    f.write(f"{get_tensor_model_parallel_rank()} {digest.hexdigest()}\n")
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._kv_caches = kv_caches
+        super().register_kv_caches(kv_caches)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         results = super().get_transfer_results(finished_req_ids)

@@ -26,7 +26,10 @@ Under tensor parallelism each worker rank holds only its own KV heads: its pages
 a namespace of that rank (`NamespaceSpec.tp_rank`), so engines of the same model and TP
 degree share them rank by rank. The scheduler half registers every rank's namespace and
 offers a prefix only as far as every rank holds it; a rank that then cannot load a page
-reports it, and vLLM recomputes it on all ranks.
+reports it, and vLLM recomputes it on all ranks. MLA models are the exception
+(`CacheShape.replicated`): every rank holds the same latent cache, so there is one
+namespace for all ranks (and all TP degrees), the scheduler half registers only it,
+every rank loads the same pages and rank 0 alone saves them.
 
 Sliding-window models run with vLLM's hybrid KV cache manager on (the connector is
 `SupportsHMA`: a KV-cache group per attention type, a sliding-window group's blocks
@@ -84,9 +87,10 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:  # offers only what every rank can load
             ranks = tuple(spec.of_rank(r) for r in range(1, spec.tp_size))
             link = KVDLink(extra.get("socket"), f"{name}-scheduler", spec, call_timeout=call_timeout, peers=ranks)
-        else:  # each rank saves and loads its own KV heads
+        else:  # each rank loads its own KV heads (or, of a replicated cache, the one copy)
             rank = get_tensor_model_parallel_rank()
-            link = KVDLink(extra.get("socket"), f"{name}-worker{rank}", spec.of_rank(rank), call_timeout=call_timeout)
+            namespace = shape.rank_namespace(rank)
+            link = KVDLink(extra.get("socket"), f"{name}-worker{rank}", namespace, call_timeout=call_timeout)
         # BlockRemoved needs kvd's event stream: followed only when vLLM publishes KV events
         events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         self._scheduler = (
@@ -102,7 +106,9 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
             else None
         )
         self._worker = (
-            KVDWorkerSide(link, shape.layer_names, shape.layer_groups) if role == KVConnectorRole.WORKER else None
+            KVDWorkerSide(link, shape.layer_names, shape.layer_groups, saves=shape.saves(rank))
+            if role == KVConnectorRole.WORKER
+            else None
         )
         self._link = link
 

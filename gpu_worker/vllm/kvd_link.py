@@ -66,6 +66,7 @@ class NamespaceSpec:
     revision: str = ""
     tp_rank: int = 0
     tp_size: int = 1
+    attention: str = "gqa"  # "mla" for latent pages (kvd/wire/layout.py)
     extra: tuple[tuple[str, str], ...] = ()  # engine-specific identity, e.g. a page byte order
 
     def register(self, client: KVDClient) -> int:
@@ -76,6 +77,7 @@ class NamespaceSpec:
             revision=self.revision,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
+            attention=self.attention,
             extra=dict(self.extra),
         )
 

@@ -12,7 +12,12 @@ layer is copied extent by extent:
   slower here, bench/bench_vllm_copy.py).
 - On CUDA, page by page with `non_blocking` copies, as before this module: each page's
   layer is contiguous in the registered extent, so each is one DMA (checked on a GPU by
-  scripts/gpu_check.sh).
+  scripts/gpu_check.sh). An MLA layer's block (`[block_size, 576]`, worker.block_view) is
+  one contiguous run in vLLM's cache as well, so a latent page's layer is one DMA too
+  (written for, not yet run on, a GPU: tests/test_vllm_halves.py's CUDA test covers it).
+
+The copies know nothing of the page kind: a layer of a K/V page and of a latent page
+(kvd/wire/layout.py) are each contiguous, and so are the blocks `block_view` makes of them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 class ExtentCopies:
     """Pages of one extent and the vLLM blocks they are copied to or from."""
 
-    extent: torch.Tensor  # [pages, layers, 2, page_size, heads, head_dim]
+    extent: torch.Tensor  # [pages, *page_shape]: [pages, layers, 2, page_size, heads, head_dim] or latent pages
     pages: list[int] = field(default_factory=list)  # indices in the extent
     blocks: list[int] = field(default_factory=list)  # vLLM block ids, one per page
 
@@ -61,12 +66,13 @@ def copy_layer(blocks_view: torch.Tensor, layer: int, copies: list[ExtentCopies]
     """Copies one layer of the pages into their vLLM blocks (`into_blocks`, a load) or of
     the blocks into their pages (a save).
 
-    `blocks_view` is the layer's vLLM cache as `[blocks, 2, page_size, heads, head_dim]`
-    (worker.block_view); on a GPU the copies are queued on the current stream."""
+    `blocks_view` is the layer's vLLM cache as `[blocks, *layer of a page]`: `[blocks, 2,
+    page_size, heads, head_dim]` or `[blocks, page_size, latent]` (worker.block_view); on a
+    GPU the copies are queued on the current stream."""
     if blocks_view.device.type == "cpu":
-        cache = _bytes(blocks_view)  # [blocks, 2, page_size, heads, head_dim * itemsize]
+        cache = _bytes(blocks_view)  # [blocks, *layer of a page], the last dimension in bytes
         for c in copies:
-            pages = _bytes(c.extent)[:, layer]  # [pages, 2, page_size, heads, head_dim * itemsize]
+            pages = _bytes(c.extent)[:, layer]  # [pages, *layer of a page], the last dimension in bytes
             for page, block, n in runs(c.pages, c.blocks):
                 if into_blocks:
                     np.copyto(cache[block : block + n], pages[page : page + n])

@@ -84,19 +84,25 @@ class KVDWorkerMetadata(KVConnectorWorkerMetadata):
     """What a worker tells the scheduler after each step: per request, the blocks [start,
     end) it published in kvd this step, and the daemon instance its own kvd session is with
     now ("" while kvd cannot serve it). The scheduler offers loads only while that is the
-    instance of its own session: a load the workers cannot perform would be recomputed."""
+    instance of its own session: a load the workers cannot perform would be recomputed.
+    A worker that `saves` nothing (a rank other than 0 of a cache every rank holds whole,
+    MLA's) has no say in what is published."""
 
     published: dict[str, tuple[int, int]] = field(default_factory=dict)
     daemon_instance: str = ""
+    saves: bool = True
 
     def aggregate(self, other: KVDWorkerMetadata) -> KVDWorkerMetadata:
-        """Blocks count as published only where every worker published them; the workers
-        serve an instance only when every one of them does."""
+        """Blocks count as published only where every saving worker published them; the
+        workers serve an instance only when every one of them does."""
+        instance = self.daemon_instance if self.daemon_instance == other.daemon_instance else ""
+        if not (self.saves and other.saves):
+            published = self.published if self.saves else other.published
+            return KVDWorkerMetadata(published, instance, saves=self.saves or other.saves)
         both = {}
         for req_id, (start, end) in self.published.items():
             if req_id in other.published:
                 o_start, o_end = other.published[req_id]
                 if max(start, o_start) < min(end, o_end):
                     both[req_id] = (max(start, o_start), min(end, o_end))
-        instance = self.daemon_instance if self.daemon_instance == other.daemon_instance else ""
         return KVDWorkerMetadata(both, instance)

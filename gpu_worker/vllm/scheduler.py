@@ -37,6 +37,8 @@ and a release per batch of finished ones, all off vLLM's scheduler loop.
 
 Under tensor parallelism every call above goes to each rank's namespace (the link's
 peers): a hit counts only as far as every rank holds it, and the load plan is per rank.
+An MLA model's ranks share one namespace (cache_shape.py): the link has no peers, and
+every rank loads the one plan's pages.
 With vLLM's hybrid manager on, a request has blocks in each KV-cache group: a page (all
 layers of a block) loads into every group's block at its position, except a
 sliding-window group's blocks outside the window (vLLM's null block), and is saved only

@@ -78,6 +78,16 @@ def _new_requests_announced() -> bool:
     return hasattr(KVConnectorBase_V1, "on_new_request")
 
 
+def _dense_mla() -> bool:
+    """vLLM describes an MLA layer's cache well enough to tell dense MLA (DeepSeek-V2/V3,
+    Kimi K2: latent pages, one copy for every rank) from sparse MLA's caches (DeepSeek-V3.2's
+    indexer, DeepSeek-V4), which the connector refuses (cache_shape.py)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    names = {f.name for f in dataclasses.fields(MLAAttentionSpec)}
+    return {"cache_role", "is_index_group_leader", "model_version", "tokens_per_state", "state_content_bytes"} <= names
+
+
 PROBES: dict[str, tuple[bool, Callable[[], bool]]] = {
     "request identity (LoRA adapter, cache_salt, multimodal items)": (True, _request_identity),
     "failed loads reported and recomputed": (True, _load_errors_recomputed),
@@ -85,6 +95,7 @@ PROBES: dict[str, tuple[bool, Callable[[], bool]]] = {
     "KV events of kvd's blocks": (False, _kv_events),
     "lookups started as requests arrive": (False, _new_requests_announced),
     "several KV cache groups (hybrid manager kept)": (True, _hybrid_manager_kept),
+    "MLA models (DeepSeek-V2/V3: one latent copy for every rank)": (False, _dense_mla),
 }
 
 

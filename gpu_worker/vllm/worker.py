@@ -20,7 +20,9 @@ load errors (it recomputes them), a failed save is simply not published.
 vLLM hands each layer's KV cache as a standardised per-layer view `[num_blocks,
 num_kv_heads, block_size, 2 * head_dim]`; a kvd page is `[num_layers, 2, page_size,
 num_kv_heads, head_dim]`. `block_view` makes the first look like one layer of the
-second, without copying. Each layer's copies go to the block ids of its KV-cache group
+second, without copying (and an MLA layer, `[num_blocks, 1, block_size, 576]`, one
+layer of a latent page, `[num_layers, page_size, 576]`). Each layer's copies go to the
+block ids of its KV-cache group
 (vLLM's hybrid manager: one group per attention type), skipping vLLM's null block (a
 sliding-window group's blocks outside the window). An asynchronous load (several
 groups) that cannot be done is not copied at all; `transfer_results` reports it failed.
@@ -41,33 +43,43 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_client import ErrorCode, KVDError
+from engine_client import ErrorCode, KVDError, PageLayout
 from gpu_worker.loader import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.page_copies import ExtentCopies, by_extent, copy_layer
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
 from gpu_worker.vllm.save_ledger import SaveLedger, SaveTarget
+from kvd.wire.layout import LATENT_PAGES
 
 
-def block_view(kv_layer: torch.Tensor, num_kv_heads: int, head_dim: int, k_then_v_rows: bool) -> torch.Tensor:
+def block_view(kv_layer: torch.Tensor, layout: PageLayout, k_then_v_rows: bool) -> torch.Tensor:
     """vLLM's `[blocks, heads, block_size, 2 * head_dim]` layer as `[blocks, 2, block_size,
-    heads, head_dim]`, kvd's page order for one layer (a view: writes land in vLLM's cache).
+    heads, head_dim]`, kvd's page order for one layer (a view: writes land in vLLM's cache);
+    of latent pages (MLA), vLLM's `[blocks, 1, block_size, latent]` as `[blocks, block_size,
+    latent]`, one latent vector per token on every backend.
 
-    Backends read that memory differently. CUDA's FlashAttention splits the last dimension
+    Backends read K/V memory differently. CUDA's FlashAttention splits the last dimension
     (K and V of a token side by side), which is kvd's order. vLLM's CPU backend
     (`k_then_v_rows`) stores each block in an arrangement of its own kernel's (each
     head's K rows, then its V rows): its pages are kept apart in a namespace of their own
     (cache_shape.cpu_kv_layout), so the view maps the block's bytes one to one, in vLLM's
     order, and a block's copy is one memcpy (gpu_worker/vllm/page_copies.py)."""
     blocks, heads, block_size, width = kv_layer.shape
-    if heads != num_kv_heads or width != 2 * head_dim:
+    if layout.kind == LATENT_PAGES:
+        if heads != 1 or width != layout.head_dim:
+            raise ValueError(
+                f"vLLM's MLA cache layer is {tuple(kv_layer.shape)}; KVDConnector expects "
+                f"[num_blocks, 1, block_size, {layout.head_dim}]"
+            )
+        return kv_layer[:, 0]  # [B, 1, N, L] -> [B, N, L]
+    if heads != layout.num_kv_heads or width != 2 * layout.head_dim:
         raise ValueError(
             f"vLLM's KV cache layer is {tuple(kv_layer.shape)}; KVDConnector expects "
-            f"[num_blocks, {num_kv_heads} kv heads, block_size, 2 x {head_dim}]"
+            f"[num_blocks, {layout.num_kv_heads} kv heads, block_size, 2 x {layout.head_dim}]"
         )
     if k_then_v_rows:  # each contiguous block [H, N, 2 * D] read as [2, N, H, D]
-        return kv_layer.view(blocks, 2, block_size, heads, head_dim)
-    return kv_layer.unflatten(-1, (2, head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
+        return kv_layer.view(blocks, 2, block_size, heads, layout.head_dim)
+    return kv_layer.unflatten(-1, (2, layout.head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
 
 
 Copies = list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
@@ -93,10 +105,14 @@ def _to_blocks(groups, block_ids: list[int]) -> Copies:
 
 
 class KVDWorkerSide:
-    def __init__(self, link: KVDLink, layer_names: list[str], layer_groups: list[int] | None = None) -> None:
+    def __init__(
+        self, link: KVDLink, layer_names: list[str], layer_groups: list[int] | None = None, saves: bool = True
+    ) -> None:
         """`layer_names` in page order; `layer_groups[i]`: the KV-cache group of layer i
-        (whose block ids its copies use; all 0 by default)."""
+        (whose block ids its copies use; all 0 by default); `saves`: whether this worker
+        saves (of a cache every rank holds whole, MLA's, rank 0 alone does: cache_shape.py)."""
         self.link = link
+        self.saves = saves
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.layer_groups = layer_groups or [0] * len(layer_names)
         self.num_groups = max(self.layer_groups) + 1
@@ -120,7 +136,7 @@ class KVDWorkerSide:
             raise ValueError(f"vLLM registered no KV cache for layers {sorted(missing)}")
         layers = [kv_caches[name] for name in sorted(self.layer_index, key=self.layer_index.get)]
         cpu_backend = layers[0].device.type == "cpu"  # vLLM's CPU attention backend
-        self._layers = [block_view(kv, self.layout.num_kv_heads, self.layout.head_dim, cpu_backend) for kv in layers]
+        self._layers = [block_view(kv, self.layout, cpu_backend) for kv in layers]
         self._cuda = layers[0].device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream(device=layers[0].device)
@@ -132,7 +148,7 @@ class KVDWorkerSide:
         allocate, extend (here) and publish (`wait_for_save`)."""
         self.ledger.finished(meta.finished)  # vLLM runs a step for them even when nothing else is scheduled
         failed = self._start_loads(meta.loads)
-        self._saves = self._prepare_saves(meta.saves, failed)
+        self._saves = self._prepare_saves(meta.saves, failed) if self.saves else []
         self._save_copies = self._merged([save.copies for save in self._saves])
         self._saved_layers = set()
 
@@ -239,7 +255,7 @@ class KVDWorkerSide:
     def worker_metadata(self) -> KVDWorkerMetadata:
         """What this worker published since the last step (for the scheduler's KV events)
         and the daemon instance it can load from now (the scheduler's offers wait for it)."""
-        return KVDWorkerMetadata(self.ledger.take_published(), self.link.serving_instance())
+        return KVDWorkerMetadata(self.ledger.take_published(), self.link.serving_instance(), saves=self.saves)
 
     # ---- helpers ----------------------------------------------------------------------
 

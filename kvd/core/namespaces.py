@@ -3,7 +3,8 @@
 Two engines that register equal identities get the same namespace id and so share
 pages; any difference (model, revision, dtype, page layout, tensor-parallel rank,
 attention kind, any extra the engine names) gives a different root digest, and every
-page chain starts from that root.
+page chain starts from that root. Latent pages (kvd/wire/layout.py) go with attention
+kind "mla" and only with it, so a latent page can never be taken for a K/V page.
 
 Identities are client input that the daemon keeps for its lifetime and writes into the
 shared-memory manifest (kvd/core/records.py), so they are bounded: each free-form field by the
@@ -23,9 +24,10 @@ from dataclasses import dataclass, field
 from kvd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvd.core.records import MANIFEST_BYTES, MANIFEST_ENVELOPE_BYTES
 from kvd.core.types import NamespaceId
-from kvd.wire.layout import LayoutError, PageLayout
+from kvd.wire.layout import KV_PAGES, LATENT_PAGES, LayoutError, PageLayout
 
-SUPPORTED_ATTENTION = ("gqa", "sliding", "gqa+sliding")
+SUPPORTED_ATTENTION = ("gqa", "sliding", "gqa+sliding", "mla")
+LATENT_ATTENTION = "mla"  # the attention kind of latent pages, and the only one
 
 MAX_MODEL_CHARS = 1024  # a model id or local path
 MAX_REVISION_CHARS = 256  # a git sha, tag or branch
@@ -71,8 +73,13 @@ class NamespaceIdentity:
             raise InvalidArgument(f"tensor-parallel rank {self.tp_rank} is not below size {self.tp_size}")
         if self.attention not in SUPPORTED_ATTENTION:
             raise InvalidArgument(
-                f"attention kind {self.attention!r} is not supported; kvd pages hold per-token K/V "
-                f"for one of {list(SUPPORTED_ATTENTION)} (MLA, DSA and other sparse attention are not)"
+                f"attention kind {self.attention!r} is not supported; kvd pages hold per-token K/V or MLA "
+                f"latents for one of {list(SUPPORTED_ATTENTION)} (DSA and other sparse attention are not)"
+            )
+        if (self.attention == LATENT_ATTENTION) != (self.layout.kind == LATENT_PAGES):
+            raise InvalidArgument(
+                f"attention kind {self.attention!r} with {self.layout.kind!r} pages: "
+                f"{LATENT_ATTENTION!r} attention takes {LATENT_PAGES!r} pages, every other kind {KV_PAGES!r} pages"
             )
         size = len(manifest_entry(self))
         if size > MAX_IDENTITY_BYTES:
@@ -101,10 +108,12 @@ MIN_PAGE_BYTES = 512
 MAX_PAGE_BYTES = 1 << 30
 
 
-def make_layout(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str) -> PageLayout:
+def make_layout(
+    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str, kind: str = KV_PAGES
+) -> PageLayout:
     """A PageLayout the daemon accepts, with layout errors reported as bad client input."""
     try:
-        layout = PageLayout(num_layers, num_kv_heads, head_dim, page_size, dtype)
+        layout = PageLayout(num_layers, num_kv_heads, head_dim, page_size, dtype, kind)
     except LayoutError as e:
         raise InvalidArgument(str(e)) from None
     if not MIN_PAGE_BYTES <= layout.page_bytes <= MAX_PAGE_BYTES:
@@ -201,7 +210,7 @@ def identity_doc(identity: NamespaceIdentity) -> dict:
     return {
         "model": identity.model,
         "revision": identity.revision,
-        "layout": [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype],
+        "layout": [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype, lay.kind],
         "tp_rank": identity.tp_rank,
         "tp_size": identity.tp_size,
         "attention": identity.attention,
@@ -211,11 +220,11 @@ def identity_doc(identity: NamespaceIdentity) -> dict:
 
 
 def identity_from_doc(doc: dict) -> NamespaceIdentity:
-    """The inverse of identity_doc; raises InvalidArgument, KeyError or TypeError on a bad doc."""
-    num_layers, num_kv_heads, head_dim, page_size, dtype = doc["layout"]
+    """The inverse of identity_doc; raises InvalidArgument, KeyError or TypeError on a bad doc.
+    (A layout of five entries, written before latent pages, is a K/V page's.)"""
     return NamespaceIdentity(
         model=doc["model"],
-        layout=make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype),
+        layout=make_layout(*doc["layout"]),
         revision=doc["revision"],
         tp_rank=doc["tp_rank"],
         tp_size=doc["tp_size"],

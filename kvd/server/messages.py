@@ -40,6 +40,7 @@ from kvd.server import shape
 from kvd.server.offload import LARGE_REQUEST_BYTES
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire.codec import TOKEN_BYTES, pack_pages
+from kvd.wire.layout import KV_PAGES
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def identity_from(msg: pb.NamespaceIdentity) -> NamespaceIdentity:
     if not msg.HasField("layout"):
         raise InvalidArgument("namespace identity needs a page layout")
     lay = msg.layout
-    layout = make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
+    layout = make_layout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype, lay.kind or KV_PAGES)
     return NamespaceIdentity(
         model=msg.model,
         layout=layout,

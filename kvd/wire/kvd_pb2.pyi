@@ -71,18 +71,20 @@ class SequencesEvicted(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PageLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype", "kind")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class NamespaceIdentity(_message.Message):
     __slots__ = ("model", "revision", "layout", "tp_rank", "tp_size", "attention", "vocab_size", "extra")

@@ -1,14 +1,25 @@
 """The one place that fixes the byte layout of a KV page.
 
-A page holds the K and V of ``page_size`` consecutive tokens for every layer of one
-namespace, as one C-contiguous array of shape
+A page holds the cache of ``page_size`` consecutive tokens for every layer of one
+namespace, as one C-contiguous array in ``dtype``, of one of two kinds:
 
-    [num_layers, 2, page_size, num_kv_heads, head_dim]      # axis 1: 0 = K, 1 = V
+- ``"kv"`` (attention with K and V per head: MHA, GQA, MQA, sliding windows):
 
-in ``dtype``. Pages of one namespace all have ``page_bytes`` bytes and start at
-multiples of ``page_bytes`` inside their shared-memory extent. Host pages, GPU pool
-pages and the model runner all use this shape, so copies between them are plain
-contiguous copies.
+      [num_layers, 2, page_size, num_kv_heads, head_dim]      # axis 1: 0 = K, 1 = V
+
+- ``"latent"`` (one vector per token and layer, no K/V split and no heads: MLA's
+  compressed KV, e.g. DeepSeek-V2/V3's 512 latent values then 64 rotary-key values):
+
+      [num_layers, page_size, head_dim]                        # num_kv_heads is 1
+
+  vLLM describes such a cache the same way (`MLAAttentionSpec`: one KV head of
+  `head_size` 576, no V), so ``head_dim`` is the vector's width.
+
+Pages of one namespace all have ``page_bytes`` bytes and start at multiples of
+``page_bytes`` inside their shared-memory extent. Host pages, GPU pool pages and the
+model runner all use these shapes, so copies between them are plain contiguous copies.
+The kind is part of a namespace's identity (kvd/core/namespaces.py: a latent page's
+namespace is of attention kind "mla"), so a latent page never matches a K/V one.
 """
 
 from __future__ import annotations
@@ -25,6 +36,10 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "uint8": 1,
 }
 
+KV_PAGES = "kv"  # K and V of each KV head
+LATENT_PAGES = "latent"  # one vector per token and layer (MLA)
+PAGE_KINDS = (KV_PAGES, LATENT_PAGES)
+
 
 class LayoutError(ValueError):
     """A page layout that cannot describe a real KV page."""
@@ -39,6 +54,7 @@ class PageLayout:
     head_dim: int
     page_size: int
     dtype: str = "float16"
+    kind: str = KV_PAGES
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
@@ -47,10 +63,22 @@ class PageLayout:
                 raise LayoutError(f"page layout {field} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPE_ITEMSIZE:
             raise LayoutError(f"page layout dtype {self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}")
+        if self.kind not in PAGE_KINDS:
+            raise LayoutError(f"page layout kind {self.kind!r} is not one of {list(PAGE_KINDS)}")
+        if self.kind == LATENT_PAGES and self.num_kv_heads != 1:
+            raise LayoutError(f"a latent page holds one vector per token, not {self.num_kv_heads} KV heads")
+
+    @classmethod
+    def latent(cls, num_layers: int, width: int, page_size: int, dtype: str) -> PageLayout:
+        """Pages of one `width`-element vector per token and layer (MLA's latent cache)."""
+        return cls(num_layers, 1, width, page_size, dtype, kind=LATENT_PAGES)
 
     @property
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        """[num_layers, 2 (K, V), page_size, num_kv_heads, head_dim]"""
+    def page_shape(self) -> tuple[int, ...]:
+        """[num_layers, 2 (K, V), page_size, num_kv_heads, head_dim], or for latent pages
+        [num_layers, page_size, head_dim]."""
+        if self.kind == LATENT_PAGES:
+            return (self.num_layers, self.page_size, self.head_dim)
         return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
@@ -66,5 +94,5 @@ class PageLayout:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of K and V of one token across all layers."""
+        """Bytes of one token's cache (K and V, or its latent vector) across all layers."""
         return self.page_bytes // self.page_size
