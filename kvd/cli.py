@@ -60,6 +60,8 @@ _DISK_FLAGS = {
     "bytes": "the disk tier's budget, e.g. 100GiB (tenants share it as they share --host-bytes)",
     "backlog_bytes": "copies of evicted pages waiting for the disk, at most (default 256MiB)",
     "chunk_bytes": "the disk file's unit of space (default 64MiB)",
+    "policy": "which pages leave a full disk: arc (the default) or lru",
+    "min_uses": "write a page RAM evicts once it has had this many uses (default 1: every one)",
 }
 
 _REMOTE_FLAGS = {

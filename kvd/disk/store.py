@@ -16,7 +16,7 @@ the event loop. Then (results in kvd/disk/results.py, free slots in kvd/disk/slo
 - ``read([PageRead(slot, view)])`` reads pages into the caller's buffers (newly allocated
   host pages) and checks each against its header's checksum; a page that fails, or whose
   read fails, is a miss and is dropped from the disk (its slot freed).
-- ``free(slots)`` frees slots the tier evicts (by its policy: ARC, kvd/disk/ has none).
+- ``free(slots)`` frees slots the tier evicts (by its policy, kvd/disk/eviction.py).
 
 Pages are known by slot: the tier keeps its own index from chain key to slot (from
 ``Opened.pages`` and each ``Written.page``). Two slots may hold the same identity (written
@@ -154,6 +154,7 @@ class DiskStore:
         self._closed = False
         self._file_id = b""
         self._slots = SlotTable(chunk_bytes, chunks)
+        self._chunks = chunks
         self._pages: dict[SlotId, DiskPage] = {}
         self._readers: Counter[SlotId] = Counter()
         self._free_after_read: set[SlotId] = set()
@@ -213,6 +214,10 @@ class DiskStore:
     @property
     def direct_io(self) -> bool:
         return self._file.direct
+
+    def slots(self, page_class: SlotClass) -> int:
+        """How many pages of ``page_class`` the file holds when they fill it."""
+        return self._chunks * page_class.slots_in(self._slots.chunk_bytes)
 
     def page(self, slot: SlotId) -> DiskPage | None:
         with self._lock:

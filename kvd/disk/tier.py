@@ -11,15 +11,21 @@ changed in host memory never reaches the disk. An eviction never waits for the d
 The trace study (bench/trace_sim.py, bench/RESULTS.md) chose it: on Mooncake's traces,
 write-back serves the same hits as write-through at a fraction of the bytes written (a page
 RAM still holds is hit there, so writing it at publish is spent unless it is evicted), and
-costs the publish path nothing. A page promoted from the disk and evicted again is not
-written again while the disk still holds it.
+costs the publish path nothing. A page evicted again while the disk still holds it is not
+written again; the disk's policy counts it as used (as the study does). With ``[disk]
+min_uses`` above 1, a page is written only once it has had that many uses
+(kvd/disk/admission.py).
 
 The tier's index (``_on_disk``) maps (namespace root, chain key) to the ``DiskPage`` that
 holds it: built at start-up from the pages the store recovered (``DiskStore.open`` reads
-every header; the daemon opens it before taking calls), then from each page written. When
-a write finds the disk full, the policy (``LruPolicy``, kvd/disk/eviction.py) names the
-pages to free, and the refused pages are written once more after the frees (still full:
-``refused_pages``).
+every header; the daemon opens it before taking calls), then from each page written. The
+policy (``[disk] policy``: ARC or LRU, kvd/disk/eviction.py, the same classes the trace
+study replays) holds as many pages as the file has slots of the first page size the tier
+sees; each page is admitted before it is written, and the pages it gives up for it are
+freed first. One batch is written at a time, so a page given up is on disk already or in
+the batch being admitted (then not written). A write the disk still refuses as full (pages of several sizes share the
+file) frees as many more of the policy's victims and is tried once more (still full:
+``refused_pages``). A page hit on disk (``find``) is used in the policy's eyes.
 
 Hits: the tier is a ``FetchSource`` for the cache's fetch machinery (``Fetches``,
 kvd/cache/fetches.py, shared with the remote tier): ``find`` walks the missing pages' chain
@@ -55,8 +61,9 @@ from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
-from kvd.disk.eviction import LruPolicy
-from kvd.disk.layout import BLOCK, DiskPage, PageIdentity
+from kvd.disk.admission import UseCounts
+from kvd.disk.eviction import POLICIES, EvictionPolicy
+from kvd.disk.layout import BLOCK, DiskPage, PageIdentity, SlotClass
 from kvd.disk.results import (
     PageRead,
     PageWrite,
@@ -103,42 +110,60 @@ class DiskTier:
         self.store = opened.store
         self.scope = scope
         self.backlog_limit = settings.backlog_bytes
+        self.settings = settings
         self.loop = loop
         self.arena, self.pool, self.integrity = m.arena, m.pool, m.integrity
         self.counters = DiskTierCounters()
-        self.policy = LruPolicy()
+        self.policy: EvictionPolicy | None = None  # sized by the first page size seen (_sized)
+        self.uses: UseCounts | None = None  # with min_uses > 1
         self._holds = Holds(m.pool)
         self._placed: dict[PageId, ChainPlace] = recovered_places(m.pool, m.index, m.namespaces)
         self._on_disk: dict[DiskKey, DiskPage] = {}
         self._queued: list[PageWrite] = []
         self._backlog = 0  # bytes of copies queued or being written
+        self._writing = False  # a batch is on its way to the disk
         self._closed = False  # host memory is being unmapped: answers that come later are dropped
         self.fetches = Fetches(self, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
+        freed: list[DiskPage] = []
         for page in sorted(opened.pages, key=lambda p: p.sequence):
             if page.identity.scope == scope:
+                key = _key(page.identity)
+                if key not in self._sized(page.page_class):
+                    freed += self._admit(key)
                 self._index(page)
+        self.store.free([p.slot for p in freed])
 
     # ---- Tier -------------------------------------------------------------------------
 
     def published(self, content: PageContent, place: ChainPlace) -> None:
         self._placed[content.page] = place
+        if self.policy is None:
+            self._sized(SlotClass(place.ns.page_bytes, place.ns.page_size))
+        if self.uses is not None and not self.fetches.brought(content.page):
+            self.uses.used((place.ns.root, content.key))
 
     def submit(self) -> None:
         pass  # pages are written when RAM gives them up
 
     def unpublished(self, page: PageId) -> None:
-        """Copies the page for the disk (its bytes and seal are still there), unless it came
-        from the disk and is there still."""
+        """Copies the page for the disk (its bytes and seal are still there), unless the disk
+        has it (then it counts as used there) or it has had fewer than ``min_uses`` uses."""
         place = self._placed.pop(page, None)
-        fetched = self.fetches.forget(page)
+        self.fetches.forget(page)
         content = self.pool.content(page)
         if place is None or place.parent_key is None:
             return
         key = (place.ns.root, content.key)
-        if key in self._on_disk:
+        policy = (
+            self.policy if self.policy is not None else self._sized(SlotClass(place.ns.page_bytes, place.ns.page_size))
+        )
+        if key in policy:  # on disk, or on its way there
+            policy.hit(key)
+            return
+        if self.uses is not None and not self.uses.enough(key):
             return
         sealed = page_seal(self.integrity, self.arena, page)
-        if sealed is None or fetched:
+        if sealed is None:
             return
         if self._backlog + place.ns.page_bytes > self.backlog_limit:
             self.counters.skipped_pages += 1
@@ -154,6 +179,11 @@ class DiskTier:
 
     def served(self, hits: list[PageId], page_size: int) -> None:
         self.fetches.served(hits, page_size)
+        if self.uses is not None:
+            for page in hits:
+                place = self._placed.get(page)
+                if place is not None:
+                    self.uses.used((place.ns.root, self.pool.content(page).key))
 
     def missed(
         self,
@@ -210,7 +240,7 @@ class DiskTier:
             on_disk = self._on_disk.get((ns.root, key))
             if on_disk is None:
                 break
-            self.policy.hit((ns.root, key))
+            self._policy.hit((ns.root, key))
             found.append((on_disk, PageHeader(i, key, parent_key, chain.local_digest(i), page_tokens)))
             parent_key = key
         self.loop.call_soon(done, found, None)  # as the store's answer would: after the caller's call
@@ -246,15 +276,38 @@ class DiskTier:
 
     # ---- writing ------------------------------------------------------------------------
 
-    def _write_queued(self, retry: bool = False, queued: list[PageWrite] | None = None) -> None:
-        if queued is None:
-            queued, self._queued = self._queued, []
-        if queued:
-            self._when_done(self.store.write(queued), lambda results: self._written(queued, results, retry))
+    def _write_queued(self) -> None:
+        """Admits the queued pages to the policy and writes those it still holds once the
+        pages it gave up for them are freed: one batch at a time, so every page the policy
+        gives up is on disk (its slot freed before the write) or in this very batch (not
+        written). Pages queued meanwhile wait for the next batch."""
+        if self._writing or not self._queued:
+            return
+        self._writing = True
+        queued, self._queued = self._queued, []
+        keys = dict.fromkeys(_key(write.identity) for write in queued)  # each once: a page may be queued twice
+        freed = [page for key in keys if key not in self._policy for page in self._admit(key)]
+        batch = []
+        for write in queued:
+            if _key(write.identity) in self._policy:
+                batch.append(write)
+            else:  # given up for a page after it in the batch
+                self.counters.evicted_pages += 1
+                self._backlog -= write.view.nbytes
+        self._free_then_write(freed, batch, retry=False)
+
+    def _free_then_write(self, freed: list[DiskPage], batch: list[PageWrite], retry: bool) -> None:
+        def write(_=None) -> None:
+            self._when_done(self.store.write(batch), lambda results: self._written(batch, results, retry))
+
+        if freed:
+            self._when_done(self.store.free([p.slot for p in freed]), write)
+        else:
+            write()
 
     def _written(self, writes: list[PageWrite], results, retry: bool) -> None:
-        """Indexes the pages written; the disk full, frees the policy's victims and writes
-        the refused pages once more."""
+        """Indexes the pages written; the disk full, frees as many more of the policy's
+        victims and writes the refused pages once more; then the next batch."""
         full: list[PageWrite] = []
         for write, result in zip(writes, results):
             if isinstance(result, Written):
@@ -263,34 +316,72 @@ class DiskTier:
             elif result.reason is WriteRefusal.FULL and not retry:
                 full.append(write)
                 continue
-            elif result.reason is WriteRefusal.CHANGED:
-                self.counters.skipped_pages += 1
-            elif result.reason is WriteRefusal.IO_ERROR:
-                self.counters.errors += 1
-            elif result.reason is not WriteRefusal.CLOSED:
-                self.counters.refused_pages += 1
+            else:
+                self._policy.forget(_key(write.identity))  # not on disk
+                if result.reason is WriteRefusal.CHANGED:
+                    self.counters.skipped_pages += 1
+                elif result.reason is WriteRefusal.IO_ERROR:
+                    self.counters.errors += 1
+                elif result.reason is not WriteRefusal.CLOSED:
+                    self.counters.refused_pages += 1
             self._backlog -= write.view.nbytes
-        if not full:
+        if full:
+            keys = [_key(write.identity) for write in full]
+            for key in keys:
+                self._policy.forget(key)
+            freed = self._on_disk_of(self._policy.victims(len(full)))
+            freed += [page for key in keys for page in self._admit(key)]  # none: room was made
+            self._free_then_write(freed, full, retry=True)
             return
-        victims = [self._on_disk.pop(key) for key in self.policy.victims(len(full))]
-        self.counters.evicted_pages += len(victims)
-        self._when_done(self.store.free([v.slot for v in victims]), lambda _: self._write_queued(True, full))
+        self._writing = False
+        self._write_queued()
+
+    @property
+    def _policy(self) -> EvictionPolicy:
+        assert self.policy is not None, "a page on disk, or on its way, before any page size was seen"
+        return self.policy
+
+    def _sized(self, page_class: SlotClass) -> EvictionPolicy:
+        """The policy, made for as many pages of ``page_class`` as the file holds when it is
+        first called (pages of other sizes count one page each)."""
+        if self.policy is None:
+            capacity = self.store.slots(page_class)
+            self.policy = POLICIES[self.settings.policy](capacity)
+            if self.settings.min_uses > 1:
+                self.uses = UseCounts(self.settings.min_uses, remembered=2 * capacity)
+            log.info(
+                "disk tier%s: %s of %d pages of %d bytes; pages written from their use %d on",
+                f" of tenant {self.scope}" if self.scope else "", self.settings.policy.upper(), capacity,
+                page_class.page_bytes, self.settings.min_uses,
+            )  # fmt: skip
+        return self.policy
+
+    def _admit(self, key: DiskKey) -> list[DiskPage]:
+        """The page under ``key`` is held by the policy from now on; the pages on disk it gave
+        up for it, forgotten here (to be freed)."""
+        return self._on_disk_of(self._policy.admit(key))
+
+    def _on_disk_of(self, victims: list) -> list[DiskPage]:
+        freed = [self._on_disk.pop(key) for key in victims if key in self._on_disk]
+        self.counters.evicted_pages += len(freed)
+        return freed
 
     def _index(self, page: DiskPage) -> None:
-        """A page on disk becomes findable; an older copy of the same page is freed."""
-        key = (page.identity.namespace_root, page.identity.key)
+        """A page on disk (the policy holds it) becomes findable; an older copy of the same
+        page is freed."""
+        key = _key(page.identity)
+        assert key in self._policy, f"page {key[1].hex()} is on disk, and the disk's policy does not hold it"
         older = self._on_disk.get(key)
         self._on_disk[key] = page
-        self.policy.admitted(key)
         if older is not None:
             self.store.free([older.slot])
 
     def _forget(self, on_disk: DiskPage) -> bool:
-        key = (on_disk.identity.namespace_root, on_disk.identity.key)
+        key = _key(on_disk.identity)
         if self._on_disk.get(key) != on_disk:
             return False
         del self._on_disk[key]
-        self.policy.forget(key)
+        self._policy.forget(key)
         return True
 
     def _answered(self, then, results) -> None:
@@ -305,6 +396,10 @@ class DiskTier:
                 self.loop.call_soon_threadsafe(self._answered, then, done.result())
 
         future.add_done_callback(back)
+
+
+def _key(identity: PageIdentity) -> DiskKey:
+    return identity.namespace_root, identity.key
 
 
 def _aligned_copy(view: np.ndarray) -> np.ndarray:
