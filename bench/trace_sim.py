@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import time
 from collections import Counter
@@ -107,16 +108,20 @@ class Trace:
         return np.split(following, np.cumsum(lengths)[:-1])
 
 
+def read_requests(path: Path, requests: int | None = None) -> list[dict]:
+    """The first ``requests`` requests (all when None) of a FAST'25 trace, as its JSON objects."""
+    with open(path) as lines:
+        return [json.loads(line) for line in itertools.islice(lines, requests)]
+
+
+def full_blocks(records: Sequence[dict]) -> Trace:
+    """The requests' full blocks (the last hash id may be a partial block)."""
+    return Trace([r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in records])
+
+
 def load_trace(path: Path, requests: int | None = None) -> Trace:
     """The first ``requests`` requests (all when None) of a FAST'25 trace, full blocks only."""
-    loaded = []
-    with open(path) as lines:
-        for line in lines:
-            if requests is not None and len(loaded) == requests:
-                break
-            r = json.loads(line)
-            loaded.append(r["hash_ids"][: r["input_length"] // BLOCK_TOKENS])
-    return Trace(loaded)
+    return full_blocks(read_requests(path, requests))
 
 
 class Tier(Enum):

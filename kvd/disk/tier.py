@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,6 +61,7 @@ from kvd.config import DiskConfig
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
+from kvd.core.records import page_checksum
 from kvd.core.types import PageId, PageKey
 from kvd.disk.admission import UseCounts
 from kvd.disk.eviction import POLICIES, EvictionPolicy
@@ -122,8 +124,19 @@ class DiskTier:
         self._queued: list[PageWrite] = []
         self._backlog = 0  # bytes of copies queued or being written
         self._writing = False  # a batch is on its way to the disk
+        self._copies: dict[DiskKey, PageWrite] = {}  # queued or being written: hits read the copy meanwhile
         self._closed = False  # host memory is being unmapped: answers that come later are dropped
-        self.fetches = Fetches(self, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
+        self.fetches = Fetches(
+            self,
+            self._holds,
+            self.counters,
+            m.arena,
+            m.pool,
+            m.index,
+            m.room,
+            m.page_events,
+            recheck_after_landing=False,
+        )
         freed: list[DiskPage] = []
         for page in sorted(opened.pages, key=lambda p: p.sequence):
             if page.identity.scope == scope:
@@ -175,7 +188,8 @@ class DiskTier:
         self._backlog += copy.nbytes
         if not self._queued:
             self.loop.call_soon(self._write_queued)  # once the eviction's call is done: one batch
-        self._queued.append(PageWrite(identity, copy, Seal(*sealed)))
+        self._queued.append(write := PageWrite(identity, copy, Seal(*sealed)))
+        self._copies[key] = write
 
     def served(self, hits: list[PageId], page_size: int) -> None:
         self.fetches.served(hits, page_size)
@@ -194,7 +208,15 @@ class DiskTier:
         hits: list[PageId],
         hit_keys: list[PageKey],
     ) -> int:
-        return self.fetches.missed(ns, chain, extra_keys, tokens, hits, hit_keys) if self._on_disk else 0
+        """Starts a promotion only when the disk holds the first page missing: a prompt the
+        disk cannot help is answered 0 at once, and is not kept from the disk for the fetch
+        machinery's recheck delay (``RECHECK_SECONDS``) when its pages reach the disk meanwhile,
+        nor after a promotion that landed pages (the next ask finds them in host memory)."""
+        full = len(tokens) // (ns.page_size * TOKEN_BYTES)
+        parent_key = hit_keys[-1] if hit_keys else chain.root
+        if next(self._run(ns, chain, tokens, parent_key, range(len(hits), full)), None) is None:
+            return 0
+        return self.fetches.missed(ns, chain, extra_keys, tokens, hits, hit_keys)
 
     def holds(self) -> Counter[PageId]:
         return self._holds.all()
@@ -232,27 +254,52 @@ class DiskTier:
         return True
 
     def find(self, ns: Namespace, chain: ChainSpec, tokens: bytes, parent_key: bytes, pages: range, done: Done) -> None:
+        found: Found = list(self._run(ns, chain, tokens, parent_key, pages))
+        for _, header in found:
+            self._policy.hit((ns.root, header.key))
+        self.loop.call_soon(done, found, None)  # as the store's answer would: after the caller's call
+
+    def _run(
+        self, ns: Namespace, chain: ChainSpec, tokens: bytes, parent_key: bytes, pages: range
+    ) -> Iterator[tuple[DiskPage | PageWrite, PageHeader]]:
+        """The leading run of ``pages`` on disk or on their way there, each with the header
+        the request expects."""
         step = ns.page_size * TOKEN_BYTES
-        found: Found = []
         for i in pages:
             page_tokens = tokens[i * step : (i + 1) * step]
             key = page_key(parent_key, i, page_tokens, chain.local_bytes(i))
-            on_disk = self._on_disk.get((ns.root, key))
+            on_disk = self._on_disk.get((ns.root, key)) or self._copies.get((ns.root, key))
             if on_disk is None:
-                break
-            self._policy.hit((ns.root, key))
-            found.append((on_disk, PageHeader(i, key, parent_key, chain.local_digest(i), page_tokens)))
+                return
+            yield on_disk, PageHeader(i, key, parent_key, chain.local_digest(i), page_tokens)
             parent_key = key
-        self.loop.call_soon(done, found, None)  # as the store's answer would: after the caller's call
 
     def get(self, ns: Namespace, found: Found, views: list[np.ndarray], done: Done) -> None:
-        reads = [PageRead(on_disk.slot, view) for (on_disk, _), view in zip(found, views)]
-        self._when_done(self.store.read(reads), lambda results: done(self._arrivals(ns, found, results), None))
+        """Reads the pages on disk; a page still on its way there is copied from its write's
+        copy at once (on the loop, as the eviction copied it) once that matches its seal."""
+        on_disk: list[tuple[int, PageRead]] = []
+        copied: dict[int, PageHeader | Arrival] = {}
+        for n, ((entry, _), view) in enumerate(zip(found, views)):
+            if isinstance(entry, DiskPage):
+                on_disk.append((n, PageRead(entry.slot, view)))
+            else:
+                copied[n] = _copied(entry, view)
 
-    def reject(self, on_disk: DiskPage) -> None:
-        """The page read back is not the one the request expects: freed from the disk."""
-        if self._forget(on_disk):
-            self.store.free([on_disk.slot])
+        def arrived(results) -> None:
+            read = dict(zip((n for n, _ in on_disk), self._arrivals(ns, [found[n] for n, _ in on_disk], results)))
+            done([read[n] if n in read else copied[n] for n in range(len(found))], None)
+
+        self._when_done(self.store.read([r for _, r in on_disk]), arrived)
+
+    def reject(self, entry: DiskPage | PageWrite) -> None:
+        """The page read back is not the one the request expects: freed from the disk (a
+        write's copy: not read again)."""
+        if isinstance(entry, PageWrite):
+            key = _key(entry.identity)
+            if self._copies.get(key) is entry:
+                del self._copies[key]
+        elif self._forget(entry):
+            self.store.free([entry.slot])
 
     def _arrivals(self, ns: Namespace, found: Found, results) -> list[PageHeader | Arrival]:
         """Each page's header as the disk has it, once its checksum held; a page the store
@@ -294,6 +341,7 @@ class DiskTier:
             else:  # given up for a page after it in the batch
                 self.counters.evicted_pages += 1
                 self._backlog -= write.view.nbytes
+                self._drop_copy(write)
         self._free_then_write(freed, batch, retry=False)
 
     def _free_then_write(self, freed: list[DiskPage], batch: list[PageWrite], retry: bool) -> None:
@@ -325,6 +373,7 @@ class DiskTier:
                 elif result.reason is not WriteRefusal.CLOSED:
                     self.counters.refused_pages += 1
             self._backlog -= write.view.nbytes
+            self._drop_copy(write)
         if full:
             keys = [_key(write.identity) for write in full]
             for key in keys:
@@ -366,6 +415,11 @@ class DiskTier:
         self.counters.evicted_pages += len(freed)
         return freed
 
+    def _drop_copy(self, write: PageWrite) -> None:
+        key = _key(write.identity)
+        if self._copies.get(key) is write:
+            del self._copies[key]
+
     def _index(self, page: DiskPage) -> None:
         """A page on disk (the policy holds it) becomes findable; an older copy of the same
         page is freed."""
@@ -400,6 +454,17 @@ class DiskTier:
 
 def _key(identity: PageIdentity) -> DiskKey:
     return identity.namespace_root, identity.key
+
+
+def _copied(write: PageWrite, view: np.ndarray) -> PageHeader | Arrival:
+    """A write's copy into a host page: its header, or MISMATCHED when the copy does not
+    match the seal it was taken under."""
+    view[:] = write.view
+    assert write.seal is not None, "the tier's writes carry their seal"
+    if page_checksum(write.seal.covered, view) != write.seal.checksum:
+        return Arrival.MISMATCHED
+    i = write.identity
+    return PageHeader(i.page_index, i.key, i.parent_key, i.local, i.tokens)
 
 
 def _aligned_copy(view: np.ndarray) -> np.ndarray:
