@@ -125,9 +125,17 @@ class Replay:
 
 
 def run_daemon(
-    records: Sequence[dict], size: Sizes, policy: str, min_uses: int, workdir: str, patience: float = 5.0
+    records: Sequence[dict],
+    size: Sizes,
+    policy: str,
+    min_uses: int,
+    workdir: str,
+    patience: float = 5.0,
+    settle: bool = False,
 ) -> Replay:
-    """Replays ``records`` through a fresh daemon whose disk directory is under ``workdir``."""
+    """Replays ``records`` through a fresh daemon whose disk directory is under ``workdir``;
+    ``settle``: each request waits until the pages evicted so far are written (the
+    simulation's instant writes: the daemon's policy then sees the simulation's order)."""
     run = tempfile.mkdtemp(prefix=f"trace-{policy}-", dir=workdir)
     os.mkdir(disk := os.path.join(run, "disk"))
     flags = (
@@ -159,6 +167,8 @@ def run_daemon(
                 if record["output_length"]:
                     client.extend(ns, seq, record["output_length"])
                 client.release(ns, [seq])
+                while settle and client.stats()["disk"]["backlog_bytes"]:
+                    time.sleep(POLL_SECONDS)
             seconds = time.perf_counter() - started
             stats = client.stats()["disk"]
             problems = client.check_invariants()
@@ -223,6 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="only the trace's first requests")
     parser.add_argument("--patience", type=float, default=5.0, help="seconds a request waits for a promotion")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the disk tier's files go")
+    parser.add_argument("--settle", action="store_true", help="each request waits until the evicted pages are written")
     args = parser.parse_args(argv)
     if not (0 < args.ram and 0 < args.disk) or args.min_uses < 1:
         parser.error("--ram and --disk are fractions > 0, --min-uses >= 1")
@@ -239,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"RAM of {size.ram_pages} pages holds no request of {largest} pages: raise --ram")
     runs = []
     for policy in args.policies:
-        run = run_daemon(records, size, policy, args.min_uses, args.dir, args.patience)
+        run = run_daemon(records, size, policy, args.min_uses, args.dir, args.patience, args.settle)
         runs.append((run, simulate(trace, size, policy, args.min_uses)))
     print_results(trace, size, runs, args.ram, args.disk)
 

@@ -28,8 +28,11 @@ file) frees as many more of the policy's victims and is tried once more (still f
 ``refused_pages``). A page hit on disk (``find``) is used in the policy's eyes.
 
 Hits: the tier is a ``FetchSource`` for the cache's fetch machinery (``Fetches``,
-kvd/cache/fetches.py, shared with the remote tier): ``find`` walks the missing pages' chain
-keys through the index, ``get`` reads the leading run into newly granted host pages
+kvd/cache/fetches.py, shared with the remote tier), asked only when the disk holds the
+prompt's first page missing: ``find`` walks the missing pages' chain keys through the index
+(and through ``_copies``, the pages still on their way to disk, whose write's copy ``get``
+copies into the host page once it matches its seal: an eviction is never a miss while its
+write waits), ``get`` reads the leading run into newly granted host pages
 (``DiskStore.read``, which checks each page's checksum; a page that fails it is dropped
 from the disk) and answers each page's header, which ``Fetches`` compares with what the
 request expects before publishing the pages in chain order as CACHED. A page read back for
