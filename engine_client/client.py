@@ -483,8 +483,8 @@ class KVDClient:
         went away; RESOURCE_EXHAUSTED: this reader fell too far behind). ``from_seq``
         resumes with the batches the daemon still buffers from that one on: a first ``seq``
         above it means some were missed. ``removals_only``: only batches with a
-        ``BlockRemoved`` or ``AllBlocksCleared``, and only those events (a client that
-        tracks pages it holds or reported, not the whole cache)."""
+        host page's ``BlockRemoved`` (medium "CPU") or ``AllBlocksCleared``, and only those
+        events (a client that tracks host pages it holds or reported, not the whole cache)."""
         request = messages.request(
             "SubscribeEvents",
             session=self.session,

@@ -31,7 +31,6 @@ its session registers no namespace and holds no page, and its token buffer ends 
 from __future__ import annotations
 
 import argparse
-import enum
 import importlib.metadata
 import json
 import os
@@ -41,7 +40,6 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import posix_ipc
@@ -50,6 +48,7 @@ from engine_client import messages
 from engine_client.connection import Connection
 from engine_client.token_buffer import MIN_BYTES, ClientTokenBuffer
 from engine_client.types import ErrorCode, KVDError
+from kvd.wire.checks import Check, Status, passed, report_json, report_text
 from kvd.wire.health import DaemonFacts, daemon_facts, health_status
 from kvd.wire.paths import SocketChoice, find_socket
 
@@ -64,21 +63,6 @@ SHARE_SHM_FIX = (
     "share the daemon's /dev/shm: docker run --ipc=host (or --ipc=container:KVD_CONTAINER), Kubernetes "
     "hostIPC: true in the engine's pod as in kvd's (docs/kubernetes.md)"
 )
-
-
-class Status(enum.Enum):
-    OK = "ok"
-    WARN = "WARN"  # an engine works, less well than configured
-    FAIL = "FAIL"  # an engine here would get errors or no hits
-    SKIP = "skip"  # not checked: a check it needs did not pass
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str  # what was found
-    fix: str = ""  # what to do, for WARN and FAIL
 
 
 def _size(n: int) -> str:
@@ -374,24 +358,11 @@ def examine(socket: str | None = None, timeout: float = 5.0, vllm: bool = False)
     return list(checks.values())
 
 
-def report_text(checks: list[Check]) -> str:
-    lines = []
-    for c in checks:
-        lines.append(f"{c.status.value:<5} {c.name}: {c.detail}")
-        if c.fix:
-            lines.append(f"      fix: {c.fix}")
-    failed = [c.name for c in checks if c.status is Status.FAIL]
-    lines.append(
-        f"an engine here would not work with kvd: {', '.join(failed)} failed"
-        if failed
-        else "an engine here would work with kvd"
-    )
-    return "\n".join(lines)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvd doctor", description="check, where an engine runs, everything it needs from kvd"
+        prog="kvd doctor",
+        description="check, where an engine runs, everything it needs from kvd",
+        epilog="kvd doctor --disk checks the disk tier where the daemon runs (kvd doctor --disk --help)",
     )
     p.add_argument(
         "--socket", help="the daemon's socket, as the engine is given it (default: found as the engine finds it)"
@@ -407,12 +378,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     checks = examine(args.socket, args.timeout, args.vllm)
-    ok = all(c.status is not Status.FAIL for c in checks)
-    if args.json:
-        print(json.dumps({"ok": ok, "checks": [asdict(c) | {"status": c.status.value} for c in checks]}, indent=2))
-    else:
-        print(report_text(checks))
-    return 0 if ok else 1
+    print(report_json(checks) if args.json else report_text(checks, "an engine here"))
+    return 0 if passed(checks) else 1
 
 
 if __name__ == "__main__":

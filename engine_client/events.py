@@ -22,7 +22,7 @@ class BlockStored:
     token_ids: list[int]  # block_size per page
     block_size: int
     lora_name: str | None
-    medium: str  # "CPU": kvd's host pages; "REMOTE": the remote tier's store
+    medium: str  # "CPU": kvd's host pages; "STORAGE": the disk tier's; "REMOTE": the remote tier's store
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,24 @@ def stats_table(stats: dict) -> str:
             f"{d['evicted_pages']:,} evicted, {d['skipped_pages']:,} skipped, {d['refused_pages']:,} refused, "
             f"{d['rejected_pages']:,} rejected, {d['errors']:,} errors"
         )
+        lines.append(disk_io_line(d))
     return "\n".join(lines)
+
+
+def disk_io_line(d: dict) -> str:
+    """One line on the disk tier's transfers: bytes each way, the write backlog, the promotion latency."""
+    from kvd.cache.stats import bucket_quantile
+
+    reads = sum(d["promotion_buckets"])
+    latency = "no promotion yet"
+    if reads:
+        p50, p99 = (bucket_quantile(d["promotion_buckets"], q) for q in (0.5, 0.99))
+        mean = d["promotion_seconds"] / reads
+        latency = f"promotion reads p50 <= {p50:g} s, p99 <= {p99:g} s, mean {mean:.3f} s ({reads:,} batches)"
+    return (
+        f"disk tier I/O: {d['written_bytes']:,} bytes written, {d['read_bytes']:,} read, "
+        f"{d['backlog_bytes']:,} waiting to be written; {latency}"
+    )
 
 
 def recovery_line(r: dict) -> str:
@@ -242,10 +259,39 @@ def _health(args) -> int:
 
 
 def _doctor(args) -> int:
-    """The checks are a client's (engine_client/doctor.py): they run in a process of their
-    own, as `kvd serve` runs apart from its clients, since the daemon's package never
-    imports the client (DESIGN.md). Its options are the doctor's own (``kvd doctor --help``)."""
+    """The engine's checks are a client's (engine_client/doctor.py): they run in a process of
+    their own, as `kvd serve` runs apart from its clients, since the daemon's package never
+    imports the client (DESIGN.md). Its options are the doctor's own (``kvd doctor --help``).
+    ``kvd doctor --disk`` checks the disk tier here instead (kvd/disk/doctor.py)."""
+    if "--disk" in args.passed_on:
+        return _disk_doctor(_disk_doctor_parser().parse_args(args.passed_on))
     return subprocess.run([sys.executable, "-m", "engine_client.doctor", *args.passed_on]).returncode
+
+
+def _disk_doctor_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvd doctor",
+        description="check, where the daemon runs and as its user, the disk tier its config sets up",
+    )
+    p.add_argument("--disk", action="store_true", required=True, help="check the disk tier (this mode)")
+    p.add_argument("--config", help=f"the daemon's TOML config file (default: $KVD_CONFIG, else {DEFAULT_CONFIG_FILE})")
+    p.add_argument("--disk-path", help="the directory to check, in place of the config's disk.path")
+    p.add_argument("--disk-bytes", help="the budget to check, in place of the config's disk.bytes")
+    p.add_argument("--disk-chunk-bytes", help="the file's unit of space, in place of the config's disk.chunk_bytes")
+    p.add_argument("--probe-bytes", default="64MiB", help="bytes the read probe writes and reads back (default 64MiB)")
+    p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    return p
+
+
+def _disk_doctor(args) -> int:
+    from kvd.disk.doctor import examine
+    from kvd.wire.checks import passed, report_json, report_text
+
+    flags = {"disk_path": args.disk_path, "disk_bytes": args.disk_bytes, "disk_chunk_bytes": args.disk_chunk_bytes}
+    cfg = config_mod.load(flags, config_file=args.config)
+    checks = examine(cfg, config_mod.parse_bytes(args.probe_bytes, "--probe-bytes"))
+    print(report_json(checks) if args.json else report_text(checks, "the disk tier here"))
+    return 0 if passed(checks) else 1
 
 
 def _common_options(sp: argparse.ArgumentParser) -> None:

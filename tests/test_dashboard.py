@@ -1,7 +1,7 @@
 """deploy/grafana/ and deploy/prometheus/ against a daemon's real metrics.
 
-Two daemons serve traffic (one plain, one with tenants, whose series carry a ``tenant``
-label), and every PromQL expression of the dashboard and of the alert rules must name
+Two daemons serve traffic (one plain with a disk tier, one with tenants, whose series carry
+a ``tenant`` label), and every PromQL expression of the dashboard and of the alert rules must name
 metrics one of them exports, with labels it exports or Prometheus attaches when it scrapes
 (``job``, ``instance`` and the target labels of deploy/prometheus/scrape.yml). The
 expressions are read by tests/promql.py, whose own tests come first.
@@ -100,10 +100,13 @@ def exported(tmp_path_factory) -> dict[str, set[str]]:
         )
     )
     found: dict[str, set[str]] = {}
+    (work / "disk").mkdir()
+    disk = ("--disk-path", str(work / "disk"), "--disk-bytes", "8MiB", "--disk-chunk-bytes", "1MiB")
     for name, env in (("plain", None), ("tenants", {"KVD_CONFIG": str(work / "tenants.toml")})):
         port = free_port()
         daemon = start_daemon(
             work,
+            *(disk if env is None else ()),  # the plain daemon's disk tier is on, the other's off
             "--enable-prefix-reuse",
             "--host-bytes",
             "64MiB",
@@ -178,6 +181,8 @@ def test_every_alert_rule_reads_what_the_daemon_exports(exported):
         "KvdCorruptedPages",
         "KvdRemoteStoreDown",
         "KvdHitRatioCollapse",
+        "KvdDiskErrors",
+        "KvdDiskFull",
     }
     assert {r["alert"]: problems(r["expr"], exported) for r in rules if problems(r["expr"], exported)} == {}
 

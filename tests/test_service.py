@@ -536,6 +536,7 @@ def test_metrics_endpoint_matches_kvd_stats(daemon_factory, tmp_path):
         assert samples[("kvd_request_seconds_count", (("method", "AllocateWithPrefix"),))] == 2
         assert samples[("kvd_request_seconds_count", (("method", "Publish"),))] == 1
         assert ("kvd_request_seconds_bucket", (("le", "+Inf"), ("method", "AllocateWithPrefix"))) in samples
+        assert samples[("kvd_event_loop_stalls_total", ())] == 0
 
 
 def json_stats(socket: str) -> dict:
@@ -657,7 +658,8 @@ def test_the_client_raises_its_own_error_codes_never_grpc_types(daemon, tmp_path
 
 def _check_typed(value: dict, declared: type, where: str) -> None:
     """``value`` holds the keys the typed dict ``declared`` names (optional ones may be
-    missing) and no other, each of its declared type; nested typed dicts and lists of them too."""
+    missing) and no other, each of its declared type; nested typed dicts and lists (of
+    them, or of plain values) too."""
     hints = typing.get_type_hints(declared)
     assert declared.__required_keys__ <= value.keys() <= hints.keys(), (where, set(value) ^ set(hints))
     for key, item in value.items():
@@ -667,7 +669,10 @@ def _check_typed(value: dict, declared: type, where: str) -> None:
         elif typing.get_origin(hint) is list:
             [element] = typing.get_args(hint)
             for i, each in enumerate(item):
-                _check_typed(each, element, f"{where}.{key}[{i}]")
+                if typing.is_typeddict(element):
+                    _check_typed(each, element, f"{where}.{key}[{i}]")
+                else:
+                    assert isinstance(each, element), (where, key, i, each)
         else:
             assert isinstance(item, typing.get_origin(hint) or hint), (where, key, item)
 

@@ -28,7 +28,8 @@ leaves, its buffer goes and one sequence number is skipped, so whoever resumes l
 sees the gap.
 
 ``medium`` is "CPU" for kvd's host pages; a remote tier reports its own pages through the
-same calls with ``medium="REMOTE"``.
+same calls with ``medium="REMOTE"``, the disk tier with ``medium="STORAGE"`` (vLLM's name
+for a secondary tier on storage, which its own file-system offloading tier announces).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvd.wire.enums import ExtraKind
 
 MEDIUM_CPU = "CPU"  # kvd's host pages
 MEDIUM_REMOTE = "REMOTE"  # pages of a remote store tier
+MEDIUM_STORAGE = "STORAGE"  # pages of the disk tier (vllm/distributed/kv_events.py's MEDIUM_STORAGE)
 
 
 @dataclass

@@ -8,6 +8,7 @@ sharing saves against keeping each sequence's KV separately.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, fields
 
 from kvd.core.types import PageState
@@ -65,6 +66,35 @@ class RemoteStats:
         return asdict(self)
 
 
+# Upper bounds (seconds) of the promotion latency's buckets, then one above them all: a
+# promotion of 64 pages of 2 MiB read in 0.13-0.2 s on a SATA-class disk (bench/RESULTS.md).
+PROMOTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Latencies:
+    """Seconds observed, counted per bucket of ``PROMOTION_BUCKETS`` (the last: above them
+    all), and their sum: a Prometheus histogram's data."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(PROMOTION_BUCKETS) + 1))
+    seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(PROMOTION_BUCKETS, seconds)] += 1  # bucket i: at most PROMOTION_BUCKETS[i]
+        self.seconds += seconds
+
+
+def bucket_quantile(counts: list[int], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of what ``counts`` counted
+    (inf: above the last bound); None when nothing was."""
+    total, seen = sum(counts), 0
+    for bound, n in zip((*PROMOTION_BUCKETS, float("inf")), counts):
+        seen += n
+        if total and seen >= q * total:
+            return bound
+    return None
+
+
 @dataclass
 class DiskStats:
     """The disk tier (kvd/disk/tier.py): what it holds and its counters ("off" without it)."""
@@ -81,6 +111,10 @@ class DiskStats:
     evicted_pages: int = 0  # freed from the disk to make room
     rejected_pages: int = 0  # read back and failed a check: dropped from the disk
     errors: int = 0  # reads and writes that failed
+    written_bytes: int = 0  # page bytes written
+    read_bytes: int = 0  # page bytes read back
+    promotion_buckets: list[int] = field(default_factory=lambda: Latencies().counts)  # batches of reads, by seconds
+    promotion_seconds: float = 0.0  # their seconds, summed
     backlog_bytes: int = 0  # copies of evicted pages waiting to be written
     recovered_pages: int = 0  # found on disk at start-up
     direct_io: bool = False
@@ -95,8 +129,9 @@ def combined_disk(parts: list[DiskStats]) -> DiskStats:
     total = DiskStats(state="on" if on else "off", direct_io=bool(on) and all(part.direct_io for part in on))
     for part in on:
         for f in fields(part):
-            if f.name not in ("state", "direct_io"):
+            if f.name not in ("state", "direct_io", "promotion_buckets"):
                 setattr(total, f.name, getattr(total, f.name) + getattr(part, f.name))
+        total.promotion_buckets = [a + b for a, b in zip(total.promotion_buckets, part.promotion_buckets)]
     return total
 
 

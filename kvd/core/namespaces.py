@@ -171,6 +171,10 @@ class NamespaceRegistry:
             self.add(ns)
         return ns
 
+    def by_root(self, root: bytes) -> Namespace | None:
+        """The registered namespace whose pages chain from ``root``; None when none is."""
+        return self._by_root.get(root)
+
     def get(self, namespace_id: int) -> Namespace:
         ns = self._by_id.get(NamespaceId(namespace_id))
         if ns is None:

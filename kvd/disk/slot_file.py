@@ -124,13 +124,11 @@ class SlotFile:
                 if created:
                     os.unlink(path)
                 raise
-            alignment = direct_io_alignment(path) if direct else None
-            if alignment is not None and alignment <= BLOCK:
-                direct_fd = _open_direct(path)
-                if direct_fd is not None:
-                    os.close(fd)
-                    fd = direct_fd
-                    return cls(path, fd, size, alignment)
+            opened = open_direct(path) if direct else None
+            if opened is not None:
+                os.close(fd)
+                fd, alignment = opened
+                return cls(path, fd, size, alignment)
             return cls(path, fd, size, None)
         except BaseException:
             os.close(fd)
@@ -281,6 +279,17 @@ class SlotFile:
         if part:
             os.pwritev(self.fd, part, offset)
         crashpoints.die()
+
+
+def open_direct(path: str) -> tuple[int, int] | None:
+    """An O_DIRECT descriptor of the file ``path`` (read and write) and the alignment it
+    needs, when the file system supports direct I/O there at an alignment of at most
+    ``BLOCK`` and an aligned read through it works; None: transfers must be buffered."""
+    alignment = direct_io_alignment(path)
+    if alignment is None or alignment > BLOCK:
+        return None
+    fd = _open_direct(path)
+    return None if fd is None else (fd, alignment)
 
 
 def _open_direct(path: str) -> int | None:

@@ -23,9 +23,9 @@ policy (``[disk] policy``: ARC or LRU, kvd/disk/eviction.py, the same classes th
 study replays) holds as many pages as the file has slots of the first page size the tier
 sees; each page is admitted before it is written, and the pages it gives up for it are
 freed first. One batch is written at a time, so a page given up is on disk already or in
-the batch being admitted (then not written). A write the disk still refuses as full (pages of several sizes share the
-file) frees as many more of the policy's victims and is tried once more (still full:
-``refused_pages``). A page hit on disk (``find``) is used in the policy's eyes.
+the batch being admitted (then not written). A write the disk still refuses as full
+(pages of several sizes share the file) frees as many more of the policy's victims and is
+tried once more (still full: ``refused_pages``). A page hit on disk (``find``) is used in the policy's eyes.
 
 Hits: the tier is a ``FetchSource`` for the cache's fetch machinery (``Fetches``,
 kvd/cache/fetches.py, shared with the remote tier), asked only when the disk holds the
@@ -39,6 +39,21 @@ request expects before publishing the pages in chain order as CACHED. A page rea
 another tenant or namespace root never matches. A page rejected there is freed from the
 disk (``reject``).
 
+KV events (kvd/cache/events.py) keep a router's view of this host exact: a page becomes
+findable on disk once its write is done (or at start-up, for the pages recovered) and is
+announced ``BlockStored`` with medium ``STORAGE``; a page freed from the disk (to make room,
+rejected, dropped by a failed read) is announced ``BlockRemoved`` with medium ``STORAGE``.
+RAM's own events say the rest: the eviction that sent a page here was its ``BlockRemoved``
+for ``CPU``, a promotion is a ``BlockStored`` for ``CPU`` (the disk keeps its copy).
+Between an eviction and the write's end the page is on neither medium, and announced on
+neither (a promotion may still copy it from the write's copy). A recovered page whose
+namespace no engine registered yet is announced with namespace id 0 (the ZMQ stream carries
+no namespace).
+
+Metrics beside the counters: bytes written and read, and the promotion latency (from the
+reads' start to their pages back on the event loop, checked) as a histogram
+(``Latencies``, kvd/cache/stats.py).
+
 The launcher (kvd/server/daemon.py) attaches one to each tenant's cache before the remote
 tier (RAM → disk → store): ``Tiers.missed`` asks the remote tier only when the disk brings
 nothing.
@@ -48,24 +63,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvd.cache.events import MEDIUM_STORAGE
 from kvd.cache.fetches import Arrival, Done, Fetches, Found, PageHeader
 from kvd.cache.holds import Holds
 from kvd.cache.places import page_seal, recovered_places
-from kvd.cache.stats import DiskStats
+from kvd.cache.stats import DiskStats, Latencies
 from kvd.config import DiskConfig
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.records import page_checksum
-from kvd.core.types import PageId, PageKey
+from kvd.core.types import NamespaceId, PageId, PageKey
 from kvd.disk.admission import UseCounts
 from kvd.disk.eviction import POLICIES, EvictionPolicy
 from kvd.disk.layout import BLOCK, DiskPage, PageIdentity, SlotClass
@@ -99,6 +116,9 @@ class DiskTierCounters:
     evicted_pages: int = 0  # freed from the disk to make room
     rejected_pages: int = 0  # read back and failed a check: a miss, dropped from the disk
     errors: int = 0  # reads and writes that failed
+    written_bytes: int = 0  # page bytes written
+    read_bytes: int = 0  # page bytes read back (promotions, rejected pages included)
+    promotions: Latencies = field(default_factory=Latencies)  # seconds each batch of reads took
 
 
 class DiskTier:
@@ -118,12 +138,14 @@ class DiskTier:
         self.settings = settings
         self.loop = loop
         self.arena, self.pool, self.integrity = m.arena, m.pool, m.integrity
+        self.events, self.namespaces = m.events, m.namespaces
         self.counters = DiskTierCounters()
         self.policy: EvictionPolicy | None = None  # sized by the first page size seen (_sized)
         self.uses: UseCounts | None = None  # with min_uses > 1
         self._holds = Holds(m.pool)
         self._placed: dict[PageId, ChainPlace] = recovered_places(m.pool, m.index, m.namespaces)
         self._on_disk: dict[DiskKey, DiskPage] = {}
+        self._extra_keys: dict[DiskKey, tuple[ExtraKey, ...]] = {}  # of queued pages that have some: their events
         self._queued: list[PageWrite] = []
         self._backlog = 0  # bytes of copies queued or being written
         self._writing = False  # a batch is on its way to the disk
@@ -193,6 +215,8 @@ class DiskTier:
             self.loop.call_soon(self._write_queued)  # once the eviction's call is done: one batch
         self._queued.append(write := PageWrite(identity, copy, Seal(*sealed)))
         self._copies[key] = write
+        if place.extra_keys:
+            self._extra_keys[key] = place.extra_keys
 
     def served(self, hits: list[PageId], page_size: int) -> None:
         self.fetches.served(hits, page_size)
@@ -239,6 +263,10 @@ class DiskTier:
             evicted_pages=c.evicted_pages,
             rejected_pages=c.rejected_pages,
             errors=c.errors,
+            written_bytes=c.written_bytes,
+            read_bytes=c.read_bytes,
+            promotion_buckets=list(c.promotions.counts),
+            promotion_seconds=c.promotions.seconds,
             backlog_bytes=self._backlog,
             recovered_pages=s.recovered_pages,
             direct_io=s.direct_io,
@@ -287,9 +315,12 @@ class DiskTier:
                 on_disk.append((n, PageRead(entry.slot, view)))
             else:
                 copied[n] = _copied(entry, view)
+        started = time.monotonic()
 
         def arrived(results) -> None:
-            read = dict(zip((n for n, _ in on_disk), self._arrivals(ns, [found[n] for n, _ in on_disk], results)))
+            reads = [found[n] for n, _ in on_disk]
+            headers = self._arrivals(ns, reads, results, started) if reads else []
+            read = dict(zip((n for n, _ in on_disk), headers))
             done([read[n] if n in read else copied[n] for n in range(len(found))], None)
 
         self._when_done(self.store.read([r for _, r in on_disk]), arrived)
@@ -304,12 +335,14 @@ class DiskTier:
         elif self._forget(entry):
             self.store.free([entry.slot])
 
-    def _arrivals(self, ns: Namespace, found: Found, results) -> list[PageHeader | Arrival]:
+    def _arrivals(self, ns: Namespace, found: Found, results, started: float) -> list[PageHeader | Arrival]:
         """Each page's header as the disk has it, once its checksum held; a page the store
         dropped is forgotten."""
+        self.counters.promotions.observe(time.monotonic() - started)
         got: list[PageHeader | Arrival] = []
         for (on_disk, _), result in zip(found, results):
             if isinstance(result, ReadOk):
+                self.counters.read_bytes += result.page.page_bytes
                 i = result.page.identity
                 ours = i.scope == self.scope and i.namespace_root == ns.root
                 got.append(
@@ -344,6 +377,7 @@ class DiskTier:
             else:  # given up for a page after it in the batch
                 self.counters.evicted_pages += 1
                 self._backlog -= write.view.nbytes
+                self._extra_keys.pop(_key(write.identity), None)
                 self._drop_copy(write)
         self._free_then_write(freed, batch, retry=False)
 
@@ -361,12 +395,14 @@ class DiskTier:
         victims and writes the refused pages once more; then the next batch."""
         full: list[PageWrite] = []
         for write, result in zip(writes, results):
-            if isinstance(result, Written):
-                self.counters.written_pages += 1
-                self._index(result.page)
-            elif result.reason is WriteRefusal.FULL and not retry:
+            if not isinstance(result, Written) and result.reason is WriteRefusal.FULL and not retry:
                 full.append(write)
                 continue
+            extra_keys = self._extra_keys.pop(_key(write.identity), ())
+            if isinstance(result, Written):
+                self.counters.written_pages += 1
+                self.counters.written_bytes += result.page.page_bytes
+                self._index(result.page, extra_keys)
             else:
                 self._policy.forget(_key(write.identity))  # not on disk
                 if result.reason is WriteRefusal.CHANGED:
@@ -414,7 +450,7 @@ class DiskTier:
         return self._on_disk_of(self._policy.admit(key))
 
     def _on_disk_of(self, victims: list) -> list[DiskPage]:
-        freed = [self._on_disk.pop(key) for key in victims if key in self._on_disk]
+        freed = [self._unindex(key) for key in victims if key in self._on_disk]
         self.counters.evicted_pages += len(freed)
         return freed
 
@@ -423,23 +459,40 @@ class DiskTier:
         if self._copies.get(key) is write:
             del self._copies[key]
 
-    def _index(self, page: DiskPage) -> None:
-        """A page on disk (the policy holds it) becomes findable; an older copy of the same
-        page is freed."""
+    def _index(self, page: DiskPage, extra_keys: tuple[ExtraKey, ...] = ()) -> None:
+        """A page on disk (the policy holds it) becomes findable (and is announced); an older
+        copy of the same page is freed."""
         key = _key(page.identity)
         assert key in self._policy, f"page {key[1].hex()} is on disk, and the disk's policy does not hold it"
         older = self._on_disk.get(key)
         self._on_disk[key] = page
         if older is not None:
             self.store.free([older.slot])
+            return
+        i = page.identity
+        page_size = len(i.tokens) // TOKEN_BYTES
+        parent = PageKey(i.parent_key) if i.page_index else None
+        ns = self._namespace_id(i.namespace_root)
+        self.events.stored(ns, page_size, i.page_index, i.key, parent, i.tokens, extra_keys, medium=MEDIUM_STORAGE)
+
+    def _unindex(self, key: DiskKey) -> DiskPage:
+        """A page on disk stops being findable (and is announced so)."""
+        page = self._on_disk.pop(key)
+        self.events.removed(self._namespace_id(key[0]), key[1], medium=MEDIUM_STORAGE)
+        return page
 
     def _forget(self, on_disk: DiskPage) -> bool:
         key = _key(on_disk.identity)
         if self._on_disk.get(key) != on_disk:
             return False
-        del self._on_disk[key]
+        self._unindex(key)
         self._policy.forget(key)
         return True
+
+    def _namespace_id(self, root: bytes) -> NamespaceId:
+        """The id of the namespace ``root`` roots in this daemon; 0 while no engine registered it."""
+        ns = self.namespaces.by_root(root)
+        return NamespaceId(0) if ns is None else ns.id
 
     def _answered(self, then, results) -> None:
         if not self._closed:

@@ -40,6 +40,7 @@ from kvd.core.arena import Arena, daemon_segments, memlock_limit, unlink_segment
 from kvd.core.shm import SHM_DIR, shm_free_bytes
 from kvd.durability import recovery
 from kvd.server import handshake
+from kvd.server.loop_watch import LoopWatch
 from kvd.server.messages import SERVICE
 from kvd.server.offload import Offload
 from kvd.server.service import KvdServicer, add_to_server
@@ -451,6 +452,8 @@ async def run(config: ServeConfig, metrics=None) -> bool:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sweeper = asyncio.create_task(_sweep_pins(daemon.tenants))
+    watch = LoopWatch(on_stall=metrics.count_stall if metrics is not None else None)
+    watch.start()
     # Everything built so far (recovered pages, servers) lives as long as the daemon.
     gc_policy = collector.Collector().install()
     _log_serving(config, metrics is not None, started)
@@ -460,6 +463,7 @@ async def run(config: ServeConfig, metrics=None) -> bool:
         loop.remove_signal_handler(sig)
         signal.signal(sig, signal.SIG_IGN)
     sweeper.cancel()
+    watch.stop()
     await daemon.stop()
     gc_policy.uninstall()
     log.info("stopped")

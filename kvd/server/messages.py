@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from kvd.cache import stats as stats_mod
-from kvd.cache.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent
+from kvd.cache.events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvd.cache.requests import (
     MAX_REQUEST_FIELDS,
     Batch,
@@ -262,9 +262,15 @@ def kv_event(e: KVEvent) -> pb.KVEvent:
     return pb.KVEvent(removed=pb.BlockRemoved(namespace_id=e.namespace, block_hashes=e.keys, medium=e.medium))
 
 
+def _host_removal(e: KVEvent) -> bool:
+    """Whether ``e`` is what a removals-only subscriber hears: a host page's removal or a clear."""
+    return isinstance(e, AllBlocksCleared) or isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU
+
+
 def kv_event_batch(b: EventBatch, removals_only: bool = False) -> pb.KVEventBatch | None:
-    """The batch on the wire; for a subscriber of removals only, its removals (None: none)."""
-    events = [e for e in b.events if not (removals_only and isinstance(e, BlockStored))]
+    """The batch on the wire; for a subscriber of removals only (a client that holds host
+    pages), the removals of host pages and clears (None: none)."""
+    events = [e for e in b.events if not removals_only or _host_removal(e)]
     if removals_only and not events:
         return None
     return pb.KVEventBatch(seq=b.seq, ts=b.ts, events=[kv_event(e) for e in events])

@@ -12,11 +12,20 @@ fails the scrape rather than serve stale values.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import platform
 import threading
 
-from prometheus_client import CollectorRegistry, Histogram, Info, PlatformCollector, ProcessCollector, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvd import __version__
 from kvd.cache import stats as stats_mod
@@ -81,6 +90,8 @@ _DISK_COUNTERS = {
     "evicted_pages": "Pages freed from the disk tier to make room",
     "rejected_pages": "Pages read back from disk that failed a check: served as a miss and dropped",
     "errors": "Disk tier reads and writes that failed",
+    "written_bytes": "Page bytes written to the disk tier",
+    "read_bytes": "Page bytes read back from the disk tier (promotions)",
 }
 _DISK_GAUGES = {
     "pages": "Pages on the disk tier",
@@ -98,6 +109,14 @@ def _disk_families(disk):
         yield GaugeMetricFamily(f"kvd_disk_{name}", doc, value=float(getattr(disk, name)))
     for name, doc in _DISK_COUNTERS.items():
         yield CounterMetricFamily(f"kvd_disk_{name}", doc, value=getattr(disk, name))
+    cumulative = list(itertools.accumulate(disk.promotion_buckets))
+    yield HistogramMetricFamily(
+        "kvd_disk_promotion_seconds",
+        "Seconds a batch of promotion reads took, from the reads' start to their pages checked on the daemon's loop",
+        buckets=[(str(bound), n) for bound, n in zip(stats_mod.PROMOTION_BUCKETS, cumulative)]
+        + [("+Inf", cumulative[-1])],
+        sum_value=disk.promotion_seconds,
+    )
 
 
 class _StatsCollector:
@@ -190,7 +209,15 @@ class MetricsExporter:
             registry=self.registry,
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0),
         )
+        self._stalls = Counter(
+            "kvd_event_loop_stalls",
+            "Times the event loop was held over a second (calls waited; the log says where)",
+            registry=self.registry,
+        )
         self._server = None
+
+    def count_stall(self) -> None:  # on the loop watchdog's thread (kvd/server/loop_watch.py)
+        self._stalls.inc()
 
     def observe_latency(self, method: str, seconds: float) -> None:
         self._latency.labels(method).observe(seconds)

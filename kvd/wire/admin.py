@@ -52,7 +52,8 @@ def stats_dict(reply: pb.StatsReply) -> Stats:
         "shm_refusals": reply.shm_refusals,
         "recovery": recovery_dict(reply.recovery),
         "remote": _fields(reply.remote) | {"state": reply.remote.state or "off"},
-        "disk": _fields(reply.disk) | {"state": reply.disk.state or "off"},
+        "disk": _fields(reply.disk)
+        | {"state": reply.disk.state or "off", "promotion_buckets": list(reply.disk.promotion_buckets)},
         "namespaces": [
             {
                 "namespace_id": n.namespace_id,

@@ -94,6 +94,10 @@ class DiskStats(TypedDict):
     backlog_bytes: int
     recovered_pages: int
     direct_io: bool
+    written_bytes: int
+    read_bytes: int  # promotions' reads
+    promotion_buckets: list[int]  # batches of promotion reads per bound of kvd/cache/stats.py's PROMOTION_BUCKETS
+    promotion_seconds: float  # their seconds, summed
 
 
 class Stats(PageStats):
