@@ -25,8 +25,11 @@ lookup did not find in host memory and its allocation did). The daemon's disk co
 follow (written, given up by the policy, skipped, refused) and how many requests waited for
 a promotion, and the invariants are checked at the end.
 
+``--settle``: each request also waits until the pages evicted so far are written, as the
+simulation's writes are instant (tests/test_bench_trace.py replays the trace's head so).
+
     python bench/bench_trace.py [--trace PATH] [--ram 0.02] [--disk 0.40]
-        [--policies arc lru] [--min-uses 1] [--requests N] [--dir DIR]
+        [--policies arc lru] [--min-uses 1] [--requests N] [--patience 5] [--settle] [--dir DIR]
 """
 
 from __future__ import annotations
