@@ -329,9 +329,7 @@ class DiskTier:
         """The page read back is not the one the request expects: freed from the disk (a
         write's copy: not read again)."""
         if isinstance(entry, PageWrite):
-            key = _key(entry.identity)
-            if self._copies.get(key) is entry:
-                del self._copies[key]
+            self._drop_copy(entry)
         elif self._forget(entry):
             self.store.free([entry.slot])
 
