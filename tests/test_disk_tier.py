@@ -311,3 +311,26 @@ def test_min_uses_writes_only_the_pages_used_that_often(tmp_path, daemon_factory
         assert settled_hit(c, ns, 2) == 0
         s = c.stats()["disk"]
         assert s["written_pages"] == PAGES and s["skipped_pages"] == s["refused_pages"] == 0
+
+
+def test_the_disk_answers_at_once_and_again_and_before_its_writes_end(tmp_path, daemon_factory):
+    """A prompt the disk cannot help is answered 0 at once (no pending); a prompt evicted
+    just now is promoted even while its write may still be on its way (its copy serves it);
+    and promoted, evicted and asked again within the fetch recheck delay, it is promoted again."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        want = publish(c, ns, 1)
+        evict(c, ns, range(2, 5))  # prompt 1 leaves host memory: asked at once, on disk or on its way
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        assert all(np.array_equal(a, b) for a, b in zip(hit_bytes(c, ns, 1), want))
+        written(c, PAGES)
+        assert lookup(c, ns, 99).remote_pending_tokens == 0  # nothing of it on disk
+        evict(c, ns, range(5, 9))  # prompt 1 leaves host memory again, well within RECHECK
+        first = lookup(c, ns, 1)
+        assert first.hit_tokens == 0 and first.remote_pending_tokens > 0
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        assert all(np.array_equal(a, b) for a, b in zip(hit_bytes(c, ns, 1), want))
+        assert c.check_invariants() == []
