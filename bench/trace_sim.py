@@ -52,9 +52,10 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -62,6 +63,8 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from kvd.disk.eviction import ArcPolicy, LruPolicy
 
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
 SYNTHETIC_TRACE = Path("shared", "traces", "synthetic_trace.jsonl")
@@ -105,16 +108,20 @@ class Trace:
         return np.split(following, np.cumsum(lengths)[:-1])
 
 
+def read_requests(path: Path, requests: int | None = None) -> list[dict]:
+    """The first ``requests`` requests (all when None) of a FAST'25 trace, as its JSON objects."""
+    with open(path) as lines:
+        return [json.loads(line) for line in itertools.islice(lines, requests)]
+
+
+def full_blocks(records: Sequence[dict]) -> Trace:
+    """The requests' full blocks (the last hash id may be a partial block)."""
+    return Trace([r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in records])
+
+
 def load_trace(path: Path, requests: int | None = None) -> Trace:
     """The first ``requests`` requests (all when None) of a FAST'25 trace, full blocks only."""
-    loaded = []
-    with open(path) as lines:
-        for line in lines:
-            if requests is not None and len(loaded) == requests:
-                break
-            r = json.loads(line)
-            loaded.append(r["hash_ids"][: r["input_length"] // BLOCK_TOKENS])
-    return Trace(loaded)
+    return full_blocks(read_requests(path, requests))
 
 
 class Tier(Enum):
@@ -195,26 +202,22 @@ class OneTier:
             self.touch(block)
 
 
-class LRU(OneTier):
-    """Least recently used first out."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._pages: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._pages
+class PolicyCache(OneTier):
+    """A tier that evicts by one of the disk tier's policies (kvd/disk/eviction.py), mixed in
+    before it: the daemon's own classes, so the study measures what kvd runs."""
 
     def touch(self, block: int) -> int | None:
         """Inserts or refreshes ``block``; the block evicted to make room, if any (the block
-        itself when the capacity is 0)."""
-        if block in self._pages:
-            self._pages.move_to_end(block)
+        itself when the capacity is 0 and the policy keeps nothing)."""
+        if block in self:
+            self.hit(block)
             return None
-        self._pages[block] = None
-        if len(self._pages) > self.capacity:
-            return self._pages.popitem(last=False)[0]
-        return None
+        freed = self.admit(block)
+        return freed[0] if freed else None
+
+
+class LRU(LruPolicy, PolicyCache):
+    """Least recently used first out."""
 
 
 class AdmitOnSecondUse(LRU):
@@ -231,63 +234,8 @@ class AdmitOnSecondUse(LRU):
                 self.touch(block)
 
 
-class ARC(OneTier):
-    """Adaptive Replacement Cache (Megiddo and Modha, FAST'03): recency (T1) and frequency
-    (T2) lists, with ghosts of their evictions (B1, B2) steering the target size of T1."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._t1: OrderedDict[int, None] = OrderedDict()
-        self._t2: OrderedDict[int, None] = OrderedDict()
-        self._b1: OrderedDict[int, None] = OrderedDict()
-        self._b2: OrderedDict[int, None] = OrderedDict()
-        self._target = 0.0  # of T1
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._t1 or block in self._t2
-
-    def touch(self, x: int) -> None:
-        """ARC's request of ``x``; what it evicts becomes a ghost, so nothing is returned."""
-        c, t1, t2, b1, b2 = self.capacity, self._t1, self._t2, self._b1, self._b2
-        if x in t1 or x in t2:
-            (t1 if x in t1 else t2).pop(x)
-            t2[x] = None
-            return
-        if x in b1:
-            self._target = min(c, self._target + max(len(b2) / len(b1), 1))
-            self._replace(in_b2=False)
-            del b1[x]
-            t2[x] = None
-            return
-        if x in b2:
-            self._target = max(0.0, self._target - max(len(b1) / len(b2), 1))
-            self._replace(in_b2=True)
-            del b2[x]
-            t2[x] = None
-            return
-        if c == 0:
-            return
-        if len(t1) + len(b1) == c:
-            if len(t1) < c:
-                b1.popitem(last=False)
-                self._replace(in_b2=False)
-            else:
-                t1.popitem(last=False)
-        elif len(t1) + len(t2) + len(b1) + len(b2) >= c:
-            if len(t1) + len(t2) + len(b1) + len(b2) == 2 * c:
-                b2.popitem(last=False)
-            self._replace(in_b2=False)
-        t1[x] = None
-
-    def _replace(self, in_b2: bool) -> None:
-        """Moves the LRU page of T1 or T2 to its ghost list."""
-        t1, t2 = self._t1, self._t2
-        if len(t1) + len(t2) < self.capacity:
-            return
-        if t1 and (len(t1) > self._target or (in_b2 and len(t1) == self._target)):
-            self._b1[t1.popitem(last=False)[0]] = None
-        else:
-            self._b2[t2.popitem(last=False)[0]] = None
+class ARC(ArcPolicy, PolicyCache):
+    """Adaptive Replacement Cache (Megiddo and Modha, FAST'03), as the disk tier runs it."""
 
 
 class Belady(OneTier):

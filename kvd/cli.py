@@ -61,6 +61,8 @@ _DISK_FLAGS = {
     "backlog_bytes": "copies of evicted pages waiting for the disk, at most (default 256MiB)",
     "chunk_bytes": "the disk file's unit of space (default 64MiB)",
     "stop_write_seconds": "a graceful stop writes what host memory holds to disk, this long at most (default 10)",
+    "policy": "which pages leave a full disk: arc (the default) or lru",
+    "min_uses": "write a page RAM evicts once it has had this many uses (default 1: every one)",
 }
 
 _REMOTE_FLAGS = {

@@ -42,6 +42,8 @@ named after it and its share of ``bytes`` (as its share of ``host_bytes``)::
     backlog_bytes = "256MiB"     # copies of evicted pages waiting for the disk, at most
     chunk_bytes = "64MiB"        # the file's unit of space, one page size per chunk
     stop_write_seconds = 10      # a graceful stop writes what host memory holds, this long at most
+    policy = "arc"               # which pages leave a full disk: "arc" (the default) or "lru"
+    min_uses = 1                 # a page RAM evicts is written once it has had this many uses
 """
 
 from __future__ import annotations
@@ -199,6 +201,10 @@ class DiskConfig:
     backlog_bytes: int = 256 << 20  # copies of evicted pages waiting to be written (per tenant)
     chunk_bytes: int = 64 << 20  # kvd/disk/layout.py: pages of one size share a chunk
     stop_write_seconds: float = 10.0  # kvd/disk/stop_writes.py: a graceful stop's writes, at most
+    policy: str = "arc"  # kvd/disk/eviction.py: which pages leave a full disk
+    # kvd/disk/admission.py: a page RAM evicts is written once it has had this many uses (its
+    # publish, each allocation that hit it); 1 writes every one, 2 cuts writes 2-3x (bench/RESULTS.md)
+    min_uses: int = 1
 
     def share(self, tenant: str | None, host_bytes: int, total_host_bytes: int) -> tuple[str, int]:
         """The directory and budget of one tenant (None: the implicit one, the whole table)."""
@@ -209,7 +215,17 @@ class DiskConfig:
 
 _DISK_KEYS = {f.name: f for f in dataclasses.fields(DiskConfig)}
 _DISK_SIZES = ("bytes", "backlog_bytes", "chunk_bytes")
+DISK_POLICIES = ("arc", "lru")  # kvd/disk/eviction.py's POLICIES
 DISK_BLOCK = 4096  # kvd/disk/layout.py's BLOCK (the disk package loads only with [disk])
+
+
+def _count(value, name: str, source: str) -> int:
+    """An integer setting, from TOML (an integer) or from the environment or a flag (its digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        return int(value)
+    raise ConfigError(f"{name}: expected an integer, got {value!r} (from {source})")
 
 
 def _disk(values: dict[str, tuple[object, str]]) -> DiskConfig | None:
@@ -224,6 +240,8 @@ def _disk(values: dict[str, tuple[object, str]]) -> DiskConfig | None:
             value = parse_bytes(value, f"disk.{key}")
         elif key == "stop_write_seconds":
             value = _seconds(value, f"disk.{key}", source)
+        elif key == "min_uses":
+            value = _count(value, f"disk.{key}", source)
         elif not isinstance(value, str):
             raise ConfigError(f"disk.{key}: expected a string, got {value!r} (from {source})")
         checked[key] = value
@@ -240,6 +258,10 @@ def _disk(values: dict[str, tuple[object, str]]) -> DiskConfig | None:
     elif checked["bytes"] < DISK_BLOCK + chunk:
         least = DISK_BLOCK + chunk
         problem = f"bytes: {checked['bytes']} holds no chunk of {chunk} bytes (chunk_bytes); give at least {least}"
+    elif checked.get("policy", DiskConfig.policy) not in DISK_POLICIES:
+        problem = f"policy: expected one of {list(DISK_POLICIES)}, got {checked['policy']!r}"
+    elif checked.get("min_uses", 1) < 1:
+        problem = f"min_uses: expected a number of uses >= 1, got {checked['min_uses']}"
     if problem:
         sources = sorted({source for _, source in values.values()})
         raise ConfigError(f"disk.{problem} (from {', '.join(sources)})")

@@ -155,25 +155,29 @@ def test_a_kill_while_a_write_back_is_in_flight_keeps_exactly_the_completed_page
 @pytest.mark.parametrize(
     "crash_at",
     [
-        "disk-slot-invalidated:1",  # the victims' headers zeroed, neither synced nor reported
-        "disk-data-written:4",  # the refused pages' bytes in the victims' slots, no header yet
+        "disk-slot-invalidated:2",  # prompt 4's victims' headers zeroed, neither synced nor reported
+        "disk-data-written:5",  # prompt 4's bytes in its victims' slots, no header yet
     ],
 )
 def test_a_kill_while_disk_space_is_reclaimed_keeps_exactly_the_pages_not_freed(tmp_path, daemon_factory, crash_at):
-    """One chunk of ten slots holds prompts 1 and 2; prompt 3's eviction finds room for two of
-    its pages: the tier frees its two least recent pages (prompt 1's) for the other two, and
-    the daemon dies freeing them or writing into their slots."""
+    """One chunk of ten slots, prompts written tail first, each admitted to the disk's policy
+    before it is written, the pages it gives up freed first. Prompts 1 and 2 fill eight slots;
+    prompt 3 takes the two free ones and the two of prompt 1's pages given up for it (slots
+    0-1: the first write run, data write 3, the second run 4). Prompt 4 is given the next four
+    (slots 2-5: prompt 1's head and prompt 2's tail) and, as one run, written there: the daemon
+    dies freeing them (the second free) or writing into their slots (data write 5)."""
     assert SLOTS == 2 * PAGES + 2
     disk = tmp_path / "disk"
     disk.mkdir()
     d = daemon_factory(*daemon_args(disk, chunks=1), env=clean_env(tmp_path, KVD_DISK_CRASH_AT=crash_at))
     p = Prompts(KVDClient.connect(d.socket))
-    want = {seed: p.publish(seed) for seed in range(1, 6)}  # prompts 1 and 2 evicted
-    written(p, 2 * PAGES)
-    crashed(d, p, 6)  # evicts prompt 3
-    # A chain is evicted (and written) tail first: the victims were prompt 1's last two pages,
-    # prompt 3's two pages on disk are its last two (no hit without their parents).
-    after_crash(daemon_factory, disk, SLOTS - 2, want, in_ram={4, 5}, on_disk={1: PAGES - 2, 2: PAGES})
+    want = {seed: p.publish(seed) for seed in range(1, 4)}
+    for seed in range(4, 7):  # each evicts one prompt, written as a batch of its own
+        want[seed] = p.publish(seed)
+        written(p, (seed - 3) * PAGES)
+    crashed(d, p, 7)  # evicts prompt 4
+    # Prompt 2's head (its last two pages written) and all of prompt 3 are left.
+    after_crash(daemon_factory, disk, SLOTS - 4, want, in_ram={5, 6}, on_disk={2: PAGES - 2, 3: PAGES})
 
 
 def test_a_read_error_during_a_promotion_is_a_miss_and_host_memory_keeps_serving(tmp_path, daemon_factory):

@@ -86,6 +86,17 @@ def written(client: KVDClient, pages: int) -> None:
     wait_until(lambda: client.stats()["disk"]["written_pages"] >= pages, f"{pages} pages written to disk", 10)
 
 
+def admitted(client: KVDClient, pages: int) -> None:
+    """Waits until ``pages`` evicted pages reached the disk or were given up by its policy (a
+    page given up before its batch is written is not written)."""
+
+    def done():
+        s = client.stats()["disk"]
+        return s["pages"] + s["evicted_pages"] >= pages
+
+    wait_until(done, f"{pages} pages written to disk or given up", 10)
+
+
 def evicted_to_disk(client: KVDClient, ns: int) -> list[np.ndarray]:
     """Publishes prompt 1, evicts it from host memory and waits until it is on disk; its pages' bytes."""
     want = publish(client, ns, 1)
@@ -123,23 +134,6 @@ def test_an_evicted_prompt_is_promoted_from_disk_with_equal_bytes_and_survives_a
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_a_prompt_not_on_disk_is_no_pending_fetch(tmp_path, daemon_factory):
-    """A disk lookup is an index lookup: a prompt whose next page is not on disk is answered at
-    once, so the client is not told to ask again (and the remote tier below hears of the miss
-    in the same call, tests/test_remote.py), and its first page written to disk is found by
-    the next ask, whatever the recheck delay after a fetch that ended."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    d = daemon_factory(*daemon_args(disk))
-    with KVDClient.connect(d.socket) as c:
-        ns = c.register_namespace(MODEL, LAYOUT)
-        evicted_to_disk(c, ns)
-        for seed in (1, 99):  # on disk (a disk is there to look in), never published
-            assert lookup(c, ns, seed).remote_pending_tokens == (PAGES * LAYOUT.page_size if seed == 1 else 0)
-        assert lookup(c, ns, 99).remote_pending_tokens == 0, "asked again: still nothing to wait for"
-        assert c.stats()["disk"]["errors"] == 0
-
-
 def test_a_page_changed_on_disk_is_a_miss_and_dropped(tmp_path, daemon_factory):
     disk = tmp_path / "disk"
     disk.mkdir()
@@ -172,7 +166,7 @@ def test_a_full_disk_evicts_its_oldest_pages(tmp_path, daemon_factory):
         ns = c.register_namespace(MODEL, LAYOUT)
         for seed in range(1, 13):
             publish(c, ns, seed)
-        written(c, 9 * PAGES)  # prompts 1-9 left host memory
+        admitted(c, 9 * PAGES)  # prompts 1-9 left host memory (a page given up in its batch is not written)
         s = c.stats()["disk"]
         assert s["pages"] == 51 and s["evicted_pages"] == 9 * PAGES - 51 and s["errors"] == s["refused_pages"] == 0
         assert settled_hit(c, ns, 1) < PAGES * LAYOUT.page_size  # the oldest prompt left the disk
@@ -214,6 +208,18 @@ def test_a_vanished_directory_refuses_writes_and_ram_keeps_serving(tmp_path, dae
             {"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_stop_write_seconds": "soon"},
             "stop_write_seconds: expected",
         ),
+        (
+            {"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_policy": "fifo"},
+            "disk.policy: expected one of ['arc', 'lru']",
+        ),
+        (
+            {"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_min_uses": "0"},
+            "disk.min_uses: expected a number of uses >= 1",
+        ),
+        (
+            {"disk_path": "/tmp", "disk_bytes": "1GiB", "disk_min_uses": "two"},
+            "disk.min_uses: expected an integer, got 'two' (from --disk-min-uses)",
+        ),
     ],
 )
 def test_bad_disk_settings_are_refused_with_their_source(flags, message):
@@ -224,14 +230,19 @@ def test_bad_disk_settings_are_refused_with_their_source(flags, message):
 def test_disk_settings_from_file_environment_and_flags(tmp_path):
     path = tmp_path / "kvd.toml"
     path.write_text(
-        'host_bytes = "4GiB"\n[disk]\npath = "/var/lib/kvd"\nbytes = "100GiB"\n'
+        'host_bytes = "4GiB"\n[disk]\npath = "/var/lib/kvd"\nbytes = "100GiB"\npolicy = "lru"\nmin_uses = 3\n'
         '[tenants.alpha]\nuids = [1001]\nhost_bytes = "1GiB"\n'
     )
     flags = {"disk_backlog_bytes": "64MiB", "disk_stop_write_seconds": "2.5"}
-    cfg = config.load(flags, environ={"KVD_DISK_BYTES": "200GiB"}, config_file=str(path))
-    assert cfg.disk == config.DiskConfig("/var/lib/kvd", 200 << 30, backlog_bytes=64 << 20, stop_write_seconds=2.5)
+    environ = {"KVD_DISK_BYTES": "200GiB", "KVD_DISK_MIN_USES": "2"}
+    cfg = config.load(flags, environ=environ, config_file=str(path))
+    assert cfg.disk == config.DiskConfig(
+        "/var/lib/kvd", 200 << 30, backlog_bytes=64 << 20, stop_write_seconds=2.5, policy="lru", min_uses=2
+    )
     assert cfg.disk.share("alpha", 1 << 30, cfg.host_bytes) == ("/var/lib/kvd/alpha", 50 << 30)
     assert config.load({}, environ={}, config_file=None).disk is None
+    default = config.load({"disk_path": "/tmp", "disk_bytes": "1GiB"}, environ={}, config_file=None).disk
+    assert (default.policy, default.min_uses) == ("arc", 1)
 
 
 def test_a_missing_directory_stops_the_start_with_a_clear_error(tmp_path):
@@ -269,3 +280,66 @@ def test_each_tenant_has_its_own_directory_and_share_of_the_budget(tmp_path, dae
         assert c.stats()["disk"]["capacity_bytes"] == 4096 + 8 * CHUNK  # mine's half
     assert sorted(os.listdir(disk)) == ["mine", "other"]
     assert all((disk / t / FILE_NAME).exists() for t in ("mine", "other"))
+
+
+@pytest.mark.parametrize("policy, kept", [("arc", True), ("lru", False)])
+def test_the_policy_decides_what_a_full_disk_keeps(tmp_path, daemon_factory, policy, kept):
+    """A prompt read back from disk (used again) and then a stream of prompts used once
+    through a disk of 51 pages: ARC, the default, keeps the prompt used again; LRU lets it go."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    flags = () if policy == "arc" else ("--disk-policy", policy)
+    d = daemon_factory(*daemon_args(disk, disk_bytes=4096 + CHUNK), *flags)
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        evicted_to_disk(c, ns)
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        evict(c, ns, range(6, 20))  # prompts 2-16 written (1 again: on disk still), 120 pages
+        admitted(c, 16 * PAGES)
+        s = c.stats()["disk"]
+        assert s["pages"] == 51 and s["evicted_pages"] == 16 * PAGES - 51
+        assert (settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size) is kept
+        assert settled_hit(c, ns, 16) == PAGES * LAYOUT.page_size  # the latest, either way
+    assert f"disk tier: {policy.upper()} of 51 pages" in d.log()
+
+
+def test_min_uses_writes_only_the_pages_used_that_often(tmp_path, daemon_factory):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk), "--disk-min-uses", "2")
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        want = publish(c, ns, 1)
+        hit_bytes(c, ns, 1)  # its second use: an allocation hits it
+        evict(c, ns, range(2, 6))  # prompts 1 and 2 leave host memory, 2 after one use
+        written(c, PAGES)
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        assert all(np.array_equal(a, b) for a, b in zip(hit_bytes(c, ns, 1), want))
+        assert settled_hit(c, ns, 2) == 0
+        s = c.stats()["disk"]
+        assert s["written_pages"] == PAGES and s["skipped_pages"] == s["refused_pages"] == 0
+
+
+def test_the_disk_answers_at_once_and_again_and_before_its_writes_end(tmp_path, daemon_factory):
+    """A prompt the disk cannot help is answered 0 at once, however often asked (no pending:
+    the remote tier below hears of the miss in the same call, tests/test_remote.py); a prompt evicted
+    just now is promoted even while its write may still be on its way (its copy serves it);
+    and promoted, evicted and asked again within the fetch recheck delay, it is promoted again."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        want = publish(c, ns, 1)
+        evict(c, ns, range(2, 5))  # prompt 1 leaves host memory: asked at once, on disk or on its way
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        assert all(np.array_equal(a, b) for a, b in zip(hit_bytes(c, ns, 1), want))
+        written(c, PAGES)
+        assert lookup(c, ns, 99).remote_pending_tokens == 0  # nothing of it on disk (a disk to look in)
+        assert lookup(c, ns, 99).remote_pending_tokens == 0, "asked again: still nothing to wait for"
+        evict(c, ns, range(5, 9))  # prompt 1 leaves host memory again, well within RECHECK
+        first = lookup(c, ns, 1)
+        assert first.hit_tokens == 0 and first.remote_pending_tokens > 0
+        assert settled_hit(c, ns, 1) == PAGES * LAYOUT.page_size
+        assert all(np.array_equal(a, b) for a, b in zip(hit_bytes(c, ns, 1), want))
+        assert c.check_invariants() == []

@@ -48,7 +48,10 @@ from kvd.wire.codec import TOKEN_BYTES
 log = logging.getLogger(__name__)
 
 # A prompt whose fetch just ended is not looked up in the source again this soon: the client
-# that asks again learns that nothing more is coming instead of starting another fetch.
+# that asks again learns that nothing more is coming instead of starting another fetch. A
+# source that knows at once whether it holds a prompt's next page (the disk's index) asks for
+# the delay only after a fetch that brought nothing (``recheck_after_landing=False``), so the
+# same prompt asked again later is promoted again, and a fetch cut short is continued.
 RECHECK_SECONDS = 1.0
 MAX_RECENT_FETCHES = 4096
 
@@ -130,8 +133,10 @@ class Fetches:
         index: PrefixIndex,
         room: Room,
         pages: PageEvents,
+        recheck_after_landing: bool = True,
     ) -> None:
         self.source = source
+        self.recheck_after_landing = recheck_after_landing
         self.holds = holds
         self.counters = counters
         self.arena = arena
@@ -252,14 +257,17 @@ class Fetches:
             parent = page
         self.counters.fetched_pages += len(landed)
         self.pages.submit()
-        self._end(ident)
+        self._end(ident, landed=bool(landed))
 
-    def _end(self, ident: tuple) -> None:
+    def _end(self, ident: tuple, landed: bool = False) -> None:
         """Drops a fetch's holds: landed pages become CACHED, the rest are freed."""
         fetch = self._fetches.pop(ident)
-        self._recent[ident] = time.monotonic() + RECHECK_SECONDS
-        self._recent.move_to_end(ident)
-        while len(self._recent) > MAX_RECENT_FETCHES or next(iter(self._recent.values())) < time.monotonic():
+        if self.recheck_after_landing or not landed:
+            self._recent[ident] = time.monotonic() + RECHECK_SECONDS
+            self._recent.move_to_end(ident)
+        while self._recent and (
+            len(self._recent) > MAX_RECENT_FETCHES or next(iter(self._recent.values())) < time.monotonic()
+        ):
             self._recent.popitem(last=False)
         self.holds.release(list(release_order(fetch.landing)), 0)
         self.holds.release(list(release_order(fetch.hits)), 0)

@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 
-from kvd.disk.eviction import LruPolicy
+from kvd.disk.eviction import EvictionPolicy
 from kvd.disk.layout import DiskPage, SlotClass, chunk_of
 
 
 def victims(
-    policy: LruPolicy, on_disk: dict[Hashable, DiskPage], page_class: SlotClass, count: int, chunk_bytes: int
+    policy: EvictionPolicy, on_disk: dict[Hashable, DiskPage], page_class: SlotClass, count: int, chunk_bytes: int
 ) -> list[Hashable]:
     """The keys of the pages to free so that ``count`` pages of ``page_class`` find slots;
     taken out of the policy, not out of ``on_disk``. Fewer when the disk cannot make room."""

@@ -16,7 +16,7 @@ the event loop. Then (results in kvd/disk/results.py, free slots in kvd/disk/slo
 - ``read([PageRead(slot, view)])`` reads pages into the caller's buffers (newly allocated
   host pages) and checks each against its header's checksum; a page that fails, or whose
   read fails, is a miss and is dropped from the disk (its slot freed).
-- ``free(slots)`` frees slots the tier evicts (by its policy: ARC, kvd/disk/ has none).
+- ``free(slots)`` frees slots the tier evicts (by its policy, kvd/disk/eviction.py).
 
 Pages are known by slot: the tier keeps its own index from chain key to slot (from
 ``Opened.pages`` and each ``Written.page``). Two slots may hold the same identity (written
