@@ -226,13 +226,19 @@ class KVDClient:
         except KeyError:
             raise KVDError(ErrorCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
 
+    def map_extents(self, ns: int):
+        """Maps every extent the namespace has now (one call) and returns the mapped extents."""
+        self._namespace(ns)
+        reply = self._call("DescribeExtents", session=self.session, namespace_id=ns)
+        self._page_maps[ns].refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
+        return self.mapped_extents(ns)
+
     def _locate(self, ns: int, page_id: int):
         self._namespace(ns)
         page_map = self._page_maps[ns]
         found = page_map.find(page_id)
         if found is None:
-            reply = self._call("DescribeExtents", session=self.session, namespace_id=ns)
-            page_map.refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
+            self.map_extents(ns)
             found = page_map.find(page_id)
             if found is None:
                 raise KVDError(ErrorCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")

@@ -80,6 +80,18 @@ def scheduled_together(new: list[tuple], num_scheduled_tokens: dict[str, int] | 
     )
 
 
+def nothing_scheduled(preempted: set[str] = frozenset()):
+    """A SchedulerOutput that schedules nothing (vLLM still runs the connector's step)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={},
+        preempted_req_ids=set(preempted),
+    )
+
+
 def offered(scheduler: KVDSchedulerSide, req, computed: int = 0, timeout: float = 10.0) -> int:
     """What the scheduler half offers vLLM for the request once its lookahead thread
     answered: vLLM announces the request (`on_new_request`), then asks each step while
@@ -155,13 +167,16 @@ class VllmProcess:
         self.scheduler.close()
         self.scheduler.link.close()
         for worker in self.workers:
+            worker.close()
             worker.link.close()
 
-    def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
+    def run(
+        self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0, settle: bool = True
+    ) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
         the workers' answer back to the scheduler; returns the blocks that failed to load."""
         self.scheduler.allocated(req, by_group(block_ids), num_external)
-        return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
+        return self._step(scheduled(req, block_ids, computed=local_hit + num_external), settle)
 
     def run_together(self, new: list[tuple]) -> set[int]:
         """One prefill step of several requests, each (request, block ids, external tokens)."""
@@ -184,37 +199,37 @@ class VllmProcess:
             )
         )
 
-    def _step(self, scheduler_output) -> set[int]:
+    def _step(self, scheduler_output, settle: bool = True) -> set[int]:
+        """One step on every worker; with `settle`, the workers' savers are waited for
+        before they report (vLLM's next step would see what they did meanwhile)."""
         meta = self.scheduler.build_metadata(scheduler_output)
         errors, reports = set(), []
         for worker in self.workers:  # what vLLM gathers from its ranks (its KVOutputAggregator)
+            worker.preempted(meta)
             worker.start_step(meta)
             for name in LAYERS:
                 worker.wait_layer(name)
-                worker.save_layer(name)
             worker.wait_for_save()
             errors |= worker.load_errors()
+        for worker in self.workers:
+            if settle:
+                wait_until(worker.saver.idle, "the worker's saves done", timeout=10)
             reports.append(worker.worker_metadata())
         self.scheduler.update_from_workers(functools.reduce(KVDWorkerMetadata.aggregate, reports))
         return errors
 
     def finish(self, req) -> None:
         """The request finished; vLLM then runs a step with nothing scheduled that tells the
-        workers (its connector metadata lists the finished request)."""
-        self.scheduler.finished(req)
+        workers (its connector metadata lists the finished request), and frees its blocks
+        once every worker reports its saves done, if the scheduler half asked it to wait."""
+        delayed = self.scheduler.finished(req)
         self.empty_step()
+        for worker in self.workers:
+            assert worker.finished_sending({req.request_id}) == ({req.request_id} if delayed else set())
 
-    def empty_step(self) -> None:
+    def empty_step(self, settle: bool = True) -> None:
         """A step that schedules nothing: the workers' report still comes back."""
-        self._step(
-            SimpleNamespace(
-                scheduled_new_reqs=[],
-                scheduled_cached_reqs=SimpleNamespace(
-                    req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
-                ),
-                num_scheduled_tokens={},
-            )
-        )
+        self._step(nothing_scheduled(), settle)
 
     def blocks(self, block_ids: list[int], rank: int = 0) -> torch.Tensor:
         return torch.stack([self.kvs[rank][name][block_ids] for name in LAYERS])
@@ -404,6 +419,7 @@ def test_a_hold_taken_before_a_daemon_restart_is_asked_for_afresh_from_the_new_i
         ns = SPEC.register(kvd)
         recovered = kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_tokens
         assert kvd.daemon_instance != held_on
+    wait_until(lambda: b.worker.saver.directory.instance not in ("", held_on), "the worker's new session", timeout=10)
     b.empty_step()  # the workers report their new session
     assert wait_until(
         lambda: b.scheduler.link.instance not in ("", held_on) and offered(b.scheduler, rb, 0) == recovered,
@@ -505,7 +521,10 @@ def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, 
     daemon.stop()
     daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
     new_instance = wait_until(
-        lambda: b.worker.link.attempt("probe", lambda kvd, ns: kvd.daemon_instance),
+        lambda: (
+            b.worker.saver.directory.instance not in ("", meta.loads[0].daemon_instance)
+            and b.worker.saver.directory.instance
+        ),
         "the worker's link reconnected",
         timeout=10,
     )
@@ -578,6 +597,8 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     None until the lookahead's patience runs out, then no hit. The first call of each
     half's link waits one call timeout and drops its session without asking the hung
     daemon again (a close would wait another timeout); later calls skip kvd at once.
+    The worker half's steps never wait: its saver's thread makes that first call, the
+    save is dropped, and vLLM frees the blocks of a request finished meanwhile once it is.
     After SIGCONT the daemon ends the dropped sessions, with what the timed-out calls
     left in them, and each half's link reconnects by itself, before any call asks for
     it: the first lookup once the worker has reported back hits."""
@@ -609,7 +630,12 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
         lookup = time.monotonic() - start
         assert answer == 0
         start = time.monotonic()
-        assert b.run(r1, list(range(10, 15))) == set()  # the worker allocates a sequence to save into
+        assert b.run(r1, list(range(10, 15)), settle=False) == set()  # its saver allocates a sequence to save into
+        step = time.monotonic() - start
+        assert b.scheduler.finished(r1), "vLLM freed the blocks of a request whose save is in flight"
+        b.empty_step(settle=False)
+        assert b.worker.finished_sending({"r1"}) == set(), "reported done while its save waits for kvd"
+        wait_until(lambda: b.worker.finished_sending(set()) == {"r1"}, "the save dropped", timeout=2 * timeout)
         save = time.monotonic() - start
         start = time.monotonic()
         for i in range(3):
@@ -624,7 +650,8 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     # r1 and the three later requests were computed without kvd's answer, each counted once
     assert (b.scheduler.lookahead.take_unanswered(), b.scheduler.lookahead.take_unanswered()) == (4, 0)
     assert longest_ask < 0.05, f"an ask held vLLM's scheduler {longest_ask * 1000:.1f} ms"
-    assert timeout <= save < timeout + 0.5, f"the worker half's step took {save:.2f} s"
+    assert step < 0.05, f"the worker half's step took {step * 1000:.1f} ms"
+    assert timeout <= save < timeout + 0.5, f"the save was dropped after {save:.2f} s"
     assert later < 0.5, f"three more requests took {later:.2f} s: kvd was not skipped"
     with KVDClient.connect(daemon.socket) as kvd:  # one session, polled
         wait_until(
@@ -634,6 +661,7 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
         )
         assert kvd.stats()["sequences"] == 0, "a sequence of a dropped session outlived it"
     assert offered(b.scheduler, rb, 0) == 0, "the workers reported no session with the last step"
+    wait_until(lambda: b.worker.saver.directory.instance, "the worker's saver took its new session")
     b.empty_step()
     assert offered(b.scheduler, rb, 0) == 4 * BLOCK
     assert b.run(rb, list(range(30, 35)), num_external=4 * BLOCK) == set()

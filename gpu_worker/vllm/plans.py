@@ -77,6 +77,7 @@ class KVDConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)  # requests whose kvd sequences the workers release
+    preempted: set[str] = field(default_factory=set)  # requests vLLM preempted: no save may read their blocks now
 
 
 @dataclass

@@ -30,7 +30,11 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
    those blocks, and `take_events` adds `BlockRemoved` for them once kvd evicts or drops
    them (gpu_worker/vllm/block_events.py).
 6. `finished` lets the request's hold go and tells the workers to release their
-   sequences. Published pages stay cached in kvd.
+   sequences. Published pages stay cached in kvd. The workers save asynchronously: a
+   request a save was planned for keeps its blocks in vLLM until the workers report its
+   saves done (`request_finished` returns True, the workers' `finished_sending`), and
+   the requests vLLM preempted go to the workers with the step's metadata
+   (`KVDConnectorMetadata.preempted`), so that no save reads a block vLLM reuses.
 
 So the scheduler half's calls are a lookup and a hold per batch of arriving requests,
 and a release per batch of finished ones, all off vLLM's scheduler loop.
@@ -146,6 +150,7 @@ class KVDSchedulerSide:
         self._loads: dict[str, _Load] = {}  # the step's loads, planned when its metadata is built
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
+        self._saving: set[str] = set()  # requests a save plan went out for, until they finish
 
     # ---- lookup and allocation ----------------------------------------------------
 
@@ -207,7 +212,8 @@ class KVDSchedulerSide:
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
         """This step's loads (from `allocated`), saves (the full blocks it completes) and
         the requests finished since the last step."""
-        meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished)
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished, preempted=preempted)
         self._finished = set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -246,6 +252,7 @@ class KVDSchedulerSide:
                     )
                 )
                 t.planned, t.announced, t.sent = end, True, max(t.sent, end * self.block_size)
+                self._saving.add(req_id)
         return meta
 
     def update_from_workers(self, worker_meta: KVDWorkerMetadata | None, failed_loads: set[str] = frozenset()) -> None:
@@ -265,9 +272,13 @@ class KVDSchedulerSide:
                 self.events.stored(t.request, t.prompt.extra_keys, t.keys, start, end)
         self._finished_requests.clear()  # a step's output answers its saves; none come later
 
-    def finished(self, request) -> None:
-        """The request is done (or aborted): its hold is let go; the workers release their sequences."""
+    def finished(self, request) -> bool:
+        """The request is done (or aborted): its hold is let go; the workers release their
+        sequences. True when a save was planned for it: vLLM keeps its blocks until every
+        worker reports its saves done (`finished_sending`; the workers count the same plans)."""
         req_id = request.request_id
+        saving = req_id in self._saving
+        self._saving.discard(req_id)
         self._local_hits.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._failed_loads.discard(req_id)
@@ -275,6 +286,7 @@ class KVDSchedulerSide:
         if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
             self._finished_requests[req_id] = t
+        return saving
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take()
