@@ -542,11 +542,13 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
 CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon
 
 
-def test_a_hung_daemon_costs_each_half_one_call_timeout_and_hits_resume_once_it_answers(setup):
-    """kvd SIGSTOPped under a live engine: the next request's lookup (scheduler half) and its
-    worker's first call each wait one call timeout, then drop their sessions without asking
-    the hung daemon again; later requests are not delayed; tokens equal vLLM's without kvd.
-    After SIGCONT both halves reconnect by themselves and hits resume."""
+def test_a_hung_daemon_costs_the_scheduler_half_one_call_timeout_and_hits_resume_once_it_answers(setup):
+    """kvd SIGSTOPped under a live engine: the next request's lookup (scheduler half) waits
+    one call timeout, then the half drops its session without asking the hung daemon again;
+    the worker half's calls wait on its saver's thread, never in a step (its saves are
+    dropped, and vLLM frees the blocks once they are); later requests are not delayed;
+    tokens equal vLLM's without kvd. After SIGCONT both halves reconnect by themselves and
+    hits resume."""
     a, baseline = setup["engines"]["a"], setup["engines"]["baseline"]
     daemon = setup["daemon"]
     expected = setup["baseline"]["a"][:16]
@@ -573,8 +575,8 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_and_hits_resume_once_it_
     assert a.counter("vllm:kvd_lookups_unanswered") == unanswered + 2, "each request kvd did not answer counts once"
     # a later request waits on no call timeout (on a loaded box compute alone varies by seconds)
     assert later < computed + CALL_TIMEOUT, f"a later request took {later:.2f} s, vLLM without kvd {computed:.2f} s"
-    assert first - later < 2 * CALL_TIMEOUT + 2.0, (
-        f"the first request took {first:.2f} s, the next {later:.2f} s: more than one call timeout per half"
+    assert first - later < CALL_TIMEOUT + 2.0, (
+        f"the first request took {first:.2f} s, the next {later:.2f} s: more than the scheduler half's call timeout"
     )
 
     def hits_again() -> int:

@@ -579,6 +579,7 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
     for p in (a, b):
         p.kvs = [{name: t.cuda() for name, t in p.kv.items()}]
+        p.worker.close()
         p.worker.link.close()
         p.workers = [KVDWorkerSide(KVDLink(daemon.socket, "test-worker", SPEC), LAYERS)]
         p.worker.register(p.kv)
@@ -590,6 +591,78 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     assert b.run(rb, list(range(20, 31)), num_external=10 * BLOCK) == set()
     torch.cuda.synchronize()
     assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(1, 11))))
+    # A step does not wait for its save copies: they wait on the GPU for the step's forward
+    # pass (here a kernel that spins a second), the host returns at once.
+    rc = request("c", tokens(10 * BLOCK + 5, seed=3))
+    a.scheduler.allocated(rc, (list(range(40, 51)),), 0)
+    meta = a.scheduler.build_metadata(scheduled(rc, list(range(40, 51))))
+    a.worker.start_step(meta)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles on the compute stream: "the forward pass"
+    start = time.monotonic()
+    a.worker.wait_for_save()
+    assert time.monotonic() - start < 0.1, "wait_for_save waited for the GPU"
+    wait_until(a.worker.saver.idle, "the save copied and published", timeout=30)
+    assert offered(b.scheduler, request("c-again", rc.prompt_token_ids), 0) == 10 * BLOCK
+
+
+def test_a_step_hands_its_saves_over_and_vllm_keeps_a_finished_requests_blocks_until_they_are_done(daemon):
+    """The worker half's step returns while its save waits for kvd (SIGSTOPped; a call
+    timeout long enough to outlast it): the scheduler half asks vLLM to keep the finished
+    request's blocks, the workers report nothing until the save is done, then report it;
+    what kvd publishes is the bytes of the blocks saved."""
+    a, b = VllmProcess(daemon.socket, 1, call_timeout=30), VllmProcess(daemon.socket, 2)
+    prompt = tokens(4 * BLOCK + 1)
+    ra = request("a", prompt)
+    wait_until(lambda: a.worker.saver.directory.instance, "the worker's saver connected")
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert a.run(ra, list(range(1, 6)), settle=False) == set()
+        assert a.scheduler.finished(ra), "vLLM was not asked to keep the blocks of a request being saved"
+        a.empty_step(settle=False)
+        steps = time.monotonic() - start
+        time.sleep(0.3)
+        assert a.worker.finished_sending({"a"}) == set(), "reported done while its save waits for kvd"
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    assert steps < 0.05, f"two steps took {steps * 1000:.1f} ms"
+    wait_until(lambda: a.worker.finished_sending(set()) == {"a"}, "the save done once kvd answers", timeout=10)
+    assert a.worker.finished_sending(set()) == set(), "reported twice"
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb) == 4 * BLOCK
+    assert b.run(rb, list(range(10, 15)), num_external=4 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(1, 5))))
+    rc = request("c", tokens(4 * BLOCK + 1, seed=7))  # never scheduled: nothing to wait for
+    assert offered(b.scheduler, rc) == 0 and not b.scheduler.finished(rc)
+
+
+def test_a_request_preempted_while_its_save_waits_saves_nothing_from_its_freed_blocks(daemon):
+    """vLLM preempts a request whose save waits for kvd and hands its blocks to others,
+    whose next forward pass writes them (`handle_preemptions` comes first): the save is
+    dropped, nothing is published from the reused blocks. When the request runs again,
+    in other blocks, the scheduler half plans its saves again and they publish its KV."""
+    a, b = VllmProcess(daemon.socket, 1, call_timeout=30), VllmProcess(daemon.socket, 2)
+    prompt = tokens(4 * BLOCK + 1)
+    ra = request("a", prompt)
+    wait_until(lambda: a.worker.saver.directory.instance, "the worker's saver connected")
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        assert a.run(ra, list(range(1, 6)), settle=False) == set()
+        a._step(nothing_scheduled(preempted={"a"}), settle=False)
+        for name in LAYERS:  # another request's forward pass writes the freed blocks
+            a.kv[name][1:6] = torch.randn_like(a.kv[name][1:6])
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    wait_until(a.worker.saver.idle, "the saver's turn done", timeout=10)
+    with KVDClient.connect(daemon.socket) as kvd:
+        ns = SPEC.register(kvd)
+        assert kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_tokens == 0, "published from reused blocks"
+    assert a.run(ra, list(range(20, 25))) == set()  # vLLM computes it again, in other blocks
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb) == 4 * BLOCK
+    assert b.run(rb, list(range(10, 15)), num_external=4 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(20, 24))))
 
 
 def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon):
