@@ -3,8 +3,8 @@
 The worker half loads pages that the scheduler half's sequences hold, on vLLM's forward
 thread, and that thread makes no kvd call: the worker's kvd calls are its `Saver`'s
 (gpu_worker/vllm/saver.py). The saver's thread maps the namespace's extents (when its
-session opens, every `refresh_seconds` while the engine steps, and when a load named a
-page it had not mapped) and hands the forward thread a snapshot: a directory of one
+session opens, every `refresh_seconds`, 0.5 s: one `DescribeExtents` call, and when a
+load named a page it had not mapped) and hands the forward thread a snapshot: a directory of one
 daemon instance, never changed once made. A load of a page the directory does not hold
 fails (vLLM recomputes its blocks) and asks the saver to map the extents again, so a page
 in an extent another engine created since the last refresh costs one recompute at most.

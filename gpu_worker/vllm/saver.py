@@ -182,8 +182,7 @@ class Saver:
                 steps, self._backlog = self._backlog, []
                 refresh, self._refresh_asked = self._refresh_asked, False
             try:
-                due = bool(steps) and time.monotonic() - self._mapped_at > self.refresh_seconds
-                self._follow_session(refresh or due)
+                self._follow_session(refresh or time.monotonic() - self._mapped_at > self.refresh_seconds)
                 if steps:
                     self._save(steps)
             except Exception:  # noqa: BLE001 - a bug in a turn must not hold vLLM's blocks for ever
