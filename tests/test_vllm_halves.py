@@ -8,6 +8,7 @@ between a plan and its load, no daemon at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -605,27 +606,37 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon):
     assert offered(b.scheduler, request("c-again", rc.prompt_token_ids), 0) == 10 * BLOCK
 
 
-def test_a_step_hands_its_saves_over_and_vllm_keeps_a_finished_requests_blocks_until_they_are_done(daemon):
-    """The worker half's step returns while its save waits for kvd (SIGSTOPped; a call
-    timeout long enough to outlast it): the scheduler half asks vLLM to keep the finished
-    request's blocks, the workers report nothing until the save is done, then report it;
-    what kvd publishes is the bytes of the blocks saved."""
+@contextlib.contextmanager
+def a_save_waiting_for_kvd(daemon):
+    """Processes a (its calls outlast a SIGSTOP) and b; inside, the daemon is SIGSTOPped
+    and a ran a step of request "a" (4 full blocks in blocks 1-5) whose save waits for
+    kvd. Yields a, b, the request and the seconds a's step took."""
     a, b = VllmProcess(daemon.socket, 1, call_timeout=30), VllmProcess(daemon.socket, 2)
-    prompt = tokens(4 * BLOCK + 1)
-    ra = request("a", prompt)
+    ra = request("a", tokens(4 * BLOCK + 1))
     wait_until(lambda: a.worker.saver.directory.instance, "the worker's saver connected")
     os.kill(daemon.process.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
         assert a.run(ra, list(range(1, 6)), settle=False) == set()
-        assert a.scheduler.finished(ra), "vLLM was not asked to keep the blocks of a request being saved"
-        a.empty_step(settle=False)
-        steps = time.monotonic() - start
-        time.sleep(0.3)
-        assert a.worker.finished_sending({"a"}) == set(), "reported done while its save waits for kvd"
+        yield a, b, ra, time.monotonic() - start
     finally:
         os.kill(daemon.process.pid, signal.SIGCONT)
+
+
+def test_a_step_hands_its_saves_over_and_vllm_keeps_a_finished_requests_blocks_until_they_are_done(daemon):
+    """The worker half's step returns while its save waits for kvd (SIGSTOPped; a call
+    timeout long enough to outlast it): the scheduler half asks vLLM to keep the finished
+    request's blocks, the workers report nothing until the save is done, then report it;
+    what kvd publishes is the bytes of the blocks saved."""
+    with a_save_waiting_for_kvd(daemon) as (a, b, ra, step):
+        start = time.monotonic()
+        assert a.scheduler.finished(ra), "vLLM was not asked to keep the blocks of a request being saved"
+        a.empty_step(settle=False)
+        steps = step + time.monotonic() - start
+        time.sleep(0.3)
+        assert a.worker.finished_sending({"a"}) == set(), "reported done while its save waits for kvd"
     assert steps < 0.05, f"two steps took {steps * 1000:.1f} ms"
+    prompt = ra.prompt_token_ids
     wait_until(lambda: a.worker.finished_sending(set()) == {"a"}, "the save done once kvd answers", timeout=10)
     assert a.worker.finished_sending(set()) == set(), "reported twice"
     rb = request("b", prompt)
@@ -641,18 +652,11 @@ def test_a_request_preempted_while_its_save_waits_saves_nothing_from_its_freed_b
     whose next forward pass writes them (`handle_preemptions` comes first): the save is
     dropped, nothing is published from the reused blocks. When the request runs again,
     in other blocks, the scheduler half plans its saves again and they publish its KV."""
-    a, b = VllmProcess(daemon.socket, 1, call_timeout=30), VllmProcess(daemon.socket, 2)
-    prompt = tokens(4 * BLOCK + 1)
-    ra = request("a", prompt)
-    wait_until(lambda: a.worker.saver.directory.instance, "the worker's saver connected")
-    os.kill(daemon.process.pid, signal.SIGSTOP)
-    try:
-        assert a.run(ra, list(range(1, 6)), settle=False) == set()
+    with a_save_waiting_for_kvd(daemon) as (a, b, ra, _):
         a._step(nothing_scheduled(preempted={"a"}), settle=False)
         for name in LAYERS:  # another request's forward pass writes the freed blocks
             a.kv[name][1:6] = torch.randn_like(a.kv[name][1:6])
-    finally:
-        os.kill(daemon.process.pid, signal.SIGCONT)
+    prompt = ra.prompt_token_ids
     wait_until(a.worker.saver.idle, "the saver's turn done", timeout=10)
     with KVDClient.connect(daemon.socket) as kvd:
         ns = SPEC.register(kvd)
