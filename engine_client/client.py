@@ -226,11 +226,15 @@ class KVDClient:
         except KeyError:
             raise KVDError(ErrorCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
 
-    def map_extents(self, ns: int):
-        """Maps every extent the namespace has now (one call) and returns the mapped extents."""
+    def describe_extents(self, ns: int) -> list[tuple[str, int, int]]:
+        """The namespace's extents now, each (shared-memory name, first page, pages), one call."""
         self._namespace(ns)
         reply = self._call("DescribeExtents", session=self.session, namespace_id=ns)
-        self._page_maps[ns].refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
+        return [(e.shm_name, e.first_page, e.num_pages) for e in reply.extents]
+
+    def map_extents(self, ns: int):
+        """Maps every extent the namespace has now (one call) and returns the mapped extents."""
+        self._page_maps[ns].refresh(self.describe_extents(ns))
         return self.mapped_extents(ns)
 
     def _locate(self, ns: int, page_id: int):

@@ -272,7 +272,7 @@ def setup(tmp_path_factory):
     )
     engines["baseline"] = Engine("baseline", model, workdir, None, env={"KVD_TEST_LORA": "1"})
     engines["p"] = Engine(  # KV cache for 48 blocks: vLLM preempts running requests
-        "p", model, workdir, socket, env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1536"}
+        "p", model, workdir, socket, env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024"}
     )
     try:
         for engine in engines.values():

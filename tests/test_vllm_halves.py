@@ -728,7 +728,9 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     assert (b.scheduler.lookahead.take_unanswered(), b.scheduler.lookahead.take_unanswered()) == (4, 0)
     assert longest_ask < 0.05, f"an ask held vLLM's scheduler {longest_ask * 1000:.1f} ms"
     assert step < 0.05, f"the worker half's step took {step * 1000:.1f} ms"
-    assert timeout <= save < timeout + 0.5, f"the save was dropped after {save:.2f} s"
+    # the saver's first call to the hung daemon (its save's, or its periodic mapping's
+    # before it) waits one call timeout at most, then its session is dropped
+    assert save < timeout + 0.5, f"the save was dropped after {save:.2f} s"
     assert later < 0.5, f"three more requests took {later:.2f} s: kvd was not skipped"
     with KVDClient.connect(daemon.socket) as kvd:  # one session, polled
         wait_until(

@@ -5,18 +5,25 @@ thread, and that thread makes no kvd call: the worker's kvd calls are its `Saver
 (gpu_worker/vllm/saver.py). The saver's thread maps the namespace's extents (when its
 session opens, every `refresh_seconds`, 0.5 s: one `DescribeExtents` call, and when a
 load named a page it had not mapped) and hands the forward thread a snapshot: a directory of one
-daemon instance, never changed once made. A load of a page the directory does not hold
-fails (vLLM recomputes its blocks) and asks the saver to map the extents again, so a page
-in an extent another engine created since the last refresh costs one recompute at most.
+daemon instance, never changed once made. A page in an extent created since (by another
+engine's saves) is found through the extents its load plan names (`ExtentRef`, asked by
+the scheduler half with its holds): `extended` maps them without a kvd call (the
+shared-memory object is opened by name), on the forward thread, into a directory of that
+thread's own. A page neither holds fails its load (vLLM recomputes its blocks) and asks
+the saver to map the extents again.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, field
 
 from engine_client import PageLayout
-from engine_client.pages import MappedExtent, extent_tensor
+from engine_client.pages import MappedExtent, attach, extent_tensor
+from gpu_worker.vllm.plans import ExtentRef
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,3 +61,17 @@ class PageDirectory:
             indices.append(page_id - extent.first_page)
             positions.append(position)
         return list(groups.values())
+
+    def extended(self, refs: list[ExtentRef]) -> PageDirectory:
+        """This directory with the named extents it does not hold, mapped here (no kvd call);
+        an extent that cannot be mapped (gone since) is left out."""
+        names = self.names()
+        added = []
+        for ref in refs:
+            if ref.name in names:
+                continue
+            try:
+                added.append(attach(ref.name, ref.first_page, ref.num_pages, self.layout))
+            except Exception as e:  # noqa: BLE001 - an extent that cannot be mapped: its pages fail to load
+                log.warning("kvd extent %s cannot be mapped: %s", ref.name, e)
+        return self if not added else PageDirectory.of(self.instance, self.layout, [*self.extents, *added])

@@ -333,6 +333,7 @@ class KVDSchedulerSide:
                     block_ids=tuple([blocks[p] for p in positions] for blocks in load.block_ids),
                     missing_block_ids=[b for g in load.block_ids for p in missing if (b := g[p]) != NULL_BLOCK],
                     asynchronous=self.async_loads,
+                    extents_by_rank=load.hold.extents_by_rank,
                 )
             )
         return plans

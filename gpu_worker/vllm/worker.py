@@ -7,7 +7,9 @@ them all, on a thread of its own, and copies the saves there.
 
 Loads run on the forward thread, from pages the scheduler half's kvd sequences hold,
 found in the saver's `PageDirectory` (gpu_worker/vllm/page_directory.py: the extents
-this process mapped, read without a call). On CUDA they are queued on a load stream for
+this process mapped, read without a call), or in the extents the load plan names, which
+this thread maps itself (created since the saver last mapped them; on CUDA copied from
+unregistered memory until the saver registers them). On CUDA they are queued on a load stream for
 every layer at once, with an event per layer that `wait_layer` makes the compute stream
 wait on, so a layer's load overlaps the layers computed before it. On CPU there is no copy
 engine to overlap with: every layer is copied before the forward pass, in
@@ -43,6 +45,7 @@ import torch
 
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.page_copies import copy_layer, merged, to_blocks
+from gpu_worker.vllm.page_directory import PageDirectory
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
 from gpu_worker.vllm.saver import Saver, StepSaves
 
@@ -81,6 +84,7 @@ class KVDWorkerSide:
         self.num_groups = max(self.layer_groups) + 1
         self.layout = link.namespace.layout
         self.saver: Saver | None = None  # made at `register`, with vLLM's cache
+        self._mapped_here = PageDirectory()  # extents load plans named that the saver's directory lacked
         self._layers: list[torch.Tensor] = []  # per layer: [blocks, 2, block_size, heads, head_dim] views
         self._load_stream: torch.cuda.Stream | None = None  # CUDA
         self._load_events: dict[int, torch.cuda.Event] = {}
@@ -131,7 +135,7 @@ class KVDWorkerSide:
             page_ids = plan.pages_by_rank[self.link.namespace.tp_rank]  # this rank's heads
             groups = None
             if not (plan.asynchronous and plan.missing_block_ids):
-                groups = self._loadable(plan.daemon_instance, page_ids)
+                groups = self._loadable(plan, page_ids)
             if plan.missing_block_ids or (groups is None and page_ids):
                 failed.add(plan.req_id)
             if plan.asynchronous:
@@ -158,20 +162,28 @@ class KVDWorkerSide:
                     self._load_events[layer].record(self._load_stream)
         return failed
 
-    def _loadable(self, daemon_instance: str, page_ids: list[int]):
-        """The pages grouped by extent, read from the saver's directory (no kvd call), or None:
-        pages of another daemon instance than the directory's (it restarted since the plan
-        was made) are not trusted, and a page the directory does not hold fails its load
-        (the saver maps the extents again)."""
+    def _loadable(self, plan: LoadPlan, page_ids: list[int]):
+        """The pages grouped by extent, read from the saver's directory, else from the
+        extents the plan names, mapped here (no kvd call either way); or None: pages of
+        another daemon instance than the directory's (it restarted since the plan was
+        made) are not trusted, and a page neither holds fails its load (the saver maps
+        the extents again)."""
         directory = self.saver.directory
-        if directory.instance != daemon_instance:
+        if directory.instance != plan.daemon_instance:
             log.warning(
-                "a load names pages of daemon instance %r, not of %r: recomputed", daemon_instance, directory.instance
+                "a load names pages of daemon instance %r, not of %r: recomputed",
+                plan.daemon_instance,
+                directory.instance,
             )
             return None
         groups = directory.pages_by_extent(page_ids)
+        if groups is None and plan.extents_by_rank:
+            if self._mapped_here.instance != directory.instance:
+                self._mapped_here = PageDirectory.of(directory.instance, self.layout, [])
+            self._mapped_here = self._mapped_here.extended(plan.extents_by_rank[self.link.namespace.tp_rank])
+            groups = self._mapped_here.pages_by_extent(page_ids)
         if groups is None:
-            log.warning("a load names a page of an extent this worker has not mapped yet: recomputed")
+            log.warning("a load names a page of an extent this worker has not mapped: recomputed")
             self.saver.ask_refresh()
         return groups
 
