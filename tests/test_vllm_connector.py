@@ -152,9 +152,15 @@ class Engine:
         return self.receive()
 
     def forget_local_cache(self) -> None:
-        """Empties vLLM's own prefix cache, so that only kvd can supply a prefix."""
-        self.send("reset_prefix_cache")
-        assert self.receive() is True
+        """Empties vLLM's own prefix cache, so that only kvd can supply a prefix. vLLM
+        refuses while blocks are in use: finished requests' blocks stay until their saves
+        are done, a moment after the request."""
+
+        def reset() -> bool:
+            self.send("reset_prefix_cache")
+            return self.receive()
+
+        wait_until(reset, f"engine {self.name} emptied its prefix cache", timeout=10)
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -227,6 +227,7 @@ class VllmProcess:
         self.empty_step()
         for worker in self.workers:
             assert worker.finished_sending({req.request_id}) == ({req.request_id} if delayed else set())
+        self.scheduler.update_from_workers(None, saved={req.request_id} if delayed else set())
 
     def empty_step(self, settle: bool = True) -> None:
         """A step that schedules nothing: the workers' report still comes back."""

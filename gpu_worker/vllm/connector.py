@@ -122,7 +122,11 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build_metadata(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_from_workers(connector_output.kv_connector_worker_meta, connector_output.failed_recving)
+        self._scheduler.update_from_workers(
+            connector_output.kv_connector_worker_meta,
+            connector_output.failed_recving,
+            connector_output.finished_sending or set(),
+        )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request), None  # True: freed once the workers' saves are done

@@ -149,7 +149,7 @@ class KVDSchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, _Load] = {}  # the step's loads, planned when its metadata is built
         self._finished: set[str] = set()  # for the workers, with the next metadata
-        self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
+        self._finished_requests: dict[str, _Tracked] = {}  # finished, saves in flight: for events still to come
         self._saving: set[str] = set()  # requests a save plan went out for, until they finish
 
     # ---- lookup and allocation ----------------------------------------------------
@@ -255,10 +255,16 @@ class KVDSchedulerSide:
                 self._saving.add(req_id)
         return meta
 
-    def update_from_workers(self, worker_meta: KVDWorkerMetadata | None, failed_loads: set[str] = frozenset()) -> None:
-        """The workers' daemon instance, vLLM KV events for the blocks they published, and
-        the asynchronous loads that failed: vLLM computes those requests' prompts, kvd
-        is not offered for them again."""
+    def update_from_workers(
+        self,
+        worker_meta: KVDWorkerMetadata | None,
+        failed_loads: set[str] = frozenset(),
+        saved: set[str] = frozenset(),
+    ) -> None:
+        """The workers' daemon instance, vLLM KV events for the blocks they published, the
+        asynchronous loads that failed (vLLM computes those requests' prompts, kvd is not
+        offered for them again), and the finished requests whose saves every worker
+        reported done (`finished_sending`: no events of theirs come later)."""
         for req_id in failed_loads:
             self._failed_loads.add(req_id)
             self.lookahead.let_go(req_id)
@@ -270,7 +276,8 @@ class KVDSchedulerSide:
             t = self._tracked.get(req_id) or self._finished_requests.get(req_id)
             if t is not None:
                 self.events.stored(t.request, t.prompt.extra_keys, t.keys, start, end)
-        self._finished_requests.clear()  # a step's output answers its saves; none come later
+        for req_id in saved:
+            self._finished_requests.pop(req_id, None)
 
     def finished(self, request) -> bool:
         """The request is done (or aborted): its hold is let go; the workers release their
@@ -285,7 +292,8 @@ class KVDSchedulerSide:
         self.lookahead.let_go(req_id)
         if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
-            self._finished_requests[req_id] = t
+            if saving:  # what its saves publish is reported until the workers say they are done
+                self._finished_requests[req_id] = t
         return saving
 
     def take_events(self) -> list[KVCacheEvent]:
