@@ -325,6 +325,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
     drop_damaged_page(daemon.socket, prompt, 6)
+    wait_until(lambda: b.scheduler.lookahead.usable_blocks("b") == 6, "the lookahead heard of the dropped page")
     b_blocks = list(range(20, 31))
     errors = b.run(rb, b_blocks, num_external=10 * BLOCK)
     assert errors == set(b_blocks[6:10]), "blocks kvd could no longer supply were not reported"
