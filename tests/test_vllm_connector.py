@@ -277,9 +277,6 @@ def setup(tmp_path_factory):
         },
     )
     engines["baseline"] = Engine("baseline", model, workdir, None, env={"KVD_TEST_LORA": "1"})
-    engines["p"] = Engine(  # KV cache for 48 blocks: vLLM preempts running requests
-        "p", model, workdir, socket, env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024"}
-    )
     try:
         for engine in engines.values():
             engine.wait_ready()
@@ -552,17 +549,27 @@ def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_an
     """An engine with too few KV blocks for its batch preempts running requests, whose
     saves may be in flight (vLLM hands their blocks to others at once): every request
     still gives vLLM's tokens without kvd, and what was saved loads the next time."""
-    p, baseline = setup["engines"]["p"], setup["engines"]["baseline"]
     rng = np.random.default_rng(31)
     prompts = [{"tokens": [int(t) for t in rng.integers(1, 999, 22 * BLOCK)]} for _ in range(4)]
-    expected, _ = baseline.generate(prompts, max_tokens=120)
-    preempted = p.counter("vllm:num_preemptions")
-    tokens, hits = p.generate(prompts, max_tokens=120)
-    assert p.counter("vllm:num_preemptions") > preempted, "vLLM preempted no request"
-    assert tokens == expected
-    p.forget_local_cache()
-    tokens, hits = p.generate(prompts, max_tokens=120)
-    assert tokens == expected and hits >= 4 * 21 * BLOCK, f"{hits} prompt tokens loaded from kvd"
+    expected, _ = setup["engines"]["baseline"].generate(prompts, max_tokens=120)
+    p = Engine(  # KV cache for 48 blocks (started here: a vLLM process takes ~3 GB while it lives)
+        "p",
+        setup["model"],
+        setup["workdir"],
+        setup["socket"],
+        env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024"},
+    )
+    try:
+        p.wait_ready()
+        tokens, hits = p.generate(prompts, max_tokens=120)
+        assert p.counter("vllm:num_preemptions") > 0, "vLLM preempted no request"
+        assert tokens == expected
+        p.forget_local_cache()
+        tokens, hits = p.generate(prompts, max_tokens=120)
+        assert tokens == expected and hits >= 4 * 21 * BLOCK, f"{hits} prompt tokens loaded from kvd"
+    finally:
+        p.stop()
+        unlink_vllm_shared_memory(p.shared_memory)
 
 
 CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon
