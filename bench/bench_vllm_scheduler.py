@@ -1,6 +1,7 @@
 """The time vLLM spends in KVDConnector per engine step, scheduler half and worker half, against vLLM alone.
 
     python bench/bench_vllm_scheduler.py [--requests 32] [--prompt 1024] [--shared 768] [--max-tokens 256]
+                                         [--configs alone kvd kvd-inline]
 
 Each configuration runs in a process of its own, vLLM's engine core in that process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the scheduler's methods can be timed where they
@@ -249,6 +250,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)  # ~250 full-batch steps: a p99 that is not the max
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--configs", nargs="+", choices=["alone", "kvd", "kvd-inline"], default=["alone", "kvd", "kvd-inline"]
+    )
     parser.add_argument("--child", choices=["alone", "kvd", "kvd-inline", "save"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -287,7 +291,7 @@ def main() -> None:
         ]
         try:
             child(args, "save")
-            results = {config: child(args, config) for config in ("alone", "kvd", "kvd-inline")}
+            results = {config: child(args, config) for config in args.configs}
         finally:
             daemon.stop()
             daemon.clean()
