@@ -557,7 +557,7 @@ def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_an
         setup["model"],
         setup["workdir"],
         setup["socket"],
-        env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024", "VLLM_CPU_KVCACHE_SPACE": ""},
+        env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024"},
     )
     try:
         p.wait_ready()
