@@ -1,6 +1,7 @@
-"""The time vLLM's scheduler spends in KVDConnector per engine step, against vLLM alone.
+"""The time vLLM spends in KVDConnector per engine step, scheduler half and worker half, against vLLM alone.
 
     python bench/bench_vllm_scheduler.py [--requests 32] [--prompt 1024] [--shared 768] [--max-tokens 256]
+                                         [--configs alone kvd kvd-inline]
 
 Each configuration runs in a process of its own, vLLM's engine core in that process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the scheduler's methods can be timed where they
@@ -21,9 +22,17 @@ requests wait, it sleeps 1 ms (`yield_when_idle`).
 Per engine step it records the seconds in the scheduler-side connector methods
 (`on_new_request`, `get_num_new_matched_tokens`, `update_state_after_alloc`,
 `build_connector_meta`, `update_connector_output`, `request_finished`, `take_events`),
-and the seconds of vLLM's `schedule()` + `update_from_output()`, and prints p50/p99/max
-over the steps that ran all requests at once (decode at full batch) and over all steps.
-Target (issue 25): connector time p99 ≤ 0.2 ms per step at 32 running requests.
+and the seconds of vLLM's `schedule()` + `update_from_output()`; and, the worker in this
+process too (vLLM's in-process executor), the seconds in the worker-side connector
+methods (`handle_preemptions`, `start_load_kv`, `wait_for_layer_load`, `save_kv_layer`,
+`wait_for_save`, `get_transfer_results` (vLLM's `get_finished`),
+`get_block_ids_with_load_errors`, `build_connector_worker_meta`), of which the load
+copies (gpu_worker/vllm/worker.py's `copy_layer`: on CPU they do not overlap compute),
+beside vLLM's own model step (from the end of `schedule()` to `update_from_output()`,
+the worker half's methods taken out). It prints p50/p99/max over the steps that ran all
+requests at once (decode at full batch) and over all steps.
+Targets: scheduler half p99 ≤ 0.2 ms per step at 32 running requests (issue 25); worker
+half p99 ≤ 0.2 ms, copies that overlap compute excluded (issue 31).
 """
 
 from __future__ import annotations
@@ -48,6 +57,16 @@ CONNECTOR_METHODS = (
     "update_connector_output",
     "request_finished",
     "take_events",
+)
+WORKER_METHODS = (
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
 )
 
 
@@ -127,28 +146,28 @@ def run_config(args) -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core_client import InprocClient
 
-    steps: list[dict] = []  # per schedule(): seconds in vLLM's scheduler, in the connector, requests run
-    connector_seconds = [0.0]
+    # per schedule(): seconds in vLLM's scheduler and model step, in each connector half, requests run
+    steps: list[dict] = []
+    spent = {"connector": 0.0, "worker": 0.0, "load_copies": 0.0}  # since the last update_from_output
+    scheduled_at = [0.0]
 
-    def timed(fn, into):
+    def timed(fn, into: str):
         def wrapper(*a, **kw):
             start = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                into(time.perf_counter() - start)
+                spent[into] += time.perf_counter() - start
 
         return wrapper
-
-    def add_connector(seconds: float) -> None:
-        connector_seconds[0] += seconds
 
     schedule, update = Scheduler.schedule, Scheduler.update_from_output
 
     def timed_schedule(self, *a, **kw):
         start = time.perf_counter()
         out = schedule(self, *a, **kw)
-        steps.append({"scheduler": time.perf_counter() - start, "requests": len(out.num_scheduled_tokens)})
+        scheduled_at[0] = time.perf_counter()
+        steps.append({"scheduler": scheduled_at[0] - start, "requests": len(out.num_scheduled_tokens)})
         return out
 
     def timed_update(self, *a, **kw):
@@ -156,8 +175,9 @@ def run_config(args) -> dict:
         out = update(self, *a, **kw)
         if steps:
             steps[-1]["scheduler"] += time.perf_counter() - start
-            steps[-1]["connector"] = connector_seconds[0]
-            connector_seconds[0] = 0.0
+            steps[-1]["model"] = start - scheduled_at[0] - spent["worker"]
+            steps[-1].update(spent)
+            spent.update(dict.fromkeys(spent, 0.0))
         return out
 
     Scheduler.schedule, Scheduler.update_from_output = timed_schedule, timed_update
@@ -175,8 +195,13 @@ def run_config(args) -> dict:
                 return answer
 
             KVDConnector.get_num_new_matched_tokens = wait_for_answer
+        from gpu_worker.vllm import worker
+
         for name in CONNECTOR_METHODS:
-            setattr(KVDConnector, name, timed(getattr(KVDConnector, name), add_connector))
+            setattr(KVDConnector, name, timed(getattr(KVDConnector, name), "connector"))
+        for name in WORKER_METHODS:
+            setattr(KVDConnector, name, timed(getattr(KVDConnector, name), "worker"))
+        worker.copy_layer = timed(worker.copy_layer, "load_copies")  # the forward thread's copies: loads
         kv_transfer = kvd_transfer(args)
     llm = engine(args, kv_transfer, max_num_seqs=max(args.requests, 8))
     _, batch = prompts(args)
@@ -225,6 +250,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)  # ~250 full-batch steps: a p99 that is not the max
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--configs", nargs="+", choices=["alone", "kvd", "kvd-inline"], default=["alone", "kvd", "kvd-inline"]
+    )
     parser.add_argument("--child", choices=["alone", "kvd", "kvd-inline", "save"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -263,7 +291,7 @@ def main() -> None:
         ]
         try:
             child(args, "save")
-            results = {config: child(args, config) for config in ("alone", "kvd", "kvd-inline")}
+            results = {config: child(args, config) for config in args.configs}
         finally:
             daemon.stop()
             daemon.clean()
@@ -277,9 +305,15 @@ def main() -> None:
         full = [s for s in steps if s["requests"] == args.requests]
         print(f"  {config:10s} {len(steps)} steps, {len(full)} with every request running")
         print(f"    vLLM scheduler per step, full batch: {percentiles([s['scheduler'] for s in full])}")
+        print(f"    vLLM model step, full batch:         {percentiles([s['model'] for s in full])}")
         if config != "alone":
-            print(f"    in the connector per step, full:     {percentiles([s['connector'] for s in full])}")
-            print(f"    in the connector per step, all:      {percentiles([s['connector'] for s in steps])}")
+            print(f"    scheduler half per step, full:       {percentiles([s['connector'] for s in full])}")
+            print(f"    scheduler half per step, all:        {percentiles([s['connector'] for s in steps])}")
+            print(f"    worker half per step, full:          {percentiles([s['worker'] for s in full])}")
+            print(f"    worker half per step, all:           {percentiles([s['worker'] for s in steps])}")
+            no_copies = [s["worker"] - s["load_copies"] for s in steps]
+            print(f"    worker half less load copies, all:   {percentiles(no_copies)}")
+            print(f"    load copies per step, all:           {percentiles([s['load_copies'] for s in steps])}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ Poisson stream. Per step it makes the calls gpu_worker/vllm/lookahead.py and wor
   holding the new hits;
 - worker: one `release` of the finished requests' sequences, one `allocate_with_prefix`
   of the new requests' prompts, one `extend_batch` for the requests whose generated tokens
-  filled a block, one `publish` of every sequence with new full blocks (`start_step`,
-  `wait_for_save`). Page bytes are not written: the daemon does not read them on these
-  paths (it checksums them after a publish, whatever they hold).
+  filled a block, one `publish` of every sequence with new full blocks (the worker's
+  saver thread, gpu_worker/vllm/saver.py, makes them once per turn, for every step handed
+  since its last; here once per step: a turn per step is the most it makes). Page
+  bytes are not written: the daemon does not read them on these paths (it checksums
+  them after a publish, whatever they hold).
 
 A request is prefilled in its first step and generates one token a step.
 """

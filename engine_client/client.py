@@ -226,13 +226,23 @@ class KVDClient:
         except KeyError:
             raise KVDError(ErrorCode.NOT_FOUND, f"namespace {ns} was not registered by this client") from None
 
+    def describe_extents(self, ns: int) -> list[tuple[str, int, int]]:
+        """The namespace's extents now, each (shared-memory name, first page, pages), one call."""
+        self._namespace(ns)
+        reply = self._call("DescribeExtents", session=self.session, namespace_id=ns)
+        return [(e.shm_name, e.first_page, e.num_pages) for e in reply.extents]
+
+    def map_extents(self, ns: int):
+        """Maps every extent the namespace has now (one call) and returns the mapped extents."""
+        self._page_maps[ns].refresh(self.describe_extents(ns))
+        return self.mapped_extents(ns)
+
     def _locate(self, ns: int, page_id: int):
         self._namespace(ns)
         page_map = self._page_maps[ns]
         found = page_map.find(page_id)
         if found is None:
-            reply = self._call("DescribeExtents", session=self.session, namespace_id=ns)
-            page_map.refresh([(e.shm_name, e.first_page, e.num_pages) for e in reply.extents])
+            self.map_extents(ns)
             found = page_map.find(page_id)
             if found is None:
                 raise KVDError(ErrorCode.NOT_FOUND, f"page {page_id} is not a page of namespace {ns}")

@@ -8,6 +8,7 @@ between a plan and its load, no daemon at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -81,6 +82,18 @@ def scheduled_together(new: list[tuple], num_scheduled_tokens: dict[str, int] | 
         ),
         num_scheduled_tokens=num_scheduled_tokens
         or {req.request_id: len(req.prompt_token_ids) - computed for req, _, computed in new},
+    )
+
+
+def nothing_scheduled(preempted: set[str] = frozenset()):
+    """A SchedulerOutput that schedules nothing (vLLM still runs the connector's step)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={},
+        preempted_req_ids=set(preempted),
     )
 
 
@@ -167,13 +180,16 @@ class VllmProcess:
         self.scheduler.close()
         self.scheduler.link.close()
         for worker in self.workers:
+            worker.close()
             worker.link.close()
 
-    def run(self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0) -> set[int]:
+    def run(
+        self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0, settle: bool = True
+    ) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
         the workers' answer back to the scheduler; returns the blocks that failed to load."""
         self.scheduler.allocated(req, by_group(block_ids), num_external)
-        return self._step(scheduled(req, block_ids, computed=local_hit + num_external))
+        return self._step(scheduled(req, block_ids, computed=local_hit + num_external), settle)
 
     def run_together(self, new: list[tuple]) -> set[int]:
         """One prefill step of several requests, each (request, block ids, external tokens)."""
@@ -196,39 +212,40 @@ class VllmProcess:
             )
         )
 
-    def _step(self, scheduler_output) -> set[int]:
+    def _step(self, scheduler_output, settle: bool = True) -> set[int]:
+        """One step on every worker; with `settle`, the workers' savers are waited for
+        before they report (vLLM's next step would see what they did meanwhile)."""
         meta = self.scheduler.build_metadata(scheduler_output)
         errors, reports = set(), []
         # what vLLM gathers from its ranks (its KVOutputAggregator); the last rank first, so that
         # a rank past 0 that saved an MLA page (it must not) would publish before rank 0
         for worker in reversed(self.workers):
+            worker.preempted(meta)
             worker.start_step(meta)
             for name in LAYERS:
                 worker.wait_layer(name)
-                worker.save_layer(name)
             worker.wait_for_save()
             errors |= worker.load_errors()
+        for worker in self.workers:
+            if settle:
+                wait_until(worker.saver.idle, "the worker's saves done", timeout=10)
             reports.append(worker.worker_metadata())
         self.scheduler.update_from_workers(functools.reduce(KVDWorkerMetadata.aggregate, reports))
         return errors
 
     def finish(self, req) -> None:
         """The request finished; vLLM then runs a step with nothing scheduled that tells the
-        workers (its connector metadata lists the finished request)."""
-        self.scheduler.finished(req)
+        workers (its connector metadata lists the finished request), and frees its blocks
+        once every worker reports its saves done, if the scheduler half asked it to wait."""
+        delayed = self.scheduler.finished(req)
         self.empty_step()
+        for worker in self.workers:
+            assert worker.finished_sending({req.request_id}) == ({req.request_id} if delayed else set())
+        self.scheduler.update_from_workers(None, saved={req.request_id} if delayed else set())
 
-    def empty_step(self) -> None:
+    def empty_step(self, settle: bool = True) -> None:
         """A step that schedules nothing: the workers' report still comes back."""
-        self._step(
-            SimpleNamespace(
-                scheduled_new_reqs=[],
-                scheduled_cached_reqs=SimpleNamespace(
-                    req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
-                ),
-                num_scheduled_tokens={},
-            )
-        )
+        self._step(nothing_scheduled(), settle)
 
     def blocks(self, block_ids: list[int], rank: int = 0) -> torch.Tensor:
         return torch.stack([self.kvs[rank][name][block_ids] for name in LAYERS])
@@ -322,6 +339,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
     rb = request("b", prompt)
     assert offered(b.scheduler, rb, 0) == 10 * BLOCK
     drop_damaged_page(daemon.socket, prompt, 6)
+    wait_until(lambda: b.scheduler.lookahead.usable_blocks("b") == 6, "the lookahead heard of the dropped page")
     b_blocks = list(range(20, 31))
     errors = b.run(rb, b_blocks, num_external=10 * BLOCK)
     assert errors == set(b_blocks[6:10]), "blocks kvd could no longer supply were not reported"
@@ -466,6 +484,7 @@ def test_a_hold_taken_before_a_daemon_restart_is_asked_for_afresh_from_the_new_i
         ns = SPEC.register(kvd)
         recovered = kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_tokens
         assert kvd.daemon_instance != held_on
+    wait_until(lambda: b.worker.saver.directory.instance not in ("", held_on), "the worker's new session", timeout=10)
     b.empty_step()  # the workers report their new session
     assert wait_until(
         lambda: b.scheduler.link.instance not in ("", held_on) and offered(b.scheduler, rb, 0) == recovered,
@@ -567,7 +586,10 @@ def test_a_daemon_restart_between_plan_and_load_is_a_load_error(daemon_factory, 
     daemon.stop()
     daemon.process = type(daemon).start(daemon.socket, *daemon.args, log_path=daemon.log_path).process
     new_instance = wait_until(
-        lambda: b.worker.link.attempt("probe", lambda kvd, ns: kvd.daemon_instance),
+        lambda: (
+            b.worker.saver.directory.instance not in ("", meta.loads[0].daemon_instance)
+            and b.worker.saver.directory.instance
+        ),
         "the worker's link reconnected",
         timeout=10,
     )
@@ -624,6 +646,7 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon, 
     a, b = VllmProcess(daemon.socket, 1, latent=latent), VllmProcess(daemon.socket, 2, latent=latent)
     for p in (a, b):
         p.kvs = [{name: t.cuda() for name, t in p.kv.items()}]
+        p.worker.close()
         p.worker.link.close()
         p.workers = [KVDWorkerSide(KVDLink(daemon.socket, "test-worker", LATENT_SPEC if latent else SPEC), LAYERS)]
         p.worker.register(p.kv)
@@ -635,6 +658,81 @@ def test_cuda_worker_copies_through_registered_extents_on_a_side_stream(daemon, 
     assert b.run(rb, list(range(20, 31)), num_external=10 * BLOCK) == set()
     torch.cuda.synchronize()
     assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(1, 11))))
+    # A step does not wait for its save copies: they wait on the GPU for the step's forward
+    # pass (here a kernel that spins a second), the host returns at once.
+    rc = request("c", tokens(10 * BLOCK + 5, seed=3))
+    a.scheduler.allocated(rc, (list(range(40, 51)),), 0)
+    meta = a.scheduler.build_metadata(scheduled(rc, list(range(40, 51))))
+    a.worker.start_step(meta)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles on the compute stream: "the forward pass"
+    start = time.monotonic()
+    a.worker.wait_for_save()
+    assert time.monotonic() - start < 0.1, "wait_for_save waited for the GPU"
+    wait_until(a.worker.saver.idle, "the save copied and published", timeout=30)
+    assert offered(b.scheduler, request("c-again", rc.prompt_token_ids), 0) == 10 * BLOCK
+
+
+@contextlib.contextmanager
+def a_save_waiting_for_kvd(daemon):
+    """Processes a (its calls outlast a SIGSTOP) and b; inside, the daemon is SIGSTOPped
+    and a ran a step of request "a" (4 full blocks in blocks 1-5) whose save waits for
+    kvd. Yields a, b, the request and the seconds a's step took."""
+    a, b = VllmProcess(daemon.socket, 1, call_timeout=30), VllmProcess(daemon.socket, 2)
+    ra = request("a", tokens(4 * BLOCK + 1))
+    wait_until(lambda: a.worker.saver.directory.instance, "the worker's saver connected")
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert a.run(ra, list(range(1, 6)), settle=False) == set()
+        yield a, b, ra, time.monotonic() - start
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+
+
+def test_a_step_hands_its_saves_over_and_vllm_keeps_a_finished_requests_blocks_until_they_are_done(daemon):
+    """The worker half's step returns while its save waits for kvd (SIGSTOPped; a call
+    timeout long enough to outlast it): the scheduler half asks vLLM to keep the finished
+    request's blocks, the workers report nothing until the save is done, then report it;
+    what kvd publishes is the bytes of the blocks saved."""
+    with a_save_waiting_for_kvd(daemon) as (a, b, ra, step):
+        start = time.monotonic()
+        assert a.scheduler.finished(ra), "vLLM was not asked to keep the blocks of a request being saved"
+        a.empty_step(settle=False)
+        steps = step + time.monotonic() - start
+        time.sleep(0.3)
+        assert a.worker.finished_sending({"a"}) == set(), "reported done while its save waits for kvd"
+    assert steps < 0.05, f"two steps took {steps * 1000:.1f} ms"
+    prompt = ra.prompt_token_ids
+    wait_until(lambda: a.worker.finished_sending(set()) == {"a"}, "the save done once kvd answers", timeout=10)
+    assert a.worker.finished_sending(set()) == set(), "reported twice"
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb) == 4 * BLOCK
+    assert b.run(rb, list(range(10, 15)), num_external=4 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(1, 5))))
+    rc = request("c", tokens(4 * BLOCK + 1, seed=7))  # never scheduled: nothing to wait for
+    assert offered(b.scheduler, rc) == 0 and not b.scheduler.finished(rc)
+
+
+def test_a_request_preempted_while_its_save_waits_saves_nothing_from_its_freed_blocks(daemon):
+    """vLLM preempts a request whose save waits for kvd and hands its blocks to others,
+    whose next forward pass writes them (`handle_preemptions` comes first): the save is
+    dropped, nothing is published from the reused blocks. When the request runs again,
+    in other blocks, the scheduler half plans its saves again and they publish its KV."""
+    with a_save_waiting_for_kvd(daemon) as (a, b, ra, _):
+        a._step(nothing_scheduled(preempted={"a"}), settle=False)
+        for name in LAYERS:  # another request's forward pass writes the freed blocks
+            a.kv[name][1:6] = torch.randn_like(a.kv[name][1:6])
+    prompt = ra.prompt_token_ids
+    wait_until(a.worker.saver.idle, "the saver's turn done", timeout=10)
+    with KVDClient.connect(daemon.socket) as kvd:
+        ns = SPEC.register(kvd)
+        assert kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_tokens == 0, "published from reused blocks"
+    assert a.run(ra, list(range(20, 25))) == set()  # vLLM computes it again, in other blocks
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb) == 4 * BLOCK
+    assert b.run(rb, list(range(10, 15)), num_external=4 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(20, 24))))
 
 
 def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon, caplog):
@@ -642,6 +740,8 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     None until the lookahead's patience runs out, then no hit. The first call of each
     half's link waits one call timeout and drops its session without asking the hung
     daemon again (a close would wait another timeout); later calls skip kvd at once.
+    The worker half's steps never wait: its saver's thread makes that first call, the
+    save is dropped, and vLLM frees the blocks of a request finished meanwhile once it is.
     After SIGCONT the daemon ends the dropped sessions, with what the timed-out calls
     left in them, and each half's link reconnects by itself, before any call asks for
     it: the first lookup once the worker has reported back hits."""
@@ -673,7 +773,12 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
         lookup = time.monotonic() - start
         assert answer == 0
         start = time.monotonic()
-        assert b.run(r1, list(range(10, 15))) == set()  # the worker allocates a sequence to save into
+        assert b.run(r1, list(range(10, 15)), settle=False) == set()  # its saver allocates a sequence to save into
+        step = time.monotonic() - start
+        assert b.scheduler.finished(r1), "vLLM freed the blocks of a request whose save is in flight"
+        b.empty_step(settle=False)
+        assert b.worker.finished_sending({"r1"}) == set(), "reported done while its save waits for kvd"
+        wait_until(lambda: b.worker.finished_sending(set()) == {"r1"}, "the save dropped", timeout=2 * timeout)
         save = time.monotonic() - start
         start = time.monotonic()
         for i in range(3):
@@ -688,7 +793,10 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     # r1 and the three later requests were computed without kvd's answer, each counted once
     assert (b.scheduler.lookahead.take_unanswered(), b.scheduler.lookahead.take_unanswered()) == (4, 0)
     assert longest_ask < 0.05, f"an ask held vLLM's scheduler {longest_ask * 1000:.1f} ms"
-    assert timeout <= save < timeout + 0.5, f"the worker half's step took {save:.2f} s"
+    assert step < 0.05, f"the worker half's step took {step * 1000:.1f} ms"
+    # the saver's first call to the hung daemon (its save's, or its periodic mapping's
+    # before it) waits one call timeout at most, then its session is dropped
+    assert save < timeout + 0.5, f"the save was dropped after {save:.2f} s"
     assert later < 0.5, f"three more requests took {later:.2f} s: kvd was not skipped"
     # each half's call that timed out says so, with its time (the daemon's log cannot)
     slow = {}
@@ -704,6 +812,7 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
         )
         assert kvd.stats()["sequences"] == 0, "a sequence of a dropped session outlived it"
     assert offered(b.scheduler, rb, 0) == 0, "the workers reported no session with the last step"
+    wait_until(lambda: b.worker.saver.directory.instance, "the worker's saver took its new session")
     b.empty_step()
     assert offered(b.scheduler, rb, 0) == 4 * BLOCK
     assert b.run(rb, list(range(30, 35)), num_external=4 * BLOCK) == set()

@@ -7,7 +7,9 @@ With a kvd socket the engine uses KVDConnector (or the class `KVD_TEST_CONNECTOR
 it is the baseline. `KVD_TEST_KV_EVENTS` (a ZMQ endpoint) turns vLLM's KV events on, published there;
 `KVD_TEST_LORA=1` enables LoRA adapters (rank ≤ 8, one at a time); `KVD_TEST_TP` sets
 `tensor_parallel_size` (default 1); `KVD_TEST_MLA=1` runs an MLA model (DeepSeek-V2/V3) on
-vLLM's reference CPU MLA backend, the one that takes float32 (its block size is 16). vLLM logs to
+vLLM's reference CPU MLA backend, the one that takes float32 (its block size is 16);
+`KVD_TEST_NUM_BLOCKS` gives vLLM that many KV blocks (so that it preempts requests) in 64 MiB
+of KV cache memory (not `VLLM_CPU_KVCACHE_SPACE`). vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
 prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
@@ -64,6 +66,9 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         )
     if os.environ.get("KVD_TEST_HYBRID_MANAGER_OFF"):
         kw["disable_hybrid_kv_cache_manager"] = True
+    if os.environ.get("KVD_TEST_NUM_BLOCKS"):  # and memory for little more (the variable would override it)
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        kw.update(num_gpu_blocks_override=int(os.environ["KVD_TEST_NUM_BLOCKS"]), kv_cache_memory_bytes=64 << 20)
     if os.environ.get("KVD_TEST_LORA"):
         kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
     block_size = BLOCK_SIZE

@@ -128,15 +128,17 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build_metadata(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_from_workers(connector_output.kv_connector_worker_meta, connector_output.failed_recving)
+        self._scheduler.update_from_workers(
+            connector_output.kv_connector_worker_meta,
+            connector_output.failed_recving,
+            connector_output.finished_sending or set(),
+        )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request)
-        return False, None
+        return self._scheduler.finished(request), None  # True: freed once the workers' saves are done
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
-        self._scheduler.finished(request)
-        return False, None
+        return self._scheduler.finished(request), None
 
     def take_events(self):
         return self._scheduler.take_events()
@@ -159,6 +161,9 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVDConnectorMetadata) -> None:
+        self._worker.preempted(kv_connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self.has_connector_metadata():
             self._worker.start_step(self._get_connector_metadata())
@@ -167,10 +172,11 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_layer(layer_name)
+        """Nothing: a step's saves are handed over whole after the forward pass (`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save()
+        if self.has_connector_metadata():
+            self._worker.wait_for_save()
 
     def build_connector_worker_meta(self):
         return self._worker.worker_metadata()
@@ -180,9 +186,12 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done, failed = self._worker.transfer_results()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        sent = self._worker.finished_sending(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
         self._link.close()

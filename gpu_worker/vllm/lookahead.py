@@ -6,10 +6,13 @@ thread at once (`ask`). The thread takes every prompt asked since its last turn 
 one call per namespace (per tensor-parallel rank), looks them all up, then holds each
 one's hit in a kvd sequence of the link's session (`allocate_with_prefix` of the hit's
 tokens, again one call per namespace): a held page cannot be evicted, so what is offered
-is what gets loaded. vLLM asks for the hit (`get_num_new_matched_tokens`) right after the
-request arrives and at each step until it is scheduled: `answer` returns the `Hold`, or
-None while the thread is still at it (vLLM then asks again next step). The scheduler
-loop reads memory; it makes no call.
+is what gets loaded. With the holds it asks which extents hold their pages (one
+`DescribeExtents` per namespace): the load plan names them, so a worker that has not
+mapped one yet maps it without a kvd call (gpu_worker/vllm/worker.py). vLLM asks for
+the hit (`get_num_new_matched_tokens`) right after the request arrives and at each step
+until it is scheduled: `answer` returns the `Hold`, or None while the thread is still
+at it (vLLM then asks again next step). The scheduler loop reads memory; it makes no
+call.
 
 A hold is not offered any more (`answer` forgets it and asks again) once
 - its session ended: the daemon restarted or stopped answering, and the pages went
@@ -49,6 +52,7 @@ from dataclasses import dataclass
 
 from engine_client import SequenceRequest
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.plans import ExtentRef
 from gpu_worker.vllm.removal_feed import RemovalFeed
 
 log = logging.getLogger(__name__)
@@ -59,14 +63,16 @@ class Hold:
     """A prompt's hit, held in kvd sequence `seq_id` of `session` in each rank's namespace.
 
     `pages_by_rank[r]` are rank r's pages of the prompt's first blocks, as many blocks as
-    every rank holds; `keys_by_rank[r]` are their kvd keys in rank r's namespace. A hold
-    of no pages (no session) is a miss."""
+    every rank holds; `keys_by_rank[r]` are their kvd keys in rank r's namespace and
+    `extents_by_rank[r]` the extents that hold them (for workers that have not mapped
+    them yet). A hold of no pages (no session) is a miss."""
 
     seq_id: str = ""
     session: str = ""
     instance: str = ""
     pages_by_rank: tuple[list[int], ...] = ()
     keys_by_rank: tuple[list[bytes], ...] = ()
+    extents_by_rank: tuple[list[ExtentRef], ...] = ()
 
     @property
     def blocks(self) -> int:
@@ -74,6 +80,11 @@ class Hold:
 
 
 MISS = Hold()
+
+
+def _holding(extents: list[ExtentRef], pages: list[int]) -> list[ExtentRef]:
+    """The extents that hold any of the pages."""
+    return [e for e in extents if any(e.first_page <= p < e.first_page + e.num_pages for p in pages)]
 
 
 class Lookahead:
@@ -296,13 +307,14 @@ class Lookahead:
             for ns in namespaces:
                 by_rank.append(kvd.allocate_with_prefix(ns, requests))
                 held.append(ns)
+            extents = [[ExtentRef(*e) for e in kvd.describe_extents(ns)] for ns in namespaces]
             holds = []
             for i, request in enumerate(requests):
-                pages = [rank[i].shared_pages for rank in by_rank]
-                n = min(len(p) for p in pages)
-                tokens = request.token_ids[: n * self.block_size]
+                pages = tuple(rank[i].shared_pages[: min(len(r[i].shared_pages) for r in by_rank)] for rank in by_rank)
+                tokens = request.token_ids[: len(pages[0]) * self.block_size]
                 keys = tuple(kvd.page_keys(ns, tokens, request.extra_keys) for ns in namespaces)
-                holds.append(Hold(request.seq_id, kvd.session, kvd.daemon_instance, tuple(p[:n] for p in pages), keys))
+                holding = tuple(_holding(of_rank, p) for of_rank, p in zip(extents, pages))
+                holds.append(Hold(request.seq_id, kvd.session, kvd.daemon_instance, pages, keys, holding))
             return holds
 
         holds = self.link.attempt_all("hold", hold_every_rank)

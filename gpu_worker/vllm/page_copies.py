@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gpu_worker.vllm.plans import NULL_BLOCK
+
+Copies = list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
+
 
 @dataclass
 class ExtentCopies:
@@ -36,6 +40,22 @@ class ExtentCopies:
     extent: torch.Tensor  # [pages, *page_shape]: [pages, layers, 2, page_size, heads, head_dim] or latent pages
     pages: list[int] = field(default_factory=list)  # indices in the extent
     blocks: list[int] = field(default_factory=list)  # vLLM block ids, one per page
+
+
+def to_blocks(groups, block_ids: list[int]) -> Copies:
+    """`KVDClient.pages_by_extent` groups with the vLLM block of each page instead of its
+    position, without the pages whose block is vLLM's null block (nothing kept there)."""
+    copies = []
+    for extent, indices, positions in groups:
+        kept = [(i, block_ids[p]) for i, p in zip(indices, positions) if block_ids[p] != NULL_BLOCK]
+        if kept:
+            copies.append((extent, [i for i, _ in kept], [b for _, b in kept]))
+    return copies
+
+
+def merged(copies: list[list[Copies]], num_groups: int) -> list[list[ExtentCopies]]:
+    """Each request's copies per KV-cache group, merged per group and extent."""
+    return [by_extent(g for per_group in copies for g in per_group[group]) for group in range(num_groups)]
 
 
 def by_extent(groups: Iterable[tuple[torch.Tensor, list[int], list[int]]]) -> list[ExtentCopies]:

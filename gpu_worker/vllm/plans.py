@@ -22,6 +22,16 @@ NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
+class ExtentRef:
+    """A kvd shared-memory extent of one namespace: its name and the pages it holds
+    [first_page, first_page + num_pages)."""
+
+    name: str
+    first_page: int
+    num_pages: int
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """Copy kvd pages (held by the scheduler half's sequences) into the request's vLLM blocks.
 
@@ -30,6 +40,9 @@ class LoadPlan:
     `block_ids[g]` are KV-cache group g's blocks, one per page (NULL_BLOCK where that
     group keeps nothing: a sliding-window group's blocks outside the window), and the
     layers of group g go to them.
+
+    `extents_by_rank[r]` are the extents that hold rank r's pages, for a worker that has
+    not mapped them yet (it maps them without a kvd call).
 
     `missing_block_ids` are blocks vLLM was promised but kvd can no longer supply (it
     dropped a held page, or the hold's session ended, before the plan). A synchronous
@@ -44,6 +57,7 @@ class LoadPlan:
     block_ids: tuple[list[int], ...]
     missing_block_ids: list[int] = field(default_factory=list)
     asynchronous: bool = False
+    extents_by_rank: tuple[list[ExtentRef], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,7 @@ class KVDConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)  # requests whose kvd sequences the workers release
+    preempted: set[str] = field(default_factory=set)  # requests vLLM preempted: no save may read their blocks now
 
 
 @dataclass

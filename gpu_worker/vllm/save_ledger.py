@@ -1,20 +1,22 @@
 """`SaveLedger`: the kvd sequences a vLLM worker saves requests' blocks into, and how far each is published.
 
-The worker half (gpu_worker/vllm/worker.py) copies bytes; this ledger says where they go
-and when they count. Per request it keeps the tokens the scheduler half's save plans
-(gpu_worker/vllm/plans.py `SavePlan`) sent so far, and the request's kvd sequence in the
-worker's own session: its pages (one per full block it knows), which of them were
-written, and how many are published (hits count from the start, so a sequence publishes
-its written blocks in order, from its first unpublished one).
+The worker half's saver (gpu_worker/vllm/saver.py) copies bytes, on its own thread, the
+only one that uses this ledger; the ledger says where they go and when they count. Per
+request it keeps the tokens the scheduler half's save plans (gpu_worker/vllm/plans.py
+`SavePlan`) sent so far, and the request's kvd sequence in the worker's own session: its
+pages (one per full block it knows), which of them were written, and how many are
+published (hits count from the start, so a sequence publishes its written blocks in
+order, from its first unpublished one).
 
-A save goes in three steps, each the ledger's: `targets` names the pages a step's plans
-write (allocating the sequences of requests new to this worker, then growing the others,
-one kvd call each); once their bytes are complete, `written` records them; `publish`
-publishes every sequence's blocks written in order, in one call, and `take_published`
-hands what it published to the scheduler half (its KV events). A `SaveTarget` names
-the session of the sequence it writes, so `written` may come later than the step that
-asked (a copy that finishes after the forward pass): a target whose sequence was
-released, or belongs to a session that ended, is not recorded.
+A save goes in three steps, each the ledger's: `targets` names the pages that the plans
+of the steps handed since the saver's last turn write (allocating the sequences of
+requests new to this worker, then growing the others, one kvd call each); once their
+bytes are complete, `written` records them; `publish` publishes every sequence's blocks
+written in order, in one call, and `take_published` hands what it published to the
+scheduler half (its KV events). A `SaveTarget` names the session of the sequence it
+writes, so `written` may come after a kvd call that changed the session (a copy that
+finished after the daemon restarted): a target whose sequence was released, or belongs
+to a session that ended, is not recorded.
 
 `finished` releases the sequences of requests that are done, in one call; their
 published pages stay cached in kvd. After a daemon restart a request's sequence is

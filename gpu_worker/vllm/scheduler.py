@@ -30,7 +30,11 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
    those blocks, and `take_events` adds `BlockRemoved` for them once kvd evicts or drops
    them (gpu_worker/vllm/block_events.py).
 6. `finished` lets the request's hold go and tells the workers to release their
-   sequences. Published pages stay cached in kvd.
+   sequences. Published pages stay cached in kvd. The workers save asynchronously: a
+   request a save was planned for keeps its blocks in vLLM until the workers report its
+   saves done (`request_finished` returns True, the workers' `finished_sending`), and
+   the requests vLLM preempted go to the workers with the step's metadata
+   (`KVDConnectorMetadata.preempted`), so that no save reads a block vLLM reuses.
 
 So the scheduler half's calls are a lookup and a hold per batch of arriving requests,
 and a release per batch of finished ones, all off vLLM's scheduler loop.
@@ -147,7 +151,8 @@ class KVDSchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, _Load] = {}  # the step's loads, planned when its metadata is built
         self._finished: set[str] = set()  # for the workers, with the next metadata
-        self._finished_requests: dict[str, _Tracked] = {}  # for events still to come
+        self._finished_requests: dict[str, _Tracked] = {}  # finished, saves in flight: for events still to come
+        self._saving: set[str] = set()  # requests a save plan went out for, until they finish
 
     # ---- lookup and allocation ----------------------------------------------------
 
@@ -209,7 +214,8 @@ class KVDSchedulerSide:
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
         """This step's loads (from `allocated`), saves (the full blocks it completes) and
         the requests finished since the last step."""
-        meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished)
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished, preempted=preempted)
         self._finished = set()
         computed_before: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -248,12 +254,19 @@ class KVDSchedulerSide:
                     )
                 )
                 t.planned, t.announced, t.sent = end, True, max(t.sent, end * self.block_size)
+                self._saving.add(req_id)
         return meta
 
-    def update_from_workers(self, worker_meta: KVDWorkerMetadata | None, failed_loads: set[str] = frozenset()) -> None:
-        """The workers' daemon instance, vLLM KV events for the blocks they published, and
-        the asynchronous loads that failed: vLLM computes those requests' prompts, kvd
-        is not offered for them again."""
+    def update_from_workers(
+        self,
+        worker_meta: KVDWorkerMetadata | None,
+        failed_loads: set[str] = frozenset(),
+        saved: set[str] = frozenset(),
+    ) -> None:
+        """The workers' daemon instance, vLLM KV events for the blocks they published, the
+        asynchronous loads that failed (vLLM computes those requests' prompts, kvd is not
+        offered for them again), and the finished requests whose saves every worker
+        reported done (`finished_sending`: no events of theirs come later)."""
         for req_id in failed_loads:
             self._failed_loads.add(req_id)
             self.lookahead.let_go(req_id)
@@ -265,18 +278,25 @@ class KVDSchedulerSide:
             t = self._tracked.get(req_id) or self._finished_requests.get(req_id)
             if t is not None:
                 self.events.stored(t.request, t.prompt.extra_keys, t.keys, start, end)
-        self._finished_requests.clear()  # a step's output answers its saves; none come later
+        for req_id in saved:
+            self._finished_requests.pop(req_id, None)
 
-    def finished(self, request) -> None:
-        """The request is done (or aborted): its hold is let go; the workers release their sequences."""
+    def finished(self, request) -> bool:
+        """The request is done (or aborted): its hold is let go; the workers release their
+        sequences. True when a save was planned for it: vLLM keeps its blocks until every
+        worker reports its saves done (`finished_sending`; the workers count the same plans)."""
         req_id = request.request_id
+        saving = req_id in self._saving
+        self._saving.discard(req_id)
         self._local_hits.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._failed_loads.discard(req_id)
         self.lookahead.let_go(req_id)
         if (t := self._tracked.pop(req_id, None)) is not None:
             self._finished.add(req_id)
-            self._finished_requests[req_id] = t
+            if saving:  # what its saves publish is reported until the workers say they are done
+                self._finished_requests[req_id] = t
+        return saving
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take()
@@ -323,6 +343,7 @@ class KVDSchedulerSide:
                     block_ids=tuple([blocks[p] for p in positions] for blocks in load.block_ids),
                     missing_block_ids=[b for g in load.block_ids for p in missing if (b := g[p]) != NULL_BLOCK],
                     asynchronous=self.async_loads,
+                    extents_by_rank=load.hold.extents_by_rank,
                 )
             )
         return plans

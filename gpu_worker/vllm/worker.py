@@ -1,21 +1,30 @@
 """KVDConnector's worker half: copies pages between kvd's shared memory and vLLM's KV blocks.
 
 It holds no policy: the scheduler half's plans (gpu_worker/vllm/plans.py) say which kvd
-page goes to which vLLM block, and which of a request's blocks this step completes.
-Loads run before the forward pass, from pages the scheduler half's kvd sequences hold. Saves go
-into a kvd sequence of this worker's own session (allocated at a request's first plan,
-released when the scheduler says the request finished): after each layer's attention
-wrote its KV, the layer is copied into the sequence's private pages, and once the step's
-copies are done the worker publishes every block it wrote, in order. So no process writes
-a page another session owns, and a page is published only after its bytes are complete.
-Those sequences, and how far each is written and published, are the `SaveLedger`'s
-(gpu_worker/vllm/save_ledger.py); this module copies.
-Each kvd call covers the whole step: one allocation for the requests new to this worker,
-one `extend_batch`, one `publish` of many sequences, one `release` of the finished ones.
+page goes to which vLLM block, and which of a request's blocks this step completes. It
+makes no kvd call on vLLM's forward thread: its `Saver` (gpu_worker/vllm/saver.py) makes
+them all, on a thread of its own, and copies the saves there.
+
+Loads run on the forward thread, from pages the scheduler half's kvd sequences hold,
+found in the saver's `PageDirectory` (gpu_worker/vllm/page_directory.py: the extents
+this process mapped, read without a call), or in the extents the load plan names, which
+this thread maps itself (created since the saver last mapped them; on CUDA copied from
+unregistered memory until the saver registers them). On CUDA they are queued on a load stream for
+every layer at once, with an event per layer that `wait_layer` makes the compute stream
+wait on, so a layer's load overlaps the layers computed before it. On CPU there is no copy
+engine to overlap with: every layer is copied before the forward pass, in
+`start_load_kv` (one memcpy per run of pages, gpu_worker/vllm/page_copies.py).
+
+Saves go into a kvd sequence of this worker's own session: after the forward pass
+(`wait_for_save`) the step's plans go to the saver, and the step returns. The saver
+copies the blocks into the sequence's private pages and publishes them once complete,
+and vLLM keeps the blocks until then (`finished_sending`, `preempted`; saver.py says
+how). So no process writes a page another session owns, a page is published only after
+its bytes are complete, and no step waits for a save.
 
 Anything that cannot be copied (kvd gone, the daemon restarted since the plan was made, a
-page that no longer maps) is reported, never guessed: a failed load's blocks go to vLLM as
-load errors (it recomputes them), a failed save is simply not published.
+page not mapped) is reported, never guessed: a failed load's blocks go to vLLM as load
+errors (it recomputes them), a failed save is dropped, never published.
 
 vLLM hands each layer's KV cache as a standardised per-layer view `[num_blocks,
 num_kv_heads, block_size, 2 * head_dim]`; a kvd page is `[num_layers, 2, page_size,
@@ -26,30 +35,25 @@ block ids of its KV-cache group
 (vLLM's hybrid manager: one group per attention type), skipping vLLM's null block (a
 sliding-window group's blocks outside the window). An asynchronous load (several
 groups) that cannot be done is not copied at all; `transfer_results` reports it failed.
-
-The copies themselves are gpu_worker/vllm/page_copies.py's: per layer and extent, one
-memcpy per run of consecutive pages on CPU. On CUDA (marked, checked by
-scripts/gpu_check.sh) the extents are registered with cudaHostRegister once, and copies
-run on a side stream: loads are queued for every layer at once with an event per layer
-that `wait_layer` makes the compute stream wait on; saves of a layer are queued after
-that layer's attention and waited for in `wait_for_save`, before they are published.
-"""
+CUDA paths are marked and run by scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-from engine_client import ErrorCode, KVDError, PageLayout
-from gpu_worker.loader import register_host_extents
+from engine_client import PageLayout
 from gpu_worker.vllm.kvd_link import KVDLink
-from gpu_worker.vllm.page_copies import ExtentCopies, by_extent, copy_layer
+from gpu_worker.vllm.page_copies import copy_layer, merged, to_blocks
+from gpu_worker.vllm.page_directory import PageDirectory
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, SavePlan
-from gpu_worker.vllm.save_ledger import SaveLedger, SaveTarget
+from gpu_worker.vllm.saver import Saver, StepSaves
 from kvd.wire.layout import LATENT_PAGES
+
+log = logging.getLogger(__name__)
 
 
 def block_view(kv_layer: torch.Tensor, layout: PageLayout, k_then_v_rows: bool) -> torch.Tensor:
@@ -82,53 +86,34 @@ def block_view(kv_layer: torch.Tensor, layout: PageLayout, k_then_v_rows: bool) 
     return kv_layer.unflatten(-1, (2, layout.head_dim)).permute(0, 3, 2, 1, 4)  # [B, H, N, 2, D] -> [B, 2, N, H, D]
 
 
-Copies = list[tuple[torch.Tensor, list[int], list[int]]]  # (extent, page indices, block ids)
-
-
-@dataclass(frozen=True)
-class _StepSave:
-    """This step's copies for one request: vLLM blocks into its sequence's pages."""
-
-    target: SaveTarget
-    copies: list[Copies]  # per KV-cache group
-
-
-def _to_blocks(groups, block_ids: list[int]) -> Copies:
-    """`KVDClient.pages_by_extent` groups with the vLLM block of each page instead of its
-    position, without the pages whose block is vLLM's null block (nothing kept there)."""
-    copies = []
-    for extent, indices, positions in groups:
-        kept = [(i, block_ids[p]) for i, p in zip(indices, positions) if block_ids[p] != NULL_BLOCK]
-        if kept:
-            copies.append((extent, [i for i, _ in kept], [b for _, b in kept]))
-    return copies
-
-
 class KVDWorkerSide:
     def __init__(
         self, link: KVDLink, layer_names: list[str], layer_groups: list[int] | None = None, saves: bool = True
     ) -> None:
         """`layer_names` in page order; `layer_groups[i]`: the KV-cache group of layer i
         (whose block ids its copies use; all 0 by default); `saves`: whether this worker
-        saves (of a cache every rank holds whole, MLA's, rank 0 alone does: cache_shape.py)."""
+        saves (of a cache every rank holds whole, MLA's, rank 0 alone does: cache_shape.py).
+        The link is the saver's thread's (made at `register`): this half calls kvd through
+        nothing else."""
         self.link = link
         self.saves = saves
+        self._saved_elsewhere: set[str] = set()  # planned requests whose saves another rank makes
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.layer_groups = layer_groups or [0] * len(layer_names)
         self.num_groups = max(self.layer_groups) + 1
         self.layout = link.namespace.layout
+        self.saver: Saver | None = None  # made at `register`, with vLLM's cache
+        self._mapped_here = PageDirectory()  # extents load plans named that the saver's directory lacked
         self._layers: list[torch.Tensor] = []  # per layer: [blocks, 2, block_size, heads, head_dim] views
-        self._cuda = False
-        self._stream: torch.cuda.Stream | None = None
+        self._load_stream: torch.cuda.Stream | None = None  # CUDA
         self._load_events: dict[int, torch.cuda.Event] = {}
         self._load_errors: set[int] = set()
         self._recving: set[str] = set()  # asynchronous loads done since vLLM last asked
         self._failed_recving: set[str] = set()  # of those, the ones that failed
-        self.ledger = SaveLedger(link)
-        self._saves: list[_StepSave] = []
-        self._save_copies: list[list[ExtentCopies]] = []  # per KV-cache group: the step's saves, merged per extent
-        self._saved_layers: set[int] = set()
-        self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister
+        self._serial = 0  # engine steps so far (`StepSaves.serial`)
+        self._plans: list[SavePlan] = []  # the step's save plans, handed to the saver after its forward pass
+        self._unsaved: frozenset[str] = frozenset()
+        self._finished: frozenset[str] = frozenset()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = set(self.layer_index) - set(kv_caches)
@@ -137,20 +122,25 @@ class KVDWorkerSide:
         layers = [kv_caches[name] for name in sorted(self.layer_index, key=self.layer_index.get)]
         cpu_backend = layers[0].device.type == "cpu"  # vLLM's CPU attention backend
         self._layers = [block_view(kv, self.layout, cpu_backend) for kv in layers]
-        self._cuda = layers[0].device.type == "cuda"
-        if self._cuda:
-            self._stream = torch.cuda.Stream(device=layers[0].device)
+        if layers[0].device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(device=layers[0].device)
+        self.saver = Saver(self.link, self._layers, self.layer_groups)
 
     def start_step(self, meta: KVDConnectorMetadata) -> None:
-        """Before the forward pass: release finished requests' sequences, prepare the step's
-        saves, and copy every planned load into its vLLM block (all layers; on CUDA queued).
-        Whatever the batch, a step costs at most one kvd call of each kind: release,
-        allocate, extend (here) and publish (`wait_for_save`)."""
-        self.ledger.finished(meta.finished)  # vLLM runs a step for them even when nothing else is scheduled
-        failed = self._start_loads(meta.loads)
-        self._saves = self._prepare_saves(meta.saves, failed) if self.saves else []
-        self._save_copies = self._merged([save.copies for save in self._saves])
-        self._saved_layers = set()
+        """Before the forward pass (or right after it, when vLLM has no synchronous load):
+        copy every planned load into its vLLM blocks (on CUDA queued per layer), and note
+        the step's saves, which the saver takes after the forward pass (`wait_for_save`)."""
+        self._unsaved = frozenset(self._start_loads(meta.loads))
+        if not self.saves:
+            self._saved_elsewhere.update(plan.req_id for plan in meta.saves)
+        self._plans, self._finished = (meta.saves if self.saves else []), frozenset(meta.finished)
+        self.saver.expect(self._plans)
+
+    def preempted(self, meta: KVDConnectorMetadata) -> None:
+        """vLLM preempted these requests and freed their blocks, which the coming forward
+        pass may write: no save may read them any more (vLLM's `handle_preemptions`)."""
+        if meta.preempted:
+            self.saver.preempted(meta.preempted, self._serial)
 
     # ---- loads ------------------------------------------------------------------------
 
@@ -166,7 +156,7 @@ class KVDWorkerSide:
             page_ids = plan.pages_by_rank[self.link.namespace.tp_rank]  # this rank's heads
             groups = None
             if not (plan.asynchronous and plan.missing_block_ids):
-                groups = self._resolve(plan.daemon_instance, page_ids, f"load for request {plan.req_id}")
+                groups = self._loadable(plan, page_ids)
             if plan.missing_block_ids or (groups is None and page_ids):
                 failed.add(plan.req_id)
             if plan.asynchronous:
@@ -182,17 +172,41 @@ class KVDWorkerSide:
                 resolved.append((plan, groups))
         if not resolved:
             return failed
-        copies = self._merged([[_to_blocks(groups, blocks) for blocks in plan.block_ids] for plan, groups in resolved])
-        with self._side_stream():
+        copies = merged(
+            [[to_blocks(groups, blocks) for blocks in plan.block_ids] for plan, groups in resolved], self.num_groups
+        )
+        with self._on_load_stream():
             for layer, view in enumerate(self._layers):
                 copy_layer(view, layer, copies[self.layer_groups[layer]], into_blocks=True)
-                if self._cuda:
-                    self._load_events[layer] = self._record()
+                if self._load_stream is not None:
+                    self._load_events[layer] = torch.cuda.Event()
+                    self._load_events[layer].record(self._load_stream)
         return failed
 
-    def _merged(self, copies: list[list[Copies]]) -> list[list[ExtentCopies]]:
-        """Each request's copies per KV-cache group, merged per group and extent."""
-        return [by_extent(g for per_group in copies for g in per_group[group]) for group in range(self.num_groups)]
+    def _loadable(self, plan: LoadPlan, page_ids: list[int]):
+        """The pages grouped by extent, read from the saver's directory, else from the
+        extents the plan names, mapped here (no kvd call either way); or None: pages of
+        another daemon instance than the directory's (it restarted since the plan was
+        made) are not trusted, and a page neither holds fails its load (the saver maps
+        the extents again)."""
+        directory = self.saver.directory
+        if directory.instance != plan.daemon_instance:
+            log.warning(
+                "a load names pages of daemon instance %r, not of %r: recomputed",
+                plan.daemon_instance,
+                directory.instance,
+            )
+            return None
+        groups = directory.pages_by_extent(page_ids)
+        if groups is None and plan.extents_by_rank:
+            if self._mapped_here.instance != directory.instance:
+                self._mapped_here = PageDirectory.of(directory.instance, self.layout, [])
+            self._mapped_here = self._mapped_here.extended(plan.extents_by_rank[self.link.namespace.tp_rank])
+            groups = self._mapped_here.pages_by_extent(page_ids)
+        if groups is None:
+            log.warning("a load names a page of an extent this worker has not mapped: recomputed")
+            self.saver.ask_refresh()
+        return groups
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """The asynchronous loads done since the last call, and which of them failed."""
@@ -211,84 +225,41 @@ class KVDWorkerSide:
 
     # ---- saves ------------------------------------------------------------------------
 
-    def _prepare_saves(self, plans: list[SavePlan], failed: set[str]) -> list[_StepSave]:
-        """The plans' blocks that this worker's sequences do not already hold, with their pages.
-
-        Nothing is saved for a request with a load error in this step: the blocks it failed
-        to load hold stale bytes, and what this step computes attended to them. vLLM
-        recomputes from the first failed block, and the scheduler plans those saves again."""
-        self.ledger.learn(plans)
-        saves = []
-        for target in self.ledger.targets([plan for plan in plans if plan.req_id not in failed]):
-            groups = self._resolve(None, target.page_ids, f"save for request {target.req_id}", writable=True)
-            if groups is not None:
-                saves.append(_StepSave(target, [_to_blocks(groups, b) for b in target.block_ids]))
-        return saves
-
-    def save_layer(self, layer_name: str) -> None:
-        """Copy this layer of the step's saved blocks into their kvd pages (its attention
-        has written the step's KV)."""
-        layer = self.layer_index.get(layer_name)
-        if layer is not None and self._saves and layer not in self._saved_layers:
-            self._save(layer)
-
-    def _save(self, layer: int) -> None:
-        self._saved_layers.add(layer)
-        with self._side_stream():
-            copy_layer(self._layers[layer], layer, self._save_copies[self.layer_groups[layer]], into_blocks=False)
-
     def wait_for_save(self) -> None:
-        """After the forward pass: save the layers no attention call saved, wait for the
-        copies, and publish each sequence's blocks that are now complete, in order."""
-        if not self._saves:
-            return
-        for layer in range(len(self._layers)):
-            if layer not in self._saved_layers:
-                self._save(layer)
-        if self._cuda:
-            self._record().synchronize()
-        for save in self._saves:
-            self.ledger.written(save.target)
-        self.ledger.publish([save.target.req_id for save in self._saves])
-        self._saves, self._save_copies = [], []
+        """After the forward pass: hand the step's saves to the saver and return (on CUDA
+        with an event its copies wait for). Nothing is saved for a request with a load
+        error in this step: the blocks it failed to load hold stale bytes, and what this
+        step computed attended to them; vLLM recomputes from the first failed block, and
+        the scheduler plans those saves again."""
+        ready = None
+        if self._load_stream is not None and self._plans:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        self.saver.submit(StepSaves(self._serial, self._plans, self._unsaved, self._finished, ready))
+        self._serial += 1
+        self._plans, self._unsaved, self._finished = [], frozenset(), frozenset()
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose saves are all done or dropped: vLLM frees their blocks
+        (once every worker says so; a worker that saves nothing says so at once)."""
+        elsewhere = finished_req_ids & self._saved_elsewhere
+        self._saved_elsewhere -= elsewhere
+        return self.saver.done_saving(finished_req_ids) | elsewhere
 
     def worker_metadata(self) -> KVDWorkerMetadata:
         """What this worker published since the last step (for the scheduler's KV events)
         and the daemon instance it can load from now (the scheduler's offers wait for it)."""
-        return KVDWorkerMetadata(self.ledger.take_published(), self.link.serving_instance(), saves=self.saves)
+        return KVDWorkerMetadata(self.saver.take_published(), self.saver.directory.instance, saves=self.saves)
 
-    # ---- helpers ----------------------------------------------------------------------
-
-    def _resolve(self, daemon_instance: str | None, page_ids: list[int], what: str, writable: bool = False):
-        """The pages grouped by extent, or None when they cannot be trusted or mapped.
-
-        Pages another session named (loads) are trusted only from the daemon instance
-        that named them; writable ones must be private pages of this worker's sequences."""
-
-        def locate(kvd, ns):
-            if daemon_instance is not None and kvd.daemon_instance != daemon_instance:
-                raise KVDError(ErrorCode.FAILED_PRECONDITION, "the daemon restarted since the plan was made")
-            groups = kvd.pages_by_extent(ns, page_ids, writable)
-            if self._cuda:  # both maps; registered memory must stay mapped, so its extents are kept
-                extents = kvd.mapped_extents(ns)
-                self._registered.update((e.name, e) for e in extents)
-                register_host_extents(
-                    [memoryview(m) for e in extents for m in (e.memory, e.readonly_memory)], self.layout.page_bytes
-                )
-            return groups
-
-        return self.link.attempt(what, locate, maps_memory=True)  # a page it cannot map: a failed copy
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
 
     @contextmanager
-    def _side_stream(self) -> Iterator[None]:
-        if self._stream is None:
+    def _on_load_stream(self) -> Iterator[None]:
+        if self._load_stream is None:
             yield
             return
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        self._load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._load_stream):
             yield
-
-    def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
