@@ -801,9 +801,10 @@ def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_unti
     # each half's call that timed out says so, with its time (the daemon's log cannot)
     slow = {}
     for record in caplog.records:
-        if m := re.fullmatch(r"kvd (\w+) took ([\d.]+) s \(timeout 1.5 s\)", record.getMessage()):
+        if m := re.fullmatch(r"kvd (.+) took ([\d.]+) s \(timeout 1.5 s\)", record.getMessage()):
             slow[m[1]] = float(m[2])
-    assert all(timeout <= slow.get(call, 0) < timeout + 0.5 for call in ("lookup", "allocate")), slow
+    assert timeout <= slow.pop("lookup", 0) < timeout + 0.5, slow  # the scheduler half's
+    assert any(timeout <= t < timeout + 0.5 for t in slow.values()), slow  # the saver's
     with KVDClient.connect(daemon.socket) as kvd:  # one session, polled
         wait_until(
             lambda: daemon.log().count("opened by b-") == 4 and kvd.stats()["sessions"] - 1 == sessions,
