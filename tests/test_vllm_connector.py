@@ -351,9 +351,9 @@ def kvd_calls(metrics_port: int) -> dict[str, float]:
 def test_kvd_calls_per_engine_step_do_not_grow_with_the_batch(setup):
     """Many requests at once, each saved (prompt and a generated block), then loaded by the
     same engine with its own cache emptied: besides one lookup per request, the connector
-    calls kvd a few times per engine step however many requests run (the worker batches
-    its allocations, extends, publishes and releases; the scheduler its pins and unpins),
-    so the calls per request fall as the batch grows."""
+    calls kvd a few times per engine step at most however many requests run (the worker's
+    saver batches its allocations, extends, publishes and releases; the scheduler its
+    holds and releases), so the calls per request fall as the batch grows."""
     c = setup["engines"]["c"]
     rng = np.random.default_rng(25)
     measured = {}
@@ -375,8 +375,12 @@ def test_kvd_calls_per_engine_step_do_not_grow_with_the_batch(setup):
         print(f"{batch} requests x 2 rounds, {steps} engine steps: kvd calls {calls}")
     large = measured[32][0]
     assert large["Lookup"] <= 2 * 32 + 2, f"lookups: {large['Lookup']} for 64 requests"
-    per_step = {batch: (sum(calls.values()) - calls["Lookup"]) / steps for batch, (calls, steps) in measured.items()}
-    assert per_step[32] <= 1.5 * per_step[4] + 0.1, f"kvd calls per engine step (lookups aside) grew: {per_step}"
+    # a step makes at most a few calls (the worker's saver batches every step handed to it
+    # since its last turn), so 8x the requests must not cost 8x the calls
+    per_request = {
+        batch: (sum(calls.values()) - calls["Lookup"]) / (2 * batch) for batch, (calls, _) in measured.items()
+    }
+    assert per_request[32] <= per_request[4] / 2, f"kvd calls per request (lookups aside) did not fall: {per_request}"
     assert sum(large.values()) <= 3 * 2 * 32, f"{sum(large.values())} kvd calls for 64 requests: {large}"
 
 
