@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--host-gib", type=int, default=1, help="host memory for KV: kvd's budget, LMCache's L1")
+    parser.add_argument("--host-gib", type=int, default=4, help="host memory for KV: kvd's budget, LMCache's L1")
     parser.add_argument("--no-lmcache", action="store_true", help="leave LMCache's configuration out")
     args = parser.parse_args()
     if not args.no_lmcache and (why := lmcache_mp.missing()):
