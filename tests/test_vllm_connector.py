@@ -106,14 +106,23 @@ def write_lora_adapter(path: str) -> None:
 class Engine:
     """One vLLM process in its own process group, driven over a control socket."""
 
-    def __init__(self, name: str, model: str, workdir: str, kvd_socket: str | None, env: dict | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        workdir: str,
+        kvd_socket: str | None,
+        env: dict | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        """``python`` runs the engine (another venv's, for LMCache's engines in bench/)."""
         self.name = name
         control = os.path.join(workdir, f"{name}.control")
         self._listener = Listener(control, authkey=b"kvd-test")
         self.log_path = os.path.join(workdir, f"{name}.log")
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, ENGINE, model, control, *([kvd_socket] if kvd_socket else [])],
+                [python, ENGINE, model, control, *([kvd_socket] if kvd_socket else [])],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

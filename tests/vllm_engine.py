@@ -44,20 +44,27 @@ def lora_request(path: str | None):
     return None if path is None else LoRARequest(os.path.basename(path), 1, path)
 
 
+def kv_transfer_config(kvd_socket: str):
+    """vLLM's connector settings: KVDConnector on the daemon at ``kvd_socket``, or the
+    connector `KVD_TEST_CONNECTOR` names (bench/load_engine.py's engines use this too)."""
+    from vllm.config import KVTransferConfig
+
+    module, name = os.environ.get("KVD_TEST_CONNECTOR", "gpu_worker.vllm_connector:KVDConnector").split(":")
+    extra = json.loads(os.environ.get("KVD_TEST_CONNECTOR_EXTRA", "{}"))
+    return KVTransferConfig(
+        kv_connector=name,
+        kv_connector_module_path=module,
+        kv_role="kv_both",
+        kv_connector_extra_config={"socket": kvd_socket, **extra},
+    )
+
+
 def main(model: str, control: str, kvd_socket: str | None) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.config import KVTransferConfig
 
     kw = {}
     if kvd_socket:
-        module, name = os.environ.get("KVD_TEST_CONNECTOR", "gpu_worker.vllm_connector:KVDConnector").split(":")
-        extra = json.loads(os.environ.get("KVD_TEST_CONNECTOR_EXTRA", "{}"))
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=name,
-            kv_connector_module_path=module,
-            kv_role="kv_both",
-            kv_connector_extra_config={"socket": kvd_socket, **extra},
-        )
+        kw["kv_transfer_config"] = kv_transfer_config(kvd_socket)
     if os.environ.get("KVD_TEST_KV_EVENTS"):
         from vllm.config import KVEventsConfig
 
