@@ -59,15 +59,16 @@ def budget_for(pages: int, page_bytes: int, page_size: int, extents: int = 1) ->
     return pages * (page_bytes + record_size(page_size)) + extents * HEADER_BYTES
 
 
-def wait_until(predicate, what: str, timeout: float = 2.0):
-    """Polls ``predicate`` until it returns something truthy (returned); fails the test after ``timeout``."""
+def wait_until(predicate, what: str, timeout: float = 2.0, detail=None):
+    """Polls ``predicate`` until it returns something truthy (returned); fails the test after
+    ``timeout``, with what ``detail()`` says then (state to read a rare failure by)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout} s")
+            pytest.fail(f"{what} within {timeout} s" + (f"\n{detail()}" if detail else ""))
         time.sleep(0.005)
 
 

@@ -647,6 +647,7 @@ def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup)
             lambda: (s := kvd.stats())["sessions"] == sessions - 2 and s["sequences"] == 0 and s,
             "c's two sessions ended and its sequence released",
             timeout=5.0,
+            detail=lambda: f"stats {kvd.stats()}\ndaemon log:\n{setup['daemon'].log()[-6000:]}",
         )
     assert stats["logical_pages"] == 0
     tokens, hits = a.generate([{"tokens": prompt("q")}])
@@ -664,7 +665,8 @@ def test_engines_keep_serving_through_a_kvd_restart(setup):
     a.forget_local_cache()
     tokens, hits = a.generate([{"tokens": prompt("a")}])
     assert hits == 0 and tokens[0] == setup["baseline"]["a"][:16]
-    setup["daemon"] = DaemonProcess.start(setup["socket"], *setup["daemon"].args, log_path=setup["daemon"].log_path)
+    log_path = setup["daemon"].log_path + ".restarted"  # the first instance's log stays readable
+    setup["daemon"] = DaemonProcess.start(setup["socket"], *setup["daemon"].args, log_path=log_path)
 
     def hits_again():
         a.forget_local_cache()
