@@ -132,6 +132,7 @@ class DiskTier:
     """One tenant's pages on disk: their index, the writes on their way, the promotions."""
 
     name = "the disk"
+    recheck_after_landing = False  # the index answers at once: a prompt asked again is promoted again
 
     def __init__(
         self, opened: Opened, scope: str, settings: DiskConfig, manager: KVCacheManager, loop: asyncio.AbstractEventLoop
@@ -167,7 +168,6 @@ class DiskTier:
             m.index,
             m.room,
             m.page_events,
-            recheck_after_landing=False,
         )
         freed: list[DiskPage] = []
         for page in sorted(opened.pages, key=lambda p: p.sequence):
