@@ -48,7 +48,7 @@ async def _write_tier(tier: DiskTier, deadline: float) -> None:
     tier.integrity.apply(wait=True)  # the seals of the last pages published (the sealer's last batch)
     writes = _within(tier.unwritten()[::-1], tier.store)
     written = 0
-    for batch in _batches(writes, tier.write_back.limit):
+    for batch in _batches(writes, tier.write_back.backlog_limit):
         if time.monotonic() >= deadline:
             break
         tier.write_back.write(batch)

@@ -61,7 +61,7 @@ class WriteBack:
     ) -> None:
         self.store, self.index, self.answers = store, index, answers
         self.counters = counters
-        self.limit = settings.backlog_bytes  # bytes of copies waiting, at most
+        self.backlog_limit = settings.backlog_bytes  # bytes of copies waiting, at most
         self.loop = loop
         self._queued: list[PageWrite] = []
         self._backlog = 0  # bytes of copies queued or being written
@@ -77,7 +77,7 @@ class WriteBack:
     def evicted(self, write: PageWrite, extra_keys: tuple[ExtraKey, ...]) -> None:
         """Copies a page RAM gives up (``write.view`` is the page, about to be reused) and
         queues the copy; skipped when the backlog is full."""
-        if self._backlog + write.view.nbytes > self.limit:
+        if self._backlog + write.view.nbytes > self.backlog_limit:
             self.counters.skipped_pages += 1
             return
         copy = _aligned_copy(write.view)
