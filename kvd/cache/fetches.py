@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 # A prompt whose fetch just ended is not looked up in the source again this soon: the client
 # that asks again learns that nothing more is coming instead of starting another fetch. A
 # source that knows at once whether it holds a prompt's next page (the disk's index) asks for
-# the delay only after a fetch that brought nothing (``recheck_after_landing=False``), so the
-# same prompt asked again later is promoted again, and a fetch cut short is continued.
+# the delay only after a fetch that brought nothing (``FetchSource.recheck_after_landing``
+# False), so the same prompt asked again later is promoted again, and a fetch cut short is
+# continued.
 RECHECK_SECONDS = 1.0
 MAX_RECENT_FETCHES = 4096
 
@@ -81,6 +82,9 @@ class FetchSource(Protocol):
     """Where a tier's fetches read pages from; every call answers later, on the event loop."""
 
     name: str  # for logs: "the remote store", "the disk"
+    # Whether a fetch that landed pages keeps the prompt from the source for RECHECK_SECONDS
+    # (the store: a lookup there is a round trip) or not (the disk: its index answers at once).
+    recheck_after_landing: bool
 
     @property
     def up(self) -> bool:
@@ -133,10 +137,8 @@ class Fetches:
         index: PrefixIndex,
         room: Room,
         pages: PageEvents,
-        recheck_after_landing: bool = True,
     ) -> None:
         self.source = source
-        self.recheck_after_landing = recheck_after_landing
         self.holds = holds
         self.counters = counters
         self.arena = arena
@@ -262,7 +264,7 @@ class Fetches:
     def _end(self, ident: tuple, landed: bool = False) -> None:
         """Drops a fetch's holds: landed pages become CACHED, the rest are freed."""
         fetch = self._fetches.pop(ident)
-        if self.recheck_after_landing or not landed:
+        if self.source.recheck_after_landing or not landed:
             self._recent[ident] = time.monotonic() + RECHECK_SECONDS
             self._recent.move_to_end(ident)
         while self._recent and (

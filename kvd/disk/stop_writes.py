@@ -1,9 +1,9 @@
 """The last writes of a graceful stop: the pages host memory still holds go to the disk, so
 that a host reboot (a fresh /dev/shm) after a clean stop finds the whole cache warm.
 
-Write-back (kvd/disk/tier.py) writes a page only when host memory evicts it; at a stop the
-cache's most recently used pages are the ones still in host memory, and a warm restart on
-the same /dev/shm finds them there, but a reboot would lose them. ``write_host_pages`` runs
+Write-back (kvd/disk/write_back.py) writes a page only when host memory evicts it; at a
+stop the cache's most recently used pages are the ones still in host memory, and a warm
+restart on the same /dev/shm finds them there, but a reboot would lose them. ``write_host_pages`` runs
 when ``kvd stop`` (SIGTERM) has stopped the servers, so no call changes a page meanwhile: it
 writes each tenant's sealed published pages (cached or still referenced) that the disk does
 not hold, straight from host memory (no copy), through the tier's own write path (a full
@@ -48,11 +48,11 @@ async def _write_tier(tier: DiskTier, deadline: float) -> None:
     tier.integrity.apply(wait=True)  # the seals of the last pages published (the sealer's last batch)
     writes = _within(tier.unwritten()[::-1], tier.store)
     written = 0
-    for batch in _batches(writes, tier.backlog_limit):
+    for batch in _batches(writes, tier.write_back.backlog_limit):
         if time.monotonic() >= deadline:
             break
-        tier.write(batch)
-        while tier.backlog_bytes and time.monotonic() < deadline:
+        tier.write_back.write(batch)
+        while tier.write_back.backlog_bytes and time.monotonic() < deadline:
             await asyncio.sleep(POLL_SECONDS)
         written += len(batch)
     left = len(writes) - written

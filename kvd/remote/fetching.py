@@ -26,6 +26,7 @@ class RemoteSource:
     """One tier's door to the store for fetches, and the keys it no longer fetches."""
 
     name = "the remote store"
+    recheck_after_landing = True  # whether the store holds a prompt's next page costs a round trip
 
     def __init__(self, jobs: TierJobs) -> None:
         self.jobs = jobs
