@@ -558,31 +558,92 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     assert got == expected
 
 
-def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_and_hit_later(setup):
-    """An engine with too few KV blocks for its batch preempts running requests, whose
-    saves may be in flight (vLLM hands their blocks to others at once): every request
-    still gives vLLM's tokens without kvd, and what was saved loads the next time."""
-    rng = np.random.default_rng(31)
-    prompts = [{"tokens": [int(t) for t in rng.integers(1, 999, 22 * BLOCK)]} for _ in range(4)]
-    expected, _ = setup["engines"]["baseline"].generate(prompts, max_tokens=120)
-    p = Engine(  # a KV cache of 48 blocks (started here: a vLLM engine takes ~2.5 GB while it lives)
-        "p",
-        setup["model"],
-        setup["workdir"],
-        setup["socket"],
-        env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024"},
-    )
-    try:
-        p.wait_ready()
-        tokens, hits = p.generate(prompts, max_tokens=120)
-        assert p.counter("vllm:num_preemptions") > 0, "vLLM preempted no request"
+class TestFewKVBlocks:
+    """An engine with a KV cache of 48 blocks, so that vLLM preempts running requests and
+    hands a freed block to the next request at once (started for these tests alone: a
+    vLLM engine takes ~2.5 GB while it lives). Its kvd calls wait up to 60 s, so that a
+    SIGSTOPped daemon holds its saver's thread mid-call for as long as a test needs."""
+
+    @pytest.fixture(scope="class")
+    def small(self, setup):
+        p = Engine(
+            "p",
+            setup["model"],
+            setup["workdir"],
+            setup["socket"],
+            env={
+                "KVD_TEST_NUM_BLOCKS": "48",
+                "VLLM_ENGINE_MAX_MODEL_LEN": "1024",
+                "KVD_TEST_CONNECTOR_EXTRA": json.dumps({"call_timeout_seconds": 60}),
+            },
+        )
+        try:
+            p.wait_ready()
+            yield p
+        finally:
+            p.stop()
+            unlink_vllm_shared_memory(p.shared_memory)
+
+    def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_and_hit_later(self, setup, small):
+        """Too few KV blocks for the batch: vLLM preempts running requests, whose saves
+        may be in flight (vLLM hands their blocks to others at once): every request still
+        gives vLLM's tokens without kvd, and what was saved loads the next time."""
+        rng = np.random.default_rng(31)
+        prompts = [{"tokens": [int(t) for t in rng.integers(1, 999, 22 * BLOCK)]} for _ in range(4)]
+        expected, _ = setup["engines"]["baseline"].generate(prompts, max_tokens=120)
+        tokens, hits = small.generate(prompts, max_tokens=120)
+        assert small.counter("vllm:num_preemptions") > 0, "vLLM preempted no request"
         assert tokens == expected
-        p.forget_local_cache()
-        tokens, hits = p.generate(prompts, max_tokens=120)
+        small.forget_local_cache()
+        tokens, hits = small.generate(prompts, max_tokens=120)
         assert tokens == expected and hits >= 4 * 21 * BLOCK, f"{hits} prompt tokens loaded from kvd"
-    finally:
-        p.stop()
-        unlink_vllm_shared_memory(p.shared_memory)
+
+    def test_a_request_aborted_while_its_saves_are_in_flight_keeps_its_blocks_until_they_end(self, setup, small):
+        """A request is aborted (vLLM's `abort_request`) while saves of its blocks wait on a
+        hung daemon; a step later, short requests ask for every block of the cache. vLLM
+        keeps the aborted request's blocks until those saves end: none of the short
+        requests' KV is published as the aborted prompt's. Once kvd answers, the saves
+        complete, vLLM frees the blocks (its prefix cache can be emptied: no block is in
+        use) and the engine serves on: the aborted conversation's next turn loads every
+        block saved, with vLLM's tokens without kvd."""
+        rng = np.random.default_rng(33)
+        aborted = [int(t) for t in rng.integers(1, 999, 12 * BLOCK + 16)]
+        # prompts of one block: no lookup (vLLM computes their last token), none waits on the hung daemon
+        short = {f"y{i}": {"tokens": [int(t) for t in rng.integers(1, 999, BLOCK)]} for i in range(48)}
+        baseline = setup["engines"]["baseline"]
+        [answer], _ = baseline.generate([{"tokens": aborted}], max_tokens=200)
+        expected_short, _ = baseline.generate(list(short.values()), max_tokens=1)
+        daemon = setup["daemon"].process.pid
+
+        def command(*args):
+            small.send(*args)
+            return small.receive()
+
+        command("add", {"x": {"tokens": aborted}}, 200)
+        command("advance", "x", 1)  # prefilled: its prompt's saves are handed to the saver
+        os.kill(daemon, signal.SIGSTOP)
+        try:
+            seen = len(command("advance", "x", 0))
+            command("advance", "x", seen + 40)  # a block completed since: its save waits on the daemon
+            [generated] = command("abort", ["x"]).values()
+            # y0 runs in the step after the abort, where vLLM hears that x finished and may
+            # free its blocks; then the others ask for every block there is
+            command("add", {"y0": short["y0"]}, 1)
+            command("advance", "y0", 1)
+            command("add", {y: p for y, p in short.items() if y != "y0"}, 1)
+            command("advance", "y1", 1)  # their KV is written in the blocks vLLM gave them
+        finally:
+            os.kill(daemon, signal.SIGCONT)
+        outputs = command("finish")
+        assert len(generated) < 200 and generated == answer[: len(generated)]
+        assert [outputs[y] for y in short] == expected_short
+        small.forget_local_cache()  # no block is in use any more: the aborted request's were freed
+        turn2 = aborted + answer + SUFFIX["q"][:8]
+        [expected], _ = baseline.generate([{"tokens": turn2}])
+        [tokens], hits = small.generate([{"tokens": turn2}])
+        saved = (len(aborted) + len(generated) - 1) // BLOCK * BLOCK  # at least: vLLM had computed these
+        assert hits >= saved, f"{hits} tokens loaded, {saved} were saved before the abort"
+        assert tokens == expected, "kvd holds KV for the aborted prompt that vLLM did not compute for it"
 
 
 CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon
