@@ -320,6 +320,21 @@ def kvd_stats(socket: str) -> dict:
         return kvd.stats()
 
 
+def kvd_pages(socket: str, model: str, tokens: list[int]) -> list[np.ndarray]:
+    """Copies of the pages kvd holds for the tokens' full blocks, in order, from the
+    engines' namespace (vLLM's CPU backend: its block bytes, gpu_worker/vllm/cache_shape.py)."""
+    import torch
+
+    from gpu_worker.vllm.cache_shape import cpu_kv_layout
+    from gpu_worker.vllm.kvd_link import NamespaceSpec
+
+    layout = cpu_kv_layout(torch.float32, "auto", BLOCK, LAYOUT.head_dim)
+    with KVDClient.connect(socket, client_name="test") as kvd:
+        ns = NamespaceSpec(model, LAYOUT, extra=(("kv_layout", layout),)).register(kvd)
+        [hit] = kvd.lookup(ns, [SequenceRequest("probe", tokens)])
+        return [np.array(kvd.page_array(ns, page)) for page in hit.hit_pages]
+
+
 def test_prefix_computed_once_then_loaded_by_other_engines(setup):
     a, b, c = (setup["engines"][n] for n in "abc")
     baseline = setup["baseline"]
@@ -605,7 +620,8 @@ class TestFewKVBlocks:
         requests' KV is published as the aborted prompt's. Once kvd answers, the saves
         complete, vLLM frees the blocks (its prefix cache can be emptied: no block is in
         use) and the engine serves on: the aborted conversation's next turn loads every
-        block saved, with vLLM's tokens without kvd."""
+        block saved, with vLLM's tokens without kvd, and those pages hold the KV vLLM
+        computes for the blocks afresh."""
         rng = np.random.default_rng(33)
         aborted = [int(t) for t in rng.integers(1, 999, 12 * BLOCK + 16)]
         # prompts of one block: no lookup (vLLM computes their last token), none waits on the hung daemon
@@ -624,7 +640,7 @@ class TestFewKVBlocks:
         os.kill(daemon, signal.SIGSTOP)
         try:
             seen = len(command("advance", "x", 0))
-            command("advance", "x", seen + 40)  # a block completed since: its save waits on the daemon
+            command("advance", "x", seen + 72)  # two blocks completed since: their saves wait on the daemon
             [generated] = command("abort", ["x"]).values()
             # y0 runs in the step after the abort, where vLLM hears that x finished and may
             # free its blocks; then the others ask for every block there is
@@ -639,11 +655,20 @@ class TestFewKVBlocks:
         assert [outputs[y] for y in short] == expected_short
         small.forget_local_cache()  # no block is in use any more: the aborted request's were freed
         turn2 = aborted + answer + SUFFIX["q"][:8]
+        saved = (len(aborted) + len(generated) - 1) // BLOCK * BLOCK  # at least: vLLM had computed these
+        pages = kvd_pages(setup["socket"], setup["model"], turn2)
+        assert len(pages) * BLOCK >= saved, f"kvd holds {len(pages)} blocks, {saved // BLOCK} were saved by the abort"
         [expected], _ = baseline.generate([{"tokens": turn2}])
         [tokens], hits = small.generate([{"tokens": turn2}])
-        saved = (len(aborted) + len(generated) - 1) // BLOCK * BLOCK  # at least: vLLM had computed these
-        assert hits >= saved, f"{hits} tokens loaded, {saved} were saved before the abort"
-        assert tokens == expected, "kvd holds KV for the aborted prompt that vLLM did not compute for it"
+        assert hits == len(pages) * BLOCK, f"{hits} tokens loaded of {len(pages)} blocks kvd holds"
+        assert tokens == expected, "tokens after loading the aborted request's pages differ from vLLM alone"
+        # the same blocks computed by vLLM afresh (kvd emptied first), against what the saves published
+        kvd_reset(setup["socket"])
+        small.forget_local_cache()
+        [tokens], hits = small.generate([{"tokens": turn2}])
+        assert hits == 0 and tokens == expected, "kvd was emptied: vLLM computes all"
+        for i, (published, computed) in enumerate(zip(pages, kvd_pages(setup["socket"], setup["model"], turn2))):
+            assert np.allclose(published, computed, rtol=1e-3, atol=1e-4), f"block {i}: KV vLLM did not compute for it"
 
 
 CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon
