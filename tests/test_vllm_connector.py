@@ -662,9 +662,10 @@ class TestFewKVBlocks:
         [tokens], hits = small.generate([{"tokens": turn2}])
         assert hits == len(pages) * BLOCK, f"{hits} tokens loaded of {len(pages)} blocks kvd holds"
         assert tokens == expected, "tokens after loading the aborted request's pages differ from vLLM alone"
-        # the same blocks computed by vLLM afresh (kvd emptied first), against what the saves published
-        kvd_reset(setup["socket"])
+        # the same blocks computed by vLLM afresh (kvd emptied first, once the last saves
+        # are done: vLLM's cache can be emptied), against what the saves published
         small.forget_local_cache()
+        kvd_reset(setup["socket"])
         [tokens], hits = small.generate([{"tokens": turn2}])
         assert hits == 0 and tokens == expected, "kvd was emptied: vLLM computes all"
         for i, (published, computed) in enumerate(zip(pages, kvd_pages(setup["socket"], setup["model"], turn2))):
