@@ -320,6 +320,21 @@ def kvd_stats(socket: str) -> dict:
         return kvd.stats()
 
 
+def kvd_pages(socket: str, model: str, tokens: list[int]) -> list[np.ndarray]:
+    """Copies of the pages kvd holds for the tokens' full blocks, in order, from the
+    engines' namespace (vLLM's CPU backend: its block bytes, gpu_worker/vllm/cache_shape.py)."""
+    import torch
+
+    from gpu_worker.vllm.cache_shape import cpu_kv_layout
+    from gpu_worker.vllm.kvd_link import NamespaceSpec
+
+    layout = cpu_kv_layout(torch.float32, "auto", BLOCK, LAYOUT.head_dim)
+    with KVDClient.connect(socket, client_name="test") as kvd:
+        ns = NamespaceSpec(model, LAYOUT, extra=(("kv_layout", layout),)).register(kvd)
+        [hit] = kvd.lookup(ns, [SequenceRequest("probe", tokens)])
+        return [np.array(kvd.page_array(ns, page)) for page in hit.hit_pages]
+
+
 def test_prefix_computed_once_then_loaded_by_other_engines(setup):
     a, b, c = (setup["engines"][n] for n in "abc")
     baseline = setup["baseline"]
@@ -558,31 +573,103 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     assert got == expected
 
 
-def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_and_hit_later(setup):
-    """An engine with too few KV blocks for its batch preempts running requests, whose
-    saves may be in flight (vLLM hands their blocks to others at once): every request
-    still gives vLLM's tokens without kvd, and what was saved loads the next time."""
-    rng = np.random.default_rng(31)
-    prompts = [{"tokens": [int(t) for t in rng.integers(1, 999, 22 * BLOCK)]} for _ in range(4)]
-    expected, _ = setup["engines"]["baseline"].generate(prompts, max_tokens=120)
-    p = Engine(  # a KV cache of 48 blocks (started here: a vLLM engine takes ~2.5 GB while it lives)
-        "p",
-        setup["model"],
-        setup["workdir"],
-        setup["socket"],
-        env={"KVD_TEST_NUM_BLOCKS": "48", "VLLM_ENGINE_MAX_MODEL_LEN": "1024"},
-    )
-    try:
-        p.wait_ready()
-        tokens, hits = p.generate(prompts, max_tokens=120)
-        assert p.counter("vllm:num_preemptions") > 0, "vLLM preempted no request"
+class TestFewKVBlocks:
+    """An engine with a KV cache of 48 blocks, so that vLLM preempts running requests and
+    hands a freed block to the next request at once (started for these tests alone: a
+    vLLM engine takes ~2.5 GB while it lives). Its kvd calls wait up to 60 s, so that a
+    SIGSTOPped daemon holds its saver's thread mid-call for as long as a test needs."""
+
+    @pytest.fixture(scope="class")
+    def small(self, setup):
+        p = Engine(
+            "p",
+            setup["model"],
+            setup["workdir"],
+            setup["socket"],
+            env={
+                "KVD_TEST_NUM_BLOCKS": "48",
+                "VLLM_ENGINE_MAX_MODEL_LEN": "1024",
+                "KVD_TEST_CONNECTOR_EXTRA": json.dumps({"call_timeout_seconds": 60}),
+            },
+        )
+        try:
+            p.wait_ready()
+            yield p
+        finally:
+            p.stop()
+            unlink_vllm_shared_memory(p.shared_memory)
+
+    def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_and_hit_later(self, setup, small):
+        """Too few KV blocks for the batch: vLLM preempts running requests, whose saves
+        may be in flight (vLLM hands their blocks to others at once): every request still
+        gives vLLM's tokens without kvd, and what was saved loads the next time."""
+        rng = np.random.default_rng(31)
+        prompts = [{"tokens": [int(t) for t in rng.integers(1, 999, 22 * BLOCK)]} for _ in range(4)]
+        expected, _ = setup["engines"]["baseline"].generate(prompts, max_tokens=120)
+        tokens, hits = small.generate(prompts, max_tokens=120)
+        assert small.counter("vllm:num_preemptions") > 0, "vLLM preempted no request"
         assert tokens == expected
-        p.forget_local_cache()
-        tokens, hits = p.generate(prompts, max_tokens=120)
+        small.forget_local_cache()
+        tokens, hits = small.generate(prompts, max_tokens=120)
         assert tokens == expected and hits >= 4 * 21 * BLOCK, f"{hits} prompt tokens loaded from kvd"
-    finally:
-        p.stop()
-        unlink_vllm_shared_memory(p.shared_memory)
+
+    def test_a_request_aborted_while_its_saves_are_in_flight_keeps_its_blocks_until_they_end(self, setup, small):
+        """A request is aborted (vLLM's `abort_request`) while saves of its blocks wait on a
+        hung daemon; a step later, short requests ask for every block of the cache. vLLM
+        keeps the aborted request's blocks until those saves end: none of the short
+        requests' KV is published as the aborted prompt's. Once kvd answers, the saves
+        complete, vLLM frees the blocks (its prefix cache can be emptied: no block is in
+        use) and the engine serves on: the aborted conversation's next turn loads every
+        block saved, with vLLM's tokens without kvd, and those pages hold the KV vLLM
+        computes for the blocks afresh."""
+        rng = np.random.default_rng(33)
+        aborted = [int(t) for t in rng.integers(1, 999, 12 * BLOCK + 16)]
+        # prompts of one block: no lookup (vLLM computes their last token), none waits on the hung daemon
+        short = {f"y{i}": {"tokens": [int(t) for t in rng.integers(1, 999, BLOCK)]} for i in range(48)}
+        baseline = setup["engines"]["baseline"]
+        [answer], _ = baseline.generate([{"tokens": aborted}], max_tokens=200)
+        expected_short, _ = baseline.generate(list(short.values()), max_tokens=1)
+        daemon = setup["daemon"].process.pid
+
+        def command(*args):
+            small.send(*args)
+            return small.receive()
+
+        command("add", {"x": {"tokens": aborted}}, 200)
+        command("advance", "x", 1)  # prefilled: its prompt's saves are handed to the saver
+        os.kill(daemon, signal.SIGSTOP)
+        try:
+            seen = len(command("advance", "x", 0))
+            command("advance", "x", seen + 72)  # two blocks completed since: their saves wait on the daemon
+            [generated] = command("abort", ["x"]).values()
+            # y0 runs in the step after the abort, where vLLM hears that x finished and may
+            # free its blocks; then the others ask for every block there is
+            command("add", {"y0": short["y0"]}, 1)
+            command("advance", "y0", 1)
+            command("add", {y: p for y, p in short.items() if y != "y0"}, 1)
+            command("advance", "y1", 1)  # their KV is written in the blocks vLLM gave them
+        finally:
+            os.kill(daemon, signal.SIGCONT)
+        outputs = command("finish")
+        assert len(generated) < 200 and generated == answer[: len(generated)]
+        assert [outputs[y] for y in short] == expected_short
+        small.forget_local_cache()  # no block is in use any more: the aborted request's were freed
+        turn2 = aborted + answer + SUFFIX["q"][:8]
+        saved = (len(aborted) + len(generated) - 1) // BLOCK * BLOCK  # at least: vLLM had computed these
+        pages = kvd_pages(setup["socket"], setup["model"], turn2)
+        assert len(pages) * BLOCK >= saved, f"kvd holds {len(pages)} blocks, {saved // BLOCK} were saved by the abort"
+        [expected], _ = baseline.generate([{"tokens": turn2}])
+        [tokens], hits = small.generate([{"tokens": turn2}])
+        assert hits == len(pages) * BLOCK, f"{hits} tokens loaded of {len(pages)} blocks kvd holds"
+        assert tokens == expected, "tokens after loading the aborted request's pages differ from vLLM alone"
+        # the same blocks computed by vLLM afresh (kvd emptied first, once the last saves
+        # are done: vLLM's cache can be emptied), against what the saves published
+        small.forget_local_cache()
+        kvd_reset(setup["socket"])
+        [tokens], hits = small.generate([{"tokens": turn2}])
+        assert hits == 0 and tokens == expected, "kvd was emptied: vLLM computes all"
+        for i, (published, computed) in enumerate(zip(pages, kvd_pages(setup["socket"], setup["model"], turn2))):
+            assert np.allclose(published, computed, rtol=1e-3, atol=1e-4), f"block {i}: KV vLLM did not compute for it"
 
 
 CALL_TIMEOUT = 5.0  # KVDLink's default: the connector's wait for a call to a hung daemon

@@ -17,6 +17,13 @@ LoRA adapter, named after its directory) and how many
 prompt tokens came from the connector; ("reset_prefix_cache",) empties vLLM's own prefix
 cache, so the next request can only hit kvd; ("steps",) answers how many engine steps
 ran so far (vLLM's `iteration_tokens` histogram); ("stop",) ends the process.
+
+Requests can also be driven one by one, through vLLM's `LLMEngine` (the engine core runs
+them in a process of its own meanwhile): ("add", {id: prompt}, max_tokens) adds them and
+answers at once; ("advance", id, n) reads vLLM's outputs until request `id` has n tokens
+(or finished) and answers its tokens; ("abort", [id, ...]) aborts them
+(`LLMEngine.abort_request`) and answers their tokens so far; ("finish",) reads outputs
+until no added request runs and answers every added request's tokens.
 """
 
 from __future__ import annotations
@@ -59,6 +66,45 @@ def kv_transfer_config(kvd_socket: str):
     )
 
 
+class Driven:
+    """Requests added one by one to `llm`'s engine, and the tokens vLLM gave each so far."""
+
+    def __init__(self, llm) -> None:
+        self.engine = llm.llm_engine
+        self.tokens: dict[str, list[int]] = {}
+        self.done: set[str] = set()
+
+    def add(self, prompts: dict, max_tokens: int) -> None:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+        for req_id, p in prompts.items():
+            self.engine.add_request(req_id, TokensPrompt(prompt_token_ids=p["tokens"]), params)
+            self.tokens[req_id] = []
+
+    def step(self) -> None:
+        for output in self.engine.step():
+            self.tokens[output.request_id] = list(output.outputs[0].token_ids)
+            if output.finished:
+                self.done.add(output.request_id)
+
+    def advance(self, req_id: str, n: int) -> list[int]:
+        while len(self.tokens[req_id]) < n and req_id not in self.done:
+            self.step()
+        return self.tokens[req_id]
+
+    def abort(self, req_ids: list[str]) -> dict[str, list[int]]:
+        self.engine.abort_request(req_ids)
+        self.done.update(req_ids)
+        return {r: self.tokens[r] for r in req_ids}
+
+    def finish(self) -> dict[str, list[int]]:
+        while self.engine.has_unfinished_requests():
+            self.step()
+        tokens, self.tokens, self.done = self.tokens, {}, set()
+        return tokens
+
+
 def main(model: str, control: str, kvd_socket: str | None) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -96,6 +142,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
     )
     channel = Client(control, authkey=b"kvd-test")
     channel.send(("ready", os.getpid()))
+    driven = Driven(llm)
     while True:
         command, *args = channel.recv()
         if command == "generate":
@@ -121,6 +168,14 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
             channel.send(sum(m.value for m in llm.get_metrics() if m.name == name))
         elif command == "steps":
             channel.send(sum(m.count for m in llm.get_metrics() if m.name == "vllm:iteration_tokens_total"))
+        elif command == "add":
+            channel.send(driven.add(*args))
+        elif command == "advance":
+            channel.send(driven.advance(*args))
+        elif command == "abort":
+            channel.send(driven.abort(*args))
+        elif command == "finish":
+            channel.send(driven.finish())
         elif command == "stop":
             channel.send("stopping")
             return

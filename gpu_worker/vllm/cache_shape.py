@@ -127,7 +127,8 @@ def namespace_spec(vllm_config, kv_cache_config) -> CacheShape:
     model = vllm_config.model_config
     extra = ()
     if current_platform.is_cpu() and not latent:
-        extra += (("kv_layout", cpu_kv_layout(vllm_config, spec)),)
+        layout_name = cpu_kv_layout(model.dtype, vllm_config.cache_config.cache_dtype, spec.block_size, spec.head_size)
+        extra += (("kv_layout", layout_name),)
     if vllm_config.cache_config.cache_dtype != "auto":  # fp8 caches: which format (the page dtype says uint8)
         extra += (("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),)
     if windows:  # kept in every page's identity: a window changes the KV of every later layer
@@ -179,15 +180,13 @@ def refused_feature(spec) -> str:
     return f"KV caches of kind {type(spec).__name__}"
 
 
-def cpu_kv_layout(vllm_config, spec) -> str:
+def cpu_kv_layout(dtype, cache_dtype: str, block_size: int, head_size: int) -> str:
     """vLLM's CPU attention backend arranges K and V inside a block in an order of its own
     that depends on the kernel it picked for this CPU and dtype (its "ISA"), not in kvd's
     page order; a page holds each layer's block bytes as vLLM's cache holds them
     ("block-bytes", worker.block_view). Its pages are shared only with engines that use
-    the same arrangement."""
+    the same arrangement. `dtype`: the model's (torch), `cache_dtype`: vLLM's setting."""
     from vllm.v1.attention.backends import cpu_attn
 
-    isa = cpu_attn._get_attn_isa(
-        vllm_config.model_config.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
-    )
+    isa = cpu_attn._get_attn_isa(dtype, block_size, head_size, cache_dtype)
     return f"vllm-cpu-{isa}-block-bytes"
