@@ -35,7 +35,7 @@ the noise differs from turn to turn (±10–25 % measured on a shared 2-core box
 computed once, agents branching off it later), the pattern where engines that share no
 cache compute the prefix again. Throughput is output tokens over the slowest engine's time
 from its first request to its last finished. For `kvd` the daemon's Prometheus metrics
-give the calls per method (its latency histogram's counts) and its p99 call latency
+give the calls per method, every method the engines called (its latency histogram's counts), and its p99 call latency
 (`kvd_request_seconds`, interpolated inside the histogram's bucket as Prometheus does),
 each as a difference over that configuration's turn. Every configuration reports TTFT p50
 and p99 (each request's time from being added to its first token); `kvd` and `LMCache`
@@ -305,7 +305,8 @@ def engine_mode(args) -> None:
                                 total["memory_growth"] = host_memory(pids[config]).total - memory[config]
                                 total["memory"] = host_memory(pids[config]).total
                             if config == "kvd":
-                                total["calls"], total["p99"] = DaemonCounters.scrape(port).since(before)
+                                after = DaemonCounters.scrape(port)  # every method: the workers' too
+                                total["calls"], total["p99"] = after.since(before, tuple(after.calls))
                             results.setdefault((workload, config), []).append(total)
                             shown = {k: v for k, v in total.items() if k != "ttfts"}
                             print(f"  {workload}, round {r + 1}, {config}: {shown}", flush=True)
@@ -379,7 +380,8 @@ def report_server(args, runs: list[dict], config: str) -> None:
         + " MiB round by round)"
     )
     if config == "kvd":
-        calls = {m: sum(r["calls"][m] for r in runs) for m in runs[0]["calls"]}
+        methods = sorted(set().union(*(r["calls"] for r in runs)))
+        calls = {m: n for m in methods if (n := sum(r["calls"].get(m, 0) for r in runs))}
         per_request = ", ".join(f"{m} {n / requests:.2f}" for m, n in calls.items())
         p99 = max((r["p99"] for r in runs if r["p99"] is not None), default=None)
         line += (

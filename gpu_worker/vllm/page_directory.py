@@ -2,15 +2,17 @@
 
 The worker half loads pages that the scheduler half's sequences hold, on vLLM's forward
 thread, and that thread makes no kvd call: the worker's kvd calls are its `Saver`'s
-(gpu_worker/vllm/saver.py). The saver's thread maps the namespace's extents (when its
-session opens, every `refresh_seconds`, 0.5 s: one `DescribeExtents` call, and when a
-load named a page it had not mapped) and hands the forward thread a snapshot: a directory of one
-daemon instance, never changed once made. A page in an extent created since (by another
-engine's saves) is found through the extents its load plan names (`ExtentRef`, asked by
-the scheduler half with its holds): `extended` maps them without a kvd call (the
-shared-memory object is opened by name), on the forward thread, into a directory of that
-thread's own. A page neither holds fails its load (vLLM recomputes its blocks) and asks
-the saver to map the extents again.
+(gpu_worker/vllm/saver.py). The saver's thread maps the namespace's extents (one
+`DescribeExtents` call: when its session opens, when a load named an extent it had not
+mapped, and when the daemon released one it maps, which it sees in /dev/shm every
+`refresh_seconds`, 0.5 s, without a call) and hands the forward thread a snapshot: a
+directory of one daemon instance, never changed once made. A page in an extent created
+since (by another engine's saves) is found through the extents its load plan names
+(`ExtentRef`, asked by the scheduler half with its holds): `extended` maps them without a
+kvd call (the shared-memory object is opened by name), on the forward thread, into a
+directory of that thread's own, and the saver is asked to map them too. A page neither
+holds fails its load (vLLM recomputes its blocks) and asks the saver to map the extents
+again.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class PageDirectory:
 
     def names(self) -> set[str]:
         return {e.name for e in self.extents}
+
+    def released(self) -> bool:
+        """Whether the daemon released an extent of the directory (its memory stays allocated
+        while mapped: the saver maps the extents again)."""
+        return any(e.unlinked() for e in self.extents)
 
     def pages_by_extent(self, page_ids: list[int]) -> list[tuple[object, list[int], list[int]]] | None:
         """As `KVDClient.pages_by_extent` (read-only views), or None when a page lies in no

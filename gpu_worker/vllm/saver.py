@@ -93,7 +93,7 @@ class Saver:
         cuda = layers[0].device.type == "cuda"
         self._stream = torch.cuda.Stream(device=layers[0].device) if cuda else None
         self._registered: dict[str, object] = {}  # CUDA: extents registered with cudaHostRegister (kept mapped)
-        self._mapped_at = 0.0  # the thread's: when it last mapped the namespace's extents
+        self._looked_at = 0.0  # the thread's: when it last looked for released extents
         self._lock = threading.Condition()
         # under _lock
         self._backlog: list[StepSaves] = []
@@ -147,7 +147,7 @@ class Saver:
             return done
 
     def ask_refresh(self) -> None:
-        """A load named a page the directory does not hold: map the extents again."""
+        """A load named a page the directory does not hold: map the extents again (one call)."""
         with self._lock:
             self._refresh_asked = True
             self._lock.notify()
@@ -182,7 +182,7 @@ class Saver:
                 steps, self._backlog = self._backlog, []
                 refresh, self._refresh_asked = self._refresh_asked, False
             try:
-                self._follow_session(refresh or time.monotonic() - self._mapped_at > self.refresh_seconds)
+                self._follow_session(refresh or self._released())
                 if steps:
                     self._save(steps)
             except Exception:  # noqa: BLE001 - a bug in a turn must not hold vLLM's blocks for ever
@@ -193,6 +193,15 @@ class Saver:
                         for plan in step.plans:
                             self._pending[plan.req_id] -= 1
 
+    def _released(self) -> bool:
+        """Every `refresh_seconds`: whether the daemon released an extent the directory maps
+        (a look at /dev/shm, no kvd call; new extents are mapped as saves and loads name them)."""
+        now = time.monotonic()
+        if now - self._looked_at < self.refresh_seconds:
+            return False
+        self._looked_at = now
+        return self.directory.released()
+
     def _follow_session(self, refresh: bool) -> None:
         """Adopts a session the link's reconnect thread opened, and remakes the directory
         when the session changed, when asked to, or when the client mapped other extents."""
@@ -202,7 +211,6 @@ class Saver:
                 self.directory = PageDirectory()
             return
         if refresh or instance != self.directory.instance:
-            self._mapped_at = time.monotonic()
             extents = self.link.attempt("map extents", lambda kvd, ns: kvd.map_extents(ns), maps_memory=True)
         else:
             extents = self.link.attempt("mapped extents", lambda kvd, ns: kvd.mapped_extents(ns))

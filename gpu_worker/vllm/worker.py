@@ -185,7 +185,8 @@ class KVDWorkerSide:
 
     def _loadable(self, plan: LoadPlan, page_ids: list[int]):
         """The pages grouped by extent, read from the saver's directory, else from the
-        extents the plan names, mapped here (no kvd call either way); or None: pages of
+        extents the plan names, mapped here (no kvd call either way; the saver is asked to
+        map them for the next loads); or None: pages of
         another daemon instance than the directory's (it restarted since the plan was
         made) are not trusted, and a page neither holds fails its load (the saver maps
         the extents again)."""
@@ -203,6 +204,7 @@ class KVDWorkerSide:
                 self._mapped_here = PageDirectory.of(directory.instance, self.layout, [])
             self._mapped_here = self._mapped_here.extended(plan.extents_by_rank[self.link.namespace.tp_rank])
             groups = self._mapped_here.pages_by_extent(page_ids)
+            self.saver.ask_refresh()  # the saver's directory lacks these extents: its next turn maps them
         if groups is None:
             log.warning("a load names a page of an extent this worker has not mapped: recomputed")
             self.saver.ask_refresh()

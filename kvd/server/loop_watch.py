@@ -4,8 +4,9 @@ what held it.
 Every call runs on one event loop (kvd/server/daemon.py). A call is timed from its
 handler's start (kvd/server/service.py logs one over a second), so a loop held by
 something else (a long step, a garbage collection, a thread keeping the GIL) makes calls
-wait unseen before their handlers start; an engine gives up on a call after 5 s. A task
-on the loop marks every ``TICK_SECONDS``; a thread of the watchdog's own looks every
+wait unseen before their handlers start; an engine gives up on a call after 5 s. A timer
+on the loop marks every ``TICK_SECONDS`` (a callback: no task step, no future, as the
+daemon's idle CPU is mostly these ticks); a thread of the watchdog's own looks every
 ``TICK_SECONDS`` and, once the mark is ``STALL_SECONDS`` old, logs a WARNING with the stack
 the loop's thread is in at that instant (once a stall) and calls ``on_stall`` (the metric
 ``kvd_event_loop_stalls_total``), then logs the stall's length when the loop marks again.
@@ -39,13 +40,15 @@ class LoopWatch:
         self._mark = time.monotonic()
         self._loop_thread = threading.get_ident()
         self._stopped = threading.Event()
-        self._marker: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._marker: asyncio.TimerHandle | None = None
         self._looker = threading.Thread(target=self._look, name="kvd-loop-watch", daemon=True)
 
     def start(self) -> None:
         self._loop_thread = threading.get_ident()
         self._mark = time.monotonic()
-        self._marker = asyncio.get_running_loop().create_task(self._marks())
+        self._loop = asyncio.get_running_loop()
+        self._marker = self._loop.call_later(TICK_SECONDS, self._marks)
         self._looker.start()
 
     def stop(self) -> None:
@@ -54,10 +57,10 @@ class LoopWatch:
             self._marker.cancel()
         self._looker.join()
 
-    async def _marks(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_SECONDS)
-            self._mark = time.monotonic()
+    def _marks(self) -> None:
+        """A timer's callback, not a task: a tick costs the loop no task step or future."""
+        self._mark = time.monotonic()
+        self._marker = self._loop.call_later(TICK_SECONDS, self._marks)
 
     def _look(self) -> None:
         reported: float | None = None  # the mark of the stall already reported
