@@ -24,9 +24,13 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
    full blocks that this step completes (prompt blocks, then generated ones, unless
    `save_generated` is off); each worker saves them into its own kvd sequence and
    publishes them (gpu_worker/vllm/worker.py). So the next turn of a conversation, whose
-   prompt holds this turn's answer, hits that answer too.
-5. `update_from_workers` notes the workers' daemon instance and turns what they published
-   into vLLM KV events (`BlockStored`); with KV events on, it remembers the kvd keys of
+   prompt holds this turn's answer, hits that answer too. A request that read blocks a
+   synchronous load fills saves nothing until every rank's word on that load is back
+   (its `LoadVerdicts`, gpu_worker/vllm/load_verdicts.py): one rank's failed load makes
+   every rank's KV of that step wrong.
+5. `update_from_workers` notes the workers' daemon instance and their word on the step's
+   loads, and turns what they published into vLLM KV events (`BlockStored`); with KV
+   events on, it remembers the kvd keys of
    those blocks, and `take_events` adds `BlockRemoved` for them once kvd evicts or drops
    them (gpu_worker/vllm/block_events.py).
 6. `finished` lets the request's hold go and tells the workers to release their
