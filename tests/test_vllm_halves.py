@@ -170,6 +170,13 @@ class VllmProcess:
             self.kvs.append(kv)
         _OPENED.append(self)
 
+    def connected(self) -> VllmProcess:
+        """Waits until every worker's saver mapped kvd's extents (before that, a load is a
+        load error: its pages are not known to be of the daemon instance the saver sees)."""
+        for worker in self.workers:
+            wait_until(lambda w=worker: w.saver.directory.instance, "the worker's saver mapped kvd", timeout=10)
+        return self
+
     @property
     def worker(self) -> KVDWorkerSide:
         return self.workers[0]
@@ -186,18 +193,28 @@ class VllmProcess:
             worker.link.close()
 
     def run(
-        self, req, block_ids: list[int], num_external: int = 0, local_hit: int = 0, settle: bool = True
+        self,
+        req,
+        block_ids: list[int],
+        num_external: int = 0,
+        local_hit: int = 0,
+        settle: bool = True,
+        finishes: bool = False,
     ) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
-        the workers' answer back to the scheduler; returns the blocks that failed to load."""
+        the workers' answer back to the scheduler; returns the blocks that failed to load.
+        With `finishes`, the step's output finishes the request (max_tokens=1)."""
         self.scheduler.allocated(req, by_group(block_ids), num_external)
-        return self._step(scheduled(req, block_ids, computed=local_hit + num_external), settle)
+        output = scheduled(req, block_ids, computed=local_hit + num_external)
+        return self._step(output, settle, finishing=[req] if finishes else [])
 
-    def run_together(self, new: list[tuple]) -> set[int]:
-        """One prefill step of several requests, each (request, block ids, external tokens)."""
-        for req, block_ids, num_external in new:
+    def run_together(self, new: list[tuple], failing_rank: int | None = None) -> set[int]:
+        """One prefill step of several requests, each (request, block ids, external tokens,
+        and optionally the tokens of its local hit in vLLM's own prefix cache)."""
+        for req, block_ids, num_external, *_ in new:
             self.scheduler.allocated(req, (block_ids,), num_external)
-        return self._step(scheduled_together([(req, block_ids, num_external) for req, block_ids, num_external in new]))
+        output = scheduled_together([(req, blocks, external + sum(hit)) for req, blocks, external, *hit in new])
+        return self._step(output, failing_rank=failing_rank)
 
     def next_step(self, req, computed: int, num_tokens: int, new_block_ids: list[int] | None = None) -> set[int]:
         """A later step of a running request: `num_tokens` tokens from token `computed` (the
@@ -214,16 +231,26 @@ class VllmProcess:
             )
         )
 
-    def _step(self, scheduler_output, settle: bool = True) -> set[int]:
+    def _step(
+        self, scheduler_output, settle: bool = True, failing_rank: int | None = None, finishing: list = ()
+    ) -> set[int]:
         """One step on every worker; with `settle`, the workers' savers are waited for
-        before they report (vLLM's next step would see what they did meanwhile)."""
+        before they report (vLLM's next step would see what they did meanwhile). The
+        `failing_rank` cannot load (as if its kvd session were with another daemon
+        instance than the plans'): its blocks keep their bytes. The step's output finishes
+        the `finishing` requests, before vLLM reads the workers' reports (update_from_output)."""
         meta = self.scheduler.build_metadata(scheduler_output)
         errors, reports = set(), []
         # what vLLM gathers from its ranks (its KVOutputAggregator); the last rank first, so that
         # a rank past 0 that saved an MLA page (it must not) would publish before rank 0
-        for worker in reversed(self.workers):
-            worker.preempted(meta)
-            worker.start_step(meta)
+        for rank in reversed(range(len(self.workers))):
+            worker, seen = self.workers[rank], meta
+            if rank == failing_rank:
+                seen = dataclasses.replace(
+                    meta, loads=[dataclasses.replace(p, daemon_instance="elsewhere") for p in meta.loads]
+                )
+            worker.preempted(seen)
+            worker.start_step(seen)
             for name in LAYERS:
                 worker.wait_layer(name)
             worker.wait_for_save()
@@ -232,14 +259,20 @@ class VllmProcess:
             if settle:
                 wait_until(worker.saver.idle, "the worker's saves done", timeout=10)
             reports.append(worker.worker_metadata())
+        delayed = [self.scheduler.finished(req) for req in finishing]
         self.scheduler.update_from_workers(functools.reduce(KVDWorkerMetadata.aggregate, reports))
+        for req, waits in zip(finishing, delayed):
+            self._freed(req, waits)
         return errors
 
     def finish(self, req) -> None:
-        """The request finished; vLLM then runs a step with nothing scheduled that tells the
-        workers (its connector metadata lists the finished request), and frees its blocks
-        once every worker reports its saves done, if the scheduler half asked it to wait."""
-        delayed = self.scheduler.finished(req)
+        """The request finished (vLLM's `request_finished`)."""
+        self._freed(req, self.scheduler.finished(req))
+
+    def _freed(self, req, delayed: bool) -> None:
+        """vLLM runs a step with nothing scheduled that tells the workers the request
+        finished (so does its connector metadata), and frees its blocks once every worker
+        reports its saves done, if the scheduler half asked it to wait (`delayed`)."""
         self.empty_step()
         for worker in self.workers:
             assert worker.finished_sending({req.request_id}) == ({req.request_id} if delayed else set())
@@ -408,7 +441,7 @@ def test_a_page_dropped_between_lookup_and_allocation_is_a_load_error(daemon):
         ns = SPEC.register(kvd)
         assert len(kvd.lookup(ns, [request_for_lookup(prompt)])[0].hit_pages) == 6
     assert b.next_step(rb, 6 * BLOCK, len(prompt) - 6 * BLOCK) == set()  # vLLM computes them again; now b saves them
-    c, rc = VllmProcess(daemon.socket, 3), request("c", prompt)
+    c, rc = VllmProcess(daemon.socket, 3).connected(), request("c", prompt)
     assert offered(c.scheduler, rc, 0) == 10 * BLOCK
     c_blocks = list(range(40, 51))
     assert c.run(rc, c_blocks, num_external=10 * BLOCK) == set()
@@ -433,6 +466,72 @@ def test_tensor_parallel_ranks_load_their_own_heads_as_far_as_every_rank_holds_t
     assert b.run(rb, b_blocks, num_external=6 * BLOCK) == set()
     for rank in (0, 1):
         assert torch.equal(b.blocks(b_blocks[:6], rank), a.blocks(list(range(1, 7)), rank)), f"rank {rank}'s heads"
+
+
+def pages_held(socket: str, spec: NamespaceSpec, prompt: list[int]) -> int:
+    """How many of the prompt's full blocks kvd holds in `spec`'s namespace."""
+    with KVDClient.connect(socket) as kvd:
+        return len(kvd.lookup(spec.register(kvd), [request_for_lookup(prompt)])[0].hit_pages)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["kv-heads", "mla"])
+def test_a_load_one_rank_failed_alone_publishes_nothing_that_step_computed_on_any_rank(daemon, latent):
+    """TP=2: rank 1 cannot load b's hit of 6 blocks (as if its kvd session were with another
+    daemon instance), rank 0 can. What the step computed attended to rank 1's stale blocks
+    on both ranks (tensor parallelism all-reduces), so no rank publishes any of it: not b's
+    blocks 6-9, nor those of d, whose local hit in vLLM's prefix cache is b's loading
+    blocks. c, without a load, is saved at once. vLLM computes b and d again; then kvd
+    holds what that computed on each rank (MLA: rank 0's; its other ranks save nothing
+    but their load counts all the same), and another engine loads exactly that."""
+    a, b, e = (VllmProcess(daemon.socket, seed, tp=2, latent=latent).connected() for seed in (1, 2, 3))
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt[: 6 * BLOCK + 1])
+    a.run(ra, list(range(1, 8)))
+    a.finish(ra)
+    rb, rc, rd = request("b", prompt), request("c", tokens(4 * BLOCK + 1, seed=9)), request("d", prompt)
+    assert offered(b.scheduler, rb) == 6 * BLOCK
+    b_blocks, c_blocks, d_blocks = list(range(20, 31)), list(range(40, 45)), list(range(20, 26)) + [50, 51, 52, 53, 54]
+    errors = b.run_together(
+        [(rb, b_blocks, 6 * BLOCK), (rc, c_blocks, 0), (rd, d_blocks, 0, 6 * BLOCK)], failing_rank=1
+    )
+    assert errors == set(b_blocks[:6]), "rank 1's failed load was not reported"
+    specs = [LATENT_SPEC] if latent else [dataclasses.replace(SPEC, tp_size=2).of_rank(r) for r in (0, 1)]
+    for spec in specs:
+        assert pages_held(daemon.socket, spec, prompt) == 6, f"{spec}: a step that read stale blocks published"
+        assert pages_held(daemon.socket, spec, rc.prompt_token_ids) == 4, f"{spec}: c's saves were held back"
+    for process_kv in b.kvs:  # vLLM computes b (from its first failed block) and d again: other bytes
+        for name in LAYERS:
+            process_kv[name][b_blocks + d_blocks[6:]] = torch.randn_like(process_kv[name][b_blocks + d_blocks[6:]])
+    assert b.next_step(rb, 0, len(prompt)) == set()
+    assert b.next_step(rd, 6 * BLOCK, len(prompt) - 6 * BLOCK) == set()
+    for spec in specs:
+        assert pages_held(daemon.socket, spec, prompt) == 10
+    re = request("e", prompt)
+    assert offered(e.scheduler, re) == 10 * BLOCK
+    e_blocks = list(range(30, 41))
+    assert e.run(re, e_blocks, num_external=10 * BLOCK) == set()
+    for rank in (0, 1):
+        saver = 0 if latent else rank
+        assert torch.equal(e.blocks(e_blocks[6:10], rank), b.blocks(b_blocks[6:10], saver)), f"rank {rank}'s pages"
+
+
+def test_a_request_finished_by_the_step_it_loads_in_is_saved_after_every_ranks_word_then_freed(daemon):
+    """max_tokens=1: b loads 6 blocks and computes the rest of its prompt in one step, whose
+    output finishes it. vLLM calls `request_finished` before it reads that step's
+    connector output (every rank's word on the load): b's blocks are kept, its saves go to
+    the workers with the next step, and vLLM frees its blocks once they report them done."""
+    a, b = VllmProcess(daemon.socket, 1, tp=2), VllmProcess(daemon.socket, 2, tp=2).connected()
+    prompt = tokens(10 * BLOCK + 5)
+    ra = request("a", prompt[: 6 * BLOCK + 1])
+    a.run(ra, list(range(1, 8)))
+    a.finish(ra)
+    rb = request("b", prompt)
+    assert offered(b.scheduler, rb) == 6 * BLOCK
+    assert b.run(rb, list(range(20, 31)), num_external=6 * BLOCK, finishes=True) == set()
+    for rank in (0, 1):
+        assert pages_held(daemon.socket, dataclasses.replace(SPEC, tp_size=2).of_rank(rank), prompt) == 10
+    with KVDClient.connect(daemon.socket) as kvd:
+        assert kvd.stats()["sequences"] == 0, "b's sequences outlived it"
 
 
 def test_mla_pages_are_one_copy_that_every_rank_and_every_tp_degree_loads(daemon):

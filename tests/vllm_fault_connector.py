@@ -10,8 +10,12 @@ either damages one page of the request's prefix in kvd's shared memory and has t
 daemon audit it (``corrupt N [RANK]``: page N of tensor-parallel rank RANK's namespace,
 default 0, and the pages chained after it leave the index), then waits until the
 scheduler half has heard of it on kvd's event stream (the hook that makes the race
-deterministic), or empties kvd's prefix cache (``evict``). Everything after that is the
-real connector against the real daemon. Block ids it reported as load errors, and
+deterministic), or empties kvd's prefix cache (``evict``). With `load_fault_file` holding
+a tensor-parallel rank, that rank's worker fails the next step's loads alone, as if its
+kvd session were with another daemon instance than the plans name (the real worker
+reports them as load errors), and fills their blocks with random bytes: the stale bytes
+a failed load leaves, which that step's forward pass attends to on every rank.
+Everything after that is the real connector against the real daemon. Block ids it reported as load errors, and
 ``request:ID`` for each asynchronous load it reported failed, are appended to
 `errors_file`, so the test can see the worker reported them; with
 `loads_file` in the extra config, each worker appends how many blocks each load plan
@@ -23,6 +27,7 @@ a test can check them against kvd's pages.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -45,6 +50,7 @@ class FaultyKVDConnector(KVDConnector):
         self._errors_file = extra["errors_file"]
         self._loads_file = extra.get("loads_file")
         self._loaded_bytes_file = extra.get("loaded_bytes_file")
+        self._load_fault_file = extra.get("load_fault_file")
         self._kv_caches: dict = {}
         self._block_size = vllm_config.cache_config.block_size
 
@@ -78,7 +84,17 @@ class FaultyKVDConnector(KVDConnector):
             with open(self._loads_file, "a") as f:
                 for plan in self._get_connector_metadata().loads:  # blocks copied, per KV-cache group
                     f.write(" ".join(str(sum(b != NULL_BLOCK for b in blocks)) for blocks in plan.block_ids) + "\n")
-        super().start_load_kv(forward_context, **kwargs)
+        if self._fails_loads_alone():
+            meta = self._get_connector_metadata()
+            elsewhere = [dataclasses.replace(plan, daemon_instance="elsewhere") for plan in meta.loads]
+            self._worker.start_step(dataclasses.replace(meta, loads=elsewhere))
+            stale = torch.Generator().manual_seed(0)
+            for layer in self._kv_caches.values():
+                for plan in meta.loads:
+                    blocks = plan.block_ids[0]
+                    layer[blocks] = torch.randn(layer[blocks].shape, generator=stale, dtype=layer.dtype)
+        else:
+            super().start_load_kv(forward_context, **kwargs)
         if self._loaded_bytes_file and self.has_connector_metadata():  # on CPU the loads are done by now
             layers = [
                 self._kv_caches[name] for name in sorted(self._worker.layer_index, key=self._worker.layer_index.get)
@@ -90,6 +106,19 @@ class FaultyKVDConnector(KVDConnector):
                         for layer in layers:
                             digest.update(layer[block].contiguous().view(torch.uint8).numpy().tobytes())
                     f.write(f"{get_tensor_model_parallel_rank()} {digest.hexdigest()}\n")
+
+    def _fails_loads_alone(self) -> bool:
+        """Whether the test armed this rank to fail this step's loads alone (once)."""
+        if not (self._load_fault_file and self.has_connector_metadata() and self._get_connector_metadata().loads):
+            return False
+        try:
+            with open(self._load_fault_file) as f:
+                if int(f.read()) != get_tensor_model_parallel_rank():
+                    return False
+            os.unlink(self._load_fault_file)
+        except FileNotFoundError:  # not armed, or another rank's fault it took
+            return False
+        return True
 
     def register_kv_caches(self, kv_caches) -> None:
         self._kv_caches = kv_caches

@@ -26,7 +26,8 @@ Under tensor parallelism each worker rank holds only its own KV heads: its pages
 a namespace of that rank (`NamespaceSpec.tp_rank`), so engines of the same model and TP
 degree share them rank by rank. The scheduler half registers every rank's namespace and
 offers a prefix only as far as every rank holds it; a rank that then cannot load a page
-reports it, and vLLM recomputes it on all ranks. MLA models are the exception
+reports it, and vLLM recomputes it on all ranks; what any rank computed in that step is
+never saved (gpu_worker/vllm/load_verdicts.py). MLA models are the exception
 (`CacheShape.replicated`): every rank holds the same latent cache, so there is one
 namespace for all ranks (and all TP degrees), the scheduler half registers only it,
 every rank loads the same pages and rank 0 alone saves them.

@@ -101,23 +101,31 @@ class KVDWorkerMetadata(KVConnectorWorkerMetadata):
     now ("" while kvd cannot serve it). The scheduler offers loads only while that is the
     instance of its own session: a load the workers cannot perform would be recomputed.
     A worker that `saves` nothing (a rank other than 0 of a cache every rank holds whole,
-    MLA's) has no say in what is published."""
+    MLA's) has no say in what is published.
+
+    `loaded`: per request whose synchronous load plan this worker ran this step, whether
+    every block of it loaded. One rank's failure is every rank's (tensor parallelism
+    all-reduces what attended to the stale blocks), MLA's ranks that save nothing included:
+    the scheduler holds such requests' saves until it hears (gpu_worker/vllm/load_verdicts.py)."""
 
     published: dict[str, tuple[int, int]] = field(default_factory=dict)
     daemon_instance: str = ""
     saves: bool = True
+    loaded: dict[str, bool] = field(default_factory=dict)
 
     def aggregate(self, other: KVDWorkerMetadata) -> KVDWorkerMetadata:
         """Blocks count as published only where every saving worker published them; the
-        workers serve an instance only when every one of them does."""
+        workers serve an instance only when every one of them does; a load succeeded only
+        where every worker's did."""
         instance = self.daemon_instance if self.daemon_instance == other.daemon_instance else ""
+        loaded = {r: self.loaded.get(r, True) and other.loaded.get(r, True) for r in self.loaded.keys() | other.loaded}
         if not (self.saves and other.saves):
             published = self.published if self.saves else other.published
-            return KVDWorkerMetadata(published, instance, saves=self.saves or other.saves)
+            return KVDWorkerMetadata(published, instance, saves=self.saves or other.saves, loaded=loaded)
         both = {}
         for req_id, (start, end) in self.published.items():
             if req_id in other.published:
                 o_start, o_end = other.published[req_id]
                 if max(start, o_start) < min(end, o_end):
                     both[req_id] = (max(start, o_start), min(end, o_end))
-        return KVDWorkerMetadata(both, instance)
+        return KVDWorkerMetadata(both, instance, loaded=loaded)

@@ -54,7 +54,6 @@ class StepSaves:
 
     serial: int  # the worker's step count: later steps have larger serials
     plans: list[SavePlan]
-    unsaved: frozenset[str]  # requests whose load failed in this step: plans learnt, nothing saved
     finished: frozenset[str]  # requests whose sequences are released
     ready: torch.cuda.Event | None = None  # CUDA: the step's KV is written once the compute stream passes it
 
@@ -235,7 +234,7 @@ class Saver:
         saved = []
         for step in steps:
             for plan in step.plans:
-                if plan.req_id not in step.unsaved and step.serial >= cut.get(plan.req_id, -1):
+                if step.serial >= cut.get(plan.req_id, -1):
                     saved.append(plan)
                     first_serial.setdefault(plan.req_id, step.serial)
         targets = self.ledger.targets(_together(saved))

@@ -24,9 +24,13 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
    full blocks that this step completes (prompt blocks, then generated ones, unless
    `save_generated` is off); each worker saves them into its own kvd sequence and
    publishes them (gpu_worker/vllm/worker.py). So the next turn of a conversation, whose
-   prompt holds this turn's answer, hits that answer too.
-5. `update_from_workers` notes the workers' daemon instance and turns what they published
-   into vLLM KV events (`BlockStored`); with KV events on, it remembers the kvd keys of
+   prompt holds this turn's answer, hits that answer too. A request that read blocks a
+   synchronous load fills saves nothing until every rank's word on that load is back
+   (its `LoadVerdicts`, gpu_worker/vllm/load_verdicts.py): one rank's failed load makes
+   every rank's KV of that step wrong.
+5. `update_from_workers` notes the workers' daemon instance and their word on the step's
+   loads, and turns what they published into vLLM KV events (`BlockStored`); with KV
+   events on, it remembers the kvd keys of
    those blocks, and `take_events` adds `BlockRemoved` for them once kvd evicts or drops
    them (gpu_worker/vllm/block_events.py).
 6. `finished` lets the request's hold go and tells the workers to release their
@@ -64,6 +68,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.vllm.block_events import BlockEvents, KeyChain
 from gpu_worker.vllm.kvd_link import KVDLink
+from gpu_worker.vllm.load_verdicts import LoadVerdicts
 from gpu_worker.vllm.lookahead import Hold, Lookahead
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
 
@@ -107,6 +112,7 @@ class _Tracked:
     sent: int  # tokens the workers know: the cacheable prompt, then more with each plan
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group: the request's vLLM blocks
     planned: int = 0  # blocks [0, planned) were in a save plan already
+    computed: int = 0  # blocks [0, computed) hold KV of the steps planned so far
     announced: bool = False  # its prompt went to the workers with a plan
     awaits_load: bool = False  # an asynchronous load was planned; vLLM allocates again once it is done
     keys: KeyChain = field(default_factory=KeyChain)  # how far its kvd keys were computed (for KV events)
@@ -153,6 +159,8 @@ class KVDSchedulerSide:
         self._finished: set[str] = set()  # for the workers, with the next metadata
         self._finished_requests: dict[str, _Tracked] = {}  # finished, saves in flight: for events still to come
         self._saving: set[str] = set()  # requests a save plan went out for, until they finish
+        self.verdicts = LoadVerdicts()  # whose saves wait for every rank's word on a load
+        self._finished_waiting: dict[str, _Tracked] = {}  # finished while their saves waited: for the next metadata
 
     # ---- lookup and allocation ----------------------------------------------------
 
@@ -212,8 +220,9 @@ class KVDSchedulerSide:
     # ---- per step -------------------------------------------------------------------
 
     def build_metadata(self, scheduler_output) -> KVDConnectorMetadata:
-        """This step's loads (from `allocated`), saves (the full blocks it completes) and
-        the requests finished since the last step."""
+        """This step's loads (from `allocated`), saves (the full blocks it completes, unless
+        the request waits for a load's verdict: load_verdicts.py) and the requests finished
+        since the last step."""
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished, preempted=preempted)
         self._finished = set()
@@ -222,6 +231,7 @@ class KVDSchedulerSide:
             if (t := self._tracked.get(new.req_id)) is not None:
                 t.block_ids = [list(g) for g in new.block_ids]
                 computed_before[new.req_id] = new.num_computed_tokens
+                self.verdicts.reads(new.req_id, t.block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if (t := self._tracked.get(req_id)) is None:
@@ -229,6 +239,7 @@ class KVDSchedulerSide:
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 t.block_ids = [list(g) for g in new_blocks] if new_blocks is not None else []
+                self.verdicts.reads(req_id, t.block_ids)
             elif new_blocks is not None:
                 for blocks, more in zip(t.block_ids, new_blocks):
                     blocks.extend(more)
@@ -240,22 +251,37 @@ class KVDSchedulerSide:
             t.planned = min(t.planned, before // self.block_size)
             done = (before + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
             known = len(t.request.all_token_ids) if t.extends else len(t.prompt.token_ids)
-            end = min(done, known // self.block_size, min((len(g) for g in t.block_ids), default=0))
-            if end > t.planned:
-                positions = self._held_by_every_group(t.block_ids, t.planned, end)
-                more = list(t.request.all_token_ids[t.sent : end * self.block_size])
-                meta.saves.append(
-                    SavePlan(
-                        req_id,
-                        positions,
-                        tuple([blocks[p] for p in positions] for blocks in t.block_ids),
-                        prompt=None if t.announced else t.prompt,
-                        more_tokens=more,
-                    )
-                )
-                t.planned, t.announced, t.sent = end, True, max(t.sent, end * self.block_size)
+            t.computed = min(done, known // self.block_size, min((len(g) for g in t.block_ids), default=0))
+            if not self.verdicts.waits(req_id) and (plan := self._save_plan(t)) is not None:
+                meta.saves.append(plan)
                 self._saving.add(req_id)
+        for req_id, t in self._finished_waiting.items():
+            # Finished in the step its load's verdict came with (an abort: maybe before it):
+            # vLLM tells the workers it finished with this step, so they hear of it now. No
+            # verdict yet: what it computed meanwhile is not saved. A plan of no block still
+            # counts: the workers report it done, and vLLM frees its blocks.
+            if self.verdicts.waits(req_id):
+                t.planned = max(t.planned, t.computed)
+            meta.saves.append(self._save_plan(t) or SavePlan(req_id, [], tuple([] for _ in t.block_ids)))
+            meta.finished.add(req_id)
+            self.verdicts.forget(req_id)
+        self._finished_waiting = {}
         return meta
+
+    def _save_plan(self, t: _Tracked) -> SavePlan | None:
+        """The plan of the request's blocks computed and not planned yet (None: none)."""
+        if t.computed <= t.planned:
+            return None
+        positions = self._held_by_every_group(t.block_ids, t.planned, t.computed)
+        plan = SavePlan(
+            t.request.request_id,
+            positions,
+            tuple([blocks[p] for p in positions] for blocks in t.block_ids),
+            prompt=None if t.announced else t.prompt,
+            more_tokens=list(t.request.all_token_ids[t.sent : t.computed * self.block_size]),
+        )
+        t.planned, t.announced, t.sent = t.computed, True, max(t.sent, t.computed * self.block_size)
+        return plan
 
     def update_from_workers(
         self,
@@ -263,7 +289,9 @@ class KVDSchedulerSide:
         failed_loads: set[str] = frozenset(),
         saved: set[str] = frozenset(),
     ) -> None:
-        """The workers' daemon instance, vLLM KV events for the blocks they published, the
+        """The workers' daemon instance, their word on the step's synchronous loads (what
+        requests that read a failed load's blocks computed meanwhile is never saved: vLLM
+        computes it again), vLLM KV events for the blocks they published, the
         asynchronous loads that failed (vLLM computes those requests' prompts, kvd is not
         offered for them again), and the finished requests whose saves every worker
         reported done (`finished_sending`: no events of theirs come later)."""
@@ -274,6 +302,9 @@ class KVDSchedulerSide:
                 t.awaits_load = False
         if worker_meta is not None:
             self._workers_instance = worker_meta.daemon_instance
+            for req_id in self.verdicts.decided(worker_meta.loaded):
+                if (t := self._tracked.get(req_id) or self._finished_waiting.get(req_id)) is not None:
+                    t.planned = max(t.planned, t.computed)
         for req_id, (start, end) in (worker_meta.published if worker_meta else {}).items():
             t = self._tracked.get(req_id) or self._finished_requests.get(req_id)
             if t is not None:
@@ -284,16 +315,25 @@ class KVDSchedulerSide:
     def finished(self, request) -> bool:
         """The request is done (or aborted): its hold is let go; the workers release their
         sequences. True when a save was planned for it: vLLM keeps its blocks until every
-        worker reports its saves done (`finished_sending`; the workers count the same plans)."""
+        worker reports its saves done (`finished_sending`; the workers count the same plans).
+        So it is when its saves wait for a load's verdict (vLLM finishes a request before
+        it reads the step's connector output): they go out with the next metadata."""
         req_id = request.request_id
-        saving = req_id in self._saving
+        t = self._tracked.pop(req_id, None)
+        waiting = t is not None and self.verdicts.waits(req_id) and t.computed > t.planned
+        saving = req_id in self._saving or waiting
         self._saving.discard(req_id)
         self._local_hits.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._failed_loads.discard(req_id)
         self.lookahead.let_go(req_id)
-        if (t := self._tracked.pop(req_id, None)) is not None:
-            self._finished.add(req_id)
+        if waiting:
+            self._finished_waiting[req_id] = t  # planned and released with the next metadata
+        else:
+            self.verdicts.forget(req_id)
+        if t is not None:
+            if not waiting:
+                self._finished.add(req_id)
             if saving:  # what its saves publish is reported until the workers say they are done
                 self._finished_requests[req_id] = t
         return saving
@@ -335,6 +375,8 @@ class KVDSchedulerSide:
             missing = range(max(hit, load.first_block), load.end_block)
             if hit and not (self.async_loads and len(missing)):
                 self._tracked[req_id].planned = hit  # kvd holds these blocks: nothing to save
+            if not self.async_loads:  # computed in the step that loads: every rank's word first
+                self.verdicts.sent(req_id, [blocks[load.first_block : load.end_block] for blocks in load.block_ids])
             plans.append(
                 LoadPlan(
                     req_id,

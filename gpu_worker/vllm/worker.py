@@ -112,7 +112,7 @@ class KVDWorkerSide:
         self._failed_recving: set[str] = set()  # of those, the ones that failed
         self._serial = 0  # engine steps so far (`StepSaves.serial`)
         self._plans: list[SavePlan] = []  # the step's save plans, handed to the saver after its forward pass
-        self._unsaved: frozenset[str] = frozenset()
+        self._loaded: dict[str, bool] = {}  # the step's synchronous loads: whether each loaded whole
         self._finished: frozenset[str] = frozenset()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -130,7 +130,8 @@ class KVDWorkerSide:
         """Before the forward pass (or right after it, when vLLM has no synchronous load):
         copy every planned load into its vLLM blocks (on CUDA queued per layer), and note
         the step's saves, which the saver takes after the forward pass (`wait_for_save`)."""
-        self._unsaved = frozenset(self._start_loads(meta.loads))
+        failed = self._start_loads(meta.loads)
+        self._loaded.update((plan.req_id, plan.req_id not in failed) for plan in meta.loads if not plan.asynchronous)
         if not self.saves:
             self._saved_elsewhere.update(plan.req_id for plan in meta.saves)
         self._plans, self._finished = (meta.saves if self.saves else []), frozenset(meta.finished)
@@ -229,17 +230,16 @@ class KVDWorkerSide:
 
     def wait_for_save(self) -> None:
         """After the forward pass: hand the step's saves to the saver and return (on CUDA
-        with an event its copies wait for). Nothing is saved for a request with a load
-        error in this step: the blocks it failed to load hold stale bytes, and what this
-        step computed attended to them; vLLM recomputes from the first failed block, and
-        the scheduler plans those saves again."""
+        with an event its copies wait for). No plan comes for a request in the step it
+        loads (nor for one that read its blocks): the scheduler half plans it once every
+        rank's load is known to have succeeded (`worker_metadata`, load_verdicts.py)."""
         ready = None
         if self._load_stream is not None and self._plans:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
-        self.saver.submit(StepSaves(self._serial, self._plans, self._unsaved, self._finished, ready))
+        self.saver.submit(StepSaves(self._serial, self._plans, self._finished, ready))
         self._serial += 1
-        self._plans, self._unsaved, self._finished = [], frozenset(), frozenset()
+        self._plans, self._finished = [], frozenset()
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves are all done or dropped: vLLM frees their blocks
@@ -249,9 +249,13 @@ class KVDWorkerSide:
         return self.saver.done_saving(finished_req_ids) | elsewhere
 
     def worker_metadata(self) -> KVDWorkerMetadata:
-        """What this worker published since the last step (for the scheduler's KV events)
-        and the daemon instance it can load from now (the scheduler's offers wait for it)."""
-        return KVDWorkerMetadata(self.saver.take_published(), self.saver.directory.instance, saves=self.saves)
+        """What this worker published since the last step (for the scheduler's KV events),
+        the daemon instance it can load from now (the scheduler's offers wait for it), and
+        whether the step's synchronous loads succeeded here (the scheduler's verdicts)."""
+        loaded, self._loaded = self._loaded, {}
+        return KVDWorkerMetadata(
+            self.saver.take_published(), self.saver.directory.instance, saves=self.saves, loaded=loaded
+        )
 
     def close(self) -> None:
         if self.saver is not None:
