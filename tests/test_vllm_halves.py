@@ -200,13 +200,14 @@ class VllmProcess:
         local_hit: int = 0,
         settle: bool = True,
         finishes: bool = False,
+        failing_rank: int | None = None,
     ) -> set[int]:
         """One prefill step: allocation, loads, forward (nothing computed here), saves,
         the workers' answer back to the scheduler; returns the blocks that failed to load.
         With `finishes`, the step's output finishes the request (max_tokens=1)."""
         self.scheduler.allocated(req, by_group(block_ids), num_external)
         output = scheduled(req, block_ids, computed=local_hit + num_external)
-        return self._step(output, settle, finishing=[req] if finishes else [])
+        return self._step(output, settle, failing_rank, finishing=[req] if finishes else [])
 
     def run_together(self, new: list[tuple], failing_rank: int | None = None) -> set[int]:
         """One prefill step of several requests, each (request, block ids, external tokens,
@@ -515,21 +516,26 @@ def test_a_load_one_rank_failed_alone_publishes_nothing_that_step_computed_on_an
         assert torch.equal(e.blocks(e_blocks[6:10], rank), b.blocks(b_blocks[6:10], saver)), f"rank {rank}'s pages"
 
 
-def test_a_request_finished_by_the_step_it_loads_in_is_saved_after_every_ranks_word_then_freed(daemon):
+@pytest.mark.parametrize("failing_rank", [None, 1], ids=["loaded", "rank-1-failed"])
+def test_a_request_finished_by_the_step_it_loads_in_is_saved_after_every_ranks_word_then_freed(daemon, failing_rank):
     """max_tokens=1: b loads 6 blocks and computes the rest of its prompt in one step, whose
     output finishes it. vLLM calls `request_finished` before it reads that step's
     connector output (every rank's word on the load): b's blocks are kept, its saves go to
-    the workers with the next step, and vLLM frees its blocks once they report them done."""
+    the workers with the next step, and vLLM frees its blocks once they report them done.
+    When rank 1's load failed, the plan that goes out is empty: nothing b's step computed
+    is published on any rank, and its blocks are freed all the same."""
     a, b = VllmProcess(daemon.socket, 1, tp=2), VllmProcess(daemon.socket, 2, tp=2).connected()
-    prompt = tokens(10 * BLOCK + 5)
+    prompt = tokens(10 * BLOCK + 5, seed=7 if failing_rank else 1)
     ra = request("a", prompt[: 6 * BLOCK + 1])
     a.run(ra, list(range(1, 8)))
     a.finish(ra)
     rb = request("b", prompt)
     assert offered(b.scheduler, rb) == 6 * BLOCK
-    assert b.run(rb, list(range(20, 31)), num_external=6 * BLOCK, finishes=True) == set()
+    failed = b.run(rb, list(range(20, 31)), num_external=6 * BLOCK, finishes=True, failing_rank=failing_rank)
+    assert failed == (set() if failing_rank is None else set(range(20, 26)))
     for rank in (0, 1):
-        assert pages_held(daemon.socket, dataclasses.replace(SPEC, tp_size=2).of_rank(rank), prompt) == 10
+        held = pages_held(daemon.socket, dataclasses.replace(SPEC, tp_size=2).of_rank(rank), prompt)
+        assert held == (10 if failing_rank is None else 6), f"rank {rank}"
     with KVDClient.connect(daemon.socket) as kvd:
         assert kvd.stats()["sequences"] == 0, "b's sequences outlived it"
 
