@@ -136,6 +136,16 @@ class Lookahead:
     def answer(self, req_id: str, wanted: SequenceRequest) -> Hold | None:
         """The prompt's hold, MISS when kvd cannot serve it, None while the thread is at it
         (asked now if it was not)."""
+        hold = self._answer(req_id, wanted)
+        if hold is None:
+            # vLLM's engine loop spins while a request waits for its answer (it has work),
+            # and a spinning thread keeps the GIL for the whole switch interval (5 ms) each
+            # time this thread wants it back from a kvd call: ~10 such waits made a 16K-token
+            # hit's lookup and hold 45 ms instead of 5. Let the thread run now.
+            time.sleep(0)
+        return hold
+
+    def _answer(self, req_id: str, wanted: SequenceRequest) -> Hold | None:
         with self._lock:
             hold = self._holds.get(req_id)
             if hold is not None and hold.session and (req_id in self._stale or hold.session != self.link.session):
