@@ -399,10 +399,7 @@ def kvd_pages(socket: str, model: str, tokens: list[int]) -> list[np.ndarray]:
     from gpu_worker.vllm.kvd_link import NamespaceSpec
 
     heads = LLAMA_LAYOUT  # of the whole model: each rank holds half of its KV heads
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(dtype=torch.float32), cache_config=SimpleNamespace(cache_dtype="auto")
-    )
-    kv_layout = cpu_kv_layout(config, SimpleNamespace(block_size=BLOCK, head_size=heads.head_dim))
+    kv_layout = cpu_kv_layout(torch.float32, "auto", BLOCK, heads.head_dim)
     layout = PageLayout(heads.num_layers, heads.num_kv_heads // 2, heads.head_dim, BLOCK, "float32")
     spec = NamespaceSpec(model, layout, tp_size=2, extra=(("kv_layout", kv_layout),))
     pages = []
