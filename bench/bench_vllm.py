@@ -90,7 +90,7 @@ def ttft(engine, prompt_tokens: list[int], forget: bool = True) -> tuple[float, 
     if forget:
         engine.forget_local_cache()
     start = time.perf_counter()
-    _, hits = engine.generate([{"tokens": prompt_tokens}], max_tokens=1)
+    _, hits = engine.generate([{"tokens": prompt_tokens}], max_tokens=1, until_saved=False)
     return time.perf_counter() - start, hits
 
 

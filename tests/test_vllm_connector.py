@@ -150,9 +150,12 @@ class Engine:
             raise RuntimeError(f"vLLM engine {self.name} did not answer within {timeout} s:\n{self.log()[-5000:]}")
         return self.channel.recv()
 
-    def generate(self, prompts: list[dict], max_tokens: int = 16) -> tuple[list[list[int]], int]:
-        """(greedy token ids per prompt, prompt tokens the connector supplied)."""
-        self.send("generate", prompts, max_tokens)
+    def generate(
+        self, prompts: list[dict], max_tokens: int = 16, until_saved: bool = True
+    ) -> tuple[list[list[int]], int]:
+        """(greedy token ids per prompt, prompt tokens the connector supplied), once kvd holds
+        what the engine saved of them (``until_saved``; vLLM answers before its saves end)."""
+        self.send("generate", prompts, max_tokens, until_saved)
         return self.receive()
 
     def counter(self, name: str) -> float:
@@ -573,31 +576,33 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     assert got == expected
 
 
-class TestFewKVBlocks:
+@pytest.fixture(scope="class")
+def small(setup):
     """An engine with a KV cache of 48 blocks, so that vLLM preempts running requests and
-    hands a freed block to the next request at once (started for these tests alone: a
+    hands a freed block to the next request at once (started for TestFewKVBlocks alone: a
     vLLM engine takes ~2.5 GB while it lives). Its kvd calls wait up to 60 s, so that a
     SIGSTOPped daemon holds its saver's thread mid-call for as long as a test needs."""
+    p = Engine(
+        "p",
+        setup["model"],
+        setup["workdir"],
+        setup["socket"],
+        env={
+            "KVD_TEST_NUM_BLOCKS": "48",
+            "VLLM_ENGINE_MAX_MODEL_LEN": "1024",
+            "KVD_TEST_CONNECTOR_EXTRA": json.dumps({"call_timeout_seconds": 60}),
+        },
+    )
+    try:
+        p.wait_ready()
+        yield p
+    finally:
+        p.stop()
+        unlink_vllm_shared_memory(p.shared_memory)
 
-    @pytest.fixture(scope="class")
-    def small(self, setup):
-        p = Engine(
-            "p",
-            setup["model"],
-            setup["workdir"],
-            setup["socket"],
-            env={
-                "KVD_TEST_NUM_BLOCKS": "48",
-                "VLLM_ENGINE_MAX_MODEL_LEN": "1024",
-                "KVD_TEST_CONNECTOR_EXTRA": json.dumps({"call_timeout_seconds": 60}),
-            },
-        )
-        try:
-            p.wait_ready()
-            yield p
-        finally:
-            p.stop()
-            unlink_vllm_shared_memory(p.shared_memory)
+
+class TestFewKVBlocks:
+    """Requests preempted or aborted while their saves are in flight (the `small` engine)."""
 
     def test_requests_preempted_while_their_saves_are_in_flight_give_vllms_tokens_and_hit_later(self, setup, small):
         """Too few KV blocks for the batch: vLLM preempts running requests, whose saves
@@ -689,7 +694,7 @@ def test_a_hung_daemon_costs_the_scheduler_half_one_call_timeout_and_hits_resume
     def timed(engine: Engine) -> tuple[float, list[int], int]:
         engine.forget_local_cache()
         start = time.monotonic()
-        [tokens], hits = engine.generate([{"tokens": prompt("a")}])
+        [tokens], hits = engine.generate([{"tokens": prompt("a")}], until_saved=False)
         return time.monotonic() - start, tokens, hits
 
     a.forget_local_cache()

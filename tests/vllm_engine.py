@@ -14,7 +14,8 @@ stdout, so commands travel over a `multiprocessing.connection` unix socket the t
 listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
 prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
 LoRA adapter, named after its directory) and how many
-prompt tokens came from the connector; ("reset_prefix_cache",) empties vLLM's own prefix
+prompt tokens came from the connector, once every save of the engine's connector is done
+(`("generate", prompts, max_tokens, False)` answers at once); ("reset_prefix_cache",) empties vLLM's own prefix
 cache, so the next request can only hit kvd; ("steps",) answers how many engine steps
 ran so far (vLLM's `iteration_tokens` histogram); ("stop",) ends the process.
 
@@ -31,10 +32,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from multiprocessing.connection import Client
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # `wait_for_saves` sends a function to the workers
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = int(os.environ.get("VLLM_ENGINE_MAX_MODEL_LEN", "4096"))
@@ -64,6 +67,22 @@ def kv_transfer_config(kvd_socket: str):
         kv_role="kv_both",
         kv_connector_extra_config={"socket": kvd_socket, **extra},
     )
+
+
+def saves_done(worker) -> bool:
+    """On a vLLM worker: whether its connector has no save left to do (True without one)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return not has_kv_transfer_group() or getattr(get_kv_transfer_group(), "saves_done", lambda: True)()
+
+
+def wait_for_saves(llm, timeout: float = 60.0) -> None:
+    """Until every worker's connector published (or dropped) what it was handed to save."""
+    deadline = time.monotonic() + timeout
+    while not all(llm.collective_rpc(saves_done)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the connector's saves were not done within {timeout} s")
+        time.sleep(0.01)
 
 
 class Driven:
@@ -146,7 +165,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
     while True:
         command, *args = channel.recv()
         if command == "generate":
-            prompts, max_tokens = args
+            prompts, max_tokens, *until_saved = args
             before = external_hits(llm)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
             outputs = llm.generate(
@@ -160,6 +179,8 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
                 use_tqdm=False,
                 lora_request=[lora_request(p.get("lora")) for p in prompts],
             )
+            if until_saved != [False]:
+                wait_for_saves(llm)
             channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
         elif command == "reset_prefix_cache":
             channel.send(llm.reset_prefix_cache())

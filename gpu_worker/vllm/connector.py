@@ -190,6 +190,11 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
         sent = self._worker.finished_sending(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 
+    def saves_done(self) -> bool:
+        """Worker role: every save handed to this worker is published or dropped (for tests
+        and benchmarks that read what an engine saved)."""
+        return self._worker.saver is None or self._worker.saver.idle()
+
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
