@@ -155,7 +155,13 @@ def sliding_engines(kvd, name: str, write):
     with started(engines) as running:
         expected = running["baseline"].generate([{"tokens": PROMPT}, {"tokens": OTHER_PROMPT}], max_tokens=16)[0]
         running["baseline"].stop()  # its processes would only take the 2 cores from a, b and kvd
-        yield {**running, "expected": expected[0], "expected_other": expected[1], "files": files}
+        yield {
+            **running,
+            "expected": expected[0],
+            "expected_other": expected[1],
+            "files": files,
+            "daemon": kvd["daemon"],
+        }
 
 
 # The engines of a model with one test stop after it: those of the next model start in their room.
@@ -180,10 +186,12 @@ def test_gemma3_engines_with_the_hybrid_manager_on_and_off_share_pages(gemma3):
     [tokens], hits = a.generate([{"tokens": PROMPT}])
     assert hits == 0 and tokens == gemma3["expected"]
     [tokens], hits = b.generate([{"tokens": PROMPT}])
+    answered_every_lookup(b, gemma3["daemon"])
     assert hits == LOADABLE and tokens == gemma3["expected"], "hybrid manager off, loading what it on saved"
     [tokens], hits = b.generate([{"tokens": OTHER_PROMPT}])
     assert hits == 0 and tokens == gemma3["expected_other"]
     [tokens], hits = a.generate([{"tokens": OTHER_PROMPT}])
+    answered_every_lookup(a, gemma3["daemon"])
     assert hits == LOADABLE and tokens == gemma3["expected_other"], "hybrid manager on, loading what it off saved"
     window_blocks = LOADABLE // BLOCK - (LOADABLE - WINDOW + 1) // BLOCK
     assert sorted(*read_lines(files["loads_file"])) == [window_blocks, LOADABLE // BLOCK], "blocks copied per group"
