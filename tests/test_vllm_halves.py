@@ -29,6 +29,7 @@ from conftest import budget_for, raw_page, wait_until  # noqa: E402
 from test_service import free_port  # noqa: E402
 
 from engine_client import KVDClient, PageLayout, SequenceRequest  # noqa: E402
+from gpu_worker.vllm import scheduler as scheduler_half  # noqa: E402
 from gpu_worker.vllm.cache_shape import CacheShape  # noqa: E402
 from gpu_worker.vllm.kvd_link import KVDLink, NamespaceSpec  # noqa: E402
 from gpu_worker.vllm.plans import KVDWorkerMetadata  # noqa: E402
@@ -899,9 +900,53 @@ def test_a_request_preempted_while_its_save_waits_saves_nothing_from_its_freed_b
     assert torch.equal(b.blocks(list(range(10, 14))), a.blocks(list(range(20, 24))))
 
 
+def test_after_a_step_that_ran_nothing_the_first_ask_waits_for_the_lookahead(daemon, monkeypatch):
+    """While vLLM only waits for kvd's answer its engine loop spins empty steps (two busy
+    processes that take the CPU the daemon needs to answer). After a step that ran
+    nothing, the first ask waits for the lookahead: the answer ends the wait, within that
+    one ask. The next ask of the same step, and every ask after a step that ran tokens,
+    answer at once (the daemon SIGSTOPped: no answer could come); a wait lasts at most
+    `IDLE_WAIT`."""
+    idle_wait = 1.0  # the default's 20 ms would be a race with the box's load here
+    monkeypatch.setattr(scheduler_half, "IDLE_WAIT", idle_wait)
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2, name="b")
+    prompt = tokens(4 * BLOCK + 1)
+    ra = request("a", prompt)
+    a.run(ra, list(range(1, 6)))
+    a.finish(ra)
+    b.empty_step()
+    rb = request("b", prompt)
+    b.scheduler.seen(rb)
+    start = time.monotonic()
+    assert b.scheduler.matched_tokens(rb, 0) == 4 * BLOCK, "the first ask after an empty step did not wait"
+    assert time.monotonic() - start < idle_wait, "the answer did not end the wait"
+
+    def ask(req) -> tuple[int | None, float]:
+        start = time.monotonic()
+        return b.scheduler.matched_tokens(req, 0), time.monotonic() - start
+
+    b.scheduler.build_metadata(nothing_scheduled())
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        r1, r2, r3 = (request(f"r{i}", tokens(4 * BLOCK + 1, seed=10 + i)) for i in range(3))
+        for r in (r1, r2, r3):
+            b.scheduler.seen(r)
+        first, waited = ask(r1)
+        second, at_once = ask(r2)
+        b.scheduler.build_metadata(scheduled(request("x", tokens(BLOCK)), [9]))
+        after_work, after_work_took = ask(r3)
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    assert first is second is after_work is None
+    assert idle_wait <= waited < idle_wait + 0.5, f"the first ask after an empty step waited {waited:.2f} s"
+    assert at_once < 0.05, f"the second ask of the step waited {at_once * 1000:.1f} ms"
+    assert after_work_took < 0.05, f"an ask after a step that ran tokens waited {after_work_took * 1000:.1f} ms"
+
+
 def test_a_hung_daemon_costs_each_half_one_call_timeout_then_kvd_is_skipped_until_it_is_back(daemon, caplog):
-    """SIGSTOP: vLLM's scheduler never waits: each ask about a new request answers at once,
-    None until the lookahead's patience runs out, then no hit. The first call of each
+    """SIGSTOP: vLLM's scheduler never waits long: each ask about a new request answers at
+    once (after an empty step, within `IDLE_WAIT`), None until the lookahead's patience
+    runs out, then no hit. The first call of each
     half's link waits one call timeout and drops its session without asking the hung
     daemon again (a close would wait another timeout); later calls skip kvd at once.
     The worker half's steps never wait: its saver's thread makes that first call, the

@@ -12,7 +12,9 @@ mapped one yet maps it without a kvd call (gpu_worker/vllm/worker.py). vLLM asks
 the hit (`get_num_new_matched_tokens`) right after the request arrives and at each step
 until it is scheduled: `answer` returns the `Hold`, or None while the thread is still
 at it (vLLM then asks again next step). The scheduler loop reads memory; it makes no
-call.
+call. While vLLM has nothing else to run, `answer` may wait a few milliseconds for the
+thread (`wait`): vLLM's engine loop would otherwise spin empty steps, two processes busy
+that starve the daemon and this thread of the CPU they need to answer.
 
 A hold is not offered any more (`answer` forgets it and asks again) once
 - its session ended: the daemon restarted or stopped answering, and the pages went
@@ -104,6 +106,7 @@ class Lookahead:
         self.remote_poll = remote_poll
         self._feed = RemovalFeed(link, [self._removed, *removal_listeners])
         self._lock = threading.Condition()
+        self._landed = threading.Condition(self._lock)  # notified when the thread's answers land
         # all below under _lock
         self._asked: dict[str, tuple[SequenceRequest, float]] = {}  # not taken by the thread yet: (wanted, since)
         self._busy: dict[str, float] = {}  # the thread is at these (since)
@@ -133,10 +136,13 @@ class Lookahead:
             self._asked[req_id] = (wanted, time.monotonic())
             self._lock.notify()
 
-    def answer(self, req_id: str, wanted: SequenceRequest) -> Hold | None:
+    def answer(self, req_id: str, wanted: SequenceRequest, wait: float = 0.0) -> Hold | None:
         """The prompt's hold, MISS when kvd cannot serve it, None while the thread is at it
-        (asked now if it was not)."""
-        hold = self._answer(req_id, wanted)
+        (asked now if it was not) after waiting up to `wait` seconds for it."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while (hold := self._answer(req_id, wanted)) is None and (left := deadline - time.monotonic()) > 0:
+                self._landed.wait(left)
         if hold is None:
             # vLLM's engine loop spins while a request waits for its answer (it has work),
             # and a spinning thread keeps the GIL for the whole switch interval (5 ms) each
@@ -146,28 +152,28 @@ class Lookahead:
         return hold
 
     def _answer(self, req_id: str, wanted: SequenceRequest) -> Hold | None:
-        with self._lock:
-            hold = self._holds.get(req_id)
-            if hold is not None and hold.session and (req_id in self._stale or hold.session != self.link.session):
-                self._forget(req_id)
-                hold = None
-            if hold is not None:
-                return hold
-            if req_id in self._remote:
-                return None
-            since = self._asked[req_id][1] if req_id in self._asked else self._busy.get(req_id)
-            if since is None:
-                self._asked[req_id] = (wanted, time.monotonic())
-                self._lock.notify()
-                return None
-            if time.monotonic() - since > self.patience:  # give up: computed without kvd
-                if self._asked.pop(req_id, None) is None:
-                    self._abandoned.add(req_id)
-                self._holds[req_id] = MISS
-                self._unanswered += 1
-                log.warning("kvd gave no answer for request %s in %.1f s: computed without kvd", req_id, self.patience)
-                return MISS
+        """`answer` without waiting; under the lock."""
+        hold = self._holds.get(req_id)
+        if hold is not None and hold.session and (req_id in self._stale or hold.session != self.link.session):
+            self._forget(req_id)
+            hold = None
+        if hold is not None:
+            return hold
+        if req_id in self._remote:
             return None
+        since = self._asked[req_id][1] if req_id in self._asked else self._busy.get(req_id)
+        if since is None:
+            self._asked[req_id] = (wanted, time.monotonic())
+            self._lock.notify()
+            return None
+        if time.monotonic() - since > self.patience:  # give up: computed without kvd
+            if self._asked.pop(req_id, None) is None:
+                self._abandoned.add(req_id)
+            self._holds[req_id] = MISS
+            self._unanswered += 1
+            log.warning("kvd gave no answer for request %s in %.1f s: computed without kvd", req_id, self.patience)
+            return MISS
+        return None
 
     def claim(self, req_id: str) -> Hold:
         """vLLM allocated blocks to load the request's hold into: it stays until `let_go`."""
@@ -302,6 +308,7 @@ class Lookahead:
                     for block, key in enumerate(keys):
                         self._holders.setdefault(key, set()).add((req_id, block))
             self._abandoned -= set(asked)
+            self._landed.notify_all()
 
     def _hold(self, hits: dict[str, SequenceRequest]) -> dict[str, Hold] | None:
         """Holds each hit in every rank's namespace, one call a rank (all ranks or none: a

@@ -9,7 +9,11 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
 2. `matched_tokens` (`get_num_new_matched_tokens`) offers the held, block-aligned hit
    beyond vLLM's own local hit, never the whole prompt (vLLM computes at least the last
    token). While the thread is still at it, or kvd fetches more of the prompt from its
-   remote store, it answers None: vLLM asks again next step. A hold whose session ended,
+   remote store, it answers None: vLLM asks again next step. After a step that ran
+   nothing (vLLM only waits for kvd), the first ask waits up to `IDLE_WAIT` for the
+   answer: vLLM's empty steps would keep two processes busy that the daemon and the
+   lookahead thread need the CPU of (a 2-core box: 8K-token hits' calls reached the
+   daemon 30-145 ms late); while anything runs, no ask waits. A hold whose session ended,
    or whose pages kvd removed, is not offered: it is asked for afresh. It offers nothing
    while the workers cannot load: their last report (each step's `KVDWorkerMetadata`)
    must name the daemon instance of the hold (before the first report they are assumed
@@ -129,6 +133,12 @@ class _Load:
     block_ids: list[list[int]]  # per KV-cache group
 
 
+# How long the first ask after an empty step may wait for the lookahead's answer: a few
+# calls' worth (~1 ms each when the daemon has the CPU); a request arriving meanwhile is
+# added at most this late.
+IDLE_WAIT = 0.02
+
+
 class KVDSchedulerSide:
     def __init__(
         self,
@@ -154,6 +164,7 @@ class KVDSchedulerSide:
         self.lookahead = Lookahead(link, block_size, self.events.removal_listeners, patience=lookup_patience)
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
+        self._idle = False  # vLLM's last step ran nothing, and no ask has waited since
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, _Load] = {}  # the step's loads, planned when its metadata is built
         self._finished: set[str] = set()  # for the workers, with the next metadata
@@ -187,7 +198,8 @@ class KVDSchedulerSide:
         wanted = self._wanted(request)
         if wanted is None or len(wanted.token_ids) <= num_computed_tokens or request.request_id in self._failed_loads:
             return 0
-        hold = self.lookahead.answer(request.request_id, wanted)
+        hold = self.lookahead.answer(request.request_id, wanted, wait=IDLE_WAIT if self._idle else 0.0)
+        self._idle = False
         if hold is None:
             return None
         if not hold.blocks or not self._workers_can_load(hold.instance):
@@ -223,6 +235,7 @@ class KVDSchedulerSide:
         """This step's loads (from `allocated`), saves (the full blocks it completes, unless
         the request waits for a load's verdict: load_verdicts.py) and the requests finished
         since the last step."""
+        self._idle = not any(scheduler_output.num_scheduled_tokens.values())
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta = KVDConnectorMetadata(loads=self._plan_loads(), finished=self._finished, preempted=preempted)
         self._finished = set()
