@@ -147,7 +147,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"the configurations to run, comma-separated (default: {','.join(CONFIGS)})",
     )
     eng.add_argument("--no-lmcache", action="store_true", help="leave LMCache's configuration out")
-    eng.add_argument("--host-gib", type=positive_int, default=3, help="host memory for KV: kvd's budget, LMCache's L1")
+    eng.add_argument(
+        "--host-gib",
+        type=positive_float,
+        default=3,
+        help="host memory for KV: kvd's budget, LMCache's L1 (one the first round fills shows the steady state)",
+    )
     eng.add_argument("--layers", type=positive_int, default=4)
     eng.add_argument("--hidden", type=positive_int, default=256, help="a multiple of 64")
     rep = parser.add_argument_group("engine-free mode (--replay)")
@@ -374,7 +379,9 @@ def report_server(args, runs: list[dict], config: str) -> None:
     """A server's CPU per request and host memory over the workload's rounds; kvd's calls."""
     requests = args.requests * len(runs)
     line = (
-        f"  {config} server: CPU {sum(r['server_cpu'] for r in runs) * 1000 / requests:.2f} ms per request; host "
+        f"  {config} server: CPU {sum(r['server_cpu'] for r in runs) * 1000 / requests:.2f} ms per request ("
+        + ", ".join(f"{r['server_cpu'] * 1000 / args.requests:.2f}" for r in runs)
+        + " round by round); host "
         f"memory {runs[-1]['memory'] / 2**20:.0f} MiB after the workload ("
         + ", ".join(f"{r['memory_growth'] / 2**20:+.0f}" for r in runs)
         + " MiB round by round)"

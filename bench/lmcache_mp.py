@@ -59,7 +59,7 @@ class LMCacheServer:
     log_path: str
 
     @classmethod
-    def start(cls, workdir: str, l1_gib: int, timeout: float = 300.0) -> LMCacheServer:
+    def start(cls, workdir: str, l1_gib: float, timeout: float = 300.0) -> LMCacheServer:
         port = free_port()
         log_path = os.path.join(workdir, "lmcache-server.log")
         command = [

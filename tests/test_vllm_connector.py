@@ -434,7 +434,7 @@ def test_one_physical_copy_while_all_engines_run(setup):
     seen = []
     with KVDClient.connect(setup["socket"], client_name="test") as kvd:  # one session, polled cheaply
         for engine, name in zip(engines, "abc"):
-            engine.send("generate", [{"tokens": prompt(name)}], 300)
+            engine.send("generate", [{"tokens": prompt(name)}], 300, True)
         try:
 
             def overlap():
@@ -728,7 +728,7 @@ def test_a_hung_daemon_costs_the_scheduler_half_one_call_timeout_and_hits_resume
 def test_sigkilled_engine_releases_its_references_and_others_keep_hitting(setup):
     a, b, c = (setup["engines"][n] for n in "abc")
     c.forget_local_cache()
-    c.send("generate", [{"tokens": prompt("c")}], 300)
+    c.send("generate", [{"tokens": prompt("c")}], 300, True)
     with KVDClient.connect(setup["socket"], client_name="test") as kvd:  # one session, polled cheaply
         wait_until(lambda: kvd.stats()["sequences"] >= 1, "c's request in kvd", timeout=30)
         sessions = kvd.stats()["sessions"]

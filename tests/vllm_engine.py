@@ -11,11 +11,11 @@ vLLM's reference CPU MLA backend, the one that takes float32 (its block size is 
 `KVD_TEST_NUM_BLOCKS` gives vLLM that many KV blocks (so that it preempts requests) in 64 MiB
 of KV cache memory (not `VLLM_CPU_KVCACHE_SPACE`). vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
-listens on: ("generate", [prompt, ...], max_tokens) answers the greedy token ids of each
-prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`, the path of a
-LoRA adapter, named after its directory) and how many
-prompt tokens came from the connector, once every save of the engine's connector is done
-(`("generate", prompts, max_tokens, False)` answers at once); ("reset_prefix_cache",) empties vLLM's own prefix
+listens on: ("generate", [prompt, ...], max_tokens, until_saved) answers the greedy token
+ids of each prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`,
+the path of a LoRA adapter, named after its directory) and how many prompt tokens came
+from the connector, with `until_saved` once every save of the engine's connector is done
+(vLLM answers before its connector's saves end); ("reset_prefix_cache",) empties vLLM's own prefix
 cache, so the next request can only hit kvd; ("steps",) answers how many engine steps
 ran so far (vLLM's `iteration_tokens` histogram); ("stop",) ends the process.
 
@@ -165,7 +165,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
     while True:
         command, *args = channel.recv()
         if command == "generate":
-            prompts, max_tokens, *until_saved = args
+            prompts, max_tokens, until_saved = args
             before = external_hits(llm)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
             outputs = llm.generate(
@@ -179,7 +179,7 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
                 use_tqdm=False,
                 lora_request=[lora_request(p.get("lora")) for p in prompts],
             )
-            if until_saved != [False]:
+            if until_saved:
                 wait_for_saves(llm)
             channel.send(([list(o.outputs[0].token_ids) for o in outputs], external_hits(llm) - before))
         elif command == "reset_prefix_cache":
