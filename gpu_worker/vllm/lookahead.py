@@ -105,8 +105,9 @@ class Lookahead:
         self.patience = link.call_timeout if patience is None else patience
         self.remote_poll = remote_poll
         self._feed = RemovalFeed(link, [self._removed, *removal_listeners])
-        self._lock = threading.Condition()
-        self._landed = threading.Condition(self._lock)  # notified when the thread's answers land
+        lock = threading.RLock()
+        self._lock = threading.Condition(lock)  # notified when there is work for the thread
+        self._landed = threading.Condition(lock)  # notified when the thread's answers land
         # all below under _lock
         self._asked: dict[str, tuple[SequenceRequest, float]] = {}  # not taken by the thread yet: (wanted, since)
         self._busy: dict[str, float] = {}  # the thread is at these (since)
