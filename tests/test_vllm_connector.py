@@ -47,7 +47,11 @@ def prompt(name: str) -> list[int]:
 
 def loadable(name: str) -> int:
     """What vLLM may load of a prompt: its full blocks, short of the last token."""
-    return (len(prompt(name)) - 1) // BLOCK * BLOCK
+    return loadable_of(prompt(name))
+
+
+def loadable_of(tokens: list[int]) -> int:
+    return (len(tokens) - 1) // BLOCK * BLOCK
 
 
 def write_tiny_llama(path: str) -> None:
@@ -574,6 +578,48 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     [got], hits = c.generate([{"tokens": tokens, "lora": adapter}])
     assert hits == loadable("l"), "requests with the same adapter did not share pages"
     assert got == expected
+
+
+def test_kv_transfer_params_say_what_kvd_stores_and_keeps_and_a_wrong_say_is_a_warning(setup):
+    """What requests ask of kvd through vLLM (`kv_transfer_params`, as the OpenAI server
+    passes them on): `store: false` publishes nothing, so the same prompt on another engine
+    misses; `keep_seconds` pins the prompt's pages once the request is done, for that long;
+    a wrong entry is a warning in the engine's log naming it, and the request is served and
+    saved as usual. Tokens equal vLLM's alone throughout."""
+    a, b = setup["engines"]["a"], setup["engines"]["b"]
+    rng = np.random.default_rng(43)
+    private, kept, odd = ([int(t) for t in rng.integers(1, 999, 6 * BLOCK + 5)] for _ in range(3))
+    expected, _ = setup["engines"]["baseline"].generate([{"tokens": p} for p in (private, kept, odd)])
+    counts = {name: a.counter(f"vllm:kvd_{name}") for name in ("requests_not_stored", "kept_pages", "keeps")}
+
+    [tokens], _ = a.generate([{"tokens": private, "kv_transfer_params": {"kvd": {"store": False}}}])
+    assert tokens == expected[0]
+    assert kvd_pages(setup["socket"], setup["model"], private) == [], "kvd holds pages of a store-false request"
+    [tokens], hits = b.generate([{"tokens": private}])
+    assert hits == 0 and tokens == expected[0], "the next identical request hit kvd"
+
+    pinned = kvd_stats(setup["socket"])["pinned_pages"]
+    [tokens], _ = a.generate([{"tokens": kept, "kv_transfer_params": {"kvd": {"keep_seconds": 3}}}])
+    assert tokens == expected[1]
+    wait_until(
+        lambda: kvd_stats(setup["socket"])["pinned_pages"] == pinned + 6, "the kept prompt's 6 pages pinned", timeout=3
+    )
+
+    odd_say = {"kvd": {"keep_seconds": -5, "pin": True}}
+    [tokens], _ = a.generate([{"tokens": odd, "kv_transfer_params": odd_say}])
+    assert tokens == expected[2]
+    log = a.log()
+    assert re.search(r'kv_transfer_params\["kvd"\]: "keep_seconds" must be a finite number .* got -5; ignored', log)
+    assert re.search(r"kv_transfer_params\[\"kvd\"\]: unknown key 'pin' .*; ignored, the request is served", log)
+    b.forget_local_cache()
+    [tokens], hits = b.generate([{"tokens": odd}])
+    assert hits == loadable_of(odd) and tokens == expected[2], "the request with a wrong say was not saved"
+    assert a.counter("vllm:kvd_requests_not_stored") == counts["requests_not_stored"] + 1
+    assert a.counter("vllm:kvd_keeps") == counts["keeps"] + 1
+    assert a.counter("vllm:kvd_kept_pages") == counts["kept_pages"] + 6
+    wait_until(
+        lambda: kvd_stats(setup["socket"])["pinned_pages"] == pinned, "the keep of 3 s ended by itself", timeout=5
+    )
 
 
 @pytest.fixture(scope="class")
