@@ -1244,6 +1244,20 @@ def test_keep_seconds_keeps_a_prompt_resident_through_a_flood_that_evicts_everyt
     wait_until(lambda: pinned_pages(daemon.socket) == 4, "the short keep expired", timeout=10)
 
 
+def test_a_prompt_kept_again_is_pinned_again_only_to_keep_it_longer(daemon):
+    """Requests that ask to keep the same prompt for no longer than its keep leave it as it
+    is (one pin); a longer keep replaces it, and the prompt stays past the shorter one."""
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(3 * BLOCK + 5, seed=60)
+    for i, seconds in enumerate((1, 1, 600)):
+        served(a, request(f"r{i}", prompt, params={"kvd": {"keep_seconds": seconds}}), list(range(1, 5)))
+    counts = counted(a, "keeps", 2)
+    time.sleep(1.5)  # past the first keep's second
+    counts.update(a.scheduler.take_counts())
+    assert (counts["keeps"], counts["kept_pages"]) == (2, 6), "the second request's keep pinned again"
+    assert pinned_pages(daemon.socket) == 3, "the longer keep did not keep the prompt"
+
+
 def test_keeps_beyond_the_engines_share_of_the_budget_keep_what_fits_and_say_so(daemon_factory, caplog):
     """With `keep_share` 0.25 of a 16-page budget the engine's keeps hold 4 pages at most: a
     first prompt of 3 pages is kept whole, a second keeps its first page, a third nothing;
