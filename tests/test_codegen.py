@@ -83,6 +83,8 @@ CONNECTOR = ("gpu_worker/vllm", "gpu_worker/vllm_connector.py")
 REMOTE_TIER = ("kvd/remote", "kvd/server/daemon.py")
 # The tiers below the cache and their storage: the cache and the floor under it name none of them.
 TIERS = ("kvd.disk", "kvd.diskstore", "kvd.remote", "mooncake")
+# What the disk's storage engine may use of kvd: itself, the page records' checksum and the core's types.
+DISK_STORE_USES = ("kvd.diskstore", "kvd.core.records", "kvd.core.types")
 # What the connector may use of gpu_worker/ beside itself: the modules the reference engine
 # and the connector share, which bring neither the reference engine's GPU pool nor its model.
 SHARED_WITH_CONNECTOR = ("gpu_worker.host_registration",)
@@ -103,6 +105,8 @@ def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     # the cache, and the floor it meets its tiers on, name no tier
     assert _violations("kvd/cache", TIERS) == set()
     assert _violations("kvd/tiers", TIERS) == set()
+    # the disk's storage engine stands alone: of kvd, only the page records' checksum and types
+    assert _violations("kvd/diskstore", ("kvd",), allowed=DISK_STORE_USES) == set()
     # the connector stands on vLLM and engine_client, never on the reference engine
     assert _violations("gpu_worker/vllm", ("gpu_worker",), allowed=("gpu_worker.vllm", *SHARED_WITH_CONNECTOR)) == set()
 
