@@ -220,8 +220,8 @@ class KVCacheManager:
         )
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
-        """The same matching as allocate, without pinning or allocating anything. With a remote
-        tier, full pages past the local hit are fetched in the background (kvd/remote/tier.py) and
+        """The same matching as allocate, without pinning or allocating anything. With a tier
+        below the cache, full pages past the local hit are fetched in the background (``Tiers.missed``) and
         ``remote_pending_tokens`` says how many may still come: ask again later."""
         self.sessions.get(session_id)
         batch = self.batch(namespace_id, requests, unique=False)
