@@ -105,6 +105,9 @@ def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     # the cache, and the floor it meets its tiers on, name no tier
     assert _violations("kvd/cache", TIERS) == set()
     assert _violations("kvd/tiers", TIERS) == set()
+    # a tier uses of the cache what its ports lend it (and the event log's names), never the manager
+    for tier in ("kvd/disk", "kvd/remote"):
+        assert _violations(tier, ("kvd.cache",), allowed=("kvd.cache.ports", "kvd.cache.events")) == set()
     # the disk's storage engine stands alone: of kvd, only the page records' checksum and types
     assert _violations("kvd/diskstore", ("kvd",), allowed=DISK_STORE_USES) == set()
     # the connector stands on vLLM and engine_client, never on the reference engine
