@@ -40,6 +40,7 @@ from engine_client.types import (
     LookupResult,
     Namespace,
     PinResult,
+    PrewarmResult,
     PublishResult,
     ResetReport,
     SequenceAllocation,
@@ -453,7 +454,13 @@ class KVDClient:
             extra_keys=messages.extra_keys(extra_keys),
             ttl_seconds=ttl or 0.0,
         )
-        return PinResult(reply.pin_id, reply.pinned_pages, reply.pinned_tokens)
+        return PinResult(reply.pin_id, reply.pinned_pages, reply.pinned_tokens, reply.pending_tokens)
+
+    def prewarm(self, ns: int, requests: list[SequenceRequest]) -> list[PrewarmResult]:
+        """Promotes the prompts' full pages from the disk tier and the remote store into host
+        memory ahead of their requests; returns at once with what was resident and what started."""
+        reply = self._call("Prewarm", session=self.session, namespace_id=ns, prompts=messages.inline_requests(requests))
+        return [PrewarmResult(**{f: getattr(x, f) for f in PrewarmResult.__dataclass_fields__}) for x in reply.results]
 
     def unpin(self, pin_id: int) -> None:
         self._call("Unpin", session=self.session, pin_id=pin_id)

@@ -125,6 +125,18 @@ class PinResult:
     pin_id: int
     pinned_pages: int
     pinned_tokens: int
+    pending_tokens: int = 0  # being promoted from a tier below: the pin extends to them once they land
+
+
+@dataclass(frozen=True)
+class PrewarmResult:
+    """A prewarm of one prompt, in tokens of its full pages (kvd/cache/prewarm.py)."""
+
+    seq_id: str
+    requested_tokens: int
+    resident_tokens: int  # already in host memory
+    pending_tokens: int  # queued for a promotion, or being promoted
+    over_budget_tokens: int  # beyond the tenant's budget: not promoted
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``kvd``: serve, stats, verify, reset, clean, health, doctor (the README's synopsis lists
+"""``kvd``: serve, stats, verify, reset, prewarm, clean, health, doctor (the README's synopsis lists
 every option).
 
 Exit status, one meaning each: 0 done; 1 a runtime failure (no daemon answers, the
@@ -207,6 +207,44 @@ def _reset(args) -> int:
     return 0
 
 
+def _prewarm(args) -> int:
+    from google.protobuf import json_format
+
+    from kvd.wire import kvd_pb2 as pb
+    from kvd.wire.admin import prewarm
+    from kvd.wire.errors import KVDError
+
+    try:
+        with sys.stdin if args.prompts == "-" else open(args.prompts) as f:
+            prompts = json.load(f)
+        identity = None
+        if args.identity is not None:
+            with open(args.identity) as f:
+                identity = json_format.ParseDict(json.load(f), pb.NamespaceIdentity())
+    except (OSError, ValueError, json_format.ParseError) as e:
+        print(f"kvd prewarm: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+        print("kvd prewarm: --prompts holds a JSON list of prompts, each a list of token ids", file=sys.stderr)
+        return 2
+    try:
+        result = prewarm(_socket(args), prompts, args.namespace, identity)
+    except KVDError as e:
+        print(f"kvd prewarm: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for p in result["prompts"]:
+        print(
+            f"prompt {p['seq_id']}: {p['requested_tokens']} tokens in full pages, {p['resident_tokens']} resident, "
+            f"{p['pending_tokens']} being promoted, {p['over_budget_tokens']} beyond the budget"
+        )
+    if result["partial"]:
+        print("partial: the tenant's budget does not spare room for every page")
+    return 0
+
+
 def _clean(args) -> int:
     from kvd.cache import token_buffers
     from kvd.core.arena import daemon_segments, leftover_segments, unlink_segments
@@ -363,6 +401,15 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--namespace", type=int, help="only this namespace id (default: every namespace)")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.set_defaults(func=_reset)
+
+    w = sub.add_parser("prewarm", help="promote prompts' pages from disk and the remote store into host memory")
+    _common_options(w)
+    which = w.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", type=int, help="the namespace id the engine registered")
+    which.add_argument("--identity", help="a JSON file of the engine's NamespaceIdentity (protos/kvd.proto)")
+    w.add_argument("--prompts", required=True, help="a JSON file (- for stdin): a list of prompts' token id lists")
+    w.add_argument("--json", action="store_true", help="machine-readable output")
+    w.set_defaults(func=_prewarm)
 
     c = sub.add_parser("clean", help="remove shared memory a stopped daemon left behind")
     _common_options(c)

@@ -30,6 +30,7 @@ from kvd.cache.events import EventLog, Subscription
 from kvd.cache.page_events import PageEvents
 from kvd.cache.pins import PinTable
 from kvd.cache.ports import TierPorts
+from kvd.cache.prewarm import PrewarmResult, Prewarms
 from kvd.cache.publishing import PublishJob
 from kvd.cache.requests import (
     STEP_SECONDS,
@@ -60,7 +61,7 @@ from kvd.cache.token_buffers import TokenBuffer
 from kvd.config import AUX_BYTES
 from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
-from kvd.core.errors import FailedPrecondition, InvalidArgument
+from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvd.core.eviction import release_order
 from kvd.core.index import ExtraKey, Match, PrefixIndex
 from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry
@@ -104,6 +105,7 @@ class KVCacheManager:
         # non-KV state of all sequences
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes, self.sequences)
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
+        self.prewarms = Prewarms(self.room, self.tiers, self.pins, self.match_prefix)
 
     def tier_ports(self) -> TierPorts:
         """What a tier built for this cache may use (kvd/cache/ports.py)."""
@@ -247,6 +249,28 @@ class KVCacheManager:
                 part, deadline = [], time.perf_counter() + seconds
         yield part
 
+    def namespace_named(self, namespace_id: int | None, identity: NamespaceIdentity | None) -> Namespace:
+        """The registered namespace of an id or of an identity (a router knows the model, not
+        the id); an identity never registered here is ``NotFound``, and registers nothing."""
+        if identity is None:
+            return self.namespaces.get(namespace_id or 0)
+        ns = self.namespaces.find(identity)
+        if ns is None:
+            raise NotFound(
+                f"no engine registered model {identity.model!r} (revision {identity.revision!r}) with this "
+                "identity in this cache: nothing of it can be prewarmed"
+            )
+        return ns
+
+    def prewarm(self, ns: Namespace, requests: list[SequenceRequest]) -> list[PrewarmResult]:
+        """Queues the promotion of the prompts' full pages past their local hits from the tiers
+        below, within the namespace's budget (kvd/cache/prewarm.py); needs no session. The
+        requests are checked like a lookup's, all before anything is queued."""
+        if not self.prefix_reuse:
+            raise FailedPrecondition("prefix reuse is off in this daemon: nothing is matched, nothing is prewarmed")
+        batch = self.batch(ns.id, requests, unique=False)
+        return [self.prewarms.request(ns, p) for p in batch.requests]
+
     def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
         """``publish_job`` done at once (in-process callers)."""
         return self.publish_job(session_id, namespace_id, items).run()
@@ -389,7 +413,9 @@ class KVCacheManager:
     def pin(
         self, session_id: str, namespace_id: int, tokens: bytes, extra_keys: tuple[ExtraKey, ...], ttl_seconds: float
     ) -> PinResult:
-        """Keeps the cached pages of a prefix from eviction until unpinned, expired or the session ends."""
+        """Keeps the cached pages of a prefix from eviction until unpinned, expired or the session
+        ends. Its full pages past them that a tier below holds are prewarmed (kvd/cache/prewarm.py),
+        and the pin extends to them once they land: ``pending_tokens`` says how many may come."""
         session = self.sessions.get(session_id)
         ns = self.namespaces.get(namespace_id)
         if not ttl_seconds >= 0 or ttl_seconds == float("inf"):
@@ -398,7 +424,8 @@ class KVCacheManager:
         pages = self.match_prefix(ns, p).pages
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
         pin = self.pins.take(session.id, ns.id, pages, expires)
-        return PinResult(pin.id, list(pages), len(pages) * ns.page_size)
+        pending = self.prewarms.request(ns, p, pin.id).pending_tokens if self.prefix_reuse else 0
+        return PinResult(pin.id, list(pages), len(pages) * ns.page_size, pending)
 
     def unpin(self, session_id: str, pin_id: int) -> None:
         self.pins.drop(self.pins.of(self.sessions.get(session_id).id, pin_id))

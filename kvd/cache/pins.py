@@ -3,7 +3,8 @@
 One home for pins: the ``Pin`` records, who holds which, their expiry and their page
 references (through ``PagePool.acquire_all``/``release_all`` with ``pin=True``, so the
 pool stays the only class that changes a refcount). The manager finds the pages a pin
-covers and calls ``take``; a session's end calls ``drop_session``; the daemon's sweep
+covers and calls ``take``; a prewarm that brings the rest from a tier calls ``extend``
+(kvd/cache/prewarm.py); a session's end calls ``drop_session``; the daemon's sweep
 (kvd/server/daemon.py, every ``SWEEP_SECONDS``) calls ``expire``.
 """
 
@@ -46,6 +47,18 @@ class PinTable:
         pin = Pin(PinId(next(self._ids)), session, namespace, pages, expires_at)
         self._pins[pin.id] = pin
         return pin
+
+    def extend(self, pin_id: PinId, pages: list[PageId]) -> None:
+        """A pin's prefix now reaches further (``pages``: the whole prefix, the pin's own pages
+        first; kvd/cache/prewarm.py brought the rest): holds the pages past the pin's, if the
+        pin is still held."""
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            return
+        assert pages[: len(pin.pages)] == pin.pages, f"pin {pin_id}: its prefix {pin.pages} changed under it"
+        more = pages[len(pin.pages) :]
+        self._pool.acquire_all(more, pin=True)
+        pin.pages += more
 
     def of(self, session: SessionId, pin_id: int) -> Pin:
         """The session's pin ``pin_id``; another session's pin is refused, not revealed."""

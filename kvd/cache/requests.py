@@ -163,6 +163,7 @@ class PinResult:
     pin_id: PinId
     pages: list[PageId]
     tokens: int
+    pending_tokens: int = 0  # on their way from a tier: the pin extends to them once they land
 
 
 @dataclass(frozen=True, slots=True)  # slots: see SequenceRequest

@@ -8,8 +8,9 @@ sharing saves against keeping each sequence's KV separately.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, astuple, dataclass, field, fields, replace
 
+from kvd.cache.prewarm import PrewarmCounters
 from kvd.core.types import PageState
 from kvd.durability.recovery import RecoveryReport
 from kvd.tiers.stats import TierStats
@@ -69,6 +70,7 @@ class Stats:
     shm_refusals: int = 0  # extents /dev/shm could not hold
     recovery: RecoveryReport = field(default_factory=RecoveryReport)  # what this start found
     tiers: dict[str, TierStats] = field(default_factory=dict)  # by kind; a tier not configured is absent
+    prewarm: PrewarmCounters = field(default_factory=PrewarmCounters)  # kvd/cache/prewarm.py
 
     def as_dict(self) -> dict:
         return {
@@ -84,6 +86,7 @@ class Stats:
             "shm_refusals": self.shm_refusals,
             "recovery": self.recovery.as_dict(),
             **{kind: stats.as_dict() for kind, stats in self.tiers.items()},
+            "prewarm": asdict(self.prewarm),
             "namespaces": [
                 {"namespace_id": n.namespace_id, "model": n.model, "page_bytes": n.page_bytes, **n.pages.as_dict()}
                 for n in self.namespaces
@@ -146,6 +149,7 @@ def collect(manager) -> Stats:
         arena.shm_refusals,
         manager.catalog.last_recovery or RecoveryReport(),
         manager.tiers.stats(),
+        replace(manager.prewarms.counters),
     )
 
 
@@ -163,6 +167,7 @@ def combined(parts: list[Stats]) -> Stats:
         shm_refusals=sum(part.shm_refusals for part in parts),
         recovery=RecoveryReport.combined([part.recovery for part in parts]),
         tiers=combined_tiers([part.tiers for part in parts]),
+        prewarm=PrewarmCounters(*(sum(x) for x in zip(*(astuple(part.prewarm) for part in parts)))),
         host_bytes_used=sum(part.host_bytes_used for part in parts),
         host_bytes_free=sum(part.host_bytes_free for part in parts),
         aux_bytes=sum(part.aux_bytes for part in parts),

@@ -203,6 +203,20 @@ class Tenants:
             raise NotFound(UNKNOWN_SESSION)
         return self._managers[tenant]
 
+    def manager_by_ticket(self, ticket: str) -> KVCacheManager:
+        """The cache of the ticket's tenant, for a call that needs no session (a router's
+        Prewarm): the caller's uid picks its tenant, as the handshake does. An admin ticket of
+        a uid in no tenant names no cache."""
+        if not self.isolated:
+            return self._managers[IMPLICIT]
+        t = self.tickets.redeem(ticket)
+        if t.tenant is None:
+            raise PermissionDenied(
+                f"uid {t.peer.uid} belongs to no tenant of this daemon, so it names no tenant's cache; "
+                "call from a uid of the tenant, or through a session of it"
+            )
+        return self._managers[t.tenant]
+
     def check_admin(self, ticket: str) -> None:
         """Daemon-wide admin calls: anyone without tenants, an admin ticket with them."""
         if self.isolated and not self.tickets.redeem(ticket).admin:

@@ -130,6 +130,9 @@ class DiskTier:
             return 0
         return self.fetches.missed(miss)
 
+    def fetching(self, miss: Miss) -> int:
+        return self.fetches.fetching(miss)
+
     def holds(self) -> Counter[PageId]:
         return self._holds.all()
 

@@ -71,6 +71,9 @@ class RemoteTier:
     def missed(self, miss: Miss) -> int:
         return self.fetches.missed(miss)
 
+    def fetching(self, miss: Miss) -> int:
+        return self.fetches.fetching(miss)
+
     def holds(self) -> Counter[PageId]:
         """Pool references the tier holds, by page (kvd/cache/invariants.py)."""
         return self._holds.all()

@@ -10,12 +10,13 @@ core ``SequenceRequest`` comes out.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from google.protobuf.message import DecodeError
 
 from kvd.cache import stats as stats_mod
 from kvd.cache.events import MEDIUM_CPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvd.cache.prewarm import PrewarmResult
 from kvd.cache.requests import (
     MAX_REQUEST_FIELDS,
     Batch,
@@ -226,6 +227,13 @@ def disk_stats_message(s: Stats) -> pb.DiskStats:
     return pb.DiskStats(**disk.as_dict())
 
 
+def prewarm_reply(labels: list[str], results: list[PrewarmResult]) -> pb.PrewarmReply:
+    return pb.PrewarmReply(
+        results=[pb.PrewarmResult(seq_id=label, **asdict(x)) for label, x in zip(labels, results)],
+        partial=any(x.partial for x in results),
+    )
+
+
 def stats_reply(s: Stats, namespaces: list[pb.NamespaceStats] | None = None) -> pb.StatsReply:
     """The stats of one cache; ``namespaces`` in place of its own (the tenants' together)."""
     return pb.StatsReply(
@@ -243,6 +251,7 @@ def stats_reply(s: Stats, namespaces: list[pb.NamespaceStats] | None = None) -> 
         recovery=recovery_stats(s.recovery),
         remote=remote_stats_message(s),
         disk=disk_stats_message(s),
+        prewarm=pb.PrewarmStats(**asdict(s.prewarm)),
     )
 
 

@@ -120,6 +120,25 @@ def _disk_families(disk):
     )
 
 
+_PREWARM_COUNTERS = {
+    "prompts": "Prompts prewarmed (pins' included)",
+    "requested_tokens": "Full-page tokens of the prompts prewarmed",
+    "resident_tokens": "Tokens of prewarmed prompts already in host memory",
+    "promoted_tokens": "Tokens a prewarm promoted from a tier below into host memory",
+    "not_found_tokens": "Tokens a prewarm found on no tier (or that failed their checks)",
+    "over_budget_tokens": "Tokens a prewarm did not promote: beyond the tenant's budget",
+}
+
+
+def _prewarm_families(prewarm):
+    """Prewarms (kvd/cache/prewarm.py): their counters, and the tokens on their way now."""
+    for name, doc in _PREWARM_COUNTERS.items():
+        yield CounterMetricFamily(f"kvd_prewarm_{name}", doc, value=getattr(prewarm, name))
+    yield GaugeMetricFamily(
+        "kvd_prewarm_pending_tokens", "Tokens of prewarms queued or being promoted", value=prewarm.pending_tokens
+    )
+
+
 class _StatsCollector:
     """Families from live stats: one per page statistic, labelled by namespace id and
     model name (``all`` and ``all`` for the daemon's totals) and, on a daemon with
@@ -191,6 +210,7 @@ class _StatsCollector:
         )
         yield from _remote_families(messages.remote_stats_message(every))
         yield from _disk_families(messages.disk_stats_message(every))
+        yield from _prewarm_families(every.prewarm)
 
 
 class MetricsExporter:

@@ -42,6 +42,7 @@ from kvd.core.errors import (
 from kvd.durability.recovery import RecoveryReport
 from kvd.server import messages
 from kvd.server.offload import Offload, large_call
+from kvd.server.prewarming import PrewarmPump
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 
@@ -201,6 +202,7 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self.observe_latency = observe_latency
         self.about = about or pb.PingReply(version=__version__)
         self.streams = SessionStreams()
+        self.prewarms = PrewarmPump(self.tenants)  # shared by every socket's servicer
         self.instance = secrets.token_hex(8)  # SessionOpened.daemon_instance
         # Whose sessions this socket serves: the implicit tenant's without tenants; with
         # them, the main socket serves none (admin calls and Ping only).
@@ -397,7 +399,22 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         pin = self._manager_of(r.session).pin(
             r.session, r.namespace_id, r.tokens, messages.extra_keys_from(r.extra_keys), r.ttl_seconds
         )
-        return pb.PinReply(pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens)
+        self.prewarms.kick()
+        return pb.PinReply(
+            pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens, pending_tokens=pin.pending_tokens
+        )
+
+    @_unary
+    def Prewarm(self, r):
+        if r.session:
+            m = self._manager_of(r.session)
+            m.session(r.session)
+        else:
+            m = self.tenants.manager_by_ticket(r.ticket)
+        ns = m.namespace_named(r.namespace_id, messages.identity_from(r.identity) if r.HasField("identity") else None)
+        results = m.prewarm(ns, [messages.request_from(p, None) for p in r.prompts])
+        self.prewarms.kick()
+        return messages.prewarm_reply([p.seq_id for p in r.prompts], results)
 
     @_unary
     def Unpin(self, r):

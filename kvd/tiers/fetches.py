@@ -177,6 +177,11 @@ class Fetches:
         )
         return fetch.pending_tokens
 
+    def fetching(self, miss: Miss) -> int:
+        """The tokens a fetch in flight of the same prompt may still bring; starts nothing."""
+        fetch = self._fetches.get((miss.ns.id, miss.chain.root, miss.full_page_tokens))
+        return 0 if fetch is None else fetch.pending_tokens
+
     def brought(self, page: PageId) -> bool:
         """Whether the published page came from the source."""
         return page in self._fetched

@@ -80,6 +80,10 @@ class Tier(Protocol):
         """A request matched ``miss.hits`` locally; returns the tokens past them the tier may
         still bring (ask again), 0 for none."""
 
+    def fetching(self, miss: Miss) -> int:
+        """The tokens past ``miss.hits`` a fetch in flight of the prompt may still bring,
+        without starting one (a prewarm watches its fetches end: kvd/cache/prewarm.py)."""
+
     def holds(self) -> Counter[PageId]:
         """The pool references the tier holds right now, by page (kvd/cache/invariants.py)."""
 
@@ -124,6 +128,10 @@ class Tiers:
             if pending:
                 return pending
         return 0
+
+    def fetching(self, miss: Miss) -> int:
+        """The tokens fetches in flight of the prompt may still bring, from any tier."""
+        return sum(tier.fetching(miss) for tier in self._tiers)
 
     def holds(self) -> Counter[PageId]:
         """The pool references all tiers hold, by page."""

@@ -1,10 +1,12 @@
-"""Session-less admin calls (stats, verify, reset), for ``kvd stats`` / ``verify`` / ``reset``,
+"""Session-less admin calls (stats, verify, reset, prewarm), for ``kvd stats`` / ``verify`` /
+``reset`` / ``prewarm`` (a router's prewarm needs no session either),
 monitoring, and the client library's ``stats()`` / ``verify()`` / ``reset_prefix_cache()``,
 and their replies as the typed dicts of kvd/wire/reports.py. It lives in kvd/wire/ so that
 the daemon's CLI uses it without depending on the client.
 
 A daemon with tenants answers them only for its own uid or root: each call first fetches
-an admin ticket through the handshake (kvd/wire/auth.py), when the daemon has one.
+an admin ticket through the handshake (kvd/wire/auth.py), when the daemon has one. A
+prewarm's ticket instead names the caller's tenant, whose cache it fills.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import grpc
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
 from kvd.wire.auth import fetch_ticket
-from kvd.wire.reports import RecoveryStats, ResetReport, Stats, VerifyReport
+from kvd.wire.codec import pack_tokens
+from kvd.wire.reports import PrewarmReport, RecoveryStats, ResetReport, Stats, VerifyReport
 from kvd.wire.status import error_from_rpc
 
 
@@ -54,6 +57,7 @@ def stats_dict(reply: pb.StatsReply) -> Stats:
         "remote": _fields(reply.remote) | {"state": reply.remote.state or "off"},
         "disk": _fields(reply.disk)
         | {"state": reply.disk.state or "off", "promotion_buckets": list(reply.disk.promotion_buckets)},
+        "prewarm": _fields(reply.prewarm),
         "namespaces": [
             {
                 "namespace_id": n.namespace_id,
@@ -101,3 +105,25 @@ def reset_prefix_cache(socket: str, namespace: int | None = None, timeout: float
         ticket=fetch_ticket(socket), has_namespace=namespace is not None, namespace_id=namespace or 0
     )
     return reset_dict(_admin_call(socket, "ResetPrefixCache", request, timeout))
+
+
+def prewarm(
+    socket: str,
+    prompts: list[list[int]],
+    namespace: int | None = None,
+    identity: pb.NamespaceIdentity | None = None,
+    timeout: float = 10.0,
+) -> PrewarmReport:
+    """Runs Prewarm for the caller's tenant: the prompts' full pages promoted from the disk
+    tier and the remote store into host memory, in the namespace of id ``namespace`` or of the
+    ``identity`` an engine registered. Returns at once with what it found and started."""
+    if (namespace is None) == (identity is None):
+        raise ValueError("name the namespace by its id or by its identity, one of them")
+    request = pb.PrewarmRequest(
+        ticket=fetch_ticket(socket, timeout),
+        namespace_id=namespace or 0,
+        identity=identity,
+        prompts=[pb.SequenceRequest(seq_id=str(n), tokens=pack_tokens(p)) for n, p in enumerate(prompts)],
+    )
+    reply = _admin_call(socket, "Prewarm", request, timeout)
+    return {"partial": reply.partial, "prompts": [_fields(x) for x in reply.results]}

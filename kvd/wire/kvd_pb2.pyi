@@ -518,14 +518,70 @@ class PinRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., namespace_id: _Optional[int] = ..., tokens: _Optional[bytes] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class PinReply(_message.Message):
-    __slots__ = ("pin_id", "pinned_pages", "pinned_tokens")
+    __slots__ = ("pin_id", "pinned_pages", "pinned_tokens", "pending_tokens")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     pinned_pages: int
     pinned_tokens: int
-    def __init__(self, pin_id: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pinned_tokens: _Optional[int] = ...) -> None: ...
+    pending_tokens: int
+    def __init__(self, pin_id: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pinned_tokens: _Optional[int] = ..., pending_tokens: _Optional[int] = ...) -> None: ...
+
+class PrewarmRequest(_message.Message):
+    __slots__ = ("session", "ticket", "namespace_id", "identity", "prompts")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ticket: str
+    namespace_id: int
+    identity: NamespaceIdentity
+    prompts: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
+    def __init__(self, session: _Optional[str] = ..., ticket: _Optional[str] = ..., namespace_id: _Optional[int] = ..., identity: _Optional[_Union[NamespaceIdentity, _Mapping]] = ..., prompts: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
+
+class PrewarmResult(_message.Message):
+    __slots__ = ("seq_id", "requested_tokens", "resident_tokens", "pending_tokens", "over_budget_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVER_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    requested_tokens: int
+    resident_tokens: int
+    pending_tokens: int
+    over_budget_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., requested_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., pending_tokens: _Optional[int] = ..., over_budget_tokens: _Optional[int] = ...) -> None: ...
+
+class PrewarmReply(_message.Message):
+    __slots__ = ("results", "partial")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PrewarmResult]
+    partial: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[PrewarmResult, _Mapping]]] = ..., partial: _Optional[bool] = ...) -> None: ...
+
+class PrewarmStats(_message.Message):
+    __slots__ = ("prompts", "requested_tokens", "resident_tokens", "promoted_tokens", "not_found_tokens", "over_budget_tokens", "pending_tokens")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVER_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompts: int
+    requested_tokens: int
+    resident_tokens: int
+    promoted_tokens: int
+    not_found_tokens: int
+    over_budget_tokens: int
+    pending_tokens: int
+    def __init__(self, prompts: _Optional[int] = ..., requested_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., promoted_tokens: _Optional[int] = ..., not_found_tokens: _Optional[int] = ..., over_budget_tokens: _Optional[int] = ..., pending_tokens: _Optional[int] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
     __slots__ = ("session", "pin_id")
@@ -690,7 +746,7 @@ class DiskStats(_message.Message):
     def __init__(self, state: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., refused_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., backlog_bytes: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., direct_io: _Optional[bool] = ..., written_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotion_buckets: _Optional[_Iterable[int]] = ..., promotion_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote", "disk")
+    __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote", "disk", "prewarm")
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -705,6 +761,7 @@ class StatsReply(_message.Message):
     AUX_BYTES_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    PREWARM_FIELD_NUMBER: _ClassVar[int]
     totals: PageStats
     host_bytes: int
     arena_bytes: int
@@ -719,7 +776,8 @@ class StatsReply(_message.Message):
     aux_bytes_per_sequence: int
     remote: RemoteStats
     disk: DiskStats
-    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ...) -> None: ...
+    prewarm: PrewarmStats
+    def __init__(self, totals: _Optional[_Union[PageStats, _Mapping]] = ..., host_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., prefix_reuse: _Optional[bool] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., shm_refusals: _Optional[int] = ..., recovery: _Optional[_Union[RecoveryStats, _Mapping]] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_free: _Optional[int] = ..., aux_bytes: _Optional[int] = ..., aux_bytes_used: _Optional[int] = ..., aux_bytes_per_sequence: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., prewarm: _Optional[_Union[PrewarmStats, _Mapping]] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ("session", "ticket")

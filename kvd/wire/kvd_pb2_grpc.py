@@ -159,6 +159,11 @@ class KVDStub:
                 request_serializer=kvd__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=kvd__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.Prewarm = channel.unary_unary(
+                '/kvd.v1.KVD/Prewarm',
+                request_serializer=kvd__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=kvd__pb2.PrewarmReply.FromString,
+                _registered_method=True)
 
 
 class KVDServicer:
@@ -282,7 +287,9 @@ class KVDServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A pin also prewarms the prompt's full pages past the resident ones that a tier below
+        holds, and extends to them once they land (PinReply.pending_tokens).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -336,6 +343,15 @@ class KVDServicer:
         """The KV events of the session's tenant (kvd/events.py), in vLLM's vocabulary: pages
         stored, pages removed; one batch per call that changed what the index holds, numbered
         without gaps while someone listens. Ends when the session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prewarm(self, request, context):
+        """Promotes prompts' full pages from the disk tier and the remote store into host memory
+        before their requests come (a router's call: no session needed). Returns at once with
+        what it found resident and what it started; kvd/cache/prewarm.py.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -468,6 +484,11 @@ def add_KVDServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=kvd__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=kvd__pb2.KVEventBatch.SerializeToString,
+            ),
+            'Prewarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prewarm,
+                    request_deserializer=kvd__pb2.PrewarmRequest.FromString,
+                    response_serializer=kvd__pb2.PrewarmReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1145,6 +1166,33 @@ class KVD:
             '/kvd.v1.KVD/SubscribeEvents',
             kvd__pb2.SubscribeEventsRequest.SerializeToString,
             kvd__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prewarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.KVD/Prewarm',
+            kvd__pb2.PrewarmRequest.SerializeToString,
+            kvd__pb2.PrewarmReply.FromString,
             options,
             channel_credentials,
             insecure,

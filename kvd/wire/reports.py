@@ -100,6 +100,33 @@ class DiskStats(TypedDict):
     promotion_seconds: float  # their seconds, summed
 
 
+class PrewarmStats(TypedDict):
+    """The prewarms of the cache (pins' included), in tokens (kvd/cache/prewarm.py)."""
+
+    prompts: int
+    requested_tokens: int
+    resident_tokens: int  # already in host memory when asked
+    promoted_tokens: int  # brought from a tier below, once a prompt's fetches ended
+    not_found_tokens: int  # on no tier, or failed their checks
+    over_budget_tokens: int  # beyond what the tenant's budget spared: not promoted
+    pending_tokens: int  # queued or in flight now
+
+
+class PrewarmPrompt(TypedDict):
+    """One prompt of a prewarm, in tokens of its full pages."""
+
+    seq_id: str  # its label: its place in the call
+    requested_tokens: int
+    resident_tokens: int
+    pending_tokens: int  # queued for a promotion, or being promoted
+    over_budget_tokens: int  # beyond the tenant's budget: not promoted
+
+
+class PrewarmReport(TypedDict):
+    partial: bool  # some prompt went beyond the budget
+    prompts: list[PrewarmPrompt]
+
+
 class Stats(PageStats):
     """The daemon's totals at top level, then its budgets, its start and each namespace."""
 
@@ -115,6 +142,7 @@ class Stats(PageStats):
     recovery: RecoveryStats
     remote: RemoteStats
     disk: DiskStats
+    prewarm: PrewarmStats
     namespaces: list[NamespaceStats]
 
 

@@ -1,0 +1,177 @@
+"""Prewarms: a router's (or an application's) promotion of prompts' pages from the tiers
+below host memory (the disk, kvd/disk/tier.py; the remote store, kvd/remote/tier.py) before
+their requests arrive, and the pins that cover pages still on their way
+(``KVCacheManager.prewarm`` and ``pin``, kvd/cache/manager.py).
+
+A prewarm matches each prompt locally (what is resident now) and queues the full pages past
+the hit, as many as the namespace spares (``Room.spare``: free pages, budget not made into
+extents, its own cached pages) less what prewarms of the namespace already have queued or in
+flight; the rest is over the budget, said at once, never fetched. It starts nothing itself:
+``step``, which the daemon runs on its loop while ``busy`` (kvd/server/prewarming.py), starts
+queued prompts through the tiers' one fetch machinery (``Tiers.missed``, kvd/tiers/fetches.py:
+the same checks, publication and KV events as any promotion, pages granted by
+``Room.grant_spare``, which never evicts a page a sequence or pin holds), and watches the
+fetches end (``Tiers.fetching``). So prewarms stay below engines' calls:
+- the pages prewarms hold while their fetches run stay within ``MAX_PAGES_IN_FLIGHT`` and
+  within half of what the namespace spares, so an engine's allocation meanwhile finds room
+  (a longer prompt goes alone),
+  and a step starts at most ``PROMPTS_PER_STEP`` prompts, so a flood of prewarms costs each
+  turn of the loop a bounded amount of work and each tier's reader a bounded backlog;
+- an engine's own lookup of a prompt starts its fetch at once, never behind a prewarm.
+
+When a prompt's fetch ends, the prompt is matched again: pages landed extend the hit, and
+the tiers are asked again (the next tier holds what the disk did not), until no tier may
+bring more (or ``MAX_ROUNDS``); then its counters settle: promoted (pages resident now that
+were not when it started) and not found (the rest). A prewarm for a pin then extends the
+pin with the pages that landed (``PinTable.extend``), if the pin is still held.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvd.cache.pins import PinTable
+from kvd.cache.requests import TOKEN_BYTES, PreparedRequest
+from kvd.cache.room import Room
+from kvd.core.index import Match
+from kvd.core.namespaces import Namespace
+from kvd.core.types import NamespaceId, PinId
+from kvd.tiers.tier import Miss, Tiers
+
+MAX_PAGES_IN_FLIGHT = 1024  # pages of prewarms started and not settled, all namespaces together
+PROMPTS_PER_STEP = 16  # prompts a step starts or settles: a turn of the loop stays short
+MAX_ROUNDS = 4  # times a prompt asks the tiers: the disk, the store, one more for a fetch cut short
+
+
+@dataclass(frozen=True)
+class PrewarmResult:
+    """What a prewarm of one prompt found and started, in tokens of its full pages."""
+
+    requested_tokens: int  # its full pages' (a partial tail page is never cached)
+    resident_tokens: int  # already in host memory
+    pending_tokens: int  # queued for a promotion, or being promoted
+    over_budget_tokens: int  # past what the tenant's budget spares: not promoted
+
+    @property
+    def partial(self) -> bool:
+        return self.over_budget_tokens > 0
+
+
+@dataclass
+class PrewarmCounters:
+    """The prewarms of one cache (``kvd stats`` ``prewarm``, ``kvd_prewarm_*``), in tokens."""
+
+    prompts: int = 0
+    requested_tokens: int = 0
+    resident_tokens: int = 0
+    promoted_tokens: int = 0
+    not_found_tokens: int = 0
+    over_budget_tokens: int = 0
+    pending_tokens: int = 0  # gauge: queued or in flight now
+
+
+@dataclass
+class _Prewarm:
+    """One prompt's pages on their way: ``take`` pages past the ``start`` hit."""
+
+    ns: Namespace
+    prepared: PreparedRequest  # its tokens cut to the pages it may take
+    start: int  # pages resident when the prewarm came
+    take: int
+    pin: PinId | None
+    miss: Miss | None = None  # the fetch asked for last; None while queued
+    rounds: int = 0
+
+
+class Prewarms:
+    """The prewarms of one cache: queued, in flight, and their counters."""
+
+    def __init__(
+        self, room: Room, tiers: Tiers, pins: PinTable, match: Callable[[Namespace, PreparedRequest], Match]
+    ) -> None:
+        """``match``: the cache's matching (``KVCacheManager.match_prefix``)."""
+        self.room = room
+        self.tiers = tiers
+        self.pins = pins
+        self.match = match
+        self.counters = PrewarmCounters()
+        self._queued: deque[_Prewarm] = deque()
+        self._flying: list[_Prewarm] = []
+        self._pages: dict[NamespaceId, int] = {}  # pages queued or in flight, by namespace
+
+    @property
+    def busy(self) -> bool:
+        """Whether ``step`` has anything to do."""
+        return bool(self._queued or self._flying)
+
+    def request(self, ns: Namespace, p: PreparedRequest, pin: PinId | None = None) -> PrewarmResult:
+        """Queues the promotion of the prompt's full pages past its local hit, within the budget."""
+        size = ns.page_size
+        full = p.num_tokens // size
+        hit = len(self.match(ns, p).pages)
+        take = max(0, min(full - hit, self.room.spare(ns) - self._pages.get(ns.id, 0)))
+        over = full - hit - take
+        c = self.counters
+        c.prompts += 1
+        c.requested_tokens += full * size
+        c.resident_tokens += hit * size
+        c.over_budget_tokens += over * size
+        if take:
+            cut = p.tokens[: (hit + take) * size * TOKEN_BYTES]
+            prepared = PreparedRequest(p.request, cut, len(cut) // TOKEN_BYTES, p.chain)
+            self._queued.append(_Prewarm(ns, prepared, hit, take, pin))
+            self._pages[ns.id] = self._pages.get(ns.id, 0) + take
+            c.pending_tokens += take * size
+        return PrewarmResult(full * size, hit * size, take * size, over * size)
+
+    def step(self) -> None:
+        """Settles prewarms whose fetches ended, then starts queued ones within the caps."""
+        budget = PROMPTS_PER_STEP
+        for w in list(self._flying):
+            if budget and not self.tiers.fetching(w.miss):
+                budget -= 1
+                self._flying.remove(w)
+                self._ask(w)
+        while budget and self._queued and self._may_start(self._queued[0]):
+            budget -= 1
+            self._ask(self._queued.popleft())
+
+    def _may_start(self, w: _Prewarm) -> bool:
+        """Whether a prompt may start now: the pages prewarms hold while their fetches run (the
+        hit held, the pages landing) stay within ``MAX_PAGES_IN_FLIGHT`` and within half of
+        what the namespace would spare without them, the other half left to engines' calls.
+        A prompt alone always starts (its pages were within the budget when it came)."""
+        flying = [x for x in self._flying if x.ns.id == w.ns.id]
+        if not self._flying or not flying and w.start + w.take <= MAX_PAGES_IN_FLIGHT:
+            return True
+        held = sum(x.start + x.take for x in self._flying)
+        held_here = sum(x.start + x.take for x in flying)
+        return (
+            held + w.start + w.take <= MAX_PAGES_IN_FLIGHT
+            and held_here + w.start + w.take <= (self.room.spare(w.ns) + held_here) // 2
+        )
+
+    def _ask(self, w: _Prewarm) -> None:
+        """Asks the tiers for the prompt's pages past its hit now; settles it when none may come."""
+        found = self.match(w.ns, w.prepared)
+        if w.rounds < MAX_ROUNDS and len(found.pages) < w.start + w.take:
+            w.rounds += 1
+            r = w.prepared.request
+            w.miss = Miss(w.ns, w.prepared.chain, r.extra_keys, w.prepared.tokens, found.pages, found.keys)
+            if self.tiers.missed(w.miss):
+                self._flying.append(w)
+                return
+        self._settle(w, found)
+
+    def _settle(self, w: _Prewarm, found: Match) -> None:
+        size = w.ns.page_size
+        promoted = min(w.take, max(0, len(found.pages) - w.start))
+        c = self.counters
+        c.promoted_tokens += promoted * size
+        c.not_found_tokens += (w.take - promoted) * size
+        c.pending_tokens -= w.take * size
+        self._pages[w.ns.id] -= w.take
+        if w.pin is not None:
+            self.pins.extend(w.pin, found.pages)
