@@ -86,7 +86,9 @@ def test_stats_json_fields_and_values(tmp_path):
                 "aux_bytes_per_sequence",
                 "remote",
                 "disk",
+                "prewarm",
             }
+            assert stats["prewarm"]["prompts"] == 0 and stats["prewarm"]["pending_tokens"] == 0
             assert stats["remote"]["state"] == "off"  # no [remote] table
             assert stats["disk"]["state"] == "off" and stats["disk"]["pages"] == 0  # no [disk] table
             assert (stats["aux_bytes"], stats["aux_bytes_used"], stats["aux_bytes_per_sequence"]) == (
