@@ -137,6 +137,7 @@ class PrewarmResult:
     resident_tokens: int  # already in host memory
     pending_tokens: int  # queued for a promotion, or being promoted
     over_budget_tokens: int  # beyond the tenant's budget: not promoted
+    not_found_tokens: int  # on no tier, known at once (the disk answers from its index)
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,8 @@ def _prewarm(args) -> int:
     for p in result["prompts"]:
         print(
             f"prompt {p['seq_id']}: {p['requested_tokens']} tokens in full pages, {p['resident_tokens']} resident, "
-            f"{p['pending_tokens']} being promoted, {p['over_budget_tokens']} beyond the budget"
+            f"{p['pending_tokens']} being promoted, {p['not_found_tokens']} on no tier, "
+            f"{p['over_budget_tokens']} beyond the budget"
         )
     if result["partial"]:
         print("partial: the tenant's budget does not spare room for every page")

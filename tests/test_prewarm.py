@@ -72,9 +72,11 @@ def test_a_router_prewarm_promotes_a_prompt_from_disk_before_its_request(tmp_pat
         stream.cancel()
         reader.join()
         assert host() == prompt(1).tolist()[p["resident_tokens"] :]  # published like any promotion
-        # A second prewarm finds it resident and starts nothing.
-        [again] = c.prewarm(ns, [SequenceRequest("again", prompt(1))])
-        assert again.resident_tokens == FULL and again.pending_tokens == 0
+        # A second prewarm finds it resident and starts nothing; a prompt on no tier is not found at once.
+        again, nowhere = c.prewarm(ns, [SequenceRequest("again", prompt(1)), SequenceRequest("new", prompt(77))])
+        assert again.resident_tokens == FULL and again.pending_tokens == again.not_found_tokens == 0
+        assert nowhere.not_found_tokens == FULL and nowhere.pending_tokens == nowhere.resident_tokens == 0
+        assert c.stats()["prewarm"]["not_found_tokens"] == FULL
 
 
 def test_a_prewarm_beyond_the_budget_is_partial_and_says_so(tmp_path, daemon_factory):
@@ -88,10 +90,12 @@ def test_a_prewarm_beyond_the_budget_is_partial_and_says_so(tmp_path, daemon_fac
         [p] = c.prewarm(ns, [SequenceRequest("p", prompt(1))])
         assert p.resident_tokens == 0 and p.pending_tokens == 4 * LAYOUT.page_size
         assert p.over_budget_tokens == FULL - p.pending_tokens
-        report = prewarm(d.socket, [prompt(1).tolist()], namespace=ns)  # the first's pages are reserved
-        assert report["partial"] and report["prompts"][0]["pending_tokens"] == 0
         s = settled(c)
-        assert s["promoted_tokens"] == 4 * LAYOUT.page_size and s["over_budget_tokens"] == FULL + p.over_budget_tokens
+        assert s["promoted_tokens"] == 4 * LAYOUT.page_size and s["over_budget_tokens"] == p.over_budget_tokens
+        report = prewarm(d.socket, [prompt(1).tolist()], namespace=ns)  # its hit is not given up for the rest
+        [again] = report["prompts"]
+        assert report["partial"] and again["resident_tokens"] == 4 * LAYOUT.page_size
+        assert again["pending_tokens"] == again["not_found_tokens"] == 0 and again["over_budget_tokens"] == FULL / 2
         assert (
             c.describe_sequences(ns, ["held"])[0].num_tokens == held * LAYOUT.page_size
         )  # never evicted for a prewarm

@@ -269,7 +269,7 @@ class KVCacheManager:
         if not self.prefix_reuse:
             raise FailedPrecondition("prefix reuse is off in this daemon: nothing is matched, nothing is prewarmed")
         batch = self.batch(ns.id, requests, unique=False)
-        return [self.prewarms.request(ns, p) for p in batch.requests]
+        return self.prewarms.request(ns, batch.requests)
 
     def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
         """``publish_job`` done at once (in-process callers)."""
@@ -424,7 +424,7 @@ class KVCacheManager:
         pages = self.match_prefix(ns, p).pages
         expires = time.monotonic() + ttl_seconds if ttl_seconds else None
         pin = self.pins.take(session.id, ns.id, pages, expires)
-        pending = self.prewarms.request(ns, p, pin.id).pending_tokens if self.prefix_reuse else 0
+        pending = self.prewarms.request(ns, [p], pin.id)[0].pending_tokens if self.prefix_reuse else 0
         return PinResult(pin.id, list(pages), len(pages) * ns.page_size, pending)
 
     def unpin(self, session_id: str, pin_id: int) -> None:

@@ -3,12 +3,13 @@ below host memory (the disk, kvd/disk/tier.py; the remote store, kvd/remote/tier
 their requests arrive, and the pins that cover pages still on their way
 (``KVCacheManager.prewarm`` and ``pin``, kvd/cache/manager.py).
 
-A prewarm matches each prompt locally (what is resident now) and queues the full pages past
+A prewarm matches each prompt locally (what is resident now) and promotes the full pages past
 the hit, as many as the namespace spares (``Room.spare``: free pages, budget not made into
-extents, its own cached pages) less what prewarms of the namespace already have queued or in
-flight; the rest is over the budget, said at once, never fetched. It starts nothing itself:
-``step``, which the daemon runs on its loop while ``busy`` (kvd/server/prewarming.py), starts
-queued prompts through the tiers' one fetch machinery (``Tiers.missed``, kvd/tiers/fetches.py:
+extents, its own cached pages but the prompt's hit) less what prewarms of the namespace already have queued or in
+flight; the rest is over the budget, said at once, never fetched. A prompt starts in the call
+when nothing is queued and the caps below allow, else it is queued; ``step``, which the daemon
+runs on its loop while ``busy`` (kvd/server/prewarming.py), starts queued prompts. Each goes
+through the tiers' one fetch machinery (``Tiers.missed``, kvd/tiers/fetches.py:
 the same checks, publication and KV events as any promotion, pages granted by
 ``Room.grant_spare``, which never evicts a page a sequence or pin holds), and watches the
 fetches end (``Tiers.fetching``). So prewarms stay below engines' calls:
@@ -53,6 +54,7 @@ class PrewarmResult:
     resident_tokens: int  # already in host memory
     pending_tokens: int  # queued for a promotion, or being promoted
     over_budget_tokens: int  # past what the tenant's budget spares: not promoted
+    not_found_tokens: int  # on no tier, known at once (the disk answers from its index)
 
     @property
     def partial(self) -> bool:
@@ -106,64 +108,80 @@ class Prewarms:
         """Whether ``step`` has anything to do."""
         return bool(self._queued or self._flying)
 
-    def request(self, ns: Namespace, p: PreparedRequest, pin: PinId | None = None) -> PrewarmResult:
-        """Queues the promotion of the prompt's full pages past its local hit, within the budget."""
+    def request(self, ns: Namespace, prompts: list[PreparedRequest], pin: PinId | None = None) -> list[PrewarmResult]:
+        """The promotion of each prompt's full pages past its local hit, within the budget: the
+        first ``PROMPTS_PER_STEP`` started at once when the caps allow (a tier that knows at
+        once it holds none of them, the disk, makes them not found at once), the rest queued."""
+        starts = PROMPTS_PER_STEP
+        results = []
+        for p in prompts:
+            results.append(self._request(ns, p, pin, starts > 0))
+            starts -= 1
+        return results
+
+    def _request(self, ns: Namespace, p: PreparedRequest, pin: PinId | None, may_start: bool) -> PrewarmResult:
         size = ns.page_size
         full = p.num_tokens // size
-        hit = len(self.match(ns, p).pages)
-        take = max(0, min(full - hit, self.room.spare(ns) - self._pages.get(ns.id, 0)))
+        found = self.match(ns, p)
+        hit = len(found.pages)
+        take = max(0, min(full - hit, self.room.spare(ns, found.pages) - self._pages.get(ns.id, 0)))
         over = full - hit - take
         c = self.counters
         c.prompts += 1
         c.requested_tokens += full * size
         c.resident_tokens += hit * size
         c.over_budget_tokens += over * size
+        not_found = 0
         if take:
             cut = p.tokens[: (hit + take) * size * TOKEN_BYTES]
-            prepared = PreparedRequest(p.request, cut, len(cut) // TOKEN_BYTES, p.chain)
-            self._queued.append(_Prewarm(ns, prepared, hit, take, pin))
+            w = _Prewarm(ns, PreparedRequest(p.request, cut, len(cut) // TOKEN_BYTES, p.chain), hit, take, pin)
             self._pages[ns.id] = self._pages.get(ns.id, 0) + take
             c.pending_tokens += take * size
-        return PrewarmResult(full * size, hit * size, take * size, over * size)
+            if not may_start or self._queued or not self._may_start(w):
+                self._queued.append(w)
+            elif not self._start(w, found):
+                not_found = take * size
+        return PrewarmResult(full * size, hit * size, take * size - not_found, over * size, not_found)
 
     def step(self) -> None:
-        """Settles prewarms whose fetches ended, then starts queued ones within the caps."""
+        """Settles or continues prewarms whose fetches ended, then starts queued ones within the caps."""
         budget = PROMPTS_PER_STEP
         for w in list(self._flying):
             if budget and not self.tiers.fetching(w.miss):
                 budget -= 1
                 self._flying.remove(w)
-                self._ask(w)
+                self._start(w, self.match(w.ns, w.prepared))
         while budget and self._queued and self._may_start(self._queued[0]):
             budget -= 1
-            self._ask(self._queued.popleft())
+            w = self._queued.popleft()
+            self._start(w, self.match(w.ns, w.prepared))
 
     def _may_start(self, w: _Prewarm) -> bool:
         """Whether a prompt may start now: the pages prewarms hold while their fetches run (the
         hit held, the pages landing) stay within ``MAX_PAGES_IN_FLIGHT`` and within half of
         what the namespace would spare without them, the other half left to engines' calls.
         A prompt alone always starts (its pages were within the budget when it came)."""
-        flying = [x for x in self._flying if x.ns.id == w.ns.id]
-        if not self._flying or not flying and w.start + w.take <= MAX_PAGES_IN_FLIGHT:
+        if not self._flying:
             return True
-        held = sum(x.start + x.take for x in self._flying)
-        held_here = sum(x.start + x.take for x in flying)
+        need = w.start + w.take
+        held_here = sum(x.start + x.take for x in self._flying if x.ns.id == w.ns.id)
         return (
-            held + w.start + w.take <= MAX_PAGES_IN_FLIGHT
-            and held_here + w.start + w.take <= (self.room.spare(w.ns) + held_here) // 2
+            sum(x.start + x.take for x in self._flying) + need <= MAX_PAGES_IN_FLIGHT
+            and held_here + need <= (self.room.spare(w.ns) + held_here) // 2
         )
 
-    def _ask(self, w: _Prewarm) -> None:
-        """Asks the tiers for the prompt's pages past its hit now; settles it when none may come."""
-        found = self.match(w.ns, w.prepared)
+    def _start(self, w: _Prewarm, found: Match) -> bool:
+        """Asks the tiers for the prompt's pages past ``found``, its hit now; settles it when
+        none may come. Returns whether a fetch is in flight."""
         if w.rounds < MAX_ROUNDS and len(found.pages) < w.start + w.take:
             w.rounds += 1
             r = w.prepared.request
             w.miss = Miss(w.ns, w.prepared.chain, r.extra_keys, w.prepared.tokens, found.pages, found.keys)
             if self.tiers.missed(w.miss):
                 self._flying.append(w)
-                return
+                return True
         self._settle(w, found)
+        return False
 
     def _settle(self, w: _Prewarm, found: Match) -> None:
         size = w.ns.page_size

@@ -182,12 +182,13 @@ class Room:
                 + (f" ({self.arena.shm_note})" if self.arena.shm_note else "")
             )
 
-    def spare(self, ns: Namespace) -> int:
+    def spare(self, ns: Namespace, held: Iterable[PageId] = ()) -> int:
         """Pages the namespace can get by giving up nothing but its own cached pages: free ones,
         new extents within the budget, cached ones. What a speculative fill (a fetch from a
-        tier, kvd/tiers/fetches.py) may take; it never evicts a sequence or another namespace."""
+        tier, kvd/tiers/fetches.py) may take; it never evicts a sequence or another namespace.
+        ``held``: pages the fill will hold (a prompt's hit): cached, they are not to be given up."""
         self.supply.adopt_built()
-        return self._own(ns)
+        return self._own(ns) - sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
 
     def _own(self, ns: Namespace) -> int:
         """The namespace's own pages for the asking, as of the last adopted build: free ones,

@@ -544,18 +544,20 @@ class PrewarmRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., ticket: _Optional[str] = ..., namespace_id: _Optional[int] = ..., identity: _Optional[_Union[NamespaceIdentity, _Mapping]] = ..., prompts: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class PrewarmResult(_message.Message):
-    __slots__ = ("seq_id", "requested_tokens", "resident_tokens", "pending_tokens", "over_budget_tokens")
+    __slots__ = ("seq_id", "requested_tokens", "resident_tokens", "pending_tokens", "over_budget_tokens", "not_found_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OVER_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     requested_tokens: int
     resident_tokens: int
     pending_tokens: int
     over_budget_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., requested_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., pending_tokens: _Optional[int] = ..., over_budget_tokens: _Optional[int] = ...) -> None: ...
+    not_found_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., requested_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., pending_tokens: _Optional[int] = ..., over_budget_tokens: _Optional[int] = ..., not_found_tokens: _Optional[int] = ...) -> None: ...
 
 class PrewarmReply(_message.Message):
     __slots__ = ("results", "partial")

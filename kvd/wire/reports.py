@@ -120,6 +120,7 @@ class PrewarmPrompt(TypedDict):
     resident_tokens: int
     pending_tokens: int  # queued for a promotion, or being promoted
     over_budget_tokens: int  # beyond the tenant's budget: not promoted
+    not_found_tokens: int  # on no tier, known at once (the disk answers from its index)
 
 
 class PrewarmReport(TypedDict):
