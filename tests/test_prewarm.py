@@ -16,6 +16,7 @@ import time
 import pytest
 from conftest import wait_until
 from test_disk_tier import LAYOUT, MODEL, PAGES, daemon_args, evict, evicted_to_disk, lookup, prompt
+from test_service import free_port, metric_samples
 
 from engine_client import BlockStored, KVDClient, KVDError, SequenceRequest
 from kvd.wire import kvd_pb2 as pb
@@ -45,7 +46,8 @@ def settled(client: KVDClient) -> dict:
 
 def test_a_router_prewarm_promotes_a_prompt_from_disk_before_its_request(tmp_path, daemon_factory):
     (tmp_path / "disk").mkdir()
-    d = daemon_factory(*daemon_args(tmp_path / "disk"))
+    port = free_port()
+    d = daemon_factory(*daemon_args(tmp_path / "disk"), "--metrics-port", str(port))
     with KVDClient.connect(d.socket) as c:
         ns = c.register_namespace(MODEL, LAYOUT)
         evicted_to_disk(c, ns)
@@ -62,6 +64,10 @@ def test_a_router_prewarm_promotes_a_prompt_from_disk_before_its_request(tmp_pat
         assert s["promoted_tokens"] == p["pending_tokens"] and s["not_found_tokens"] == 0
         assert s["prompts"] == 1 and s["requested_tokens"] == FULL and s["resident_tokens"] == p["resident_tokens"]
         assert c.stats()["disk"]["fetched_pages"] - fetched == p["pending_tokens"] // LAYOUT.page_size
+        samples = metric_samples(port)
+        assert samples[("kvd_prewarm_promoted_tokens_total", ())] == p["pending_tokens"]
+        assert samples[("kvd_prewarm_requested_tokens_total", ())] == FULL
+        assert samples[("kvd_prewarm_pending_tokens", ())] == 0
         first = lookup(c, ns, 1)  # the request's first ask hits all of it: nothing left to fetch
         assert first.hit_tokens == FULL and first.remote_pending_tokens == 0
 

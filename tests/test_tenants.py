@@ -29,13 +29,16 @@ from kvd.config import ConfigError
 from kvd.core.errors import NotFound, PermissionDenied
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire import kvd_pb2_grpc
-from kvd.wire.admin import fetch_stats, reset_prefix_cache
+from kvd.wire.admin import fetch_stats, prewarm, reset_prefix_cache
 from kvd.wire.auth import admit, fetch_ticket
 from kvd.wire.paths import auth_socket, tenant_socket
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")  # 512-byte pages
 PREFIX = list(range(1000, 1016))  # 4 full pages
+TINY = pb.NamespaceIdentity(  # the identity register_namespace("tiny", LAYOUT) registers
+    model="tiny", layout=pb.PageLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16")
+)
 OTHER_UID = 4_000_000 + os.getuid() % 1000  # a uid no process of this test runs as
 
 
@@ -260,6 +263,8 @@ def test_same_uid_routes_to_its_tenant(daemon_factory, tmp_path):
         kvd.publish(ns, ["a"])
         [hit] = kvd.lookup(ns, [SequenceRequest("q", PREFIX)])
         assert hit.hit_tokens == 16
+        [warm] = prewarm(d.socket, [PREFIX], identity=TINY)["prompts"]  # no session: the caller's uid picks "mine"
+        assert warm["resident_tokens"] == 16 and kvd.stats()["prewarm"]["prompts"] == 1
         kvd.page_array(ns, a.private_pages[0])
         names = [e.name for e in kvd.mapped_extents(ns)]
         shm = config_mod.ServeConfig(socket=d.socket).shm_prefix
@@ -401,6 +406,9 @@ def test_uid_of_no_tenant_is_refused(daemon_factory, tmp_path):
     assert e.value.code == ErrorCode.PERMISSION_DENIED
     assert f"uid {os.getuid()}" in e.value.message and "belongs to no tenant" in e.value.message
     assert fetch_stats(d.socket)["namespaces"] == []  # still an admin
+    with pytest.raises(KVDError) as e:  # but an admin's prewarm names no tenant's cache
+        prewarm(d.socket, [PREFIX], identity=TINY)
+    assert e.value.code == ErrorCode.PERMISSION_DENIED and "names no tenant" in e.value.message
 
 
 # ---- two real OS users ---------------------------------------------------------------
