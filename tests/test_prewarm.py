@@ -15,10 +15,11 @@ import time
 
 import pytest
 from conftest import wait_until
+from google.protobuf import json_format
 from test_disk_tier import LAYOUT, MODEL, PAGES, daemon_args, evict, evicted_to_disk, lookup, prompt
 from test_service import free_port, metric_samples
 
-from engine_client import BlockStored, KVDClient, KVDError, SequenceRequest
+from engine_client import BlockStored, KVDClient, KVDError, SequenceRequest, messages
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire.admin import prewarm
 
@@ -26,16 +27,27 @@ FULL = PAGES * LAYOUT.page_size
 
 
 def identity(model: str = MODEL) -> pb.NamespaceIdentity:
-    """The identity ``register_namespace(MODEL, LAYOUT)`` registers."""
-    return pb.NamespaceIdentity(
-        model=model,
-        layout=pb.PageLayout(
-            num_layers=LAYOUT.num_layers,
-            num_kv_heads=LAYOUT.num_kv_heads,
-            head_dim=LAYOUT.head_dim,
-            page_size=LAYOUT.page_size,
-            dtype=LAYOUT.dtype,
-        ),
+    """The identity ``register_namespace(model, LAYOUT)`` registers."""
+    return messages.identity(model, LAYOUT, "", 0, 1, "gqa", 0, {})
+
+
+@pytest.fixture
+def on_disk(tmp_path, daemon_factory):
+    """A daemon with a disk tier, a client, its namespace, and prompt 1 on disk only."""
+    (tmp_path / "disk").mkdir()
+    d = daemon_factory(*daemon_args(tmp_path / "disk"))
+    with KVDClient.connect(d.socket) as c:
+        ns = c.register_namespace(MODEL, LAYOUT)
+        evicted_to_disk(c, ns)
+        yield d, c, ns
+
+
+def kvd_prewarm(socket: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "prewarm", "--socket", socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
@@ -85,27 +97,22 @@ def test_a_router_prewarm_promotes_a_prompt_from_disk_before_its_request(tmp_pat
         assert c.stats()["prewarm"]["not_found_tokens"] == FULL
 
 
-def test_a_prewarm_beyond_the_budget_is_partial_and_says_so(tmp_path, daemon_factory):
-    (tmp_path / "disk").mkdir()
-    d = daemon_factory(*daemon_args(tmp_path / "disk"))
-    with KVDClient.connect(d.socket) as c:
-        ns = c.register_namespace(MODEL, LAYOUT)
-        evicted_to_disk(c, ns)
-        held = 20  # pages a live sequence holds: 4 of the 24 are left to spare
-        c.allocate_with_prefix(ns, [SequenceRequest("held", prompt(99, held))])
-        [p] = c.prewarm(ns, [SequenceRequest("p", prompt(1))])
-        assert p.resident_tokens == 0 and p.pending_tokens == 4 * LAYOUT.page_size
-        assert p.over_budget_tokens == FULL - p.pending_tokens
-        s = settled(c)
-        assert s["promoted_tokens"] == 4 * LAYOUT.page_size and s["over_budget_tokens"] == p.over_budget_tokens
-        report = prewarm(d.socket, [prompt(1).tolist()], namespace=ns)  # its hit is not given up for the rest
-        [again] = report["prompts"]
-        assert report["partial"] and again["resident_tokens"] == 4 * LAYOUT.page_size
-        assert again["pending_tokens"] == again["not_found_tokens"] == 0 and again["over_budget_tokens"] == FULL / 2
-        assert (
-            c.describe_sequences(ns, ["held"])[0].num_tokens == held * LAYOUT.page_size
-        )  # never evicted for a prewarm
-        assert c.check_invariants() == []
+def test_a_prewarm_beyond_the_budget_is_partial_and_says_so(on_disk):
+    d, c, ns = on_disk
+    held = 20  # pages a live sequence holds: 4 of the 24 are left to spare
+    c.allocate_with_prefix(ns, [SequenceRequest("held", prompt(99, held))])
+    [p] = c.prewarm(ns, [SequenceRequest("p", prompt(1))])
+    assert p.resident_tokens == 0 and p.pending_tokens == 4 * LAYOUT.page_size
+    assert p.over_budget_tokens == FULL - p.pending_tokens
+    s = settled(c)
+    assert s["promoted_tokens"] == 4 * LAYOUT.page_size and s["over_budget_tokens"] == p.over_budget_tokens
+    report = prewarm(d.socket, [prompt(1).tolist()], namespace=ns)  # its hit is not given up for the rest
+    [again] = report["prompts"]
+    assert report["partial"] and again["resident_tokens"] == 4 * LAYOUT.page_size
+    assert again["pending_tokens"] == again["not_found_tokens"] == 0 and again["over_budget_tokens"] == FULL / 2
+    [still] = c.describe_sequences(ns, ["held"])  # never evicted for a prewarm
+    assert still.num_tokens == held * LAYOUT.page_size
+    assert c.check_invariants() == []
 
 
 @pytest.mark.parametrize(
@@ -163,51 +170,31 @@ def test_a_flood_of_prewarms_leaves_engines_allocations_within_a_bound(tmp_path,
         assert c.check_invariants() == []
 
 
-def test_a_pin_of_a_prompt_on_disk_promotes_it_and_then_holds_it(tmp_path, daemon_factory):
-    (tmp_path / "disk").mkdir()
-    d = daemon_factory(*daemon_args(tmp_path / "disk"))
-    with KVDClient.connect(d.socket) as c:
-        ns = c.register_namespace(MODEL, LAYOUT)
-        evicted_to_disk(c, ns)
-        pin = c.pin(ns, prompt(1))
-        assert pin.pending_tokens > 0 and pin.pinned_tokens + pin.pending_tokens == FULL
-        wait_until(lambda: c.stats()["pinned_pages"] == PAGES, "the pin extended to the promoted pages", 10)
-        evict(c, ns, range(20, 26))  # a flood that evicts every cached page
-        assert lookup(c, ns, 1).hit_tokens == FULL
-        c.unpin(pin.pin_id)
-        assert c.check_invariants() == []
+def test_a_pin_of_a_prompt_on_disk_promotes_it_and_then_holds_it(on_disk):
+    _, c, ns = on_disk
+    pin = c.pin(ns, prompt(1))
+    assert pin.pending_tokens > 0 and pin.pinned_tokens + pin.pending_tokens == FULL
+    wait_until(lambda: c.stats()["pinned_pages"] == PAGES, "the pin extended to the promoted pages", 10)
+    evict(c, ns, range(20, 26))  # a flood that evicts every cached page
+    assert lookup(c, ns, 1).hit_tokens == FULL
+    c.unpin(pin.pin_id)
+    assert c.check_invariants() == []
 
 
-def test_kvd_prewarm_cli(tmp_path, daemon_factory):
-    (tmp_path / "disk").mkdir()
-    d = daemon_factory(*daemon_args(tmp_path / "disk"))
-    with KVDClient.connect(d.socket) as c:
-        ns = c.register_namespace(MODEL, LAYOUT)
-        evicted_to_disk(c, ns)
-        prompts = tmp_path / "prompts.json"
-        prompts.write_text(json.dumps([prompt(1).tolist(), [1, 2, 3]]))
-        ident = tmp_path / "identity.json"
-        from google.protobuf import json_format
-
-        ident.write_text(json_format.MessageToJson(identity()))
-        run = subprocess.run(
-            [sys.executable, "-m", "kvd.cli", "prewarm", "--socket", d.socket, "--identity", str(ident),
-             "--prompts", str(prompts), "--json"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        first, short = json.loads(run.stdout)["prompts"]
-        assert first["pending_tokens"] > 0 and short["requested_tokens"] == 0
-        settled(c)
-        text = subprocess.run(
-            [sys.executable, "-m", "kvd.cli", "prewarm", "--socket", d.socket, "--namespace", str(ns),
-             "--prompts", str(prompts)],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        assert text.returncode == 0 and f"{FULL} tokens in full pages, {FULL} resident" in text.stdout, text.stdout
-        bad = subprocess.run(
-            [sys.executable, "-m", "kvd.cli", "prewarm", "--socket", d.socket, "--namespace", str(ns + 5),
-             "--prompts", str(prompts)],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        assert bad.returncode == 1 and "namespace" in bad.stderr
+def test_kvd_prewarm_cli(tmp_path, on_disk):
+    d, c, ns = on_disk
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([prompt(1).tolist(), [1, 2, 3]]))
+    ident = tmp_path / "identity.json"
+    ident.write_text(json_format.MessageToJson(identity()))
+    run = kvd_prewarm(d.socket, "--identity", str(ident), "--prompts", str(prompts), "--json")
+    assert run.returncode == 0, run.stderr
+    first, short = json.loads(run.stdout)["prompts"]
+    assert first["pending_tokens"] > 0 and short["requested_tokens"] == 0
+    settled(c)
+    text = kvd_prewarm(d.socket, "--namespace", str(ns), "--prompts", str(prompts))
+    assert text.returncode == 0 and f"{FULL} tokens in full pages, {FULL} resident" in text.stdout, text.stdout
+    bad = kvd_prewarm(d.socket, "--namespace", str(ns + 5), "--prompts", str(prompts))
+    assert bad.returncode == 1 and "namespace" in bad.stderr
+    usage = kvd_prewarm(d.socket, "--namespace", str(ns), "--prompts", str(ident))
+    assert usage.returncode == 2 and "a list of token ids" in usage.stderr
