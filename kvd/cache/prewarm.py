@@ -3,21 +3,24 @@ below host memory (the disk, kvd/disk/tier.py; the remote store, kvd/remote/tier
 their requests arrive, and the pins that cover pages still on their way
 (``KVCacheManager.prewarm`` and ``pin``, kvd/cache/manager.py).
 
-A prewarm matches each prompt locally (what is resident now) and promotes the full pages past
-the hit, as many as the namespace spares (``Room.spare``: free pages, budget not made into
-extents, its own cached pages but the prompt's hit) less what prewarms of the namespace already have queued or in
-flight; the rest is over the budget, said at once, never fetched. A prompt starts in the call
-when nothing is queued and the caps below allow, else it is queued; ``step``, which the daemon
-runs on its loop while ``busy`` (kvd/server/prewarming.py), starts queued prompts. Each goes
-through the tiers' one fetch machinery (``Tiers.missed``, kvd/tiers/fetches.py:
-the same checks, publication and KV events as any promotion, pages granted by
-``Room.grant_spare``, which never evicts a page a sequence or pin holds), and watches the
-fetches end (``Tiers.fetching``). So prewarms stay below engines' calls:
-- the pages prewarms hold while their fetches run stay within ``MAX_PAGES_IN_FLIGHT`` and
-  within half of what the namespace spares, so an engine's allocation meanwhile finds room
-  (a longer prompt goes alone),
-  and a step starts at most ``PROMPTS_PER_STEP`` prompts, so a flood of prewarms costs each
-  turn of the loop a bounded amount of work and each tier's reader a bounded backlog;
+A prewarm matches each prompt locally (what is resident now) and promotes the full pages
+past the hit, as many as the namespace spares (``Room.spare``: free pages, budget not made
+into extents, its own cached pages but the prompt's hit) less what prewarms of the namespace
+already have queued or in flight; the rest is over the budget, said at once, never fetched.
+The first ``PROMPTS_PER_STEP`` prompts of a call start in the call when nothing is queued and
+the caps below allow (the disk answers from its index: a prompt it does not hold is not found
+at once); the others are queued, and ``step``, which the daemon runs on its loop while
+``busy`` (kvd/server/prewarming.py), starts them. Each goes through the tiers' one fetch
+machinery (``Tiers.missed``, kvd/tiers/fetches.py: the same checks, publication and KV events
+as any promotion, pages granted by ``Room.grant_spare``, which never evicts a page a sequence
+or pin holds), and ``step`` watches the fetches end (``Tiers.fetching``). Prewarms stay below
+engines' calls:
+- the pages prewarms hold while their fetches run (the hit held, the pages landing) stay
+  within ``MAX_PAGES_IN_FLIGHT`` and within half of what the namespace spares, so an
+  engine's allocation meanwhile finds room (a prompt alone always starts);
+- a step starts or settles at most ``PROMPTS_PER_STEP`` prompts, so a flood of prewarms
+  costs each turn of the loop a bounded amount of work and each tier's reader a bounded
+  backlog;
 - an engine's own lookup of a prompt starts its fetch at once, never behind a prewarm.
 
 When a prompt's fetch ends, the prompt is matched again: pages landed extend the hit, and
