@@ -157,7 +157,7 @@ def report(args, rounds: list[dict], disk: dict) -> None:
     )
     for k in KINDS:
         print(
-            f"  {k:5} TTFT {med(times[k]) * 1000:9,.1f} ms   rounds: {', '.join(f'{t * 1000:,.0f}' for t in times[k])}"
+            f"  {k:9} TTFT {med(times[k]) * 1000:9,.1f} ms   rounds: {', '.join(f'{t * 1000:,.0f}' for t in times[k])}"
         )
     for a, b in (("disk", "ram"), ("prewarmed", "disk"), ("prewarmed", "ram"), ("disk", "cold")):
         per_round = [r[a][0] / r[b][0] for r in rounds]
