@@ -28,6 +28,7 @@ from kvd.core.namespaces import NamespaceIdentity as Identity
 from kvd.core.namespaces import NamespaceRegistry, make_layout
 from kvd.remote.format import PageHeader, header_bytes, store_key, write_header
 from kvd.tiers.fetches import RECHECK_SECONDS as RECHECK
+from kvd.wire.admin import prewarm
 from kvd.wire.codec import TOKEN_BYTES
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
@@ -185,6 +186,26 @@ def test_a_prompt_published_on_host_a_is_a_hit_on_host_b_with_equal_bytes(hosts)
     stored(a, stored_before + 8)
     assert fetch(b, ns_b, longer, len(longer)) == len(longer)
     assert b.stats()["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES + 8
+
+
+def test_a_prewarm_on_host_b_fetches_a_prompt_from_the_store_before_its_request(hosts):
+    (_, a), (db, b) = hosts
+    ns_a, ns_b = a.register_namespace(MODEL, LAYOUT), b.register_namespace(MODEL, LAYOUT)
+    tokens = prompt(90)
+    since = a.stats()["remote"]["stored_pages"]
+    publish_prompt(a, ns_a, "w", tokens)
+    a.release(ns_a, ["w"])
+    stored(a, since + PAGES)
+    before = b.stats()
+    [warm] = prewarm(db.socket, [tokens.tolist()], namespace=ns_b)["prompts"]  # a router's call: no session
+    assert warm["resident_tokens"] == 0 and warm["pending_tokens"] == len(tokens), warm
+    wait_until(lambda: b.stats()["prewarm"]["pending_tokens"] == 0, "the prewarm settled", 30)
+    after = b.stats()
+    assert after["prewarm"]["promoted_tokens"] - before["prewarm"]["promoted_tokens"] == len(tokens)
+    assert after["remote"]["fetched_pages"] - before["remote"]["fetched_pages"] == PAGES
+    [first] = b.lookup(ns_b, [SequenceRequest("ask", tokens)])  # the request's first ask: all local
+    assert first.hit_tokens == len(tokens) and first.remote_pending_tokens == 0
+    assert b.check_invariants() == []
 
 
 def test_with_policy_evict_pages_reach_the_store_only_when_evicted(fleet, daemon_factory):
