@@ -651,3 +651,37 @@ def test_invariant_checker_finds_corruption(make_manager):
     assert invariants.violations(c.m) == [f"namespace {c.ns}: counts 2 cached pages, its LRU lists 1"]
     pool._by_namespace[c.ns].cached._live -= 1
     check(c.m)
+
+
+# ---- prewarm (no tier: what the call says at once; tests/test_prewarm.py has the tiers) ----
+
+
+def test_a_prewarm_needs_no_session_and_says_what_is_resident_missing_or_beyond_the_budget(make_manager):
+    c = Core(make_manager, pages=8)
+    c.alloc1("a", prompt(0, 3 * PAGE_SIZE))
+    c.publish("a")
+    c.release("a")  # 3 cached pages
+    c.alloc1("held", prompt(1, 3 * PAGE_SIZE))  # 3 pages a sequence holds: 5 to spare, the 3 cached included
+    ns = c.m.namespace_named(None, identity())
+    [warm] = c.m.prewarm(ns, [req("w", prompt(0, 8 * PAGE_SIZE + 1))])  # 3 resident, 5 missing, a partial tail
+    assert (warm.requested_tokens, warm.resident_tokens) == (8 * PAGE_SIZE, 3 * PAGE_SIZE)
+    # no tier below: what fits the budget (2 pages: the hit's 3 cached ones are not spare) is on no tier at once
+    assert (warm.pending_tokens, warm.not_found_tokens, warm.over_budget_tokens) == (0, 2 * PAGE_SIZE, 3 * PAGE_SIZE)
+    assert warm.partial and not c.m.prewarms.busy
+    counted = c.m.prewarms.counters
+    assert (counted.prompts, counted.not_found_tokens, counted.pending_tokens) == (1, 2 * PAGE_SIZE, 0)
+    assert c.seq("held").pages and c.m.pool.cached_count(c.ns) == 3  # nothing evicted
+    check(c.m)
+
+
+def test_a_prewarm_of_an_unknown_identity_bad_tokens_or_without_prefix_reuse_is_refused(make_manager):
+    c = Core(make_manager)
+    with pytest.raises(NotFound, match="no engine registered model 'other'"):
+        c.m.namespace_named(None, identity(model="other"))
+    ns = c.m.namespace_named(c.ns, None)
+    with pytest.raises(InvalidArgument):
+        c.m.prewarm(ns, [req("bad", [1, -2, 3])])
+    assert c.m.prewarms.counters.prompts == 0
+    off = Core(make_manager, prefix_reuse=False)
+    with pytest.raises(FailedPrecondition, match="prefix reuse is off"):
+        off.m.prewarm(off.m.namespace_named(off.ns, None), [req("w", prompt(0, 2 * PAGE_SIZE))])
