@@ -30,7 +30,7 @@ from kvd.cache.events import EventLog, Subscription
 from kvd.cache.page_events import PageEvents
 from kvd.cache.pins import PinTable
 from kvd.cache.ports import TierPorts
-from kvd.cache.prewarm import PrewarmResult, Prewarms
+from kvd.cache.prewarm import PROMPTS_PER_STEP, PrewarmResult, Prewarms
 from kvd.cache.publishing import PublishJob
 from kvd.cache.requests import (
     STEP_SECONDS,
@@ -263,13 +263,20 @@ class KVCacheManager:
         return ns
 
     def prewarm(self, ns: Namespace, requests: list[SequenceRequest]) -> list[PrewarmResult]:
-        """Queues the promotion of the prompts' full pages past their local hits from the tiers
-        below, within the namespace's budget (kvd/cache/prewarm.py); needs no session. The
-        requests are checked like a lookup's, all before anything is queued."""
+        """``prewarm_parts`` of the requests, checked here, at once (in-process callers)."""
+        batch = self.batch(ns.id, requests, unique=False)
+        return [x for part in self.prewarm_parts(batch) for x in part]
+
+    def prewarm_parts(self, batch: Batch) -> Iterator[list[PrewarmResult]]:
+        """The promotion of the prompts' full pages past their local hits from the tiers below,
+        within the namespace's budget (kvd/cache/prewarm.py); needs no session. The batch is
+        checked like a lookup's before any prompt is queued; then ``PROMPTS_PER_STEP`` prompts
+        a part, between which the caller may let other calls run."""
         if not self.prefix_reuse:
             raise FailedPrecondition("prefix reuse is off in this daemon: nothing is matched, nothing is prewarmed")
-        batch = self.batch(ns.id, requests, unique=False)
-        return self.prewarms.request(ns, batch.requests)
+        prompts = batch.requests
+        for first in range(0, len(prompts), PROMPTS_PER_STEP):
+            yield self.prewarms.request(batch.namespace, prompts[first : first + PROMPTS_PER_STEP])
 
     def publish(self, session_id: str, namespace_id: int, items: list[tuple[str, int]]) -> list[PublishResult]:
         """``publish_job`` done at once (in-process callers)."""

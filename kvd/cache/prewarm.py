@@ -7,8 +7,8 @@ A prewarm matches each prompt locally (what is resident now) and promotes the fu
 past the hit, as many as the namespace spares (``Room.spare``: free pages, budget not made
 into extents, its own cached pages but the prompt's hit) less what prewarms of the namespace
 already have queued or in flight; the rest is over the budget, said at once, never fetched.
-The first ``PROMPTS_PER_STEP`` prompts of a call start in the call when nothing is queued and
-the caps below allow (the disk answers from its index: a prompt it does not hold is not found
+The prompts of a call come ``PROMPTS_PER_STEP`` at a time, and start in the call when nothing
+is queued and the caps below allow (the disk answers from its index: a prompt it does not hold is not found
 at once); the others are queued, and ``step``, which the daemon runs on its loop while
 ``busy`` (kvd/server/prewarming.py), starts them. Each goes through the tiers' one fetch
 machinery (``Tiers.missed``, kvd/tiers/fetches.py: the same checks, publication and KV events
@@ -114,13 +114,9 @@ class Prewarms:
     def request(self, ns: Namespace, prompts: list[PreparedRequest], pin: PinId | None = None) -> list[PrewarmResult]:
         """The promotion of each prompt's full pages past its local hit, within the budget: the
         first ``PROMPTS_PER_STEP`` started at once when the caps allow (a tier that knows at
-        once it holds none of them, the disk, makes them not found at once), the rest queued."""
-        starts = PROMPTS_PER_STEP
-        results = []
-        for p in prompts:
-            results.append(self._request(ns, p, pin, starts > 0))
-            starts -= 1
-        return results
+        once it holds none of them, the disk, makes them not found at once), the rest queued
+        (``KVCacheManager.prewarm_parts`` asks for that many at a time)."""
+        return [self._request(ns, p, pin, n < PROMPTS_PER_STEP) for n, p in enumerate(prompts)]
 
     def _request(self, ns: Namespace, p: PreparedRequest, pin: PinId | None, may_start: bool) -> PrewarmResult:
         size = ns.page_size

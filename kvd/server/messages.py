@@ -227,9 +227,10 @@ def disk_stats_message(s: Stats) -> pb.DiskStats:
     return pb.DiskStats(**disk.as_dict())
 
 
-def prewarm_reply(labels: list[str], results: list[PrewarmResult]) -> pb.PrewarmReply:
+def prewarm_reply(batch: Batch, results: list[PrewarmResult]) -> pb.PrewarmReply:
+    """Each prompt's result under its label (its ``seq_id``)."""
     return pb.PrewarmReply(
-        results=[pb.PrewarmResult(seq_id=label, **asdict(x)) for label, x in zip(labels, results)],
+        results=[pb.PrewarmResult(seq_id=p.request.seq_id, **asdict(x)) for p, x in zip(batch.requests, results)],
         partial=any(x.partial for x in results),
     )
 

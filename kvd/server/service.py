@@ -404,17 +404,32 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
             pin_id=pin.pin_id, pinned_pages=len(pin.pages), pinned_tokens=pin.tokens, pending_tokens=pin.pending_tokens
         )
 
+    def _cache_of(self, r) -> KVCacheManager:
+        """The cache a call that needs no session covers (a Prewarm): its session's tenant's,
+        else its ticket's (the caller's uid), or the one cache of a daemon without tenants."""
+        if not r.session:
+            return self.tenants.manager_by_ticket(r.ticket)
+        m = self._manager_of(r.session)
+        m.session(r.session)
+        return m
+
     @_unary
-    def Prewarm(self, r):
-        if r.session:
-            m = self._manager_of(r.session)
-            m.session(r.session)
-        else:
-            m = self.tenants.manager_by_ticket(r.ticket)
+    async def Prewarm(self, r):
+        # Its prompts are matched a part at a time, other calls running between parts, as a Lookup's.
+        m = self._cache_of(r)
         ns = m.namespace_named(r.namespace_id, messages.identity_from(r.identity) if r.HasField("identity") else None)
-        results = m.prewarm(ns, [messages.request_from(p, None) for p in r.prompts])
-        self.prewarms.kick()
-        return messages.prewarm_reply([p.seq_id for p in r.prompts], results)
+        large = large_call(r.prompts)
+        batch = await self._off_loop_if(
+            large, functools.partial(messages.batch_from, m.limits, ns, r.prompts, None, False)
+        )
+        results = []
+        for part in m.prewarm_parts(batch):
+            results += part
+            self.prewarms.kick()
+            await _let_others_run()
+        return await self._off_loop_if(
+            large, functools.partial(_reply, functools.partial(messages.prewarm_reply, batch), results, batch)
+        )
 
     @_unary
     def Unpin(self, r):
