@@ -12,7 +12,7 @@ from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, fields
 
 from kvd.core.types import PageState
-from kvd.durability.recovery import RecoveryReport
+from kvd.durability.report import RecoveryReport
 
 
 @dataclass

@@ -55,7 +55,7 @@ import numpy as np
 
 from kvd.cache.fetches import Arrival, Done, Fetches, Found, PageHeader
 from kvd.cache.holds import Holds
-from kvd.cache.places import page_seal, recovered_places
+from kvd.cache.places import page_seal
 from kvd.cache.stats import DiskStats
 from kvd.config import DiskConfig
 from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
@@ -84,7 +84,8 @@ class DiskTier:
     def __init__(
         self, opened: Opened, scope: str, settings: DiskConfig, manager: KVCacheManager, loop: asyncio.AbstractEventLoop
     ) -> None:
-        """Built before the daemon takes any call, after a warm restart's pages are restored;
+        """Built before the daemon takes any call and before a warm restart's pages are
+        restored (``restored``);
         ``opened`` is the tenant's store as ``DiskStore.open`` found it."""
         m = manager
         self.store = opened.store
@@ -97,10 +98,14 @@ class DiskTier:
         self.index = DiskIndex(opened, scope, settings, m.events, m.namespaces, self.counters, of_tenant)
         self.write_back = WriteBack(self.store, self.index, self.answers, self.counters, settings, loop)
         self._holds = Holds(m.pool)
-        self._placed: dict[PageId, ChainPlace] = recovered_places(m.pool, m.index, m.namespaces)
+        self._placed: dict[PageId, ChainPlace] = {}
         self.fetches = Fetches(self, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
 
     # ---- Tier -------------------------------------------------------------------------
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        if place.parent_key is not None:  # else its chain root is not known: it cannot be written
+            self._placed[content.page] = place
 
     def published(self, content: PageContent, place: ChainPlace) -> None:
         self._placed[content.page] = place

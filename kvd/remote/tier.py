@@ -44,15 +44,15 @@ if TYPE_CHECKING:
 class RemoteTier:
     def __init__(self, link: RemoteLink, scope: str, settings: RemoteConfig, manager: KVCacheManager) -> None:
         """The tier of one tenant's cache (``manager``); ``scope`` keeps this tenant's pages
-        apart from other tenants' in the store. Built before the daemon takes any call, after
-        a warm restart's pages are restored (``WriteBehind`` reads their places)."""
+        apart from other tenants' in the store. Built before the daemon takes any call, and
+        before a warm restart's pages are restored (``restored`` places them)."""
         m = manager
         self.link = link
         self.counters = RemoteCounters()
         self._holds = Holds(m.pool)
         jobs = TierJobs(link, scope, m.arena)
         self.write_behind = WriteBehind(
-            jobs, self._holds, self.counters, settings, m.arena, m.pool, m.index, m.integrity, m.events, m.namespaces
+            jobs, self._holds, self.counters, settings, m.arena, m.pool, m.integrity, m.events, m.namespaces
         )
         self.fetches = Fetches(
             RemoteSource(jobs), self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events
@@ -61,6 +61,9 @@ class RemoteTier:
 
     def published(self, content: PageContent, place: ChainPlace) -> None:
         self.write_behind.published(content, place, fetched=self.fetches.brought(content.page))
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        self.write_behind.restored(content, place)
 
     def submit(self) -> None:
         self.write_behind.submit()

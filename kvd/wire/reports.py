@@ -56,7 +56,8 @@ class RecoveryStats(TypedDict):
     incomplete_pages: int
     incomplete_extents: int
     discarded: str  # why every segment was discarded; "" when none was
-    seconds: float
+    seconds: float  # until every page found was verified (so far, while pages are pending)
+    pending_pages: int  # found, not verified and indexed yet: the recovery runs while the daemon serves
     dropped_pages: dict[str, int]  # by reason: corrupted, orphaned, mismatch, incomplete_extent
 
 
