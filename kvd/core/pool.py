@@ -103,20 +103,15 @@ class PagePool:
             by_namespace.setdefault(place.ns.id, []).append((place.page_index, content))
         c = self._columns
         for namespace, indexed in by_namespace.items():
-            pages = self._ns(namespace)
             contents = restore_order(indexed)
-            slots = []
-            for content in contents:
-                slot = c.slot(content.page)
-                assert c.state_at[slot] == PRIVATE and c.refcount_at[slot] == 1 and c.namespace_at[slot] == namespace, (
-                    f"page {content.page} restored while {self.state(content.page).value}"
-                )
-                self._content[content.page] = content
-                c.indexed_at[slot] = True
-                c.state_at[slot] = CACHED
-                c.refcount_at[slot] = 0
-                slots.append(slot)
-            pages.cached.push(np.array(slots, np.int64))
+            slots = c.slots([content.page for content in contents])
+            held = (c.state[slots] == PRIVATE) & (c.refcount[slots] == 1) & (c.namespace[slots] == namespace)
+            assert held.all(), f"page {c.page[slots[~held][0]]} restored while {STATES[c.state[slots[~held][0]]]}"
+            self._content.update((content.page, content) for content in contents)
+            c.indexed[slots] = True
+            c.state[slots] = CACHED
+            c.refcount[slots] = 0
+            self._ns(namespace).cached.push(slots)
         for place, content in recovered:
             self.listener.restored(content, place)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvd import crashpoints
+from kvd import collector, crashpoints
 from kvd.core.arena import Extent
 from kvd.core.counters import Counters
 from kvd.core.index import PageContent, chain_spec
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 STEP_PAGES = 256  # pages verified and indexed by one step: a few ms of the event loop
 FOREGROUND_SECONDS = 0.25  # steps run before the daemon answers, at most
 HOLD_POLL_SECONDS = 0.005
+FREEZE_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,13 @@ class Reindexing:
         self.pool = pool
         self.integrity = integrity
         self.counters = counters
-        self.namespaces = namespaces
         self._found = found
         self._started = time.perf_counter() - found.seconds
         self._at = 0  # rows before it are done
         self._row_of = np.full(int(pending.page.max()) + 1 if len(pending) else 0, -1, np.int64)
         self._row_of[pending.page] = np.arange(len(pending))
         self._accepted = np.full(len(pending), None, dtype=object)  # row -> its restored PageContent
+        self._namespaces = {ns.id: ns for ns in namespaces.all()}
         self._plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
         self._counts = Counter()  # recovered, resealed, corrupted, orphaned, verified_bytes
         self._seconds: float | None = None  # once done
@@ -140,12 +141,18 @@ class Reindexing:
             self.step()
 
     async def run(self) -> None:
-        """Steps until done, letting the event loop answer calls between steps."""
+        """Steps until done, letting the event loop answer calls between steps. The pages'
+        contents live as long as they stay cached: every ``FREEZE_STEPS`` they are frozen
+        (kvd/collector.py), else each full collection would walk all restored so far."""
+        steps = 0
         while not self.done:
             if crashpoints.holding("recovery-step"):
                 await asyncio.sleep(HOLD_POLL_SECONDS)
                 continue
             self.step()
+            steps += 1
+            if steps % FREEZE_STEPS == 0 or self.done:
+                collector.freeze_grown()
             await asyncio.sleep(0)
 
     def finish(self) -> None:
@@ -161,56 +168,56 @@ class Reindexing:
         checksums: dict[PageId, int] = {}
         dropped: dict[NamespaceId, list[PageId]] = {}
         keys: set[PageKey] = set()  # of this step's pages, not in the index yet
+        indexed = self.pool.index.get
+        corrupted = orphaned = resealed = verified = 0
+        at = slice(start, end)
         rows = zip(
             range(start, end),
-            p.page[start:end].tolist(),
-            p.extent[start:end].tolist(),
-            p.slot[start:end].tolist(),
-            p.page_index[start:end].tolist(),
-            p.parent[start:end].tolist(),
-            p.state[start:end].tolist(),
-            p.sealed_checksum[start:end].tolist(),
-            p.namespace[start:end].tolist(),
+            p.page[at].tolist(),
+            p.extent[at].tolist(),
+            p.slot[at].tolist(),
+            p.page_index[at].tolist(),
+            p.parent[at].tolist(),
+            p.state[at].tolist(),
+            p.sealed_checksum[at].tolist(),
+            p.namespace[at].tolist(),
         )
         for row, page, ext, slot, page_index, parent, state, sealed, ns_id in rows:
             extent = self.extents[ext]
             covered = extent.meta.covered(slot)
             checksum = page_checksum(covered, extent.pages[slot])
-            self._counts["verified_bytes"] += extent.plan.page_bytes
+            verified += extent.plan.page_bytes
             if state == PUBLISHED:  # its publish returned; the seal had not followed yet
                 extent.meta.seal(slot, checksum)
             elif checksum != sealed:
                 extent.meta.clear(slot)
-                self._counts["corrupted"] += 1
+                corrupted += 1
                 self.counters.of(ns_id).corrupted_pages += 1
                 dropped.setdefault(ns_id, []).append(page)
                 log.warning("warm restart: page %d of extent %s failed its checksum; not recovered", page, extent.name)
                 continue
-            content = PageContent(
-                page,
-                PageKey(covered[16:32]),
-                covered[48:],
-                None if parent < 0 else PageId(parent),
-                local if any(local := covered[32:48]) else b"",
-            )
+            key = PageKey(covered[16:32])
+            local = covered[32:48]
+            content = PageContent(page, key, covered[48:], None if parent < 0 else parent, local if any(local) else b"")
             parent_key = self._parent_key(content, parent, page_index, ns_id, start)
-            if parent_key is None or content.key in keys or self.pool.index.get(content.key) is not None:
+            if parent_key is None or key in keys or indexed(key) is not None:
                 extent.meta.clear(slot)
-                self._counts["orphaned"] += 1
+                orphaned += 1
                 dropped.setdefault(ns_id, []).append(page)
                 continue
-            keys.add(content.key)
+            keys.add(key)
             self._accepted[row] = content
-            self._counts["resealed"] += state == PUBLISHED
-            ns = self.namespaces.get(ns_id)
-            restored.append((ChainPlace(ns, page_index, parent_key or None), content))
-            checksums[content.page] = checksum
+            resealed += state == PUBLISHED
+            restored.append((ChainPlace(self._namespaces[ns_id], page_index, parent_key or None), content))
+            checksums[page] = checksum
         self._at = end
         self.pool.restore(restored)
         self.integrity.restore(checksums)
         for pages in dropped.values():  # one namespace a call
             self.pool.release_all(pages)
-        self._counts["recovered"] += len(restored)
+        self._counts.update(
+            recovered=len(restored), resealed=resealed, corrupted=corrupted, orphaned=orphaned, verified_bytes=verified
+        )
         crashpoints.reached("recovery-step")
         if self.done:
             self._seconds = time.perf_counter() - self._started
@@ -228,10 +235,8 @@ class Reindexing:
             plain = self._plain[ns_id]
             return plain.root if content.local == plain.local_digest(0) else b""
         row = self._row_of[parent] if parent < len(self._row_of) else -1
-        if row < 0 or self.pending.page_index[row] != page_index - 1 or self.pending.namespace[row] != ns_id:
-            return None
-        accepted = self._accepted[row]
-        if accepted is None:
+        accepted = self._accepted[row] if row >= 0 else None
+        if accepted is None or self.pending.page_index[row] != page_index - 1 or self.pending.namespace[row] != ns_id:
             return None
         if row < step_start and (self.pool.content(accepted.page) is not accepted or not self.pool.is_indexed(parent)):
             return None  # evicted, dropped or reused since

@@ -455,7 +455,6 @@ async def _reindex(reindexing: list[Reindexing]) -> None:
     """The warm restart's pages left after the first answer, verified and indexed between calls."""
     for each in reindexing:
         await each.run()
-    collector.freeze_grown()  # the pages' contents live as long as they stay cached
 
 
 async def _sweep_pins(tenants: Tenants) -> None:
