@@ -49,7 +49,7 @@ from kvd.durability.report import RecoveryReport
 log = logging.getLogger(__name__)
 
 STEP_PAGES = 256  # pages verified and indexed by one step: a few ms of the event loop
-FOREGROUND_SECONDS = 0.25  # steps run before the daemon answers, at most
+FOREGROUND_SECONDS = 0.1  # steps run before the daemon answers, at most
 HOLD_POLL_SECONDS = 0.005
 FREEZE_STEPS = 16
 
