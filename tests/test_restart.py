@@ -10,7 +10,7 @@ import time
 import agents
 import numpy as np
 import pytest
-from conftest import clean_env, raw_page
+from conftest import clean_env, raw_page, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.types import KVDError
@@ -315,6 +315,8 @@ def test_a_restart_answers_at_once_and_serves_no_page_before_it_is_verified(daem
     assert serving and int(serving.group(1)) < 1000, d2.log()
     with KVDClient.connect(d2.socket) as c:
         assert c.register_namespace("small", SMALL) == ns
+        # It runs between calls up to the held step, and stands there.
+        wait_until(lambda: c.stats()["recovery"]["recovered_pages"] == held_steps * STEP_PAGES, "the held step", 30)
         recovery_now = c.stats()["recovery"]
         assert recovery_now["pending_pages"] == CHAINS * CHAIN_PAGES - held_steps * STEP_PAGES
         assert recovery_now["recovered_pages"] == held_steps * STEP_PAGES

@@ -95,7 +95,7 @@ class Catalog:
             self.arena.adopt_recovered(extent)
             self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages, held)
         self.reindexing = Reindexing(
-            found.pending, found.extents, self.pool, self.integrity, self.counters, self.namespaces, report
+            found.pending, self.arena, found.extents, self.pool, self.integrity, self.counters, self.namespaces, report
         )
         self.write_manifest()
 

@@ -229,17 +229,17 @@ def _attach(arena, found: _Found) -> Recovered:
             _drop_incomplete(found, plan.name, meta, str(e))
             continue
         columns = meta.columns()
-        held = np.flatnonzero(columns["state"] >= PUBLISHED)
-        published = columns[held]
+        states = columns["state"]
+        held = np.flatnonzero(states >= PUBLISHED)
         rows.append(
             {
                 "page": held + h.first_page,
                 "extent": np.full(len(held), len(recovered.extents), np.int64),
                 "slot": held,
-                "page_index": published["page_index"].astype(np.int64),
-                "parent": np.where(published["has_parent"] != 0, published["parent"].astype(np.int64), -1),
-                "sealed_checksum": published["checksum"],
-                "state": published["state"],
+                "page_index": columns["page_index"][held].astype(np.int64),
+                "parent": np.where(columns["has_parent"][held] != 0, columns["parent"][held].astype(np.int64), -1),
+                "sealed_checksum": columns["checksum"][held],
+                "state": states[held],
                 "namespace": np.full(len(held), h.namespace, np.int64),
             }
         )

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvd import collector, crashpoints
-from kvd.core.arena import Extent
+from kvd.core.arena import Arena, Extent
 from kvd.core.counters import Counters
 from kvd.core.index import PageContent, chain_spec
 from kvd.core.listener import ChainPlace
@@ -87,6 +87,7 @@ class Reindexing:
     def __init__(
         self,
         pending: Pending,
+        arena: Arena,
         extents: list[Extent],
         pool: PagePool,
         integrity: Integrity,
@@ -96,7 +97,9 @@ class Reindexing:
     ) -> None:
         """``found``: what the check before it counted (extents, incomplete ones), and when it began."""
         self.pending = pending
+        self.arena = arena
         self.extents = extents
+        self._unlocked = list(extents)  # locked in memory one a step (Arena.lock)
         self.pool = pool
         self.integrity = integrity
         self.counters = counters
@@ -113,7 +116,8 @@ class Reindexing:
 
     @property
     def done(self) -> bool:
-        return self._at == len(self.pending)
+        """Every page verified (and indexed or dropped), every extent locked in memory."""
+        return self._seconds is not None
 
     def report(self) -> RecoveryReport:
         """What the recovery found so far; ``pending_pages`` is what it has not verified yet."""
@@ -162,6 +166,8 @@ class Reindexing:
 
     def step(self) -> None:
         """Verifies and indexes the next ``STEP_PAGES`` pages (module docstring)."""
+        if self._unlocked:
+            self.arena.lock(self._unlocked.pop())
         p, start = self.pending, self._at
         end = min(start + STEP_PAGES, len(p))
         restored: list[tuple[ChainPlace, PageContent]] = []
@@ -219,7 +225,9 @@ class Reindexing:
             recovered=len(restored), resealed=resealed, corrupted=corrupted, orphaned=orphaned, verified_bytes=verified
         )
         crashpoints.reached("recovery-step")
-        if self.done:
+        if self._at == len(p):
+            while self._unlocked:
+                self.arena.lock(self._unlocked.pop())
             self._seconds = time.perf_counter() - self._started
             self._log()
 
