@@ -168,6 +168,7 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
             "orphaned": 2,
             "mismatch": 0,
             "incomplete_extent": 0,
+            "evicted": 0,
         }
         assert c.check_invariants() == []
     assert "failed their checksum" in d2.log() and "1 failed their checksum, 2 dropped" in d2.log()
@@ -344,4 +345,41 @@ def test_a_restart_answers_at_once_and_serves_no_page_before_it_is_verified(daem
         assert five.hit_pages == again.pages[:CHAIN_PAGES]
         [other] = c.lookup(ns, [SequenceRequest("probe", chain_tokens(7))])
         assert other.hit_tokens == CHAIN_PAGES * PAGE
+        assert c.check_invariants() == []
+
+
+def test_an_allocation_short_of_room_takes_the_deepest_pages_the_recovery_holds(daemon_factory, tmp_path):
+    """A full cache restarted, its recovery held before its first step: a new prompt's pages
+    come from the pages the recovery holds unverified, the deepest in their chains, so no
+    page left to recover loses its parent; they are counted evicted."""
+    args = ("--enable-prefix-reuse", "--host-bytes", "16MiB", "--extent-bytes", "4MiB")
+    d = daemon_factory(*args)
+    with KVDClient.connect(d.socket) as client:
+        ns = client.register_namespace("small", SMALL)
+        for chain in range(5):  # more than the budget holds: the cache ends full of cached pages
+            client.allocate_with_prefix(ns, [SequenceRequest(f"c{chain}", chain_tokens(chain))])
+            client.publish(ns, [f"c{chain}"])
+            client.release(ns, [f"c{chain}"])
+        client.verify_pages()
+        before = client.stats()
+    d.stop(signal.SIGKILL)
+    hold = tmp_path / "hold"
+    hold.touch()
+    d2 = daemon_factory(*args, env=clean_env(tmp_path, KVD_HOLD_AT="recovery-step:0", KVD_HOLD_FILE=str(hold)))
+    with KVDClient.connect(d2.socket) as c:
+        assert c.register_namespace("small", SMALL) == ns
+        found = before["cached_pages"]
+        assert c.stats()["recovery"]["pending_pages"] == found
+        [new] = c.allocate_with_prefix(ns, [SequenceRequest("new", chain_tokens(99))])
+        assert len(new.pages) == CHAIN_PAGES and new.shared_prefix_tokens == 0
+        short = CHAIN_PAGES - before["free_pages"]
+        recovery_now = c.stats()["recovery"]
+        assert (recovery_now["recovered_pages"], recovery_now["evicted_pages"]) == (0, short)
+        assert recovery_now["pending_pages"] == found - short
+        assert c.check_invariants() == []
+        hold.unlink()
+        c.verify_pages()
+        recovery_now = c.stats()["recovery"]
+        assert recovery_now["pending_pages"] == 0 and recovery_now["dropped_pages"]["orphaned"] == 0
+        assert recovery_now["recovered_pages"] == found - short
         assert c.check_invariants() == []

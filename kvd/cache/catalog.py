@@ -18,7 +18,7 @@ from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry,
 from kvd.core.pool import PagePool
 from kvd.core.records import MetaError
 from kvd.core.supply import ExtentSupply
-from kvd.core.types import PageState
+from kvd.core.types import NamespaceId, PageState
 from kvd.durability.integrity import Integrity
 from kvd.durability.reindexing import Reindexing
 
@@ -98,6 +98,11 @@ class Catalog:
             found.pending, self.arena, found.extents, self.pool, self.integrity, self.counters, self.namespaces, report
         )
         self.write_manifest()
+
+    def give_up_recovery(self, namespace: NamespaceId, count: int) -> int:
+        """Frees ``count`` pages of the namespace a warm restart's recovery holds and has not
+        verified yet, or none, for an allocation short of room (kvd/cache/room.py); how many."""
+        return 0 if self.reindexing is None else self.reindexing.give_up(namespace, count)
 
     @property
     def last_recovery(self) -> RecoveryReport | None:

@@ -109,6 +109,7 @@ class Reindexing:
         self._row_of = np.full(int(pending.page.max()) + 1 if len(pending) else 0, -1, np.int64)
         self._row_of[pending.page] = np.arange(len(pending))
         self._accepted = np.full(len(pending), None, dtype=object)  # row -> its restored PageContent
+        self._given_up = np.zeros(len(pending), bool)  # rows freed unverified for room (``give_up``)
         self._namespaces = {ns.id: ns for ns in namespaces.all()}
         self._plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
         self._counts = Counter()  # recovered, resealed, corrupted, orphaned, verified_bytes
@@ -130,13 +131,33 @@ class Reindexing:
             corrupted_pages=c["corrupted"],
             orphaned_pages=c["orphaned"],
             verified_bytes=c["verified_bytes"],
-            pending_pages=len(self.pending) - self._at,
+            pending_pages=len(self.pending) - self._at - int(np.count_nonzero(self._given_up[self._at :])),
+            evicted_pages=c["evicted"],
             seconds=seconds,
         )
 
     def held(self) -> Counter[PageId]:
         """The pages it holds (not verified yet), one reference each (kvd/cache/invariants.py)."""
-        return Counter(map(PageId, self.pending.page[self._at :].tolist()))
+        left = self._at + np.flatnonzero(~self._given_up[self._at :])
+        return Counter(map(PageId, self.pending.page[left].tolist()))
+
+    def give_up(self, namespace: NamespaceId, count: int) -> int:
+        """Frees ``count`` of the namespace's pages not verified yet, for an allocation
+        short of room (kvd/cache/room.py): the last ones in the order, the deepest in their
+        chains, so none leaves a page after it to recover (each such page is later still,
+        and given up with it). All or nothing: a refused allocation changes nothing. Counted
+        ``evicted``; returns how many."""
+        p = self.pending
+        left = self._at + np.flatnonzero((p.namespace[self._at :] == namespace) & ~self._given_up[self._at :])
+        if len(left) < count:
+            return 0
+        rows = left[len(left) - count :]
+        self._given_up[rows] = True
+        for ext, slot in zip(p.extent[rows].tolist(), p.slot[rows].tolist()):
+            self.extents[ext].meta.clear(slot)
+        self.pool.release_all(p.page[rows].tolist())
+        self._counts["evicted"] += len(rows)
+        return len(rows)
 
     def run_for(self, seconds: float) -> None:
         """Steps until done or ``seconds`` have passed (or a test holds it, kvd/crashpoints.py)."""
@@ -178,6 +199,7 @@ class Reindexing:
         corrupted = orphaned = resealed = verified = 0
         at = slice(start, end)
         rows = zip(
+            self._given_up[at].tolist(),
             range(start, end),
             p.page[at].tolist(),
             p.extent[at].tolist(),
@@ -188,7 +210,9 @@ class Reindexing:
             p.sealed_checksum[at].tolist(),
             p.namespace[at].tolist(),
         )
-        for row, page, ext, slot, page_index, parent, state, sealed, ns_id in rows:
+        for given_up, row, page, ext, slot, page_index, parent, state, sealed, ns_id in rows:
+            if given_up:
+                continue
             extent = self.extents[ext]
             covered = extent.meta.covered(slot)
             checksum = page_checksum(covered, extent.pages[slot])

@@ -26,6 +26,7 @@ class RecoveryReport:
     seconds: float = 0.0  # from the start until every page found was verified (so far, while pending)
     discarded: str | None = None  # why the previous daemon's segments were deleted
     pending_pages: int = 0  # found, not verified and indexed yet (the recovery runs while the daemon serves)
+    evicted_pages: int = 0  # found, then freed unverified for an allocation short of room
 
     @property
     def ms_per_gib(self) -> float | None:
@@ -41,6 +42,7 @@ class RecoveryReport:
             "orphaned": self.orphaned_pages,
             "mismatch": self.mismatch_pages,
             "incomplete_extent": self.incomplete_pages,
+            "evicted": self.evicted_pages,
         }
 
     def as_dict(self) -> dict:

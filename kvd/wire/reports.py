@@ -58,7 +58,8 @@ class RecoveryStats(TypedDict):
     discarded: str  # why every segment was discarded; "" when none was
     seconds: float  # until every page found was verified (so far, while pages are pending)
     pending_pages: int  # found, not verified and indexed yet: the recovery runs while the daemon serves
-    dropped_pages: dict[str, int]  # by reason: corrupted, orphaned, mismatch, incomplete_extent
+    evicted_pages: int  # found, then freed unverified for an allocation short of room
+    dropped_pages: dict[str, int]  # by reason: corrupted, orphaned, mismatch, incomplete_extent, evicted
 
 
 class RemoteStats(TypedDict):
