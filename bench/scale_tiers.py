@@ -213,7 +213,7 @@ def disk_write_bandwidth(disk_dir: str, gib: float = 1.0) -> dict:
     from bench_disk import fill as disk_fill
     from bench_disk import open_store
 
-    from kvd.disk.layout import BLOCK
+    from kvd.diskstore.layout import BLOCK
 
     page_bytes, chunk_bytes = 2 << 20, 64 << 20
     count = int(gib * (1 << 30)) // page_bytes
