@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -60,7 +60,7 @@ class Pending:
     index, then page id); ``extent`` indexes the attached extents."""
 
     page: np.ndarray  # int64 page ids
-    extent: np.ndarray  # int32
+    extent: np.ndarray  # int64
     slot: np.ndarray  # int64 position in the extent
     page_index: np.ndarray  # int64 chain page index
     parent: np.ndarray  # int64 parent page id, -1 for none
@@ -71,9 +71,9 @@ class Pending:
     @classmethod
     def of(cls, columns: list[dict[str, np.ndarray]]) -> Pending:
         """Rows gathered extent by extent, put parents first."""
-        joined = {name: np.concatenate([c[name] for c in columns]) for name in columns[0]} if columns else {}
-        if not joined:
-            return cls(*(np.zeros(0, np.int64) for _ in range(8)))
+        if not columns:
+            return cls(*(np.zeros(0, np.int64) for _ in fields(cls)))
+        joined = {name: np.concatenate([c[name] for c in columns]) for name in columns[0]}
         order = np.lexsort((joined["page"], joined["page_index"]))
         return cls(**{name: values[order] for name, values in joined.items()})
 
@@ -112,7 +112,7 @@ class Reindexing:
         self._given_up = np.zeros(len(pending), bool)  # rows freed unverified for room (``give_up``)
         self._namespaces = {ns.id: ns for ns in namespaces.all()}
         self._plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
-        self._counts = Counter()  # recovered, resealed, corrupted, orphaned, verified_bytes
+        self._counts = Counter()  # recovered, resealed, corrupted, orphaned, evicted, verified_bytes
         self._seconds: float | None = None  # once done
 
     @property
