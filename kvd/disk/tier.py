@@ -167,14 +167,17 @@ class DiskTier:
         in the order host memory would evict them (cached pages next eviction first, then the
         referenced ones); each write's view is the page itself, unchanged while no call runs.
         The write-back keeps their extra keys, for the KV events once they are written."""
-        namespaces = {place.ns.id for place in self._placed.values()}
-        lru = [page for ns in sorted(namespaces) for page in self.pool.lru_order(ns)]
-        order = {page: n for n, page in enumerate(lru)}
+        placed = self._placed
+        namespaces = {place.ns.id: place.ns for place in placed.values()}
+        for ns in namespaces.values():
+            self.index.sized(SlotClass(ns.page_bytes, ns.page_size))
+        lru = [page for ns in sorted(namespaces) for page in self.pool.lru_order(ns) if page in placed]
+        cached = set(lru)
         writes = []
-        for page in sorted(self._placed, key=lambda page: order.get(page, len(order))):
-            place = self._placed[page]
+        for page in lru + [page for page in placed if page not in cached]:
+            place = placed[page]
             write = self._write_of(page, place)
-            if write is not None and disk_key(write.identity) not in self.index.sized(write.page_class):
+            if write is not None and not self.index.admitted(disk_key(write.identity)):
                 writes.append(write)
                 self.write_back.keep_extra_keys(write, place.extra_keys)
         return writes

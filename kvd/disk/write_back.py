@@ -119,16 +119,18 @@ class WriteBack:
             return
         self._writing = True
         queued, self._queued = self._queued, []
-        keys = dict.fromkeys(disk_key(write.identity) for write in queued)  # each once: a page may be queued twice
-        freed = [page for key in keys if not self.index.admitted(key) for page in self.index.admit(key)]
+        keys = [disk_key(write.identity) for write in queued]
+        admitted = self.index.admitted
+        once = dict.fromkeys(keys)  # a page may be queued twice
+        freed = [page for key in once if not admitted(key) for page in self.index.admit(key)]
         batch = []
-        for write in queued:
-            if self.index.admitted(disk_key(write.identity)):
+        for write, key in zip(queued, keys):
+            if admitted(key):
                 batch.append(write)
             else:  # given up for a page after it in the batch
                 self.counters.evicted_pages += 1
                 self._backlog -= write.view.nbytes
-                self._extra_keys.pop(disk_key(write.identity), None)
+                self._extra_keys.pop(key, None)
                 self.drop_copy(write)
         self._free_then_write(freed, batch, retry=False)
 
@@ -154,25 +156,28 @@ class WriteBack:
         victims among the pages whose slots the refused ones can use (kvd/disk/reclaim.py)
         and writes the refused pages once more; then the next batch."""
         full: list[PageWrite] = []
+        c, extra_keys = self.counters, self._extra_keys
         for write, result in zip(writes, results):
-            if not isinstance(result, Written) and result.reason is WriteRefusal.FULL and not retry:
+            if type(result) is Written:
+                c.written_pages += 1
+                c.written_bytes += result.page.page_bytes
+                self.index.index(result.page, extra_keys.pop(disk_key(write.identity), ()) if extra_keys else ())
+            elif result.reason is WriteRefusal.FULL and not retry:
                 full.append(write)
                 continue
-            extra_keys = self._extra_keys.pop(disk_key(write.identity), ())
-            if isinstance(result, Written):
-                self.counters.written_pages += 1
-                self.counters.written_bytes += result.page.page_bytes
-                self.index.index(result.page, extra_keys)
             else:
-                self.index.not_written(disk_key(write.identity))
+                key = disk_key(write.identity)
+                extra_keys.pop(key, None)
+                self.index.not_written(key)
                 if result.reason is WriteRefusal.CHANGED:
-                    self.counters.skipped_pages += 1
+                    c.skipped_pages += 1
                 elif result.reason is WriteRefusal.IO_ERROR:
-                    self.counters.errors += 1
+                    c.errors += 1
                 elif result.reason is not WriteRefusal.CLOSED:
-                    self.counters.refused_pages += 1
+                    c.refused_pages += 1
             self._backlog -= write.view.nbytes
-            self.drop_copy(write)
+            if self._copies:
+                self.drop_copy(write)
         if full:
             keys = [disk_key(write.identity) for write in full]
             for key in keys:
