@@ -77,7 +77,7 @@ class DiskIndex:
                 key = disk_key(page.identity)
                 if key not in self.sized(page.page_class):
                     freed += self.admit(key)
-                self.index(page)
+                self._index(key, page, ())
         self.store.free([p.slot for p in freed])
 
     def __len__(self) -> int:
@@ -136,7 +136,10 @@ class DiskIndex:
     def index(self, page: DiskPage, extra_keys: tuple[ExtraKey, ...] = ()) -> None:
         """A page on disk (the policy holds it) becomes findable (and is announced); an older
         copy of the same page is freed."""
-        key = disk_key(page.identity)
+        self._index(disk_key(page.identity), page, extra_keys)
+
+    def _index(self, key: DiskKey, page: DiskPage, extra_keys: tuple[ExtraKey, ...]) -> None:
+        """``index`` under ``key``: the policy's own tuple where the caller has it (one per page, not two)."""
         assert key in self._policy, f"page {key[1].hex()} is on disk, and the disk's policy does not hold it"
         older = self._on_disk.get(key)
         self._on_disk[key] = page

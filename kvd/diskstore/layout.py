@@ -285,9 +285,10 @@ def has_slot_magic(headers: np.ndarray) -> np.ndarray:
     return (headers[:, : len(SLOT_MAGIC)] == np.frombuffer(SLOT_MAGIC, np.uint8)).all(axis=1)
 
 
-def read_slot_header(raw: np.ndarray, stamp: SlotStamp, cls: SlotClass) -> DiskPage | None:
+def read_slot_header(raw: np.ndarray, stamp: SlotStamp, cls: SlotClass, roots: dict[bytes, bytes]) -> DiskPage | None:
     """The page ``raw`` (uint8 [header_bytes]) describes when it is a valid header written at
-    ``stamp`` for a page of ``cls``; None otherwise (never written, invalidated, torn, stale)."""
+    ``stamp`` for a page of ``cls``; None otherwise (never written, invalidated, torn, stale).
+    ``roots`` keeps one ``bytes`` per namespace root, which the pages read with it share."""
     magic, version, _, header_checksum, file_id, generation, slot, sequence, checksum = _SLOT_HEAD.unpack_from(raw)
     if magic != SLOT_MAGIC or version != FORMAT_VERSION:
         return None
@@ -301,7 +302,7 @@ def read_slot_header(raw: np.ndarray, stamp: SlotStamp, cls: SlotClass) -> DiskP
         return None
     identity = PageIdentity(
         scope.rstrip(b"\0").decode(),
-        root,
+        roots.setdefault(root, root),
         PageKey(key),
         parent,
         page_index,
