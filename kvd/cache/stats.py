@@ -12,7 +12,7 @@ from dataclasses import asdict, astuple, dataclass, field, fields, replace
 
 from kvd.cache.prewarm import PrewarmCounters
 from kvd.core.types import PageState
-from kvd.durability.recovery import RecoveryReport
+from kvd.durability.report import RecoveryReport
 from kvd.tiers.stats import TierStats
 
 

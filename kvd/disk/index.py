@@ -77,7 +77,7 @@ class DiskIndex:
                 key = disk_key(page.identity)
                 if key not in self.sized(page.page_class):
                     freed += self.admit(key)
-                self.index(page)
+                self.index(page, (), key)
         self.store.free([p.slot for p in freed])
 
     def __len__(self) -> int:
@@ -133,10 +133,11 @@ class DiskIndex:
             victims += reclaim.victims(self._policy, self._on_disk, page_class, count, self.settings.chunk_bytes)
         return self._on_disk_of(victims)
 
-    def index(self, page: DiskPage, extra_keys: tuple[ExtraKey, ...] = ()) -> None:
+    def index(self, page: DiskPage, extra_keys: tuple[ExtraKey, ...] = (), key: DiskKey | None = None) -> None:
         """A page on disk (the policy holds it) becomes findable (and is announced); an older
-        copy of the same page is freed."""
-        key = disk_key(page.identity)
+        copy of the same page is freed. ``key``: the tuple the policy was given for it, kept
+        by the index too (one tuple a page, not two); made from the page when not given."""
+        key = disk_key(page.identity) if key is None else key
         assert key in self._policy, f"page {key[1].hex()} is on disk, and the disk's policy does not hold it"
         older = self._on_disk.get(key)
         self._on_disk[key] = page

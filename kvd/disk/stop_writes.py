@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 
 from kvd.disk.tier import DiskTier
-from kvd.diskstore.layout import SlotClass
 from kvd.diskstore.results import PageWrite
 from kvd.diskstore.store import DiskStore
 
@@ -68,10 +66,10 @@ async def _write_tier(tier: DiskTier, deadline: float) -> None:
 def _within(writes: list[PageWrite], store: DiskStore) -> list[PageWrite]:
     """The first of ``writes`` the disk's file holds (pages of several sizes share its chunks:
     counted as though each size had them all)."""
-    taken: Counter[SlotClass] = Counter()
+    room = {page_class: store.holds_at_most(page_class) for page_class in {w.page_class for w in writes}}
     for n, w in enumerate(writes):
-        taken[w.page_class] += 1
-        if taken[w.page_class] > store.holds_at_most(w.page_class):
+        room[w.page_class] -= 1
+        if room[w.page_class] < 0:
             return writes[:n]
     return writes
 

@@ -119,29 +119,33 @@ class WriteBack:
             return
         self._writing = True
         queued, self._queued = self._queued, []
-        keys = dict.fromkeys(disk_key(write.identity) for write in queued)  # each once: a page may be queued twice
-        freed = [page for key in keys if not self.index.admitted(key) for page in self.index.admit(key)]
-        batch = []
-        for write in queued:
-            if self.index.admitted(disk_key(write.identity)):
+        keys = [disk_key(write.identity) for write in queued]
+        admitted = self.index.admitted
+        once = dict.fromkeys(keys)  # a page may be queued twice
+        freed = [page for key in once if not admitted(key) for page in self.index.admit(key)]
+        batch, batch_keys = [], []
+        for write, key in zip(queued, keys):
+            if admitted(key):
                 batch.append(write)
+                batch_keys.append(key)  # the policy's own tuple: the index keeps the same
             else:  # given up for a page after it in the batch
                 self.counters.evicted_pages += 1
                 self._backlog -= write.view.nbytes
-                self._extra_keys.pop(disk_key(write.identity), None)
+                self._extra_keys.pop(key, None)
                 self.drop_copy(write)
-        self._free_then_write(freed, batch, retry=False)
+        self._free_then_write(freed, batch, batch_keys, retry=False)
 
-    def _free_then_write(self, freed: list[DiskPage], batch: list[PageWrite], retry: bool) -> None:
-        """Frees ``freed``, then writes ``batch``. A store call that raised (a bug, logged)
-        leaves the batch unwritten, as an I/O error would: the next batch still goes."""
+    def _free_then_write(self, freed: list[DiskPage], batch: list[PageWrite], keys: list[DiskKey], retry: bool) -> None:
+        """Frees ``freed``, then writes ``batch`` (``keys``: each page's key). A store call that
+        raised (a bug, logged) leaves the batch unwritten, as an I/O error would: the next
+        batch still goes."""
 
         def failed(_: BaseException) -> None:
-            self._written(batch, [NotWritten(WriteRefusal.IO_ERROR)] * len(batch), retry)
+            self._written(batch, keys, [NotWritten(WriteRefusal.IO_ERROR)] * len(batch), retry)
 
         def write(_=None) -> None:
             self.answers.when_done(
-                self.store.write(batch), lambda results: self._written(batch, results, retry), failed
+                self.store.write(batch), lambda results: self._written(batch, keys, results, retry), failed
             )
 
         if freed:
@@ -149,37 +153,40 @@ class WriteBack:
         else:
             write()
 
-    def _written(self, writes: list[PageWrite], results, retry: bool) -> None:
+    def _written(self, writes: list[PageWrite], keys: list[DiskKey], results, retry: bool) -> None:
         """Indexes the pages written; the disk full, frees as many more of the policy's
         victims among the pages whose slots the refused ones can use (kvd/disk/reclaim.py)
         and writes the refused pages once more; then the next batch."""
         full: list[PageWrite] = []
-        for write, result in zip(writes, results):
-            if not isinstance(result, Written) and result.reason is WriteRefusal.FULL and not retry:
+        full_keys: list[DiskKey] = []
+        c, extra_keys = self.counters, self._extra_keys
+        for write, key, result in zip(writes, keys, results):
+            if type(result) is Written:
+                c.written_pages += 1
+                c.written_bytes += result.page.page_bytes
+                self.index.index(result.page, extra_keys.pop(key, ()) if extra_keys else (), key)
+            elif result.reason is WriteRefusal.FULL and not retry:
                 full.append(write)
+                full_keys.append(key)
                 continue
-            extra_keys = self._extra_keys.pop(disk_key(write.identity), ())
-            if isinstance(result, Written):
-                self.counters.written_pages += 1
-                self.counters.written_bytes += result.page.page_bytes
-                self.index.index(result.page, extra_keys)
             else:
-                self.index.not_written(disk_key(write.identity))
+                extra_keys.pop(key, None)
+                self.index.not_written(key)
                 if result.reason is WriteRefusal.CHANGED:
-                    self.counters.skipped_pages += 1
+                    c.skipped_pages += 1
                 elif result.reason is WriteRefusal.IO_ERROR:
-                    self.counters.errors += 1
+                    c.errors += 1
                 elif result.reason is not WriteRefusal.CLOSED:
-                    self.counters.refused_pages += 1
+                    c.refused_pages += 1
             self._backlog -= write.view.nbytes
-            self.drop_copy(write)
+            if self._copies:
+                self.drop_copy(write)
         if full:
-            keys = [disk_key(write.identity) for write in full]
-            for key in keys:
+            for key in full_keys:
                 self.index.not_written(key)
             freed = self.index.make_room(Counter(write.page_class for write in full))
-            freed += [page for key in keys for page in self.index.admit(key)]  # none: room was made
-            self._free_then_write(freed, full, retry=True)
+            freed += [page for key in full_keys for page in self.index.admit(key)]  # none: room was made
+            self._free_then_write(freed, full, full_keys, retry=True)
             return
         self._writing = False
         self._write_queued()

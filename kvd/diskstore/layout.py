@@ -46,6 +46,7 @@ served only for the identity they were written with.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import NewType
@@ -70,6 +71,7 @@ _CHUNK = struct.Struct("<8sIIQ16sQQQII")
 _SLOT_HEAD = struct.Struct("<8sIIQ16sQQQQ")  # [0:72]
 _IDENTITY = struct.Struct(f"<QII{SCOPE_BYTES}s16s16s16s16s")  # [72:184]
 HEAD_BYTES = _SLOT_HEAD.size + _IDENTITY.size  # 184
+_CHECKSUM = struct.Struct("<Q")
 _HEADER_COVERED = 24  # the header checksum covers the header from file_id on
 _PAGE_COVERED = _SLOT_HEAD.size  # the page checksum covers the identity from page_bytes on
 
@@ -108,6 +110,13 @@ class SlotClass:
     def slots_in(self, chunk_bytes: int) -> int:
         """How many slots of this class a chunk holds besides its header (0: the page does not fit)."""
         return min((chunk_bytes - BLOCK) // (self.header_bytes + self.data_bytes), MAX_CHUNK_SLOTS - 1)
+
+
+@functools.cache
+def slot_class(page_bytes: int, page_size: int) -> SlotClass:
+    """The ``SlotClass`` of that shape, made once: a page's class is asked for several times
+    on each write, a graceful stop's hundreds of thousands of writes among them."""
+    return SlotClass(page_bytes, page_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +194,7 @@ class DiskPage:
 
     @property
     def page_class(self) -> SlotClass:
-        return SlotClass(self.page_bytes, len(self.identity.tokens) // 4)
+        return slot_class(self.page_bytes, len(self.identity.tokens) // 4)
 
     def matches(self, page: np.ndarray) -> bool:
         """Whether ``page`` (uint8 [page_bytes]) holds the bytes this page was written with."""
@@ -254,23 +263,21 @@ class SlotStamp:
     slot: SlotId
 
 
-def pack_slot_header(
-    out: np.ndarray, stamp: SlotStamp, sequence: int, identity: PageIdentity, page: np.ndarray
-) -> DiskPage:
-    """Fills ``out`` (uint8 [header_bytes]) with the header of ``page`` (uint8 [page_bytes]),
-    computing its checksums (reading the page once); returns what it describes."""
+def slot_header(
+    header_bytes: int, stamp: SlotStamp, sequence: int, identity: PageIdentity, page: np.ndarray
+) -> tuple[bytes, DiskPage]:
+    """The header (``header_bytes`` bytes) of ``page`` (uint8 [page_bytes]), its checksums
+    computed (reading the page once), and what it describes. Bytes, not a numpy fill: a
+    run's headers are joined and copied to the file's staging at once."""
     covered = identity.covered(page.nbytes)
     checksum = page_checksum(covered, page)
     placed = _SLOT_HEAD.pack(
         SLOT_MAGIC, FORMAT_VERSION, 0, 0, stamp.file_id, stamp.generation, stamp.slot, sequence, checksum
     )
-    end = HEAD_BYTES + len(identity.tokens)
-    out[_HEADER_COVERED:_PAGE_COVERED] = np.frombuffer(placed[_HEADER_COVERED:], np.uint8)
-    out[_PAGE_COVERED:end] = np.frombuffer(covered, np.uint8)
-    out[end:] = 0
-    header_checksum = xxhash.xxh3_64_intdigest(out[_HEADER_COVERED:end])
-    out[:_HEADER_COVERED] = np.frombuffer(placed[:16] + struct.pack("<Q", header_checksum), np.uint8)
-    return DiskPage(stamp.slot, identity, page.nbytes, checksum, sequence)
+    body = placed[_HEADER_COVERED:] + covered
+    header_checksum = xxhash.xxh3_64_intdigest(body)
+    header = placed[:16] + _CHECKSUM.pack(header_checksum) + body
+    return header + bytes(header_bytes - len(header)), DiskPage(stamp.slot, identity, page.nbytes, checksum, sequence)
 
 
 def has_slot_magic(headers: np.ndarray) -> np.ndarray:
@@ -278,9 +285,10 @@ def has_slot_magic(headers: np.ndarray) -> np.ndarray:
     return (headers[:, : len(SLOT_MAGIC)] == np.frombuffer(SLOT_MAGIC, np.uint8)).all(axis=1)
 
 
-def read_slot_header(raw: np.ndarray, stamp: SlotStamp, cls: SlotClass) -> DiskPage | None:
+def read_slot_header(raw: np.ndarray, stamp: SlotStamp, cls: SlotClass, roots: dict[bytes, bytes]) -> DiskPage | None:
     """The page ``raw`` (uint8 [header_bytes]) describes when it is a valid header written at
-    ``stamp`` for a page of ``cls``; None otherwise (never written, invalidated, torn, stale)."""
+    ``stamp`` for a page of ``cls``; None otherwise (never written, invalidated, torn, stale).
+    ``roots`` keeps one ``bytes`` per namespace root, which the pages read with it share."""
     magic, version, _, header_checksum, file_id, generation, slot, sequence, checksum = _SLOT_HEAD.unpack_from(raw)
     if magic != SLOT_MAGIC or version != FORMAT_VERSION:
         return None
@@ -294,7 +302,7 @@ def read_slot_header(raw: np.ndarray, stamp: SlotStamp, cls: SlotClass) -> DiskP
         return None
     identity = PageIdentity(
         scope.rstrip(b"\0").decode(),
-        root,
+        roots.setdefault(root, root),
         PageKey(key),
         parent,
         page_index,

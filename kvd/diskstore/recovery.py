@@ -93,8 +93,10 @@ def _scan(file: SlotFile, file_id: bytes, chunk: ChunkFormat) -> _ChunkScan:
     # headers: [slots, header_bytes]
     headers = file.read_blocks(chunk.header_offset(0), chunk.headers_bytes).reshape(chunk.slots, chunk.cls.header_bytes)
     pages, torn = [], 0
+    roots: dict[bytes, bytes] = {}  # one per chunk: chunks are read on several threads
     for i in np.flatnonzero(has_slot_magic(headers)).tolist():
-        page = read_slot_header(headers[i], SlotStamp(file_id, chunk.generation, slot_id(chunk.index, i)), chunk.cls)
+        stamp = SlotStamp(file_id, chunk.generation, slot_id(chunk.index, i))
+        page = read_slot_header(headers[i], stamp, chunk.cls, roots)
         if page is None:
             torn += 1
         else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.diskstore.layout import DiskPage, PageIdentity, SlotClass, SlotId
+from kvd.diskstore.layout import DiskPage, PageIdentity, SlotClass, SlotId, slot_class
 
 
 class OpenRefusal(enum.Enum):
@@ -56,7 +56,7 @@ class PageWrite:
     @property
     def page_class(self) -> SlotClass:
         """The slots the page fits."""
-        return SlotClass(self.view.nbytes, len(self.identity.tokens) // 4)
+        return slot_class(self.view.nbytes, len(self.identity.tokens) // 4)
 
 
 class WriteRefusal(enum.Enum):

@@ -70,7 +70,7 @@ from kvd.diskstore.layout import (
     SlotStamp,
     file_bytes,
     pack_chunk_header,
-    pack_slot_header,
+    slot_header,
 )
 from kvd.diskstore.recovery import recover
 from kvd.diskstore.results import (
@@ -330,12 +330,13 @@ class DiskStore:
         """``items`` in slot order, cut into runs of consecutive slots of at most MAX_RUN_PAGES
         pages and MAX_RUN_BYTES bytes."""
         runs: list[list[_Item]] = []
+        longest = 0  # pages the last run may hold (a run never leaves its chunk: a chunk's last slot id is unused)
         for item in sorted(items, key=lambda item: item.slot):
-            run = runs[-1] if runs else None
-            if run is not None and item.slot == run[-1].slot + 1 and len(run) < self._run_pages(item.slot):
-                run.append(item)
+            if runs and item.slot == runs[-1][-1].slot + 1 and len(runs[-1]) < longest:
+                runs[-1].append(item)
             else:
                 runs.append([item])
+                longest = self._run_pages(item.slot)
         return runs
 
     def _run_pages(self, slot: SlotId) -> int:
@@ -351,17 +352,19 @@ class DiskStore:
             if self._file.vanished():
                 raise OSError(errno.ESTALE, "the file was removed")
             self._format(self._slots.chunk(run[0].slot))
-            staging = self._headers.take(len(run) * header_bytes)
-            for k, item in enumerate(run):
+            headers = []
+            for item in run:
                 w = pages[item.index]
-                header = staging[k * header_bytes : (k + 1) * header_bytes]
                 if w.seal is not None and page_checksum(w.seal.covered, w.view) != w.seal.checksum:
-                    header[:] = 0  # still an invalid header: the slot stays free
+                    headers.append(bytes(header_bytes))  # still an invalid header: the slot stays free
                     written.append((item.index, NotWritten(WriteRefusal.CHANGED)))
                     continue
                 stamp = SlotStamp(self._file_id, fmt.generation, item.slot)
-                page = pack_slot_header(header, stamp, item.sequence, w.identity, w.view)
+                header, page = slot_header(header_bytes, stamp, item.sequence, w.identity, w.view)
+                headers.append(header)
                 written.append((item.index, Written(page)))
+            staging = self._headers.take(len(run) * header_bytes)
+            staging[:] = np.frombuffer(b"".join(headers), np.uint8)
             bounced = self._file.write_pages(fmt.data_offset(first), views, fmt.cls.data_bytes)
             crashpoints.reached("disk-data-written")
             self._file.sync()
