@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
 from footprint import host_memory
+
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
 
