@@ -42,7 +42,7 @@ class ExtraKey:
     length: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per published page (issue 41: ~50 B a page less)
 class PageContent:
     """What a published page holds, kept with its index entry to confirm hash hits."""
 
@@ -82,6 +82,7 @@ class _Run:
     """
 
     start: int  # chain page index of pages[0]
+    number: int  # the run's number in ``PrefixIndex._numbered``
     pages: list[PageId] = field(default_factory=list)
     keys: list[PageKey] = field(default_factory=list)
     tokens: bytearray = field(default_factory=bytearray)  # the pages' token ids, in order
@@ -165,7 +166,11 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._entries = _Shards()  # PageKey -> PageContent
-        self._runs = _Shards()  # PageId -> (its _Run, its position in it)
+        # PageId -> its run's number << 32 | its position in the run: one int a page, where a
+        # (run, position) tuple took ~80 B (issue 41)
+        self._runs = _Shards()
+        self._numbered: dict[int, _Run] = {}  # the runs that hold pages, by number
+        self._next_run = 0
         # PageId -> the pages that start a run of their own under it (a chain that branches
         # off where its parent is not the last page of a run): with the runs, what follows
         # a removed page (``remove``)
@@ -186,18 +191,19 @@ class PrefixIndex:
         held = self._entries.get(content.key)
         assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
         self._entries[content.key] = content
-        parent = self._runs.get(content.parent) if content.parent is not None else None
+        parent = self._place(content.parent) if content.parent is not None else None
         if parent is not None and parent[1] == len(parent[0].pages) - 1:
             run = parent[0]
         else:
-            run = _Run(start=page_index)
+            run = self._numbered[self._next_run] = _Run(start=page_index, number=self._next_run)
+            self._next_run += 1
             if content.parent is not None:
                 self._branches.setdefault(content.parent, []).append(content.page)
         assert run.start + len(run.pages) == page_index, (
             f"page {content.page} at chain index {page_index} joins a run ending at index "
             f"{run.start + len(run.pages) - 1}"
         )
-        self._runs[content.page] = (run, len(run.pages))
+        self._runs[content.page] = run.number << 32 | len(run.pages)
         run.append(content)
 
     def remove(self, content: PageContent) -> list[PageContent]:
@@ -208,8 +214,9 @@ class PrefixIndex:
         held = self._entries.pop(content.key)
         assert held.page == content.page, f"index held page {held.page} under the key of page {content.page}"
         orphans = []
-        place = self._runs.pop(content.page, None)
+        place = self._place(content.page)
         if place is not None:
+            del self._runs[content.page]
             run, position = place
             if position == 0 and content.parent is not None:
                 siblings = self._branches.get(content.parent, [])
@@ -220,9 +227,11 @@ class PrefixIndex:
             keys = run.keys[position + 1 :]
             for page in run.truncate(position, len(content.tokens))[1:]:
                 del self._runs[page]
+            if not run.pages:
+                del self._numbered[run.number]
             orphans += (self._entries[key] for key in keys)
         for branch in self._branches.pop(content.page, ()):
-            branch_run, at = self._runs[branch]
+            branch_run, at = self._place(branch)
             orphans.append(self._entries[branch_run.keys[at]])
         return orphans
 
@@ -262,7 +271,7 @@ class PrefixIndex:
         self, page: PageId, tokens: bytes, i: int, stop: int, page_bytes: int
     ) -> tuple[list[PageId], list[PageKey]]:
         """Pages after ``page`` in its run that hold the request's pages [i, stop)."""
-        place = self._runs.get(page)
+        place = self._place(page)
         if place is None or stop <= i:
             return [], []
         run, position = place
@@ -290,8 +299,11 @@ class PrefixIndex:
         """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed at its
         position, follows its run's previous page and carries its tokens in the run."""
         found = []
-        runs = {id(run): run for run, _ in self._runs.values()}
-        for page, (run, position) in self._runs.items():
+        for page, packed in self._runs.items():
+            run, position = self._numbered.get(packed >> 32), packed & 0xFFFFFFFF
+            if run is None:
+                found.append(f"page {page} is mapped to run {packed >> 32}, which holds no pages")
+                continue
             if position >= len(run.pages) or run.pages[position] != page:
                 found.append(f"page {page} is mapped to position {position} of a run that holds other pages there")
                 continue
@@ -306,16 +318,21 @@ class PrefixIndex:
                 found.append(f"run page {page}'s local bytes are not recorded in its run")
         for parent, branches in self._branches.items():
             for page in branches:
-                run, position = self._runs.get(page, (None, -1))
+                run, position = self._place(page) or (None, -1)
                 if position != 0 or self._entries[run.keys[0]].parent != parent:
                     found.append(
                         f"page {page} is recorded as a branch under page {parent} but does not start a run there"
                     )
-        for run in runs.values():
-            missing = [p for q, p in enumerate(run.pages) if self._runs.get(p, (None, -1))[1] != q]
+        for run in self._numbered.values():
+            missing = [p for q, p in enumerate(run.pages) if self._runs.get(p) != run.number << 32 | q]
             if missing:
                 found.append(f"run starting at chain index {run.start} holds pages {missing} not mapped to it")
         return found
+
+    def _place(self, page: PageId) -> tuple[_Run, int] | None:
+        """The run ``page`` is threaded into and its position there; None for a page of none."""
+        packed = self._runs.get(page)
+        return None if packed is None else (self._numbered[packed >> 32], packed & 0xFFFFFFFF)
 
     def items(self):
         """(key, page) of every entry."""

@@ -48,6 +48,9 @@ class PageColumns:
         self.namespace = np.zeros(0, np.int32)
         self.indexed = np.zeros(0, np.bool_)  # the index maps the page's content key to it
         self.stamp = np.zeros(0, np.int64)  # a CACHED page's entry in its queue (kvd/core/eviction.py)
+        # What a PUBLISHED or CACHED page holds (kvd/core/index.py PageContent), None for any
+        # other: a list, one reference a slot, where a dict by page id took ~50 B a page.
+        self.content: list = []
         self.next_stamp = 0  # stamps are never reused, across namespaces too
         self._views()
 
@@ -69,6 +72,7 @@ class PageColumns:
         self.namespace = _longer(self.namespace, size)
         self.indexed = _longer(self.indexed, size)
         self.stamp = _longer(self.stamp, size)
+        self.content += [None] * (size - len(self.content))
         self._views()
 
     # ---- extents ------------------------------------------------------------------
@@ -104,6 +108,7 @@ class PageColumns:
         self.pins[held] = 0
         self.namespace[held] = namespace
         self.indexed[held] = False
+        self.content[held] = [None] * count
         return slots
 
     def remove(self, first: PageId) -> None:

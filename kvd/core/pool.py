@@ -56,7 +56,6 @@ class PagePool:
         # before the first page is published (kvd/cache/manager.py sets the cache's).
         self.listener: PageListener = SILENT
         self._columns = PageColumns()
-        self._content: dict[PageId, PageContent] = {}  # PUBLISHED and CACHED pages
         self._orphans: list[PageContent] = []  # indexed pages that followed a page that left the index
         self._dropping = False  # _drop_orphans is running
         self._extents: dict[str, range] = {}  # slots of each extent's pages
@@ -101,7 +100,7 @@ class PagePool:
                 assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
                     f"page {content.page} restored while {self.state(content.page).value}"
                 )
-                self._content[content.page] = content
+                c.content[slot] = content
                 c.indexed_at[slot] = True
                 c.state_at[slot] = CACHED
                 slots.append(slot)
@@ -135,7 +134,10 @@ class PagePool:
 
     def content(self, page: PageId) -> PageContent | None:
         """What a PUBLISHED or CACHED page holds; None for any other page."""
-        return self._content.get(page)
+        try:
+            return self._columns.content[self._columns.slot(page)]
+        except KeyError:
+            return None  # a page of no live extent
 
     def is_indexed(self, page: PageId) -> bool:
         return self._columns.indexed_at[self._columns.slot(page)]
@@ -327,7 +329,7 @@ class PagePool:
         )
         c.state_at[slot] = PUBLISHED
         c.indexed_at[slot] = indexed
-        self._content[page] = content
+        c.content[slot] = content
         if indexed:
             self.index.insert(content, place.page_index)
         self.listener.published(content, place, indexed)
@@ -342,7 +344,7 @@ class PagePool:
                 contents.append(self._evict(pages.cached.victim(), pages))
             return contents
         victims = pages.cached.victims(count)
-        contents = [self._content[page] for page in self._columns.page[victims].tolist()]
+        contents = [self._columns.content[slot] for slot in victims.tolist()]
         self._counters.of(namespace).evicted_pages += len(victims)
         self._free(victims, pages)
         return contents
@@ -363,7 +365,7 @@ class PagePool:
         stays with its holders and is freed, never cached, on its last release."""
         c = self._columns
         slot = c.slot(page)
-        content = self._content.get(page)
+        content = c.content[slot]
         assert content is not None, f"page {page} unindexed while {self.state(page).value}"
         if c.indexed_at[slot]:
             c.indexed_at[slot] = False
@@ -393,7 +395,7 @@ class PagePool:
         while self._orphans:
             content = self._orphans.pop()
             slot = c.slot(content.page)
-            if self._content.get(content.page) is not content or not c.indexed_at[slot]:
+            if c.content[slot] is not content or not c.indexed_at[slot]:
                 continue  # freed or unindexed meanwhile (in the same batch)
             if c.state_at[slot] == CACHED:
                 pages = self._by_namespace[NamespaceId(c.namespace_at[slot])]
@@ -406,7 +408,7 @@ class PagePool:
     def _evict(self, slot: int, pages: _NamespacePages) -> PageContent:
         """A CACHED page out of its queue → FREE; returns what it held."""
         c = self._columns
-        content = self._content.get(PageId(c.page_at[slot]))
+        content = c.content[slot]
         assert content is not None, f"cached page {c.page_at[slot]} has no content"
         self._counters.of(NamespaceId(c.namespace_at[slot])).evicted_pages += 1
         self._free_one(slot, pages)
@@ -451,7 +453,8 @@ class PagePool:
         the index (what followed it is dropped by the public method's ``_drop_orphans``), its
         content forgotten."""
         self.listener.unpublished(page)
-        content = self._content.pop(page)
+        content = self._columns.content[slot]
+        self._columns.content[slot] = None
         if self._columns.indexed_at[slot]:
             self._leave_index(content, slot)
 
