@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from footprint import host_memory
+from footprint import cpu_seconds, host_memory
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
@@ -38,7 +38,7 @@ PAGE_SIZE = 16
 PROMPT_PAGES = TOKENS // PAGE_SIZE  # 3,125
 SMALL_PAGES = 4 * PROMPT_PAGES  # the "12K pages" a hit is compared at
 RECORD_BYTES = 64 + 4 * PAGE_SIZE  # a page's metadata record (kvd/core/records.py), in the budget
-HITS = 21  # hits timed at each size
+HITS = 51  # hits timed at each size
 PINGS = 200
 
 
@@ -56,6 +56,7 @@ def prompt(i: int) -> np.ndarray:
 class Figures:
     pages: int  # host pages held after the fill
     fill_seconds: float
+    fill_cpu: float  # the daemon's CPU seconds during the fill (its threads together)
     prompt_p50: float  # seconds of one prompt's allocate + publish + release, p50
     round_trip: float  # an empty round trip's p50, seconds
     idle_anon: int  # the daemon's RssAnon before the fill, bytes
@@ -74,7 +75,8 @@ class Figures:
                 f"fill: {self.pages:,} pages in {self.fill_seconds:.1f} s = {rate:,.0f} pages/s, "
                 f"{per_page * 1e6:.2f} µs a page (target >= 100,000 pages/s, <= 10 µs); a prompt's "
                 f"3 calls p50 {self.prompt_p50 * 1e3:.1f} ms = {self.prompt_p50 / (3 * self.round_trip):.0f}x "
-                f"3 round trips ({floor_per_page * 1e6:.3f} µs a page)",
+                f"3 round trips ({floor_per_page * 1e6:.3f} µs a page); the daemon's CPU "
+                f"{self.fill_cpu / self.pages * 1e6:.2f} µs a page = {self.pages / self.fill_cpu:,.0f} pages/s of CPU",
                 f"daemon private memory: {self.idle_anon / 2**20:.0f} MiB idle, {self.filled_anon / 2**20:.0f} MiB "
                 f"filled: {memory:.0f} B a host page (target <= 128 B)",
                 f"50K-token hit p50: {self.hit_small * 1e3:.2f} ms at {SMALL_PAGES:,} pages, "
@@ -141,14 +143,18 @@ def measure(tmp: str, pages: int, page_kib: int) -> Figures:
             time.sleep(0.5)
             idle = anon_bytes(pid)
             small = SMALL_PAGES // PROMPT_PAGES
+            cpu = cpu_seconds(pid)
             times = fill(c, ns, 0, small)
+            cpu = cpu_seconds(pid) - cpu
             hit_small = hit_p50(c, ns, small)
+            cpu -= cpu_seconds(pid)
             times += fill(c, ns, small, prompts)
             time.sleep(1.0)  # the sealer's last batches recorded
+            cpu += cpu_seconds(pid)
             filled = anon_bytes(pid)
             hit_large = hit_p50(c, ns, prompts)
         return Figures(
-            prompts * PROMPT_PAGES, sum(times), float(np.median(times)), rt, idle, filled, hit_small, hit_large
+            prompts * PROMPT_PAGES, sum(times), cpu, float(np.median(times)), rt, idle, filled, hit_small, hit_large
         )
     finally:
         daemon.stop(signal.SIGKILL)  # a graceful stop of a full daemon only keeps what clean removes

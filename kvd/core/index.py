@@ -206,6 +206,20 @@ class PrefixIndex:
         self._runs[content.page] = run.number << 32 | len(run.pages)
         run.append(content)
 
+    def insert_chain(self, contents: list[PageContent], page_index: int) -> None:
+        """``insert`` for consecutive pages of one chain, parents first, the first
+        ``page_index`` pages from the start of its chain: the rest extend its run."""
+        self.insert(contents[0], page_index)
+        run = self._place(contents[0].page)[0]
+        entries, runs = self._entries, self._runs
+        for content in contents[1:]:
+            held = entries.get(content.key)
+            assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
+            assert content.parent == run.pages[-1], f"page {content.page} does not follow page {run.pages[-1]}"
+            entries[content.key] = content
+            runs[content.page] = run.number << 32 | len(run.pages)
+            run.append(content)
+
     def remove(self, content: PageContent) -> list[PageContent]:
         """Takes the page's entry out; returns the indexed pages that followed it (the rest of
         its run, the runs branching off it): no match reaches them any more. Only the pool

@@ -334,6 +334,28 @@ class PagePool:
             self.index.insert(content, place.page_index)
         self.listener.published(content, place, indexed)
 
+    def publish_chain(self, contents: list[PageContent], places: list[ChainPlace]) -> None:
+        """``publish`` for consecutive pages of one chain, parents first, each indexed: a
+        batch of ``BATCH_PAGES`` or more is checked and changed in a few array operations
+        and joins the index as one run (a 50K-token publish is 3,125 pages)."""
+        if len(contents) < BATCH_PAGES:
+            for content, place in zip(contents, places):
+                self.publish(content.page, content, place)
+            return
+        c = self._columns
+        slots = c.slots([content.page for content in contents])
+        wrong = np.flatnonzero((c.state[slots] != PRIVATE) | (c.refcount[slots] != 1))
+        if wrong.size:
+            self.publish(contents[wrong[0]].page, contents[wrong[0]], places[wrong[0]])  # names what is wrong
+        c.state[slots] = PUBLISHED
+        c.indexed[slots] = True
+        for slot, content in zip(slots.tolist(), contents):
+            c.content[slot] = content
+        self.index.insert_chain(contents, places[0].page_index)
+        published = self.listener.published
+        for content, place in zip(contents, places):
+            published(content, place, True)
+
     def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
         """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages
         when fewer); returns what they held, in eviction order."""
