@@ -38,13 +38,13 @@ class Heard:
         self.indexed: set[PageId] = set()
         self.freed: list[PageId] = []  # unpublished, in order
 
-    def published(self, content: PageContent, place: ChainPlace, indexed: bool) -> None:
-        if indexed:
+    def published(self, contents: list[PageContent], places: list[ChainPlace], indexed: bool) -> None:
+        for content in contents if indexed else ():
             assert content.page not in self.indexed, f"page {content.page} indexed twice"
             self.indexed.add(content.page)
 
     def restored(self, content: PageContent, place: ChainPlace) -> None:
-        self.published(content, place, True)
+        self.published([content], [place], True)
 
     def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
         assert content.page in self.indexed, f"page {content.page} unindexed but not indexed"

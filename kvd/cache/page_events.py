@@ -23,6 +23,8 @@ A new tier plugs in at ``Tiers.attach`` and hears all of it from there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvd.cache.events import EventLog
 from kvd.cache.tier import Tiers
 from kvd.core.index import PageContent
@@ -39,11 +41,12 @@ class PageEvents:
         self.log = log
         self.tiers = tiers
 
-    def published(self, content: PageContent, place: ChainPlace, indexed: bool) -> None:
-        self.integrity.describe(content, place.page_index)
+    def published(self, contents: Sequence[PageContent], places: Sequence[ChainPlace], indexed: bool) -> None:
+        self.integrity.describe(contents, places)
         if indexed:
-            self._announce(content, place)
-            self.tiers.published(content, place)
+            for content, place in zip(contents, places):
+                self._announce(content, place)
+                self.tiers.published(content, place)
 
     def restored(self, content: PageContent, place: ChainPlace) -> None:
         self._announce(content, place)

@@ -332,7 +332,7 @@ class PagePool:
         c.content[slot] = content
         if indexed:
             self.index.insert(content, place.page_index)
-        self.listener.published(content, place, indexed)
+        self.listener.published((content,), (place,), indexed)
 
     def publish_chain(self, contents: list[PageContent], places: list[ChainPlace]) -> None:
         """``publish`` for consecutive pages of one chain, parents first, each indexed: a
@@ -352,9 +352,7 @@ class PagePool:
         for slot, content in zip(slots.tolist(), contents):
             c.content[slot] = content
         self.index.insert_chain(contents, places[0].page_index)
-        published = self.listener.published
-        for content, place in zip(contents, places):
-            published(content, place, True)
+        self.listener.published(contents, places, True)
 
     def evict_many(self, namespace: NamespaceId, count: int) -> list[PageContent]:
         """CACHED → FREE for the eviction policy's next ``count`` victims (all cached pages

@@ -20,15 +20,17 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from kvd.core.arena import Arena
 from kvd.core.counters import Counters
 from kvd.core.index import PageContent
+from kvd.core.listener import ChainPlace
 from kvd.core.pool import PagePool
 from kvd.core.records import ExtentMeta, page_checksum
 from kvd.core.types import PageId
@@ -36,8 +38,7 @@ from kvd.core.types import PageId
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SealJob:
+class SealJob(NamedTuple):  # a named tuple: one is made per page published
     page: PageId
     content: PageContent  # identity-checked when the checksum comes back
     meta: ExtentMeta
@@ -139,13 +140,19 @@ class Integrity:
         self.apply(wait=True)
         self.sealer.close()
 
-    def describe(self, content: PageContent, page_index: int) -> None:
-        """Writes a freshly published page's record; its checksum follows on ``submit``."""
-        page = content.page
-        extent = self.arena.extent_of(page)
-        slot = page - extent.first_page
-        covered = extent.meta.describe(slot, content.key, content.parent, page_index, content.local, content.tokens)
-        self._to_seal.append(SealJob(page, content, extent.meta, slot, covered, extent.page_bytes_view(page)))
+    def describe(self, contents: Sequence[PageContent], places: Sequence[ChainPlace]) -> None:
+        """Writes freshly published pages' records; their checksums follow on ``submit``."""
+        jobs = self._to_seal
+        first = end = 0  # the pages of the extent found last: a batch's mostly share one
+        for content, place in zip(contents, places):
+            page = content.page
+            if not first <= page < end:
+                extent = self.arena.extent_of(page)
+                first, meta, pages = extent.first_page, extent.meta, extent.pages
+                end = first + extent.num_pages
+            slot = page - first
+            covered = meta.describe(slot, content.key, content.parent, place.page_index, content.local, content.tokens)
+            jobs.append(SealJob(page, content, meta, slot, covered, pages[slot]))
 
     def seal_job(self, content: PageContent) -> SealJob:
         """What hashing a described page again reads: its record's fields and its bytes."""
