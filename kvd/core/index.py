@@ -135,6 +135,9 @@ class _Shards:
     def get(self, key, default=None):
         return self._shards[hash(key) & 255].get(key, default)
 
+    def setdefault(self, key, value):
+        return self._shards[hash(key) & 255].setdefault(key, value)
+
     def pop(self, key, *default):
         return self._shards[hash(key) & 255].pop(key, *default)
 
@@ -188,9 +191,8 @@ class PrefixIndex:
 
     def insert(self, content: PageContent, page_index: int) -> None:
         """Indexes a published page, ``page_index`` pages from the start of its chain."""
-        held = self._entries.get(content.key)
-        assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
-        self._entries[content.key] = content
+        held = self._entries.setdefault(content.key, content)
+        assert held is content, f"page key {content.key.hex()} already indexed to page {held.page}"
         parent = self._place(content.parent) if content.parent is not None else None
         if parent is not None and parent[1] == len(parent[0].pages) - 1:
             run = parent[0]
@@ -213,10 +215,9 @@ class PrefixIndex:
         run = self._place(contents[0].page)[0]
         entries, runs = self._entries, self._runs
         for content in contents[1:]:
-            held = entries.get(content.key)
-            assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
+            held = entries.setdefault(content.key, content)
+            assert held is content, f"page key {content.key.hex()} already indexed to page {held.page}"
             assert content.parent == run.pages[-1], f"page {content.page} does not follow page {run.pages[-1]}"
-            entries[content.key] = content
             runs[content.page] = run.number << 32 | len(run.pages)
             run.append(content)
 
