@@ -139,6 +139,30 @@ class PagePool:
         except KeyError:
             return None  # a page of no live extent
 
+    def checksum(self, page: PageId) -> int | None:
+        """A published page's sealed checksum; None before it is sealed, once its seal is gone,
+        and for a page of no live extent."""
+        c = self._columns
+        try:
+            slot = c.slot(page)
+        except KeyError:
+            return None
+        return c.checksum_at[slot] if c.sealed_at[slot] else None
+
+    def sealed(self) -> list[tuple[PageId, int]]:
+        """(page, checksum) of every sealed page, ascending by slot."""
+        c = self._columns
+        slots = np.flatnonzero(c.sealed[: c.capacity])
+        return list(zip(c.page[slots].tolist(), c.checksum[slots].tolist()))
+
+    def seal(self, page: PageId, checksum: int | None) -> None:
+        """Records a published page's checksum (Integrity decides which, kvd/durability/integrity.py);
+        None forgets it. A freed page's goes with it."""
+        c = self._columns
+        slot = c.slot(page)
+        c.sealed_at[slot] = checksum is not None
+        c.checksum_at[slot] = checksum or 0
+
     def is_indexed(self, page: PageId) -> bool:
         return self._columns.indexed_at[self._columns.slot(page)]
 
@@ -455,6 +479,7 @@ class PagePool:
             self._unpublish(ids[at], int(slots[at]))
         c.state[slots] = FREE
         c.indexed[slots] = False
+        c.sealed[slots] = False
         pages.free += ids
         self._drop_orphans()
 
@@ -465,6 +490,7 @@ class PagePool:
             self._unpublish(page, slot)
         c.state_at[slot] = FREE
         c.indexed_at[slot] = False
+        c.sealed_at[slot] = False
         pages.free.append(page)
         self._drop_orphans()
 

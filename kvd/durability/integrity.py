@@ -132,8 +132,7 @@ class Integrity:
         self.arena = arena
         self.pool = pool
         self.counters = counters
-        self.sealer = Sealer()
-        self.checksums: dict[PageId, int] = {}
+        self.sealer = Sealer()  # the checksums themselves are the pool's (PagePool.seal)
         self._to_seal: list[SealJob] = []
 
     def close(self) -> None:
@@ -173,13 +172,18 @@ class Integrity:
         for job, checksum in self.sealer.finished(wait):
             if job.page in self.pool and self.pool.content(job.page) is job.content:
                 job.meta.seal(job.slot, checksum)
-                self.checksums[job.page] = checksum
+                self.pool.seal(job.page, checksum)
                 sealed += 1
         return sealed
 
     def restore(self, checksums: dict[PageId, int]) -> None:
         """The checksums of the pages a warm restart verified."""
-        self.checksums.update(checksums)
+        for page, checksum in checksums.items():
+            self.pool.seal(page, checksum)
+
+    def checksum(self, page: PageId) -> int | None:
+        """The page's sealed checksum; None before it is sealed, or once its seal is gone."""
+        return self.pool.checksum(page)
 
     def verification(self) -> Verification:
         """An audit of every sealed published or cached page, done in steps (``Verification``)."""
@@ -208,7 +212,7 @@ class Integrity:
         """The page leaves the published states: its record must not be recovered."""
         extent = self.arena.extent_of(page)
         extent.meta.clear(page - extent.first_page)
-        self.checksums.pop(page, None)
+        self.pool.seal(page, None)
 
 
 # Bytes an audit hashes per step off the loop (~2 ms at xxh3's speed here): the loop
@@ -243,7 +247,7 @@ class Verification:
             yield future
         for _ in in_flight:  # each takes one finished batch (none that came later: never waits)
             integrity.apply()
-        sealed = list(integrity.checksums.items())
+        sealed = integrity.pool.sealed()
         checked = checked_bytes = corrupted = 0
         at = 0
         while at < len(sealed):
@@ -251,7 +255,7 @@ class Verification:
             while at < len(sealed) and size < VERIFY_BATCH_BYTES:
                 page, checksum = sealed[at]
                 at += 1
-                if integrity.checksums.get(page) != checksum:
+                if integrity.checksum(page) != checksum:
                     continue  # freed, or published anew, since the snapshot
                 batch.append((integrity.seal_job(integrity.pool.content(page)), checksum))
                 size += batch[-1][0].view.nbytes
@@ -262,7 +266,7 @@ class Verification:
             judged = [
                 (job, computed != checksum)
                 for (job, checksum), computed in zip(batch, future.result())
-                if integrity.checksums.get(job.page) == checksum and integrity.pool.content(job.page) is job.content
+                if integrity.checksum(job.page) == checksum and integrity.pool.content(job.page) is job.content
             ]  # the others were freed, or published anew, while they were hashed
             checked += len(judged)
             checked_bytes += sum(job.view.nbytes for job, _ in judged)
