@@ -18,6 +18,7 @@ from kvd.cache import invariants
 from kvd.cache.manager import SequenceRequest
 from kvd.core.errors import InvalidArgument, ResourceExhausted
 from kvd.core.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.core.page_columns import PageColumns
 from kvd.core.types import PageId, PageKey, PageState
 
 PAGE_SIZE = 4
@@ -284,7 +285,9 @@ def test_page_content_confirms_tokens_parent_and_local_bytes():
 
 
 def test_prefix_index_rejects_a_second_page_under_one_key():
-    index = PrefixIndex()
+    columns = PageColumns()
+    columns.add(PageId(0), 4, 0)  # pages 0-3
+    index = PrefixIndex(columns)
     first = PageContent(PageId(1), PageKey(b"k"), toks([1, 2, 3, 4]), None, b"")
     second = dataclasses.replace(first, page=PageId(2))
     index.insert(first, 0)

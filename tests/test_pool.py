@@ -16,7 +16,7 @@ import kvd.core.eviction
 import kvd.core.pool
 from kvd.core.counters import Counters
 from kvd.core.errors import InvalidArgument, NotFound
-from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.page_columns import PageColumns
@@ -90,7 +90,7 @@ def test_slots_of_live_extents_and_reuse_of_removed_ones():
 
 
 def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path):
-    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
+    pool, ns = PagePool(Counters()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 64)
     pages = pool.allocate(ns, 40)
     for page in pages:
@@ -108,7 +108,7 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
 
 def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch):
     monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 8)
-    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
+    pool, ns = PagePool(Counters()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 16)
     pages = pool.allocate(ns, 16)
     for page in pages:
@@ -124,7 +124,7 @@ def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch
 
 @pytest.mark.parametrize("count", [1, 40])
 def test_broken_invariants_name_the_page(batch_path, count):
-    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
+    pool, ns = PagePool(Counters()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 64)
     pool.add_pages(NamespaceId(1), "f", PageId(64), 8)
     pages = pool.allocate(ns, count)
@@ -210,7 +210,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
     monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 4)  # drop left-behind entries often
     rng = random.Random(15)
     model = Model()
-    pool = PagePool(Counters(), PrefixIndex())
+    pool = PagePool(Counters())
     pool.listener = heard = Heard()
     refs: list[tuple[int, bool]] = []  # references taken: (page, pinned)
     extents: dict[str, tuple[int, int, int]] = {}  # name -> (namespace, first, count)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd.core.page_columns import PageColumns
 from kvd.core.types import PageId, PageKey
 from kvd.wire.codec import TOKEN_BYTES, token_array
 from kvd.wire.enums import ExtraKind
@@ -167,11 +168,12 @@ class PrefixIndex:
     the pages that followed the one removed, and the pool removes them too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, columns: PageColumns) -> None:
+        """``columns``: the pool's page columns, where the index keeps each page's place in
+        its run (``PageColumns.run``: its run's number << 32 | its position in the run, -1
+        for none; 8 B a page, where a dict entry and a tuple took ~130 B)."""
         self._entries = _Shards()  # PageKey -> PageContent
-        # PageId -> its run's number << 32 | its position in the run: one int a page, where a
-        # (run, position) tuple took ~80 B (issue 41)
-        self._runs = _Shards()
+        self._columns = columns
         self._numbered: dict[int, _Run] = {}  # the runs that hold pages, by number
         self._next_run = 0
         # PageId -> the pages that start a run of their own under it (a chain that branches
@@ -205,7 +207,7 @@ class PrefixIndex:
             f"page {content.page} at chain index {page_index} joins a run ending at index "
             f"{run.start + len(run.pages) - 1}"
         )
-        self._runs[content.page] = run.number << 32 | len(run.pages)
+        self._columns.run_at[self._columns.slot(content.page)] = run.number << 32 | len(run.pages)
         run.append(content)
 
     def insert_chain(self, contents: list[PageContent], page_index: int) -> None:
@@ -213,13 +215,15 @@ class PrefixIndex:
         ``page_index`` pages from the start of its chain: the rest extend its run."""
         self.insert(contents[0], page_index)
         run = self._place(contents[0].page)[0]
-        entries, runs = self._entries, self._runs
+        first = len(run.pages)
+        entries = self._entries
         for content in contents[1:]:
             held = entries.setdefault(content.key, content)
             assert held is content, f"page key {content.key.hex()} already indexed to page {held.page}"
             assert content.parent == run.pages[-1], f"page {content.page} does not follow page {run.pages[-1]}"
-            runs[content.page] = run.number << 32 | len(run.pages)
             run.append(content)
+        slots = self._columns.slots(run.pages[first:])
+        self._columns.run[slots] = (run.number << 32) + np.arange(first, len(run.pages))
 
     def remove(self, content: PageContent) -> list[PageContent]:
         """Takes the page's entry out; returns the indexed pages that followed it (the rest of
@@ -231,7 +235,6 @@ class PrefixIndex:
         orphans = []
         place = self._place(content.page)
         if place is not None:
-            del self._runs[content.page]
             run, position = place
             if position == 0 and content.parent is not None:
                 siblings = self._branches.get(content.parent, [])
@@ -240,8 +243,7 @@ class PrefixIndex:
                     if not siblings:
                         del self._branches[content.parent]
             keys = run.keys[position + 1 :]
-            for page in run.truncate(position, len(content.tokens))[1:]:
-                del self._runs[page]
+            self._columns.run[self._columns.slots(run.truncate(position, len(content.tokens)))] = -1
             if not run.pages:
                 del self._numbered[run.number]
             orphans += (self._entries[key] for key in keys)
@@ -314,7 +316,9 @@ class PrefixIndex:
         """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed at its
         position, follows its run's previous page and carries its tokens in the run."""
         found = []
-        for page, packed in self._runs.items():
+        c = self._columns
+        placed = np.flatnonzero(c.run[: c.capacity] >= 0)
+        for page, packed in zip(c.page[placed].tolist(), c.run[placed].tolist()):
             run, position = self._numbered.get(packed >> 32), packed & 0xFFFFFFFF
             if run is None:
                 found.append(f"page {page} is mapped to run {packed >> 32}, which holds no pages")
@@ -339,15 +343,23 @@ class PrefixIndex:
                         f"page {page} is recorded as a branch under page {parent} but does not start a run there"
                     )
         for run in self._numbered.values():
-            missing = [p for q, p in enumerate(run.pages) if self._runs.get(p) != run.number << 32 | q]
+            missing = [p for q, p in enumerate(run.pages) if self._packed(p) != run.number << 32 | q]
             if missing:
                 found.append(f"run starting at chain index {run.start} holds pages {missing} not mapped to it")
         return found
 
     def _place(self, page: PageId) -> tuple[_Run, int] | None:
         """The run ``page`` is threaded into and its position there; None for a page of none."""
-        packed = self._runs.get(page)
-        return None if packed is None else (self._numbered[packed >> 32], packed & 0xFFFFFFFF)
+        packed = self._packed(page)
+        return None if packed < 0 else (self._numbered[packed >> 32], packed & 0xFFFFFFFF)
+
+    def _packed(self, page: PageId) -> int:
+        """The page's place in its run as ``PageColumns.run`` holds it; -1 for none (a page of
+        no live extent too)."""
+        try:
+            return self._columns.run_at[self._columns.slot(page)]
+        except KeyError:
+            return -1
 
     def items(self):
         """(key, page) of every entry."""

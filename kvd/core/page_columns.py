@@ -52,6 +52,7 @@ class PageColumns:
         # dict by page id took ~88 B
         self.sealed = np.zeros(0, np.bool_)
         self.checksum = np.zeros(0, np.uint64)
+        self.run = np.zeros(0, np.int64)  # an indexed page's place in its run: kvd/core/index.py's
         # What a PUBLISHED or CACHED page holds (kvd/core/index.py PageContent), None for any
         # other: a list, one reference a slot, where a dict by page id took ~50 B a page.
         self.content: list = []
@@ -68,6 +69,7 @@ class PageColumns:
         self.stamp_at = memoryview(self.stamp)
         self.sealed_at = memoryview(self.sealed)
         self.checksum_at = memoryview(self.checksum)
+        self.run_at = memoryview(self.run)
 
     def _resize(self, size: int) -> None:
         """Makes every column ``size`` slots long, keeping what they hold."""
@@ -80,6 +82,7 @@ class PageColumns:
         self.stamp = _longer(self.stamp, size)
         self.sealed = _longer(self.sealed, size)
         self.checksum = _longer(self.checksum, size)
+        self.run = _longer(self.run, size)
         self.content += [None] * (size - len(self.content))
         self._views()
 
@@ -117,6 +120,7 @@ class PageColumns:
         self.namespace[held] = namespace
         self.indexed[held] = False
         self.sealed[held] = False
+        self.run[held] = -1
         self.content[held] = [None] * count
         return slots
 

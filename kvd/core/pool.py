@@ -47,15 +47,15 @@ class _NamespacePages:
 class PagePool:
     """States, refcounts, free lists and LRU of every host page of the daemon."""
 
-    def __init__(self, counters: Counters, index: PrefixIndex) -> None:
-        """``index``: the prefix index of this pool's published pages. Only the pool inserts
-        and removes its entries: a page enters it when published (or restored) and leaves it
-        in the same call that evicts, frees or unindexes the page; everyone else matches."""
-        self.index = index
+    def __init__(self, counters: Counters) -> None:
+        self._columns = PageColumns()
+        # The prefix index of this pool's published pages. Only the pool inserts and removes
+        # its entries: a page enters it when published (or restored) and leaves it in the same
+        # call that evicts, frees or unindexes the page; everyone else matches.
+        self.index = PrefixIndex(self._columns)
         # Hears every page published, restored, unindexed or freed while published; set once,
         # before the first page is published (kvd/cache/manager.py sets the cache's).
         self.listener: PageListener = SILENT
-        self._columns = PageColumns()
         self._orphans: list[PageContent] = []  # indexed pages that followed a page that left the index
         self._dropping = False  # _drop_orphans is running
         self._extents: dict[str, range] = {}  # slots of each extent's pages
