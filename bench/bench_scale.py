@@ -173,9 +173,12 @@ def measure(tmp: str, pages: int, page_kib: int) -> Figures:
 
 
 def tier_figures(tmp: str, pages: int) -> list[str]:
-    """The tiers' figures for the same page count (bench/scale_tiers.py, issue 41's restart
-    half): warm restart, reboot with the disk tier, graceful stop writes, the disk index's
-    memory, each with its floor. Lines to print; none until that module joins this run."""
+    """The tiers' figures for the same page count, each with its floor: lines to print.
+    bench/scale_tiers.py (issue 41's restart half) measures them, each in a function that
+    returns a dict (``warm_restart(pages, work)``; ``reboot_start(pages, work, disk_dir)``: the
+    graceful stop's writes, the start after a reboot, the disk index's memory;
+    ``disk_write_bandwidth(disk_dir)``, the floor); they are printed here once that module
+    joins this run. None until then."""
     return []
 
 
