@@ -106,6 +106,30 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
     assert evicted == pages[:29:-1] + pages[29:27:-1] and pool.cached_count(ns) == 28
 
 
+def test_a_chain_published_as_one_batch_is_what_page_by_page_publishes_make(batch_path):
+    """``publish_chain`` (a publish's batch) leaves the pages, the index's run and what the
+    listener heard as publishing each page does; a page not PRIVATE names the broken invariant."""
+    pool, ns = PagePool(Counters()), NamespaceId(0)
+    heard = pool.listener = Heard()
+    pool.add_pages(ns, "e", PageId(0), 64)
+    pages = pool.allocate(ns, 40)
+    contents = [
+        PageContent(page, PageKey(page.to_bytes(8, "little")), b"\0" * 16, pages[i - 1] if i else None, b"")
+        for i, page in enumerate(pages)
+    ]
+    places = [OWN_CHAIN._replace(page_index=i) for i in range(len(pages))]
+    pool.publish_chain(contents[:1], places[:1])  # a batch of one: page by page
+    pool.publish_chain(contents[1:], places[1:])
+    assert [pool.state(p) for p in pages] == [PageState.PUBLISHED] * 40 and heard.indexed == set(pages)
+    assert [pool.content(p) for p in pages] == contents and pool.index.run_problems() == []
+    assert len(pool.index._numbered) == 1  # one run: the batch joined its parent's
+    more = pool.allocate(ns, 2)
+    pool.release_all(more[1:])  # FREE again: publishing it is a broken invariant
+    late = [PageContent(p, PageKey(p.to_bytes(8, "little")), b"\1" * 16, None, b"") for p in more]
+    with pytest.raises(AssertionError, match=f"page {more[1]} published while free"):
+        pool.publish_chain(late, [OWN_CHAIN] * 2)
+
+
 def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch):
     monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 8)
     pool, ns = PagePool(Counters()), NamespaceId(0)
