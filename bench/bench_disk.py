@@ -33,9 +33,9 @@ import time
 
 import numpy as np
 
-from kvd.disk.layout import BLOCK, FILE_NAME, ChunkFormat, DiskPage, PageIdentity, SlotClass, chunk_of
-from kvd.disk.results import PageRead, PageWrite, ReadOk, Written
-from kvd.disk.store import DiskStore, Opened
+from kvd.diskstore.layout import BLOCK, FILE_NAME, ChunkFormat, DiskPage, PageIdentity, SlotClass, chunk_of
+from kvd.diskstore.results import PageRead, PageWrite, ReadOk, Written
+from kvd.diskstore.store import DiskStore, Opened
 
 PAGE_SIZE = 16
 WRITE_BATCH = 64
@@ -74,7 +74,7 @@ def fill(store: DiskStore, count: int, page_bytes: int) -> tuple[list[DiskPage],
 
 
 def data_offsets(pages: list[DiskPage], chunk_bytes: int) -> list[int]:
-    """Where each page's bytes lie in the file (kvd/disk/layout.py)."""
+    """Where each page's bytes lie in the file (kvd/diskstore/layout.py)."""
     offsets = []
     for page in pages:
         chunk, index = chunk_of(page.slot)

@@ -50,7 +50,7 @@ from trace_sim import BLOCK_TOKENS, DISK_POLICIES, LRU, Belady, Outcome, Placeme
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.launch import DaemonProcess
 from kvd.core.records import HEADER_BYTES, record_size
-from kvd.disk.layout import BLOCK, SlotClass
+from kvd.diskstore.layout import BLOCK, SlotClass
 
 LAYOUT = PageLayout(num_layers=1, num_kv_heads=1, head_dim=2, page_size=BLOCK_TOKENS, dtype="float16")
 MAX_CHUNK_SLOTS = 128  # slots per disk chunk: the disk's page count is a whole number of chunks

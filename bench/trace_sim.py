@@ -64,7 +64,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvd.disk.eviction import ArcPolicy, LruPolicy
+from kvd.tiers.eviction import ArcPolicy, LruPolicy
 
 BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
 SYNTHETIC_TRACE = Path("shared", "traces", "synthetic_trace.jsonl")
@@ -203,7 +203,7 @@ class OneTier:
 
 
 class PolicyCache(OneTier):
-    """A tier that evicts by one of the disk tier's policies (kvd/disk/eviction.py), mixed in
+    """A tier that evicts by one of the disk tier's policies (kvd/tiers/eviction.py), mixed in
     before it: the daemon's own classes, so the study measures what kvd runs."""
 
     def touch(self, block: int) -> int | None:

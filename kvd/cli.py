@@ -119,7 +119,7 @@ def stats_table(stats: dict) -> str:
 
 def disk_io_line(d: dict) -> str:
     """One line on the disk tier's transfers: bytes each way, the write backlog, the promotion latency."""
-    from kvd.cache.stats import bucket_quantile
+    from kvd.tiers.stats import bucket_quantile
 
     reads = sum(d["promotion_buckets"])
     latency = "no promotion yet"

@@ -56,6 +56,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from kvd.diskstore.layout import BLOCK
+from kvd.tiers.eviction import POLICIES
 from kvd.wire.limits import MAX_AUX_STATE_BYTES
 from kvd.wire.paths import (
     auth_socket,
@@ -89,10 +91,7 @@ _UNITS = {
 }
 
 
-# Defaults of the aux state settings, also the core's when it runs without a config (tests).
-# A call done in steps (a publish, an allocation's room, a wide lookup) holds the event loop
-# about this long at a time; the servicer lets other calls run between two steps.
-STEP_SECONDS = 0.0002
+# Defaults of the aux state settings, also the cache's when it runs without a config (tests).
 AUX_BYTES = 256 << 20
 AUX_BYTES_PER_SEQUENCE = 16 << 20
 
@@ -199,9 +198,9 @@ class DiskConfig:
     path: str
     bytes: int
     backlog_bytes: int = 256 << 20  # copies of evicted pages waiting to be written (per tenant)
-    chunk_bytes: int = 64 << 20  # kvd/disk/layout.py: pages of one size share a chunk
+    chunk_bytes: int = 64 << 20  # kvd/diskstore/layout.py: pages of one size share a chunk
     stop_write_seconds: float = 10.0  # kvd/disk/stop_writes.py: a graceful stop's writes, at most
-    policy: str = "arc"  # kvd/disk/eviction.py: which pages leave a full disk
+    policy: str = "arc"  # kvd/tiers/eviction.py: which pages leave a full disk
     # kvd/disk/admission.py: a page RAM evicts is written once it has had this many uses (its
     # publish, each allocation that hit it); 1 writes every one, 2 cuts writes 2-3x (bench/RESULTS.md)
     min_uses: int = 1
@@ -215,8 +214,6 @@ class DiskConfig:
 
 _DISK_KEYS = {f.name: f for f in dataclasses.fields(DiskConfig)}
 _DISK_SIZES = ("bytes", "backlog_bytes", "chunk_bytes")
-DISK_POLICIES = ("arc", "lru")  # kvd/disk/eviction.py's POLICIES
-DISK_BLOCK = 4096  # kvd/disk/layout.py's BLOCK (the disk package loads only with [disk])
 
 
 def _count(value, name: str, source: str) -> int:
@@ -253,13 +250,13 @@ def _disk(values: dict[str, tuple[object, str]]) -> DiskConfig | None:
         problem = f"path: expected an absolute path, got {checked['path']!r}"
     elif "bytes" not in checked:
         problem = 'bytes (the budget on disk, e.g. "100GiB") is required to turn the disk tier on'
-    elif chunk % DISK_BLOCK or chunk < 2 * DISK_BLOCK:
-        problem = f"chunk_bytes: a multiple of {DISK_BLOCK} bytes, two blocks at least, got {chunk}"
-    elif checked["bytes"] < DISK_BLOCK + chunk:
-        least = DISK_BLOCK + chunk
+    elif chunk % BLOCK or chunk < 2 * BLOCK:
+        problem = f"chunk_bytes: a multiple of {BLOCK} bytes, two blocks at least, got {chunk}"
+    elif checked["bytes"] < BLOCK + chunk:
+        least = BLOCK + chunk
         problem = f"bytes: {checked['bytes']} holds no chunk of {chunk} bytes (chunk_bytes); give at least {least}"
-    elif checked.get("policy", DiskConfig.policy) not in DISK_POLICIES:
-        problem = f"policy: expected one of {list(DISK_POLICIES)}, got {checked['policy']!r}"
+    elif checked.get("policy", DiskConfig.policy) not in POLICIES:
+        problem = f"policy: expected one of {list(POLICIES)}, got {checked['policy']!r}"
     elif checked.get("min_uses", 1) < 1:
         problem = f"min_uses: expected a number of uses >= 1, got {checked['min_uses']}"
     if problem:
@@ -418,7 +415,7 @@ def _check_disk(cfg: ServeConfig) -> None:
     disk = cfg.disk
     for t in cfg.tenants if disk is not None else ():
         _, budget = disk.share(t.name, t.host_bytes, cfg.host_bytes)
-        if budget < DISK_BLOCK + disk.chunk_bytes:
+        if budget < BLOCK + disk.chunk_bytes:
             raise ConfigError(
                 f"disk.bytes: tenant {t.name}'s share ({budget} bytes, as its host_bytes is of host_bytes) holds "
                 f"no chunk of {disk.chunk_bytes} bytes; raise disk.bytes or lower disk.chunk_bytes"

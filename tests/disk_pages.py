@@ -21,9 +21,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvd.disk.layout import DiskPage, PageIdentity, SlotId
-from kvd.disk.results import PageRead, PageWrite, ReadOk, Written
-from kvd.disk.store import DiskStore, Opened
+from kvd.diskstore.layout import DiskPage, PageIdentity, SlotId
+from kvd.diskstore.results import PageRead, PageWrite, ReadOk, Written
+from kvd.diskstore.store import DiskStore, Opened
 
 BUDGET = 16 << 20
 CHUNK = 1 << 20

@@ -79,8 +79,15 @@ TRANSPORT = ("grpc", "google.protobuf", "kvd.wire.kvd_pb2", "kvd.wire.kvd_pb2_gr
 CLIENT_TRANSPORT = ("engine_client/connection.py", "engine_client/messages.py")
 # The vLLM connector; the reference engine, the rest of gpu_worker/, stands without it (and without vLLM).
 CONNECTOR = ("gpu_worker/vllm", "gpu_worker/vllm_connector.py")
-# The remote tier and the launcher that builds it; the cache hears it only through kvd/cache/tier.py.
+# The remote tier and the launcher that builds it; the cache hears it only through kvd/tiers/tier.py.
 REMOTE_TIER = ("kvd/remote", "kvd/server/daemon.py")
+# The tiers below the cache and their storage: the cache and the floor under it name none of them.
+TIERS = ("kvd.disk", "kvd.diskstore", "kvd.remote", "mooncake")
+# What the disk's storage engine may use of kvd: itself, the page records' checksum and the core's types.
+DISK_STORE_USES = ("kvd.diskstore", "kvd.core.records", "kvd.core.types")
+# What the connector may use of gpu_worker/ beside itself: the modules the reference engine
+# and the connector share, which bring neither the reference engine's GPU pool nor its model.
+SHARED_WITH_CONNECTOR = ("gpu_worker.host_registration",)
 
 
 def test_import_rules_hold_in_the_source_including_imports_inside_functions():
@@ -93,8 +100,18 @@ def test_import_rules_hold_in_the_source_including_imports_inside_functions():
     assert (
         _violations("gpu_worker", ("vllm", "gpu_worker.vllm", "gpu_worker.vllm_connector"), exempt=CONNECTOR) == set()
     )
-    # the remote tier hangs beside the cache (kvd/cache/tier.py): only the launcher builds it
+    # the remote tier hangs below the cache (kvd/tiers/tier.py): only the launcher builds it
     assert _violations("kvd", ("kvd.remote", "mooncake"), exempt=REMOTE_TIER) == set()
+    # the cache, and the floor it meets its tiers on, name no tier
+    assert _violations("kvd/cache", TIERS) == set()
+    assert _violations("kvd/tiers", TIERS) == set()
+    # a tier uses of the cache what its ports lend it (and the event log's names), never the manager
+    for tier in ("kvd/disk", "kvd/remote"):
+        assert _violations(tier, ("kvd.cache",), allowed=("kvd.cache.ports", "kvd.cache.events")) == set()
+    # the disk's storage engine stands alone: of kvd, only the page records' checksum and types
+    assert _violations("kvd/diskstore", ("kvd",), allowed=DISK_STORE_USES) == set()
+    # the connector stands on vLLM and engine_client, never on the reference engine
+    assert _violations("gpu_worker/vllm", ("gpu_worker",), allowed=("gpu_worker.vllm", *SHARED_WITH_CONNECTOR)) == set()
 
 
 # kvd/ from the bottom up: a module imports from its own layer and the layers below it only.
@@ -103,9 +120,11 @@ KVD_LAYERS = (
     ("kvd.crashpoints", "kvd.collector"),  # the daemon's cross-cutting hooks: test crash points, GC policy
     ("kvd.core",),  # the page core: pages, refcounts, the index, extents and their records
     ("kvd.durability",),  # what survives a crash: seals, warm restart
-    ("kvd.config",),  # settings: the core and durability get values, never the settings
+    ("kvd.diskstore",),  # the disk's storage engine: pages in one file, no policy, no daemon
+    ("kvd.tiers",),  # the floor the cache and its tiers meet on: the Tier interface, fetches, holds
+    ("kvd.config",),  # settings: the layers below get values, never the settings
     ("kvd.cache",),  # what client calls do on top of the core
-    ("kvd.remote", "kvd.disk"),  # the tiers beside the cache (it hears them through kvd/cache/tier.py)
+    ("kvd.remote", "kvd.disk"),  # the tiers below the cache (it calls them through kvd/tiers/tier.py)
     ("kvd.server",),  # the daemon's edge
     ("kvd.cli",),
 )
@@ -167,7 +186,7 @@ def _circles(package: str) -> set[tuple[str, ...]]:
 
 
 def test_kvd_packages_import_only_downwards_and_in_no_circle():
-    """DESIGN.md: wire → core → durability → cache → tiers → server, nothing imports a package
+    """DESIGN.md: wire → core → durability → (the tiers' floor) → cache → tiers → server, nothing imports a package
     above it (imports inside functions and under TYPE_CHECKING count)."""
     assert _layer_violations("kvd", KVD_LAYERS) == set()
     assert _circles("kvd") == set()

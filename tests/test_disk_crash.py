@@ -1,6 +1,6 @@
 """The disk tier's storage engine killed at its dangerous instants (issue 30): a real child
 process (tests/disk_pages.py) is killed with SIGKILL at a crash point
-(kvd/disk/crashpoints.py), then a fresh open must return exactly the pages whose writes
+(kvd/diskstore/crashpoints.py), then a fresh open must return exactly the pages whose writes
 completed (and whose frees did not), each reading back with its own bytes, and nothing else.
 
 Each test fails on a build without the protection it tests: the data-then-header order

@@ -17,7 +17,7 @@ from conftest import clean_env
 from test_disk_faults import needs_root
 
 from kvd.disk.doctor import MEMORY_FILE_SYSTEMS, file_system
-from kvd.disk.layout import FILE_NAME
+from kvd.diskstore.layout import FILE_NAME
 
 CHECKS = ["disk path", "disk space", "direct I/O", "read bandwidth"]
 PROBE = ("--probe-bytes", "8MiB")

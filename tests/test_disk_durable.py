@@ -1,6 +1,6 @@
 """The disk tier through a real daemon at its dangerous instants (issue 30): ``kill -9`` while a
 write-back is in flight and while the tier frees disk pages to make room, aimed with the
-storage engine's crash points (kvd/disk/crashpoints.py, ``KVD_DISK_CRASH_AT`` in the daemon's
+storage engine's crash points (kvd/diskstore/crashpoints.py, ``KVD_DISK_CRASH_AT`` in the daemon's
 environment); then a warm restart (the same /dev/shm) and a host reboot (``kvd clean``: a
 fresh /dev/shm) find exactly the completed pages on disk, serve them with their own bytes, and
 never find a torn one. And a failing disk (``KVD_DISK_FAULT``: EIO at the syscall boundary,
@@ -23,7 +23,7 @@ import pytest
 from conftest import budget_for, clean_env, remove_shared_memory, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
-from kvd.disk.layout import BLOCK, SlotClass
+from kvd.diskstore.layout import BLOCK, SlotClass
 
 # A slot header with 256 token ids spans three 512-byte sectors: a torn one loses token ids.
 LAYOUT = PageLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=256, dtype="float16")  # 8 KiB pages

@@ -1,4 +1,4 @@
-"""The disk tier's eviction policies (kvd/disk/eviction.py), in process: LRU's order, ARC's
+"""The disk tier's eviction policies (kvd/tiers/eviction.py), in process: LRU's order, ARC's
 lists and ghosts on worked examples (Megiddo and Modha's cases), and, on random operations,
 what every policy promises its callers (a page admitted is held, what it gives up was held
 and is gone, never more than its capacity) with ARC's own bounds on its lists."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd import config
-from kvd.disk.eviction import POLICIES, ArcPolicy, LruPolicy
+from kvd.tiers.eviction import POLICIES, ArcPolicy, LruPolicy
 
 
 def held(policy, keys) -> list:
@@ -100,10 +99,6 @@ def test_victims_are_only_the_usable_pages_in_the_policy_order():
     assert arc.victims(5, usable) == ["f"]  # T2 has none: T1's, below its target; then none is left
     assert lists(arc) == (["c", "e"], ["a"], ["d", "f"], ["b"])
     assert arc.admit("d") == [] and arc._target == 4.0 and lists(arc)[1] == ["a", "d"]
-
-
-def test_the_settings_name_every_policy():
-    assert set(config.DISK_POLICIES) == set(POLICIES)
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["admit", "hit", "forget", "victims"]), st.integers(0, 11)), max_size=200)

@@ -20,8 +20,8 @@ import sys
 import pytest
 from disk_pages import CHUNK, content, host_pages, identity, number_of, open_store, read_back, write
 
-from kvd.disk.layout import FILE_NAME, SlotClass
-from kvd.disk.results import (
+from kvd.diskstore.layout import FILE_NAME, SlotClass
+from kvd.diskstore.results import (
     NotWritten,
     OpenRefusal,
     OpenRefused,
@@ -31,7 +31,7 @@ from kvd.disk.results import (
     ReadMiss,
     WriteRefusal,
 )
-from kvd.disk.store import DiskStore
+from kvd.diskstore.store import DiskStore
 
 PAGE_BYTES, PAGE_SIZE = 8192, 16
 
@@ -58,7 +58,7 @@ def test_a_read_error_is_a_dropped_miss(store, tmp_path, caplog):
     pages = store.pages()
     store.inject("read", errno.EIO)
     out = host_pages(2, PAGE_BYTES)
-    with caplog.at_level(logging.ERROR, logger="kvd.disk.store"):
+    with caplog.at_level(logging.ERROR, logger="kvd.diskstore.store"):
         results = store.read([PageRead(pages[0].slot, out[0]), PageRead(pages[1].slot, out[1])]).result()
     assert results == [ReadMiss(pages[0].slot, ReadFailure.IO_ERROR), ReadMiss(pages[1].slot, ReadFailure.IO_ERROR)]
     assert all(r.dropped for r in results) and "not read back" in caplog.text
@@ -99,7 +99,7 @@ def test_bytes_changed_on_disk_are_a_dropped_miss(store, tmp_path):
 def test_a_failed_write_is_refused_and_leaves_nothing_on_disk(store, tmp_path, caplog, op, skip, error, reason):
     store.inject(op, error, skip=skip)
     pages = host_pages(2, PAGE_BYTES)
-    with caplog.at_level(logging.ERROR, logger="kvd.disk.store"):
+    with caplog.at_level(logging.ERROR, logger="kvd.diskstore.store"):
         results = store.write([PageWrite(identity(10 + i, PAGE_SIZE), pages[i]) for i in range(2)]).result()
     assert results == [NotWritten(reason)] * 2 and "not written" in caplog.text
     c = store.counters()
@@ -124,7 +124,7 @@ def test_a_slot_whose_header_cannot_be_zeroed_is_not_reused(store, tmp_path):
 
 
 def test_a_missing_directory_is_refused(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="kvd.disk.store"):
+    with caplog.at_level(logging.WARNING, logger="kvd.diskstore.store"):
         refused = DiskStore.open(str(tmp_path / "absent"), 16 << 20, chunk_bytes=1 << 20)
     assert isinstance(refused, OpenRefused) and refused.reason is OpenRefusal.MISSING
     assert "refused (missing)" in caplog.text
@@ -140,7 +140,7 @@ def test_a_directory_removed_under_the_store_refuses_writes_and_still_serves(tmp
     shutil.rmtree(directory)
     view = host_pages(1, PAGE_BYTES)[0]
     view[:] = content(9, PAGE_BYTES)
-    with caplog.at_level(logging.ERROR, logger="kvd.disk.store"):
+    with caplog.at_level(logging.ERROR, logger="kvd.diskstore.store"):
         result = opened.store.write([PageWrite(identity(9, PAGE_SIZE), view)]).result()
     assert result == [NotWritten(WriteRefusal.VANISHED)] and "vanished" in caplog.text
     assert opened.store.counters().refused_vanished == 1

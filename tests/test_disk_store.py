@@ -18,8 +18,8 @@ import pytest
 from disk_pages import CHUNK, content, host_pages, identity, number_of, open_store, read_back, write
 
 from kvd.core.records import page_checksum
-from kvd.disk.layout import BLOCK, FILE_NAME, SlotClass
-from kvd.disk.results import (
+from kvd.diskstore.layout import BLOCK, FILE_NAME, SlotClass
+from kvd.diskstore.results import (
     NotWritten,
     PageRead,
     PageWrite,
@@ -30,8 +30,8 @@ from kvd.disk.results import (
     WriteRefusal,
     Written,
 )
-from kvd.disk.slot_file import direct_io_alignment
-from kvd.disk.store import DiskStore
+from kvd.diskstore.slot_file import direct_io_alignment
+from kvd.diskstore.store import DiskStore
 
 PAGE_SIZE = 16
 

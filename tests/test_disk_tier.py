@@ -16,8 +16,8 @@ from conftest import budget_for, remove_shared_memory, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
 from kvd import config
-from kvd.cache.fetches import RECHECK_SECONDS as RECHECK
-from kvd.disk.layout import FILE_NAME
+from kvd.diskstore.layout import FILE_NAME
+from kvd.tiers.fetches import RECHECK_SECONDS as RECHECK
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
 PAGE_BYTES = 16 << 10

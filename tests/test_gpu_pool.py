@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from shm_host_pages import ShmHostPages
 
 from engine_client import PageLayout
-from gpu_worker.loader import PageLoader, PageStore, register_chunks, register_host_extents
+from gpu_worker.host_registration import register_chunks, register_host_extents
+from gpu_worker.loader import PageLoader, PageStore
 from gpu_worker.pool import (
     Acquired,
     GpuPageId,

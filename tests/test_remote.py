@@ -23,11 +23,11 @@ from engine_client import BlockStored, ExtraKey, KVDClient, PageLayout, Sequence
 from engine_client.launch import DaemonProcess
 from engine_client.mooncake_master import MooncakeMaster, free_port
 from kvd import config
-from kvd.cache.fetches import RECHECK_SECONDS as RECHECK
 from kvd.core.index import chain_spec, page_key
 from kvd.core.namespaces import NamespaceIdentity as Identity
 from kvd.core.namespaces import NamespaceRegistry, make_layout
 from kvd.remote.format import PageHeader, header_bytes, store_key, write_header
+from kvd.tiers.fetches import RECHECK_SECONDS as RECHECK
 from kvd.wire.codec import TOKEN_BYTES
 
 LAYOUT = PageLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")  # 16 KiB pages
@@ -595,7 +595,7 @@ def test_a_page_whose_host_died_is_an_error_asked_for_again_not_a_rejected_page(
             failed = b.stats()["remote"]
             assert hit < len(tokens), "some of A's pages lay in A's own segment"
             assert failed["errors"] == before["errors"] + 1 and failed["rejected_pages"] == before["rejected_pages"]
-            assert re.search(r"ERROR kvd\.cache\.fetches: .* did not arrive from the remote store", db.log()), db.log()
+            assert re.search(r"ERROR kvd\.tiers\.fetches: .* did not arrive from the remote store", db.log()), db.log()
 
             # A third client stores the prompt's pages again, the last one a byte short.
             store = MooncakeDistributedStore()

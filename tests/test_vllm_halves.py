@@ -17,6 +17,7 @@ import re
 import signal
 import time
 import urllib.request
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,8 +49,9 @@ NUM_BLOCKS = 64
 # vLLM's null block (0) is no request's block: block ids here start at 1.
 
 
-def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str | None = None):
-    """The fields of vllm.v1.request.Request that the connector reads."""
+def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str | None = None, params=None):
+    """The fields of vllm.v1.request.Request that the connector reads (`params`: its
+    `kv_transfer_params`)."""
     return SimpleNamespace(
         request_id=req_id,
         prompt_token_ids=tokens,
@@ -58,6 +60,7 @@ def request(req_id: str, tokens: list[int], lora: str | None = None, salt: str |
         mm_features=[],
         block_hashes=[],
         lora_request=SimpleNamespace(lora_name=lora, lora_int_id=1) if lora else None,
+        kv_transfer_params=params,
     )
 
 
@@ -141,6 +144,7 @@ class VllmProcess:
         tp: int = 1,
         sliding_groups: tuple[bool, ...] = (False,),
         latent: bool = False,
+        keep_share: float = 0.5,
         **link,
     ) -> None:
         groups = [i % len(sliding_groups) for i in range(len(LAYERS))]  # layers dealt to the groups in turn
@@ -152,6 +156,7 @@ class VllmProcess:
             BLOCK,
             save_generated,
             sliding_groups=sliding_groups,
+            keep_share=keep_share,
         )
         generator = torch.Generator().manual_seed(seed)
         self.workers, self.kvs = [], []
@@ -1158,6 +1163,147 @@ def test_a_decode_hashes_each_published_block_once_and_its_removals_name_every_b
     a.scheduler.close()
 
 
+def pinned_pages(socket: str) -> int:
+    with KVDClient.connect(socket) as kvd:
+        return kvd.stats()["pinned_pages"]
+
+
+def counted(process: VllmProcess, name: str, value: int) -> Counter:
+    """The scheduler half's counts added up until `name` reaches `value` (the lookahead
+    thread counts a keep once its pins are made)."""
+    counts = Counter()
+
+    def reached() -> bool:
+        counts.update(process.scheduler.take_counts())
+        return counts[name] >= value
+
+    wait_until(reached, f"{name} counted {value}", timeout=10, detail=lambda: counts)
+    return counts
+
+
+def served(process: VllmProcess, req, blocks: list[int]) -> None:
+    """The request's whole life in one process: looked up, its prompt computed and saved, finished."""
+    offered(process.scheduler, req)
+    assert process.run(req, blocks) == set()
+    process.finish(req)
+
+
+def test_a_request_that_says_store_false_saves_nothing_and_the_next_identical_request_misses(daemon):
+    """`"kvd": {"store": false}`: neither the prompt's blocks nor the generated ones reach
+    kvd, so the same prompt from another process misses; the request's own lookups still hit."""
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt, answer = tokens(6 * BLOCK + 5), tokens(2 * BLOCK + 3, seed=2)
+    private = request("private", prompt, params={"kvd": {"store": False}})
+    assert offered(a.scheduler, private) == 0
+    assert a.run(private, list(range(1, 8))) == set()
+    private.all_token_ids += answer
+    assert a.next_step(private, len(prompt), len(answer) - 1, new_block_ids=[8, 9]) == set()
+    a.finish(private)
+    with KVDClient.connect(daemon.socket) as kvd:
+        stats = kvd.stats()
+    assert stats["cached_pages"] == stats["shared_pages"] == stats["private_pages"] == 0, "kvd holds pages of it"
+    again = request("again", prompt)
+    assert offered(b.scheduler, again) == 0, "the next identical request hit what store false saved"
+    assert a.scheduler.take_counts()["requests_not_stored"] == 1
+    assert b.run(again, list(range(20, 27))) == set()  # stores, as requests do by default
+    b.finish(again)
+    assert offered(a.scheduler, request("private-2", prompt, params={"kvd": {"store": False}})) == 6 * BLOCK
+
+
+def small_daemon(daemon_factory, pages: int = 16):
+    """A daemon whose budget holds `pages` pages (in extents of 8): a flood of a few prompts evicts them all."""
+    budget = budget_for(pages, LAYOUT.page_bytes, BLOCK, extents=pages // 8)
+    return daemon_factory(
+        "--enable-prefix-reuse", "--host-bytes", str(budget), "--extent-bytes", str(8 * LAYOUT.page_bytes)
+    )
+
+
+def test_keep_seconds_keeps_a_prompt_resident_through_a_flood_that_evicts_everything_else(daemon_factory):
+    """`"kvd": {"keep_seconds": 600}`: once the request is done, its prompt's pages are pinned
+    (from the lookahead thread) and a flood of distinct prompts, four times the budget, leaves
+    them in place; the same-sized prompt of a request that did not ask is evicted. The keep
+    is a pin with a time to live: it ends by itself."""
+    daemon = small_daemon(daemon_factory)
+    a = VllmProcess(daemon.socket, 1)
+    system, plain = tokens(4 * BLOCK + 5, seed=40), tokens(4 * BLOCK + 5, seed=41)
+    served(a, request("kept", system, params={"kvd": {"keep_seconds": 600}}), list(range(1, 6)))
+    served(a, request("plain", plain), list(range(1, 6)))
+    wait_until(lambda: pinned_pages(daemon.socket) == 4, "the kept prompt's 4 pages pinned", timeout=10)
+    for i in range(16):
+        served(a, request(f"flood-{i}", tokens(4 * BLOCK + 5, seed=100 + i)), list(range(1, 6)))
+    assert pages_held(daemon.socket, SPEC, plain) == 0, "the flood did not evict what nobody kept"
+    assert pages_held(daemon.socket, SPEC, system) == 4, "the kept prompt was evicted"
+    counts = counted(a, "keeps", 1)
+    assert (counts["keeps"], counts["kept_pages"], counts["keeps_over_budget"]) == (1, 4, 0)
+    b = VllmProcess(daemon.socket, 2)
+    assert offered(b.scheduler, request("b", system + tokens(40, seed=3))) == 4 * BLOCK
+
+    short = tokens(3 * BLOCK + 5, seed=42)  # a keep of a second ends with its pin
+    served(a, request("short", short, params={"kvd": {"keep_seconds": 1}}), list(range(1, 5)))
+    wait_until(lambda: pinned_pages(daemon.socket) == 7, "the short keep's 3 pages pinned", timeout=10)
+    wait_until(lambda: pinned_pages(daemon.socket) == 4, "the short keep expired", timeout=10)
+
+
+def test_a_prompt_kept_again_is_pinned_again_only_to_keep_it_longer(daemon):
+    """Requests that ask to keep the same prompt for no longer than its keep leave it as it
+    is (one pin); a longer keep replaces it, and the prompt stays past the shorter one."""
+    a = VllmProcess(daemon.socket, 1)
+    prompt = tokens(3 * BLOCK + 5, seed=60)
+    for i, seconds in enumerate((1, 1, 600)):
+        served(a, request(f"r{i}", prompt, params={"kvd": {"keep_seconds": seconds}}), list(range(1, 5)))
+    counts = counted(a, "keeps", 2)
+    time.sleep(1.5)  # past the first keep's second
+    counts.update(a.scheduler.take_counts())
+    assert (counts["keeps"], counts["kept_pages"]) == (2, 6), "the second request's keep pinned again"
+    assert pinned_pages(daemon.socket) == 3, "the longer keep did not keep the prompt"
+
+
+def test_keeps_beyond_the_engines_share_of_the_budget_keep_what_fits_and_say_so(daemon_factory, caplog):
+    """With `keep_share` 0.25 of a 16-page budget the engine's keeps hold 4 pages at most: a
+    first prompt of 3 pages is kept whole, a second keeps its first page, a third nothing;
+    each cut is a warning naming its request, and every request was served."""
+    daemon = small_daemon(daemon_factory)
+    a = VllmProcess(daemon.socket, 1, keep_share=0.25)
+    prompts = {name: tokens(3 * BLOCK + 5, seed=50 + i) for i, name in enumerate(("first", "second", "third"))}
+    for name, pinned in (("first", 3), ("second", 4)):
+        served(a, request(name, prompts[name], params={"kvd": {"keep_seconds": 600}}), list(range(1, 5)))
+        wait_until(lambda n=pinned: pinned_pages(daemon.socket) == n, f"{pinned} pages pinned after {name}", timeout=10)
+    served(a, request("third", prompts["third"], params={"kvd": {"keep_seconds": 600}}), list(range(1, 5)))
+    counts = counted(a, "keeps_over_budget", 2)
+    assert (counts["keeps"], counts["kept_pages"], counts["keeps_over_budget"]) == (2, 4, 2)
+    assert pinned_pages(daemon.socket) == 4
+    assert "request second asks to keep 3 pages of its prompt for 600 s" in caplog.text
+    assert "its first 1 pages are kept" in caplog.text
+    assert re.search(r"request third asks to keep 3 pages .* not kept", caplog.text)
+    assert "request first asks" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "params, wrong, stores",
+    [
+        ({"kvd": {"store": "no"}}, """"store" must be true or false, got 'no'""", True),
+        ({"kvd": {"keep_seconds": -1}}, '"keep_seconds" must be a finite number of seconds >= 0, got -1', True),
+        ({"kvd": {"keep_seconds": "60"}}, "got '60'", True),
+        ({"kvd": {"store": False, "keep": 60}}, "unknown key 'keep'", False),
+        ({"kvd": ["store", False]}, '"kvd" must be a dict', True),
+    ],
+)
+def test_a_wrong_kvd_entry_is_a_warning_naming_it_and_the_request_is_served_as_usual(
+    daemon, caplog, params, wrong, stores
+):
+    """What is wrong in a request's "kvd" entry is logged (a warning naming the request) and
+    ignored; what is right still applies; the request is served and saved as any other."""
+    a, b = VllmProcess(daemon.socket, 1), VllmProcess(daemon.socket, 2)
+    prompt = tokens(6 * BLOCK + 5)
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.vllm.request_params"):
+        served(a, request("odd", prompt, params={**params, "other_connector": {"x": 1}}), list(range(1, 8)))
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "gpu_worker.vllm.request_params"]
+    assert "request odd" in warning and wrong in warning and "served as usual" in warning
+    assert offered(b.scheduler, request("b", prompt)) == (6 * BLOCK if stores else 0)
+    counts = a.scheduler.take_counts()
+    assert (counts["params_ignored"], counts["requests_not_stored"], counts["keeps"]) == (1, int(not stores), 0)
+
+
 def test_vllm_finds_the_connector_under_the_path_configurations_name():
     """Users' configurations name ``gpu_worker.vllm_connector``: vLLM's own factory resolves
     it to the connector of the gpu_worker/vllm/ package."""
@@ -1182,8 +1328,8 @@ def test_the_connector_stats_add_up_over_intervals_and_reach_prometheus():
 
     first, second = (KVDConnector.build_kv_connector_stats({"lookups_unanswered": n}) for n in (2, 3))
     assert KVDConnector.build_kv_connector_stats({"lookups_unanswered": 0}).is_empty()
-    total = first.aggregate(second)
-    assert not total.is_empty() and total.reduce() == {"lookups_unanswered": 5}
+    total = first.aggregate(second).aggregate(KVDConnector.build_kv_connector_stats({"kept_pages": 7}))
+    assert not total.is_empty() and total.reduce() == {"lookups_unanswered": 5, "kept_pages": 7}
     registry = prometheus_client.CollectorRegistry()
     types = {
         kind: functools.partial(kind, registry=registry)
@@ -1193,6 +1339,8 @@ def test_the_connector_stats_add_up_over_intervals_and_reach_prometheus():
     prom.observe(total.data, engine_idx=0)
     prom.observe({"lookups_unanswered": 1}, engine_idx=0)
     assert registry.get_sample_value("vllm:kvd_lookups_unanswered_total", {"engine": "0"}) == 6
+    assert registry.get_sample_value("vllm:kvd_kept_pages_total", {"engine": "0"}) == 7
+    assert registry.get_sample_value("vllm:kvd_requests_not_stored_total", {"engine": "0"}) == 0
     logged = []
     connector_log = KVConnectorLogging.__new__(KVConnectorLogging)  # its constructor finds the class by config
     connector_log.connector_cls = KVDConnector

@@ -12,8 +12,9 @@ vLLM's reference CPU MLA backend, the one that takes float32 (its block size is 
 of KV cache memory (not `VLLM_CPU_KVCACHE_SPACE`). vLLM logs to
 stdout, so commands travel over a `multiprocessing.connection` unix socket the test
 listens on: ("generate", [prompt, ...], max_tokens, until_saved) answers the greedy token
-ids of each prompt (a prompt is a dict with `tokens`, optionally `cache_salt` and `lora`,
-the path of a LoRA adapter, named after its directory) and how many prompt tokens came
+ids of each prompt (a prompt is a dict with `tokens`, optionally `cache_salt`, `lora`,
+the path of a LoRA adapter, named after its directory, and `kv_transfer_params`, the
+request's, as the OpenAI server passes them on) and how many prompt tokens came
 from the connector, with `until_saved` once every save of the engine's connector is done
 (vLLM answers before its connector's saves end); ("reset_prefix_cache",) empties vLLM's own prefix
 cache, so the next request can only hit kvd; ("steps",) answers how many engine steps
@@ -167,7 +168,16 @@ def main(model: str, control: str, kvd_socket: str | None) -> None:
         if command == "generate":
             prompts, max_tokens, until_saved = args
             before = external_hits(llm)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+            params = [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    detokenize=False,
+                    ignore_eos=True,
+                    extra_args={"kv_transfer_params": p["kv_transfer_params"]} if "kv_transfer_params" in p else None,
+                )
+                for p in prompts
+            ]
             outputs = llm.generate(
                 [
                     TokensPrompt(

@@ -82,13 +82,44 @@ def namespace_spec(vllm_config, kv_cache_config) -> CacheShape:
     so both kinds of engine share them. Refuses (ValueError, at vLLM's start) what kvd's
     page layout cannot hold yet, naming it."""
     parallel = vllm_config.parallel_config
+    groups = kv_cache_config.kv_cache_groups
+    specs = [g.kv_cache_spec for g in groups]
+    windows = _checked(parallel, specs)
+    spec = specs[0]
+    latent = isinstance(spec, MLAAttentionSpec)
+    group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    layer_names = sorted(group_of, key=_layer_order)
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if latent:  # [block_size, 576] a layer and block, on every backend; the same on every rank
+        layout = PageLayout.latent(len(layer_names), spec.head_size, spec.block_size, dtype)
+    else:  # this rank's heads
+        layout = PageLayout(len(layer_names), spec.num_kv_heads, spec.head_size, spec.block_size, dtype)
+    model = vllm_config.model_config
+    namespace = NamespaceSpec(
+        model.model,
+        layout,
+        revision=model.revision or "",
+        tp_size=1 if latent else parallel.tensor_parallel_size,
+        attention="mla" if latent else "gqa",
+        extra=_identity_extras(vllm_config, spec, windows),
+    )
+    return CacheShape(
+        namespace,
+        layer_names,
+        [group_of[name] for name in layer_names],
+        tuple(isinstance(s, SlidingWindowSpec) for s in specs),
+        replicated=latent,
+    )
+
+
+def _checked(parallel, specs: list) -> set[int]:
+    """Refuses the parallelism and KV-cache specs kvd's page layout cannot hold yet (ValueError,
+    naming what); returns the model's sliding windows (one at most)."""
     for setting in ("pipeline_parallel_size", "decode_context_parallel_size"):
         if getattr(parallel, setting, 1) != 1:
             raise ValueError(
                 f"KVDConnector supports {setting}=1 only (got {getattr(parallel, setting)}); supported: {SUPPORTED}"
             )
-    groups = kv_cache_config.kv_cache_groups
-    specs = [g.kv_cache_spec for g in groups]
     for spec in specs:
         if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec) or _sparse(spec):
             raise ValueError(f"KVDConnector does not support {refused_feature(spec)} yet; supported: {SUPPORTED}")
@@ -115,39 +146,21 @@ def namespace_spec(vllm_config, kv_cache_config) -> CacheShape:
             f"KVDConnector supports one sliding window per model; this one has {sorted(windows)}; "
             f"supported: {SUPPORTED}"
         )
-    spec = specs[0]
-    latent = isinstance(spec, MLAAttentionSpec)
-    group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
-    layer_names = sorted(group_of, key=_layer_order)
-    dtype = str(spec.dtype).removeprefix("torch.")
-    if latent:  # [block_size, 576] a layer and block, on every backend; the same on every rank
-        layout = PageLayout.latent(len(layer_names), spec.head_size, spec.block_size, dtype)
-    else:  # this rank's heads
-        layout = PageLayout(len(layer_names), spec.num_kv_heads, spec.head_size, spec.block_size, dtype)
-    model = vllm_config.model_config
-    extra = ()
-    if current_platform.is_cpu() and not latent:
-        layout_name = cpu_kv_layout(model.dtype, vllm_config.cache_config.cache_dtype, spec.block_size, spec.head_size)
-        extra += (("kv_layout", layout_name),)
+    return windows
+
+
+def _identity_extras(vllm_config, spec, windows: set[int]) -> tuple[tuple[str, str], ...]:
+    """What else makes this engine's KV bytes differ, for the namespace's identity: the CPU
+    backend's KV layout, an fp8 cache's format, the sliding window."""
+    extra: tuple[tuple[str, str], ...] = ()
+    if current_platform.is_cpu() and not isinstance(spec, MLAAttentionSpec):
+        model_dtype, cache_dtype = vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype
+        extra += (("kv_layout", cpu_kv_layout(model_dtype, cache_dtype, spec.block_size, spec.head_size)),)
     if vllm_config.cache_config.cache_dtype != "auto":  # fp8 caches: which format (the page dtype says uint8)
         extra += (("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),)
     if windows:  # kept in every page's identity: a window changes the KV of every later layer
-        extra += (("sliding_window", str(windows.pop())),)
-    namespace = NamespaceSpec(
-        model.model,
-        layout,
-        revision=model.revision or "",
-        tp_size=1 if latent else parallel.tensor_parallel_size,
-        attention="mla" if latent else "gqa",
-        extra=extra,
-    )
-    return CacheShape(
-        namespace,
-        layer_names,
-        [group_of[name] for name in layer_names],
-        tuple(isinstance(s, SlidingWindowSpec) for s in specs),
-        replicated=latent,
-    )
+        extra += (("sliding_window", str(next(iter(windows)))),)
+    return extra
 
 
 def _sparse(spec) -> bool:

@@ -49,7 +49,12 @@ full blocks are saved like prompt blocks; false: prompt blocks only),
 its session and computes without kvd), `lookup_patience_seconds` (default: one call
 timeout: how long a new request waits
 for kvd's answer before it is computed without kvd; each request kvd gave no answer for
-is a warning and counts in `vllm:kvd_lookups_unanswered`, gpu_worker/vllm/connector_stats.py).
+is a warning and counts in `vllm:kvd_lookups_unanswered`, gpu_worker/vllm/connector_stats.py),
+`keep_share` (default 0.5: the share of kvd's budget the prompts that requests ask to keep
+may hold, gpu_worker/vllm/keeps.py).
+
+Each request may say what kvd does with it, in its `kv_transfer_params` (`"kvd": {"store":
+false}`, `"kvd": {"keep_seconds": N}`): gpu_worker/vllm/request_params.py.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
                 track_removals=events,
                 sliding_groups=shape.sliding_groups,
                 lookup_patience=extra.get("lookup_patience_seconds"),
+                keep_share=float(extra.get("keep_share", 0.5)),
             )
             if role == KVConnectorRole.SCHEDULER
             else None
@@ -147,7 +153,7 @@ class KVDConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVDConnectorStats | None:
         if self._scheduler is None:
             return None
-        return KVDConnectorStats({"lookups_unanswered": self._scheduler.lookahead.take_unanswered()})
+        return KVDConnectorStats(self._scheduler.take_counts())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVDConnectorStats:

@@ -4,9 +4,13 @@
 The scheduler half counts each request kvd gave no answer for (`lookups_unanswered`: its
 lookup or hold call failed, or no answer came within the lookahead's patience, because kvd
 hung, is down, refused, or this process was starved of CPU; the request was computed
-without kvd). vLLM collects the counts every step (`KVDConnector.get_kv_connector_stats`),
-adds up the intervals (`aggregate`), logs them and hands them to `KVDPromMetrics`, which
-exports `vllm:kvd_lookups_unanswered_total` per engine.
+without kvd), and what requests asked of kvd in their `kv_transfer_params`
+(gpu_worker/vllm/request_params.py, gpu_worker/vllm/keeps.py): requests that said
+`"store": false`, requests whose "kvd" entry was wrong in part (a warning each), prompts
+kept resident for their requests, the pages those keeps pinned, and keeps cut short or
+refused for the budget. vLLM collects the counts every step
+(`KVDConnector.get_kv_connector_stats`), adds up the intervals (`aggregate`), logs them and
+hands them to `KVDPromMetrics`, which exports each as `vllm:kvd_<name>_total` per engine.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTS = {
     "lookups_unanswered": "Requests computed without kvd because kvd gave no answer (failed call or patience out)",
+    "requests_not_stored": 'Requests that asked kvd to store nothing of them ("kvd": {"store": false})',
+    "params_ignored": 'Requests whose kv_transfer_params "kvd" entry was wrong in part (logged, ignored)',
+    "keeps": 'Prompts kvd keeps resident because their requests asked ("kvd": {"keep_seconds": N})',
+    "kept_pages": "kvd pages pinned for the prompts requests asked to keep",
+    "keeps_over_budget": "Keeps cut short or refused: the engine's keeps would exceed keep_share of kvd's budget",
 }
 
 
@@ -39,7 +48,8 @@ class KVDConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """What vLLM logs: the counts that are not 0."""
+        return {name: n for name, n in self.data.items() if n}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

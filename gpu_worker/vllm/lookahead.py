@@ -32,6 +32,9 @@ Holds asked at arrival and not yet claimed are at most `max_unclaimed`: past tha
 request is asked when vLLM first asks about it (it is about to be scheduled), so a long
 queue does not pin a long list of cached pages.
 
+The prompts that finished requests asked to keep resident (`keep`, their `keep_seconds`)
+are pinned with the thread's next turn, after its lookups (`Keeps`, gpu_worker/vllm/keeps.py).
+
 When kvd cannot answer (not running, hung, refusing) a prompt gets an empty hold: a
 miss. An answer that takes longer than `patience` seconds (by default the link's call
 timeout: one call's worth; the connector's `lookup_patience_seconds`) is given up (an
@@ -53,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_client import SequenceRequest
+from gpu_worker.vllm.keeps import KeepAsk, Keeps
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.plans import ExtentRef
 from gpu_worker.vllm.removal_feed import RemovalFeed
@@ -98,8 +102,10 @@ class Lookahead:
         max_unclaimed: int = 256,
         patience: float | None = None,
         remote_poll: float = 0.01,
+        keep_share: float = 0.5,
     ) -> None:
         self.link = link
+        self.keeps = Keeps(link, keep_share)  # the thread's
         self.block_size = block_size
         self.max_unclaimed = max_unclaimed
         self.patience = link.call_timeout if patience is None else patience
@@ -118,6 +124,7 @@ class Lookahead:
         self._holders: dict[bytes, set[tuple[str, int]]] = {}  # kvd key -> (request, block) of holds of its page
         self._abandoned: set[str] = set()  # let go while the thread was at them
         self._let_go: list[Hold] = []  # to release with the thread's next turn
+        self._keep: list[KeepAsk] = []  # prompts to keep, with the thread's next turn
         self._unanswered = 0  # requests kvd gave no answer for, since `take_unanswered` last ran
         self._closing = False
         self._serial = itertools.count()
@@ -200,6 +207,12 @@ class Lookahead:
                 self._abandoned.add(req_id)
             self._forget(req_id)
 
+    def keep(self, ask: KeepAsk) -> None:
+        """Keep the prompt resident as the request asked (`Keeps`), with the thread's next turn."""
+        with self._lock:
+            self._keep.append(ask)
+            self._lock.notify()
+
     def take_unanswered(self) -> int:
         """How many requests kvd gave no answer for (computed without kvd) since the last call."""
         with self._lock:
@@ -244,7 +257,7 @@ class Lookahead:
         self._feed.follow()  # connects: the first requests find a session
         while True:
             with self._lock:
-                if not (self._asked or self._let_go or self._closing):
+                if not (self._asked or self._let_go or self._keep or self._closing):
                     self._lock.wait(self.remote_poll if self._remote else 0.5)
                 if self._closing:
                     return
@@ -255,12 +268,15 @@ class Lookahead:
                     self._busy[req_id] = time.monotonic()
                 self._asked, self._remote = {}, {}
                 let_go, self._let_go = self._let_go, []
+                keep, self._keep = self._keep, []
             self._feed.follow()
             self._release(let_go)
             if asked:
                 start = time.monotonic()
                 self._look_up(asked)
                 log.debug("kvd lookahead: %d prompts in %.1f ms", len(asked), (time.monotonic() - start) * 1000)
+            if keep:
+                self.keeps.keep(keep)
 
     def _release(self, holds: list[Hold]) -> None:
         """One `release` per namespace for the holds of the current session (those of an

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.loader import register_host_extents
+from gpu_worker.host_registration import register_host_extents
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.page_copies import copy_layer, merged, to_blocks
 from gpu_worker.vllm.page_directory import PageDirectory

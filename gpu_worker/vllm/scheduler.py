@@ -44,8 +44,15 @@ its calls run on the thread of its `Lookahead` (gpu_worker/vllm/lookahead.py).
    the requests vLLM preempted go to the workers with the step's metadata
    (`KVDConnectorMetadata.preempted`), so that no save reads a block vLLM reuses.
 
+A request may say what kvd does with it (`kv_transfer_params["kvd"]`, read once in `seen`:
+gpu_worker/vllm/request_params.py): with `"store": false` no save plan is made for it
+(its lookups and loads are as any request's); with `"keep_seconds": N`, once it finished
+and its saves are done (step 6), its cacheable prompt goes to the lookahead thread, which
+pins it for N seconds (gpu_worker/vllm/keeps.py).
+
 So the scheduler half's calls are a lookup and a hold per batch of arriving requests,
-and a release per batch of finished ones, all off vLLM's scheduler loop.
+a release per batch of finished ones, and a pin per prompt kept, all off vLLM's scheduler
+loop.
 
 Under tensor parallelism every call above goes to each rank's namespace (the link's
 peers): a hit counts only as far as every rank holds it, and the load plan is per rank.
@@ -65,16 +72,19 @@ multimodal item cut saves nothing past that cut.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_events import KVCacheEvent
 
 from engine_client import ExtraKey, ExtraKind, SequenceRequest
 from gpu_worker.vllm.block_events import BlockEvents, KeyChain
+from gpu_worker.vllm.keeps import KeepAsk
 from gpu_worker.vllm.kvd_link import KVDLink
 from gpu_worker.vllm.load_verdicts import LoadVerdicts
 from gpu_worker.vllm.lookahead import Hold, Lookahead
 from gpu_worker.vllm.plans import NULL_BLOCK, KVDConnectorMetadata, KVDWorkerMetadata, LoadPlan, PromptKey, SavePlan
+from gpu_worker.vllm.request_params import KvdParams
 
 
 def kvd_extra_keys(request) -> tuple[ExtraKey, ...]:
@@ -114,6 +124,7 @@ class _Tracked:
     prompt: PromptKey
     extends: bool  # blocks past the prompt may be saved (generated tokens)
     sent: int  # tokens the workers know: the cacheable prompt, then more with each plan
+    params: KvdParams  # what the request asked of kvd: nothing saved (store false), its prompt kept
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group: the request's vLLM blocks
     planned: int = 0  # blocks [0, planned) were in a save plan already
     computed: int = 0  # blocks [0, computed) hold KV of the steps planned so far
@@ -148,8 +159,11 @@ class KVDSchedulerSide:
         track_removals: bool = True,
         sliding_groups: tuple[bool, ...] = (False,),
         lookup_patience: float | None = None,
+        keep_share: float = 0.5,
     ) -> None:
-        """`lookup_patience`: seconds a request waits for its lookup (None: one call timeout)."""
+        """`lookup_patience`: seconds a request waits for its lookup (None: one call timeout);
+        `keep_share`: the share of kvd's budget the prompts requests ask to keep may hold
+        (gpu_worker/vllm/keeps.py)."""
         self.link = link
         self.block_size = block_size
         self.save_generated = save_generated
@@ -161,7 +175,11 @@ class KVDSchedulerSide:
         self.async_loads = len(sliding_groups) > 1
         self._failed_loads: set[str] = set()  # requests whose asynchronous load failed: computed
         self.events = BlockEvents(link, block_size, track_removals)
-        self.lookahead = Lookahead(link, block_size, self.events.removal_listeners, patience=lookup_patience)
+        self.lookahead = Lookahead(
+            link, block_size, self.events.removal_listeners, patience=lookup_patience, keep_share=keep_share
+        )
+        self._params: dict[str, KvdParams] = {}  # what each request asked of kvd, read once
+        self._counts: Counter[str] = Counter()  # requests_not_stored, params_ignored; since `take_counts`
         self._local_hits: dict[str, int] = {}  # req_id -> vLLM's block-aligned local hit at lookup
         self._workers_instance: str | None = None  # the workers' last report: whose pages they load (None: none yet)
         self._idle = False  # vLLM's last step ran nothing, and no ask has waited since
@@ -187,7 +205,9 @@ class KVDSchedulerSide:
         return SequenceRequest(self.link.seq_id(request.request_id), tokens[:loadable], keys)
 
     def seen(self, request) -> None:
-        """vLLM added the request: its lookup starts now, on the lookahead thread."""
+        """vLLM added the request: what it asks of kvd is read (a warning for what is
+        wrong), and its lookup starts now, on the lookahead thread."""
+        self._params_of(request)
         if (wanted := self._wanted(request)) is not None:
             self.lookahead.ask(request.request_id, wanted, speculative=True)
 
@@ -221,7 +241,9 @@ class KVDSchedulerSide:
             return
         tokens, keys = cacheable_tokens(request, self.block_size)
         whole = len(tokens) == len(request.prompt_token_ids) // self.block_size * self.block_size
-        self._tracked[req_id] = _Tracked(request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens))
+        self._tracked[req_id] = _Tracked(
+            request, PromptKey(tokens, keys), self.save_generated and whole, len(tokens), self._params_of(request)
+        )
         if num_external_tokens:
             first, end = local_hit // self.block_size, (local_hit + num_external_tokens) // self.block_size
             self._loads[req_id] = _Load(self.lookahead.claim(req_id), first, end, [list(g) for g in block_ids])
@@ -282,8 +304,9 @@ class KVDSchedulerSide:
         return meta
 
     def _save_plan(self, t: _Tracked) -> SavePlan | None:
-        """The plan of the request's blocks computed and not planned yet (None: none)."""
-        if t.computed <= t.planned:
+        """The plan of the request's blocks computed and not planned yet (None: none, or
+        the request asked that nothing of it be stored)."""
+        if t.computed <= t.planned or not t.params.store:
             return None
         positions = self._held_by_every_group(t.block_ids, t.planned, t.computed)
         plan = SavePlan(
@@ -323,17 +346,21 @@ class KVDSchedulerSide:
             if t is not None:
                 self.events.stored(t.request, t.prompt.extra_keys, t.keys, start, end)
         for req_id in saved:
-            self._finished_requests.pop(req_id, None)
+            if (t := self._finished_requests.pop(req_id, None)) is not None:
+                self._keep(t)
 
     def finished(self, request) -> bool:
         """The request is done (or aborted): its hold is let go; the workers release their
         sequences. True when a save was planned for it: vLLM keeps its blocks until every
         worker reports its saves done (`finished_sending`; the workers count the same plans).
         So it is when its saves wait for a load's verdict (vLLM finishes a request before
-        it reads the step's connector output): they go out with the next metadata."""
+        it reads the step's connector output): they go out with the next metadata.
+        A prompt the request asked to keep is kept once what it saved is published: now,
+        or when the workers report its saves done (`update_from_workers`)."""
         req_id = request.request_id
         t = self._tracked.pop(req_id, None)
-        waiting = t is not None and self.verdicts.waits(req_id) and t.computed > t.planned
+        self._params.pop(req_id, None)
+        waiting = t is not None and t.params.store and self.verdicts.waits(req_id) and t.computed > t.planned
         saving = req_id in self._saving or waiting
         self._saving.discard(req_id)
         self._local_hits.pop(req_id, None)
@@ -349,15 +376,42 @@ class KVDSchedulerSide:
                 self._finished.add(req_id)
             if saving:  # what its saves publish is reported until the workers say they are done
                 self._finished_requests[req_id] = t
+            else:
+                self._keep(t)
         return saving
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take()
 
+    def take_counts(self) -> dict[str, int]:
+        """The scheduler half's counts since the last call (the connector's stats:
+        gpu_worker/vllm/connector_stats.py)."""
+        counts, self._counts = self._counts, Counter()
+        return {
+            "lookups_unanswered": self.lookahead.take_unanswered(),
+            "requests_not_stored": counts["requests_not_stored"],
+            "params_ignored": counts["params_ignored"],
+            **self.lookahead.keeps.take_counts(),
+        }
+
     def close(self) -> None:
         self.lookahead.close()
 
     # ---- helpers --------------------------------------------------------------------
+
+    def _params_of(self, request) -> KvdParams:
+        """What the request asks of kvd, read (and counted) once: when vLLM adds it."""
+        params = self._params.get(request.request_id)
+        if params is None:
+            params = self._params[request.request_id] = KvdParams.of(request)
+            self._counts["requests_not_stored"] += int(not params.store)
+            self._counts["params_ignored"] += int(bool(params.ignored))
+        return params
+
+    def _keep(self, t: _Tracked) -> None:
+        """The request is done and what it saved published: keep its prompt, if it asked."""
+        if t.params.keep_seconds:
+            self.lookahead.keep(KeepAsk(t.request.request_id, t.prompt, t.params.keep_seconds))
 
     def _held_by_every_group(self, block_ids: list[list[int]], start: int, end: int) -> list[int]:
         """The positions in [start, end) whose blocks hold KV in every group (a page holds

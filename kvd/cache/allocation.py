@@ -40,13 +40,13 @@ from kvd.cache.requests import Batch, PreparedRequest, SequencePlan, WithEvictio
 from kvd.cache.room import Room
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
-from kvd.cache.tier import Tier
 from kvd.core.counters import NamespaceCounters
 from kvd.core.errors import FailedPrecondition
 from kvd.core.eviction import release_order
 from kvd.core.index import Match
 from kvd.core.pool import PagePool
 from kvd.core.types import PageId, SeqId, SequenceState
+from kvd.tiers.tier import Miss, Tier
 
 
 class AllocationJob:
@@ -68,7 +68,7 @@ class AllocationJob:
         jobs: set[AllocationJob],
     ) -> None:
         """``matches``: each request's hit, the job's own (it hands their lists to the new
-        sequences); ``tier``: hears of the matches and hits (kvd/cache/tier.py; ``NO_TIERS``
+        sequences); ``tier``: hears of the matches and hits (kvd/tiers/tier.py; ``NO_TIERS``
         without prefix reuse); ``counters``: the namespace's; ``jobs``: the open jobs, this
         one among them until it commits or closes."""
         self.session = session
@@ -149,7 +149,7 @@ class AllocationJob:
             plans.append(SequencePlan(seq.seq_id, hit.pages, private, hit_tokens, hit_tokens, p.num_tokens))
         for p, hit in zip(self.prepared, self.matches):
             self.tier.served(hit.pages, ns.page_size)
-            self.tier.missed(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys)
+            self.tier.missed(Miss(ns, p.chain, p.request.extra_keys, p.tokens, hit.pages, hit.keys))
         return WithEvictions(plans, self.room.report_evictions(self.session))
 
     def close(self) -> None:

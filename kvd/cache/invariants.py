@@ -22,7 +22,7 @@ class _References:
     pinned: Counter = field(default_factory=Counter)  # page → pins
     owners: dict[int, list[str]] = field(default_factory=dict)  # page → seq ids
     logical: int = 0  # page-table entries of all sequences
-    held: Counter = field(default_factory=Counter)  # page → the tiers' holds (kvd/cache/tier.py)
+    held: Counter = field(default_factory=Counter)  # page → the tiers' holds (kvd/tiers/tier.py)
     counted: str = "sequences + pins"  # what ``expected`` counts, for messages
 
 

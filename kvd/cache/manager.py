@@ -13,8 +13,8 @@ shared memory in ``Arena`` (new extents from ``ExtentSupply``), page tables in
 up for them, from ``Room``; checksums in ``Integrity``;
 the KV events routers hear in ``EventLog``. What follows a page being published, indexed,
 unindexed or freed (its record, its KV event, the tiers) is ``PageEvents``'s, which the
-pool tells (kvd/cache/page_events.py); the tiers beside the cache plug in at ``Tiers.attach``
-(kvd/cache/tier.py).
+pool tells (kvd/cache/page_events.py); the tiers below the cache plug in at ``Tiers.attach``
+(kvd/tiers/tier.py), built from what ``tier_ports`` lends them (kvd/cache/ports.py).
 A warm restart's findings arrive through ``Catalog.restore`` (kvd/durability/recovery.py).
 """
 
@@ -29,8 +29,10 @@ from kvd.cache.catalog import Catalog
 from kvd.cache.events import EventLog, Subscription
 from kvd.cache.page_events import PageEvents
 from kvd.cache.pins import PinTable
+from kvd.cache.ports import TierPorts
 from kvd.cache.publishing import PublishJob
 from kvd.cache.requests import (
+    STEP_SECONDS,
     TOKEN_BYTES,
     Batch,
     ExtendResult,
@@ -54,9 +56,8 @@ from kvd.cache.requests import (
 from kvd.cache.room import Room
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
-from kvd.cache.tier import NO_TIERS, Tiers
 from kvd.cache.token_buffers import TokenBuffer
-from kvd.config import AUX_BYTES, STEP_SECONDS
+from kvd.config import AUX_BYTES
 from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
 from kvd.core.errors import FailedPrecondition, InvalidArgument
@@ -67,6 +68,7 @@ from kvd.core.pool import PagePool
 from kvd.core.supply import ExtentSupply
 from kvd.core.types import SeqId, SequenceState, SessionId
 from kvd.durability.integrity import Integrity
+from kvd.tiers.tier import NO_TIERS, Miss, Tiers
 
 
 class KVCacheManager:
@@ -102,6 +104,19 @@ class KVCacheManager:
         # non-KV state of all sequences
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes, self.sequences)
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references
+
+    def tier_ports(self) -> TierPorts:
+        """What a tier built for this cache may use (kvd/cache/ports.py)."""
+        return TierPorts(
+            self.arena,
+            self.pool,
+            self.index,
+            self.room,
+            self.page_events,
+            self.integrity,
+            self.events,
+            self.namespaces,
+        )
 
     def close(self, unlink: bool = True) -> None:
         self.supply.close()
@@ -205,8 +220,8 @@ class KVCacheManager:
         )
 
     def lookup(self, session_id: str, namespace_id: int, requests: list[SequenceRequest]) -> list[LookupResult]:
-        """The same matching as allocate, without pinning or allocating anything. With a remote
-        tier, full pages past the local hit are fetched in the background (kvd/remote/tier.py) and
+        """The same matching as allocate, without pinning or allocating anything. With a tier
+        below the cache, full pages past the local hit are fetched in the background (``Tiers.missed``) and
         ``remote_pending_tokens`` says how many may still come: ask again later."""
         self.sessions.get(session_id)
         batch = self.batch(namespace_id, requests, unique=False)
@@ -225,7 +240,7 @@ class KVCacheManager:
             r = p.request
             found, pending = self.match_prefix(ns, p), 0
             if self.prefix_reuse:
-                pending = self.tiers.missed(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys)
+                pending = self.tiers.missed(Miss(ns, p.chain, r.extra_keys, p.tokens, found.pages, found.keys))
             part.append(LookupResult(r.seq_id, found.pages, found.tokens(ns.page_size), pending))
             if time.perf_counter() > deadline:
                 yield part

@@ -8,7 +8,7 @@ tells the others in this order:
 - **published** (indexed or not): 1. the sealer writes the page's record
   (``Integrity.describe``, kvd/durability/integrity.py: metadata before anyone hears of the
   page); then, when indexed, 2. the event log announces it (``BlockStored``,
-  kvd/cache/events.py) and 3. the tiers hear of it (``Tiers``, kvd/cache/tier.py, nearest
+  kvd/cache/events.py) and 3. the tiers hear of it (``Tiers``, kvd/tiers/tier.py, nearest
   host memory first). A publishing call ends with ``submit``: 1. the sealer takes the pages
   described, 2. the tiers send what they queued.
 - **restored** (a warm restart's page, indexed): the event log announces it. Its record and
@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvd.cache.events import EventLog
-from kvd.cache.tier import Tiers
 from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.types import NamespaceId, PageId
 from kvd.durability.integrity import Integrity
+from kvd.tiers.tier import Tiers
 
 
 class PageEvents:

@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 from kvd import crashpoints
 from kvd.cache.events import EventLog
 from kvd.cache.page_events import PageEvents
-from kvd.cache.requests import PublishResult, Rebind
+from kvd.cache.requests import STEP_SECONDS, PublishResult, Rebind
 from kvd.cache.sequences import Sequence, SequenceTable
-from kvd.config import STEP_SECONDS
 from kvd.core.index import PageContent, PrefixIndex, page_key
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace

@@ -22,6 +22,10 @@ from kvd.wire.codec import TOKEN_BYTES, token_array, unpack_tokens
 
 _SMALL_TOKEN_BYTES = 1024
 
+# A call done in steps (a publish, an allocation's room, a wide lookup) holds the event loop
+# about this long at a time; the servicer lets other calls run between two steps.
+STEP_SECONDS = 0.0002
+
 # Fields and repeated elements one request may hold on the wire, counted before it is
 # parsed (kvd/server/shape.py): parsing costs per element, so this bounds what a refused request
 # costs. The largest batches the limits below allow hold under 32K (4,096 sequences with

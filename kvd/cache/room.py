@@ -2,7 +2,7 @@
 
 Every caller that needs pages gets them here: ``grant`` for a call (all or nothing: an
 allocation's commit, an extend, a fork), ``grant_spare`` for a speculative fill (a fetch
-from the remote store, kvd/cache/fetches.py: as many as the namespace spares). Both make
+from the remote store, kvd/tiers/fetches.py: as many as the namespace spares). Both make
 the room, take the pages off the free list as PRIVATE, and (``grant``) start building the
 namespace's next extent ahead when its free pages run low.
 
@@ -29,9 +29,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
+from kvd.cache.requests import STEP_SECONDS
 from kvd.cache.sequences import Sequence, SequenceTable
 from kvd.cache.sessions import Session, SessionRegistry
-from kvd.config import STEP_SECONDS
 from kvd.core.arena import Arena, Extent
 from kvd.core.counters import Counters
 from kvd.core.errors import ResourceExhausted
@@ -170,10 +170,7 @@ class Room:
         held = frozenset(held)
         held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
         available = (
-            self.pool.free_count(ns.id)
-            + self.supply.building_pages(ns.id)
-            + self.arena.creatable_pages(ns.page_bytes, ns.page_size)
-            + self.pool.cached_count(ns.id)
+            self._own(ns)
             - held_cached
             + self.arena.pages_within(sum(e.plan.footprint for e in self._reclaimable(ns)), ns.page_bytes, ns.page_size)
             + self._freeable_on_hold(ns, protect, held)
@@ -187,9 +184,15 @@ class Room:
 
     def spare(self, ns: Namespace) -> int:
         """Pages the namespace can get by giving up nothing but its own cached pages: free ones,
-        new extents within the budget, cached ones. What a speculative fill (a fetch from the
-        remote store, kvd/remote/tier.py) may take; it never evicts a sequence or another namespace."""
+        new extents within the budget, cached ones. What a speculative fill (a fetch from a
+        tier, kvd/tiers/fetches.py) may take; it never evicts a sequence or another namespace."""
         self.supply.adopt_built()
+        return self._own(ns)
+
+    def _own(self, ns: Namespace) -> int:
+        """The namespace's own pages for the asking, as of the last adopted build: free ones,
+        those being built, new extents within the budget, cached ones (``spare``; ``check``
+        adds what reclaiming and on-hold sequences would give)."""
         return (
             self.pool.free_count(ns.id)
             + self.supply.building_pages(ns.id)

@@ -1,6 +1,6 @@
 """The disk store's answers brought back to the event loop, for one tenant's disk tier.
 
-``DiskStore`` (kvd/disk/store.py) answers every call with a ``concurrent.futures.Future``
+``DiskStore`` (kvd/diskstore/store.py) answers every call with a ``concurrent.futures.Future``
 completed on its worker threads. ``StoreAnswers.when_done`` runs the caller's ``then`` on
 the loop with the results, or its ``failed`` when the call raised (a bug, not a disk fault:
 those are results), logged with its traceback. The tier's reads (kvd/disk/tier.py) and its

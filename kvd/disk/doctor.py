@@ -6,7 +6,7 @@ the ``[disk]`` table ``kvd serve`` would read (kvd/config.py: the config file, `
    file in it (a read-only mount or a directory of another user fails here, as the daemon's
    start would).
 2. disk space: the file system can hold what the budget reserves. The daemon reserves its
-   whole file at start (``posix_fallocate``, kvd/disk/slot_file.py), one per tenant with
+   whole file at start (``posix_fallocate``, kvd/diskstore/slot_file.py), one per tenant with
    tenants, so a budget above the free space (plus what kvd's files hold already) stops
    its start.
 3. direct I/O: whether transfers bypass the page cache there (as the store decides:
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from kvd.config import ServeConfig
-from kvd.disk.layout import BLOCK, FILE_NAME, file_bytes
-from kvd.disk.slot_file import open_direct
+from kvd.diskstore.layout import BLOCK, FILE_NAME, file_bytes
+from kvd.diskstore.slot_file import open_direct
 from kvd.wire.checks import Check, Status
 
 PROBE_BYTES = 64 << 20  # the read probe's default size: a tenth of a second on a SATA SSD

@@ -5,7 +5,7 @@ holds them, and the KV events that announce them.
 start-up from the pages the store recovered (``DiskStore.open`` reads every header; the
 daemon opens it before taking calls; they enter the policy in the order they were written,
 as pages used once), then from each page the write-back writes (kvd/disk/write_back.py).
-The policy (``[disk] policy``: ARC or LRU, kvd/disk/eviction.py, the same classes the
+The policy (``[disk] policy``: ARC or LRU, kvd/tiers/eviction.py, the same classes the
 trace study replays) holds as many pages as the file has slots of the first page size the
 tier sees; each page is admitted before it is written, and the pages it gives up for it
 are forgotten here, to be freed before the write. A write the disk still refuses as full
@@ -33,10 +33,10 @@ from kvd.core.namespaces import NamespaceRegistry
 from kvd.core.types import NamespaceId, PageKey
 from kvd.disk import reclaim
 from kvd.disk.admission import UseCounts
-from kvd.disk.eviction import POLICIES, EvictionPolicy
-from kvd.disk.layout import DiskPage, PageIdentity, SlotClass
 from kvd.disk.ledger import DiskTierCounters
-from kvd.disk.store import Opened
+from kvd.diskstore.layout import DiskPage, PageIdentity, SlotClass
+from kvd.diskstore.store import Opened
+from kvd.tiers.eviction import POLICIES, EvictionPolicy
 from kvd.wire.codec import TOKEN_BYTES
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """Which disk pages to free when a write finds the disk full: the policy's victims, among the
 pages whose slots the refused pages can use.
 
-The store (kvd/disk/store.py) cuts its file into chunks formatted for one page size each and
-formats a chunk for another size only once all its slots are free (kvd/disk/slots.py). So a
+The store (kvd/diskstore/store.py) cuts its file into chunks formatted for one page size each and
+formats a chunk for another size only once all its slots are free (kvd/diskstore/slots.py). So a
 victim of another size frees no slot a refused page can take, unless it empties its chunk.
-``victims`` asks the policy (kvd/disk/eviction.py) for its victims among the pages of the
+``victims`` asks the policy (kvd/tiers/eviction.py) for its victims among the pages of the
 refused size first; when those are too few, it empties whole chunks of other sizes, each
 chosen by the policy's next victim among them, until the emptied chunks hold what is missing.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 
-from kvd.disk.eviction import EvictionPolicy
-from kvd.disk.layout import DiskPage, SlotClass, chunk_of
+from kvd.diskstore.layout import DiskPage, SlotClass, chunk_of
+from kvd.tiers.eviction import EvictionPolicy
 
 
 def victims(

@@ -27,10 +27,10 @@ import logging
 import time
 from collections import Counter
 
-from kvd.disk.layout import SlotClass
-from kvd.disk.results import PageWrite
-from kvd.disk.store import DiskStore
 from kvd.disk.tier import DiskTier
+from kvd.diskstore.layout import SlotClass
+from kvd.diskstore.results import PageWrite
+from kvd.diskstore.store import DiskStore
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 promoted back into host memory when a prompt asks for them, and still there after a daemon
 restart or a host reboot.
 
-``DiskTier`` is what the cache calls as its ``Tier`` (kvd/cache/tier.py), composed of:
+``DiskTier`` is what the cache calls as its ``Tier`` (kvd/tiers/tier.py), composed of:
 
 - ``DiskIndex`` (kvd/disk/index.py): the pages on disk by (namespace root, chain key), the
   eviction policy that holds them, and their KV events (medium ``STORAGE``);
@@ -11,32 +11,25 @@ restart or a host reboot.
   its seal, unless the disk holds it already or is writing it (the policy counts it as used
   then, as the trace study does) or, with ``[disk] min_uses`` above 1, it has had fewer uses
   (kvd/disk/admission.py; a use is a publish or an allocation that hit it);
-- ``Fetches`` (kvd/cache/fetches.py, shared with the remote tier), whose ``FetchSource`` the
-  tier is, for promotions;
+- ``Fetches`` (kvd/tiers/fetches.py, shared with the remote tier), with the disk as its
+  ``FetchSource`` (``DiskSource``, kvd/disk/source.py), for promotions;
 - ``StoreAnswers`` (kvd/disk/answers.py): the store's answers on the event loop, dropped
   once the tier closes.
 
-Hits: asked only when the disk holds the prompt's first page missing (else ``missed``
-answers 0 at once, and the remote tier below hears of the miss in the same call): ``find``
-walks the missing pages' chain keys through the index (and through the write-back's copies,
-the pages still on their way to disk, whose copy ``get`` copies into the host page once it
-matches its seal: an eviction is never a miss while its write waits) and counts each page
-found as used in the policy; ``get`` reads the leading run into newly granted host pages
-(``DiskStore.read``, which checks each page's checksum; a page that fails it is dropped from
-the disk) and answers each page's header, which ``Fetches`` compares with what the request
-expects before publishing the pages in chain order as CACHED. A page read back for another
-tenant or namespace root never matches. A page rejected there is freed from the disk
-(``reject``). RAM's own events say the rest: the eviction that sent a page here was its
-``BlockRemoved`` for ``CPU``, a promotion is a ``BlockStored`` for ``CPU`` (the disk keeps
-its copy). Between an eviction and the write's end the page is on neither medium, and
-announced on neither (a promotion may still copy it from the write's copy).
+Hits: ``missed`` starts a promotion only when the disk holds the prompt's first page missing
+(else it answers 0 at once, and the remote tier below hears of the miss in the same call);
+``Fetches`` then finds the leading run, reads it and publishes what passes its checks, the
+disk's side of it in kvd/disk/source.py. RAM's own events say the rest: the eviction that
+sent a page here was its ``BlockRemoved`` for ``CPU``, a promotion is a ``BlockStored`` for
+``CPU`` (the disk keeps its copy). Between an eviction and the write's end the page is on
+neither medium, and announced on neither (a promotion may still copy it from the write's copy).
 
 At a graceful stop the pages host memory still holds are written too (``unwritten``, then
 the write-back's ``write``, kvd/disk/stop_writes.py).
 
 Metrics beside the counters (kvd/disk/ledger.py): bytes written and read, and the promotion
 latency (from the reads' start to their pages back on the event loop, checked) as a
-histogram (``Latencies``, kvd/cache/stats.py).
+histogram (``Latencies``, kvd/tiers/stats.py).
 
 The launcher (kvd/server/daemon.py) attaches one to each tenant's cache before the remote
 tier (RAM → disk → store): ``Tiers.missed`` asks the remote tier only when the disk brings
@@ -46,59 +39,50 @@ nothing.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from kvd.cache.fetches import Arrival, Done, Fetches, Found, PageHeader
-from kvd.cache.holds import Holds
-from kvd.cache.places import page_seal, recovered_places
-from kvd.cache.stats import DiskStats
+from kvd.cache.ports import TierPorts
 from kvd.config import DiskConfig
-from kvd.core.index import ChainSpec, ExtraKey, PageContent, page_key
+from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
-from kvd.core.namespaces import Namespace
-from kvd.core.types import PageId, PageKey
+from kvd.core.types import PageId
 from kvd.disk.answers import StoreAnswers
 from kvd.disk.index import DiskIndex, disk_key
-from kvd.disk.layout import DiskPage, PageIdentity, SlotClass
-from kvd.disk.ledger import DiskTierCounters
-from kvd.disk.results import PageRead, PageWrite, ReadFailure, ReadOk, Seal
-from kvd.disk.store import Opened
-from kvd.disk.write_back import WriteBack, from_copy
-from kvd.wire.codec import TOKEN_BYTES
-
-if TYPE_CHECKING:
-    from kvd.cache.manager import KVCacheManager
+from kvd.disk.ledger import DiskStats, DiskTierCounters
+from kvd.disk.source import DiskSource
+from kvd.disk.write_back import WriteBack
+from kvd.diskstore.layout import PageIdentity, SlotClass
+from kvd.diskstore.results import PageWrite, Seal
+from kvd.diskstore.store import Opened
+from kvd.tiers.fetches import Fetches
+from kvd.tiers.holds import Holds
+from kvd.tiers.places import page_seal, recovered_places
+from kvd.tiers.tier import Miss
 
 
 class DiskTier:
     """One tenant's pages on disk: their index, the writes on their way, the promotions."""
 
-    name = "the disk"
-    recheck_after_landing = False  # the index answers at once: a prompt asked again is promoted again
-
     def __init__(
-        self, opened: Opened, scope: str, settings: DiskConfig, manager: KVCacheManager, loop: asyncio.AbstractEventLoop
+        self, opened: Opened, scope: str, settings: DiskConfig, ports: TierPorts, loop: asyncio.AbstractEventLoop
     ) -> None:
         """Built before the daemon takes any call, after a warm restart's pages are restored;
-        ``opened`` is the tenant's store as ``DiskStore.open`` found it."""
-        m = manager
+        ``opened`` is the tenant's store as ``DiskStore.open`` found it, ``ports`` what the
+        tenant's cache lends it."""
         self.store = opened.store
-        self.scope = scope
-        self.loop = loop
-        self.arena, self.pool, self.integrity = m.arena, m.pool, m.integrity
+        self.arena, self.pool, self.integrity = ports.arena, ports.pool, ports.integrity
         self.counters = DiskTierCounters()
         of_tenant = f" of tenant {scope}" if scope else ""  # for log lines
         self.answers = StoreAnswers(loop, of_tenant)
-        self.index = DiskIndex(opened, scope, settings, m.events, m.namespaces, self.counters, of_tenant)
+        self.index = DiskIndex(opened, scope, settings, ports.events, ports.namespaces, self.counters, of_tenant)
         self.write_back = WriteBack(self.store, self.index, self.answers, self.counters, settings, loop)
-        self._holds = Holds(m.pool)
-        self._placed: dict[PageId, ChainPlace] = recovered_places(m.pool, m.index, m.namespaces)
-        self.fetches = Fetches(self, self._holds, self.counters, m.arena, m.pool, m.index, m.room, m.page_events)
+        self.source = DiskSource(self.store, scope, self.index, self.write_back, self.answers, self.counters, loop)
+        self._holds = Holds(ports.pool)
+        self._placed: dict[PageId, ChainPlace] = recovered_places(ports.pool, ports.index, ports.namespaces)
+        self.scope = scope
+        self.fetches = Fetches(
+            self.source, self._holds, self.counters, ports.arena, ports.pool, ports.index, ports.room, ports.pages
+        )
 
     # ---- Tier -------------------------------------------------------------------------
 
@@ -137,24 +121,14 @@ class DiskTier:
                 if place is not None:
                     self.index.uses.used((place.ns.root, self.pool.content(page).key))
 
-    def missed(
-        self,
-        ns: Namespace,
-        chain: ChainSpec,
-        extra_keys: tuple[ExtraKey, ...],
-        tokens: bytes,
-        hits: list[PageId],
-        hit_keys: list[PageKey],
-    ) -> int:
+    def missed(self, miss: Miss) -> int:
         """Starts a promotion only when the disk holds the first page missing: a prompt the
         disk cannot help is answered 0 at once, and is not kept from the disk for the fetch
         machinery's recheck delay (``RECHECK_SECONDS``) when its pages reach the disk meanwhile,
         nor after a promotion that landed pages (the next ask finds them in host memory)."""
-        full = len(tokens) // (ns.page_size * TOKEN_BYTES)
-        parent_key = hit_keys[-1] if hit_keys else chain.root
-        if next(self._run(ns, chain, tokens, parent_key, range(len(hits), full)), None) is None:
+        if next(self.source.leading_run(miss.ns, miss.chain, miss.tokens, miss.parent_key, miss.missing), None) is None:
             return 0
-        return self.fetches.missed(ns, chain, extra_keys, tokens, hits, hit_keys)
+        return self.fetches.missed(miss)
 
     def holds(self) -> Counter[PageId]:
         return self._holds.all()
@@ -162,7 +136,6 @@ class DiskTier:
     def stats(self) -> DiskStats:
         c, s = self.counters, self.store.counters()
         return DiskStats(
-            state="on",
             pages=len(self.index),
             bytes=self.index.bytes,
             capacity_bytes=s.capacity_bytes,
@@ -207,83 +180,6 @@ class DiskTier:
         are dropped: the cache is closing."""
         self.answers.close()
         self.store.close()
-
-    # ---- FetchSource (kvd/cache/fetches.py) ---------------------------------------------
-
-    @property
-    def up(self) -> bool:
-        return True
-
-    def find(self, ns: Namespace, chain: ChainSpec, tokens: bytes, parent_key: bytes, pages: range, done: Done) -> None:
-        found: Found = list(self._run(ns, chain, tokens, parent_key, pages))
-        for _, header in found:
-            self.index.hit((ns.root, header.key))
-        self.loop.call_soon(done, found, None)  # as the store's answer would: after the caller's call
-
-    def _run(
-        self, ns: Namespace, chain: ChainSpec, tokens: bytes, parent_key: bytes, pages: range
-    ) -> Iterator[tuple[DiskPage | PageWrite, PageHeader]]:
-        """The leading run of ``pages`` on disk or on their way there, each with the header
-        the request expects."""
-        step = ns.page_size * TOKEN_BYTES
-        for i in pages:
-            page_tokens = tokens[i * step : (i + 1) * step]
-            key = page_key(parent_key, i, page_tokens, chain.local_bytes(i))
-            on_disk = self.index.get((ns.root, key)) or self.write_back.copy_of((ns.root, key))
-            if on_disk is None:
-                return
-            yield on_disk, PageHeader(i, key, parent_key, chain.local_digest(i), page_tokens)
-            parent_key = key
-
-    def get(self, ns: Namespace, found: Found, views: list[np.ndarray], done: Done) -> None:
-        """Reads the pages on disk; a page still on its way there is copied from its write's
-        copy at once (on the loop, as the eviction copied it) once that matches its seal."""
-        on_disk: list[tuple[int, PageRead]] = []
-        copied: dict[int, PageHeader | Arrival] = {}
-        for n, ((entry, _), view) in enumerate(zip(found, views)):
-            if isinstance(entry, DiskPage):
-                on_disk.append((n, PageRead(entry.slot, view)))
-            else:
-                copied[n] = from_copy(entry, view)
-        started = time.monotonic()
-
-        def arrived(results) -> None:
-            reads = [found[n] for n, _ in on_disk]
-            headers = self._arrivals(ns, reads, results, started) if reads else []
-            read = dict(zip((n for n, _ in on_disk), headers))
-            done([read[n] if n in read else copied[n] for n in range(len(found))], None)
-
-        self.answers.when_done(self.store.read([r for _, r in on_disk]), arrived, lambda error: done(None, error))
-
-    def reject(self, entry: DiskPage | PageWrite) -> None:
-        """The page read back is not the one the request expects: freed from the disk (a
-        write's copy: not read again)."""
-        if isinstance(entry, PageWrite):
-            self.write_back.drop_copy(entry)
-        elif self.index.forget(entry):
-            self.store.free([entry.slot])
-
-    def _arrivals(self, ns: Namespace, found: Found, results, started: float) -> list[PageHeader | Arrival]:
-        """Each page's header as the disk has it, once its checksum held; a page the store
-        dropped is forgotten."""
-        self.counters.promotions.observe(time.monotonic() - started)
-        got: list[PageHeader | Arrival] = []
-        for (on_disk, _), result in zip(found, results):
-            if isinstance(result, ReadOk):
-                self.counters.read_bytes += result.page.page_bytes
-                i = result.page.identity
-                ours = i.scope == self.scope and i.namespace_root == ns.root
-                got.append(
-                    PageHeader(i.page_index, i.key, i.parent_key, i.local, i.tokens) if ours else Arrival.MISMATCHED
-                )
-                continue
-            if result.dropped:
-                self.index.forget(on_disk)
-            if result.reason is ReadFailure.CORRUPT:
-                got.append(Arrival.MISMATCHED)
-            else:
-                got.append(Arrival.FAILED)
-        return got
 
     def _write_of(self, page: PageId, place: ChainPlace) -> PageWrite | None:
         """Writing a published page to disk: a view of it with its seal; None when it is not

@@ -3,7 +3,7 @@
 Writes are **write-back on eviction**: when RAM unpublishes a page (evicted, reclaimed,
 reset), the tier (kvd/disk/tier.py) hands ``WriteBack.evicted`` a view of it with its seal;
 its bytes are copied at once, while they and their seal are still there (the page is reused
-next), and written from the copy on the store's threads (kvd/disk/store.py); the store
+next), and written from the copy on the store's threads (kvd/diskstore/store.py); the store
 checks the copy against the seal, so a page whose bytes changed in host memory never
 reaches the disk. An eviction never waits for the disk: with ``backlog_bytes`` of copies
 already waiting, the page is not written (``skipped_pages``). The trace study
@@ -35,16 +35,16 @@ from collections import Counter
 
 import numpy as np
 
-from kvd.cache.fetches import Arrival, PageHeader
 from kvd.config import DiskConfig
 from kvd.core.index import ExtraKey
 from kvd.core.records import page_checksum
 from kvd.disk.answers import StoreAnswers
 from kvd.disk.index import DiskIndex, DiskKey, disk_key
-from kvd.disk.layout import BLOCK, DiskPage
 from kvd.disk.ledger import DiskTierCounters
-from kvd.disk.results import NotWritten, PageWrite, WriteRefusal, Written
-from kvd.disk.store import DiskStore
+from kvd.diskstore.layout import BLOCK, DiskPage
+from kvd.diskstore.results import NotWritten, PageWrite, WriteRefusal, Written
+from kvd.diskstore.store import DiskStore
+from kvd.tiers.fetches import Arrival, PageHeader
 
 
 class WriteBack:
@@ -198,7 +198,7 @@ def from_copy(write: PageWrite, view: np.ndarray) -> PageHeader | Arrival:
 
 def _aligned_copy(view: np.ndarray) -> np.ndarray:
     """A copy of a page at a block-aligned address: written with direct I/O as it is, never
-    through the store's bounce buffer (kvd/disk/slot_file.py)."""
+    through the store's bounce buffer (kvd/diskstore/slot_file.py)."""
     room = np.empty(view.nbytes + BLOCK, dtype=np.uint8)
     start = -room.ctypes.data % BLOCK
     copy = room[start : start + view.nbytes]

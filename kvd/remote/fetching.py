@@ -1,4 +1,4 @@
-"""The remote store as a fetch's source (``Fetches``, kvd/cache/fetches.py, runs the fetch).
+"""The remote store as a fetch's source (``Fetches``, kvd/tiers/fetches.py, runs the fetch).
 
 ``find`` hands the link's worker one job (kvd/remote/jobs.py) that hashes the missing pages'
 chain keys and asks the store which it holds in one batched existence query; ``get`` reads
@@ -13,11 +13,11 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvd.cache.fetches import Arrival, Done, Found
 from kvd.core.index import ChainSpec
 from kvd.core.namespaces import Namespace
 from kvd.remote.jobs import TierJobs, find, get
 from kvd.remote.mooncake_store import GetOutcome
+from kvd.tiers.fetches import Arrival, Done, Found
 
 MAX_REJECTED_KEYS = 4096  # store keys whose value failed its checks, never fetched again
 

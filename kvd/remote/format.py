@@ -29,8 +29,8 @@ import struct
 import numpy as np
 import xxhash
 
-from kvd.cache.fetches import PageHeader
 from kvd.core.types import PageKey
+from kvd.tiers.fetches import PageHeader
 
 MAGIC = b"KVDRPAG1"
 _HEAD = struct.Struct("<8sIIQQ16s16s16s")

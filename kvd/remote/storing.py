@@ -33,8 +33,6 @@ import time
 from collections.abc import Iterable
 
 from kvd.cache.events import MEDIUM_REMOTE, EventLog
-from kvd.cache.holds import Holds
-from kvd.cache.places import page_seal, recovered_places
 from kvd.config import RemoteConfig
 from kvd.core.arena import Arena
 from kvd.core.eviction import release_order
@@ -48,6 +46,8 @@ from kvd.remote.format import PageHeader, store_key
 from kvd.remote.jobs import MAX_BATCH_PAGES, Put, TierJobs, Unsent, put
 from kvd.remote.ledger import RemoteCounters
 from kvd.remote.mooncake_store import PutOutcome
+from kvd.tiers.holds import Holds
+from kvd.tiers.places import page_seal, recovered_places
 from kvd.wire.codec import TOKEN_BYTES
 
 # A batch of pages offered again holds at most this long's worth of the re-offer rate, so a

@@ -224,9 +224,9 @@ def _disk_tiers(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEve
     disk = config.disk
     if disk is None:
         return []
-    from kvd.disk.results import OpenRefused
-    from kvd.disk.store import DiskStore
     from kvd.disk.tier import DiskTier
+    from kvd.diskstore.results import OpenRefused
+    from kvd.diskstore.store import DiskStore
 
     budgets = {t.name: t.host_bytes for t in config.tenants}
     tiers = []
@@ -242,7 +242,7 @@ def _disk_tiers(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEve
         if isinstance(opened, OpenRefused):
             _close_disk(tiers)
             raise StartupError(f"disk.path: {directory}: {opened.reason.value}: {opened.detail}")
-        tier = DiskTier(opened, name, disk, manager, loop)
+        tier = DiskTier(opened, name, disk, manager.tier_ports(), loop)
         manager.tiers.attach(tier)
         tiers.append(tier)
     return tiers
@@ -274,7 +274,7 @@ def _remote_link(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEv
         )
     )
     for name, manager in tenants.items():  # beside each tenant's page core, which it hears through Tier
-        manager.tiers.attach(RemoteTier(link, name, remote, manager))
+        manager.tiers.attach(RemoteTier(link, name, remote, manager.tier_ports()))
     link.start(loop.call_soon_threadsafe)  # once every tier listens: the first UP offers recovered pages
     return link
 

@@ -38,6 +38,7 @@ from kvd.core.types import SequenceState
 from kvd.durability.recovery import RecoveryReport
 from kvd.server import shape
 from kvd.server.offload import LARGE_REQUEST_BYTES
+from kvd.tiers.stats import Latencies
 from kvd.wire import kvd_pb2 as pb
 from kvd.wire.codec import TOKEN_BYTES, pack_pages
 from kvd.wire.layout import KV_PAGES
@@ -212,11 +213,17 @@ def recovery_stats(r: RecoveryReport) -> pb.RecoveryStats:
 
 
 def remote_stats_message(s: Stats) -> pb.RemoteStats:
-    return pb.RemoteStats(**s.remote.as_dict())
+    """The remote tier's stats; state "off" without one."""
+    remote = s.tiers.get("remote")
+    return pb.RemoteStats(**remote.as_dict()) if remote else pb.RemoteStats(state="off")
 
 
 def disk_stats_message(s: Stats) -> pb.DiskStats:
-    return pb.DiskStats(**s.disk.as_dict())
+    """The disk tier's stats; state "off", and an empty histogram, without one."""
+    disk = s.tiers.get("disk")
+    if disk is None:
+        return pb.DiskStats(state="off", promotion_buckets=Latencies().counts)
+    return pb.DiskStats(**disk.as_dict())
 
 
 def stats_reply(s: Stats, namespaces: list[pb.NamespaceStats] | None = None) -> pb.StatsReply:

@@ -31,6 +31,8 @@ from kvd import __version__
 from kvd.cache import stats as stats_mod
 from kvd.cache.stats import Stats
 from kvd.cache.tenants import Tenants
+from kvd.server import messages
+from kvd.tiers.stats import PROMOTION_BUCKETS
 
 SCRAPE_TIMEOUT = 5.0
 
@@ -113,8 +115,7 @@ def _disk_families(disk):
     yield HistogramMetricFamily(
         "kvd_disk_promotion_seconds",
         "Seconds a batch of promotion reads took, from the reads' start to their pages checked on the daemon's loop",
-        buckets=[(str(bound), n) for bound, n in zip(stats_mod.PROMOTION_BUCKETS, cumulative)]
-        + [("+Inf", cumulative[-1])],
+        buckets=[(str(bound), n) for bound, n in zip(PROMOTION_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])],
         sum_value=disk.promotion_seconds,
     )
 
@@ -188,8 +189,8 @@ class _StatsCollector:
             "Extents a crash left incomplete, dropped at start",
             value=recovery.incomplete_extents,
         )
-        yield from _remote_families(every.remote)
-        yield from _disk_families(every.disk)
+        yield from _remote_families(messages.remote_stats_message(every))
+        yield from _disk_families(messages.disk_stats_message(every))
 
 
 class MetricsExporter:

@@ -96,7 +96,7 @@ class DiskStats(TypedDict):
     direct_io: bool
     written_bytes: int
     read_bytes: int  # promotions' reads
-    promotion_buckets: list[int]  # batches of promotion reads per bound of kvd/cache/stats.py's PROMOTION_BUCKETS
+    promotion_buckets: list[int]  # batches of promotion reads per bound of kvd/tiers/stats.py's PROMOTION_BUCKETS
     promotion_seconds: float  # their seconds, summed
 
 

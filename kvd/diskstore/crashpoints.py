@@ -7,14 +7,14 @@ module refuses steps it does not know):
 - ``KVD_DISK_CRASH_AT=STEP[:N]`` kills the process (SIGKILL, as ``kill -9`` would) the
   N-th time (default 1) it reaches STEP.
 
-Steps after which the process dies (kvd/disk/store.py):
+Steps after which the process dies (kvd/diskstore/store.py):
 
 - ``disk-chunk-formatted``: a chunk's new header is written, no slot of it yet;
 - ``disk-data-written``: a write's page bytes are in the file, their headers are not;
 - ``disk-header-written``: the headers are written too, not yet synced or reported;
 - ``disk-slot-invalidated``: a free's zeroed headers are written, not yet synced or reported.
 
-Steps that tear a write (kvd/disk/slot_file.py): the first half of the bytes is written,
+Steps that tear a write (kvd/diskstore/slot_file.py): the first half of the bytes is written,
 then the process dies:
 
 - ``disk-data-torn``: a run of page bytes;
@@ -25,7 +25,7 @@ And one that makes a file call fail, as a failing disk would (the hook ``DiskSto
 sets from a test in the same process, for a daemon in its own):
 
 - ``KVD_DISK_FAULT=OP:ERRNO[:SKIP]``: once a store is open (its recovery's reads done), the
-  call of OP (``read``, ``write``, ``sync``: kvd/disk/slot_file.py) after SKIP (default 0)
+  call of OP (``read``, ``write``, ``sync``: kvd/diskstore/slot_file.py) after SKIP (default 0)
   that succeed fails with ERRNO (a name: ``EIO``, ``ENOSPC``).
 
 Unset (always, in production) a step costs one dictionary lookup.
@@ -43,7 +43,7 @@ STEPS = ("disk-chunk-formatted", "disk-data-written", "disk-header-written", "di
 TEARS = ("disk-data-torn", "disk-header-torn")
 VARIABLE = "KVD_DISK_CRASH_AT"
 FAULT_VARIABLE = "KVD_DISK_FAULT"
-FAULT_OPS = ("read", "write", "sync")  # the file calls kvd/disk/slot_file.py makes
+FAULT_OPS = ("read", "write", "sync")  # the file calls kvd/diskstore/slot_file.py makes
 
 
 class Fault(NamedTuple):

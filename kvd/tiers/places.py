@@ -1,6 +1,6 @@
 """Where a published page sits in its chain, and the seal its bytes must match: what a tier
-needs to copy a page out of host memory (the remote tier's write-behind,
-kvd/remote/storing.py; the disk tier's write-back, kvd/disk/tier.py).
+needs to copy a page out of host memory (the remote tier's write-behind, the disk tier's
+write-back).
 
 Each tier keeps the ``ChainPlace`` of every published page it heard of (``Tier.published``);
 a warm restart's pages, restored before any tier attaches, are placed by ``recovered_places``.

@@ -1,10 +1,10 @@
 """Opening the slot file: which chunks are formatted, and which slots hold a valid page.
 
-``recover`` runs once when the store opens (kvd/disk/store.py), on its worker threads. It
+``recover`` runs once when the store opens (kvd/diskstore/store.py), on its worker threads. It
 reads the superblock; a file without a valid one, or formatted with another chunk size, is
 formatted afresh (a new file id: no header written before can be valid again). Otherwise it
 reads every chunk's header, then each formatted chunk's slot headers in one large read (they
-lie together, kvd/disk/layout.py), and keeps the slots whose header is valid for that place,
+lie together, kvd/diskstore/layout.py), and keeps the slots whose header is valid for that place,
 that chunk generation and that file. Page bytes are not read here: the write order (a page's
 bytes are written and synced before its header; a slot's header is zeroed and synced before
 the slot is written again) makes a valid header describe complete bytes, and every read
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.disk.layout import (
+from kvd.diskstore.layout import (
     BLOCK,
     ChunkFormat,
     DiskPage,
@@ -38,7 +38,7 @@ from kvd.disk.layout import (
     read_superblock,
     slot_id,
 )
-from kvd.disk.slot_file import SlotFile
+from kvd.diskstore.slot_file import SlotFile
 
 log = logging.getLogger(__name__)
 

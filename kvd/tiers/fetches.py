@@ -1,5 +1,5 @@
 """Fetches: a prompt's pages past its local hit, brought from a tier's source (the remote
-store, kvd/remote/fetching.py; the local disk, kvd/disk/tier.py), one machinery for both.
+store, kvd/remote/fetching.py; the local disk, kvd/disk/source.py), one machinery for both.
 
 ``missed`` is called by lookups and allocations whose prompt has full pages past its local
 hit. It holds the local hit and asks the source (``FetchSource.find``) for the leading run
@@ -9,7 +9,7 @@ evicting anything but its own cached pages: ``Room.grant_spare``), the source re
 into the pages and checks each one's checksum (``get``); back on the loop (``_arrived``)
 each page's header must equal what the request expects (token ids, parent key, extra-key
 digest, page index), and the pages that pass are published in chain order like any page
-(their records, seals and KV events follow, kvd/cache/page_events.py) and become CACHED:
+(their records, seals and KV events follow, ``PageEvents``, kvd/cache/page_events.py) and become CACHED:
 the next lookup hits them locally. The first page that fails ends the chain there; pages
 not landed are freed. A page published here meanwhile wins (the fetched copy is freed). A
 fetch is asynchronous: while it is in flight, lookups of the same prompt report
@@ -28,22 +28,20 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvd.cache.holds import Holds
-from kvd.cache.page_events import PageEvents
-from kvd.cache.room import Room
 from kvd.core.arena import Arena
 from kvd.core.eviction import release_order
-from kvd.core.index import ChainSpec, ExtraKey, PageContent, PrefixIndex
+from kvd.core.index import ChainSpec, PageContent, PrefixIndex
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.pool import PagePool
 from kvd.core.types import PageId, PageKey
-from kvd.wire.codec import TOKEN_BYTES
+from kvd.tiers.holds import Holds
+from kvd.tiers.tier import Miss
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ MAX_RECENT_FETCHES = 4096
 @dataclass(frozen=True)
 class PageHeader:
     """What a fetched page claims to be (in the store's value, kvd/remote/format.py; on
-    disk, kvd/disk/layout.py); compared with what the request expects."""
+    disk, kvd/diskstore/layout.py); compared with what the request expects."""
 
     page_index: int
     key: PageKey
@@ -102,6 +100,20 @@ class FetchSource(Protocol):
         """The page under ``key`` arrived and failed its checks: never fetch it again."""
 
 
+class SpareRoom(Protocol):
+    """Where a fetch gets its landing pages (``Room``, kvd/cache/room.py)."""
+
+    def grant_spare(self, ns: Namespace, most: int) -> list[PageId]:
+        """Up to ``most`` new PRIVATE pages, without evicting anything but the namespace's cached pages."""
+
+
+class Publications(Protocol):
+    """What follows a fetch's pages being published (``PageEvents``, kvd/cache/page_events.py)."""
+
+    def submit(self) -> None:
+        """A call's pages are all published: what they queued may go now."""
+
+
 class FetchCounters(Protocol):
     fetched_pages: int
     hit_tokens: int
@@ -113,12 +125,7 @@ class FetchCounters(Protocol):
 class _Fetch:
     """One prompt's missing pages on their way from the source."""
 
-    ns: Namespace
-    chain: ChainSpec
-    extra_keys: tuple[ExtraKey, ...]  # as requested, for the KV events of the pages that land
-    tokens: bytes
-    hits: list[PageId]  # the local hit, held until the fetch ends
-    parent_key: bytes  # the key of the last hit page, or the chain root
+    miss: Miss  # its local hit held until the fetch ends; its extra keys for the KV events of the pages that land
     pending_tokens: int
     expected: Found = field(default_factory=list)
     landing: list[PageId] = field(default_factory=list)  # PRIVATE pages held by the tier
@@ -135,8 +142,8 @@ class Fetches:
         arena: Arena,
         pool: PagePool,
         index: PrefixIndex,
-        room: Room,
-        pages: PageEvents,
+        room: SpareRoom,
+        pages: Publications,
     ) -> None:
         self.source = source
         self.holds = holds
@@ -150,34 +157,23 @@ class Fetches:
         self._recent: OrderedDict[tuple, float] = OrderedDict()  # fetches that ended: when to look again
         self._fetched: set[PageId] = set()  # published pages that came from the source
 
-    def missed(
-        self,
-        ns: Namespace,
-        chain: ChainSpec,
-        extra_keys: tuple[ExtraKey, ...],
-        tokens: bytes,
-        hits: list[PageId],
-        hit_keys: list[PageKey],
-    ) -> int:
+    def missed(self, miss: Miss) -> int:
         """A prompt's full pages past its local hit: starts fetching them unless a fetch of the
         same prompt is in flight. Returns the tokens a fetch in flight may still bring."""
-        page_bytes = ns.page_size * TOKEN_BYTES
-        full_pages = len(tokens) // page_bytes
-        if len(hits) >= full_pages:
+        ns, missing = miss.ns, miss.missing
+        if not missing:
             return 0
-        ident = (ns.id, chain.root, tokens[: full_pages * page_bytes])
+        ident = (ns.id, miss.chain.root, miss.full_page_tokens)
         fetch = self._fetches.get(ident)
         if fetch is not None:
             return fetch.pending_tokens
         if not self.source.up or self._recent.get(ident, 0.0) > time.monotonic():
             return 0
-        parent_key = hit_keys[-1] if hit_keys else chain.root
-        fetch = _Fetch(ns, chain, extra_keys, ident[2], list(hits), parent_key, (full_pages - len(hits)) * ns.page_size)
+        fetch = _Fetch(replace(miss, hits=list(miss.hits)), len(missing) * ns.page_size)  # the hit as it is now
         self._fetches[ident] = fetch
-        self.holds.hold(fetch.hits, 0)
-        missing = range(len(hits), full_pages)
+        self.holds.hold(fetch.miss.hits, 0)
         self.source.find(
-            ns, chain, fetch.tokens, parent_key, missing, lambda found, error: self._found(ident, found, error)
+            ns, miss.chain, ident[2], miss.parent_key, missing, lambda found, error: self._found(ident, found, error)
         )
         return fetch.pending_tokens
 
@@ -204,7 +200,7 @@ class Fetches:
             self.counters.errors += error is not None
             self._end(ident)
             return
-        ns = fetch.ns
+        ns = fetch.miss.ns
         fetch.landing = self.room.grant_spare(ns, len(found))
         if not fetch.landing:
             log.info("namespace %d: no room for %d pages from %s; not fetched", ns.id, len(found), self.source.name)
@@ -220,9 +216,9 @@ class Fetches:
     def _arrived(self, ident: tuple, got, error) -> None:
         """Publishes the fetched pages that match the request, in chain order, as CACHED."""
         fetch = self._fetches[ident]
-        ns = fetch.ns
+        ns = fetch.miss.ns
         self.counters.errors += error is not None
-        parent = fetch.hits[-1] if fetch.hits else None
+        parent = fetch.miss.hits[-1] if fetch.miss.hits else None
         landed: list[PageId] = []
         for n, (key, want) in enumerate(fetch.expected if error is None else []):
             page = fetch.landing[n]
@@ -254,7 +250,7 @@ class Fetches:
                 continue
             content = PageContent(page, want.key, want.tokens, parent, want.local)
             self._fetched.add(page)  # never stored again in its source
-            self.pool.publish(page, content, ChainPlace(ns, want.page_index, want.parent_key, fetch.extra_keys))
+            self.pool.publish(page, content, ChainPlace(ns, want.page_index, want.parent_key, fetch.miss.extra_keys))
             landed.append(page)
             parent = page
         self.counters.fetched_pages += len(landed)
@@ -272,4 +268,4 @@ class Fetches:
         ):
             self._recent.popitem(last=False)
         self.holds.release(list(release_order(fetch.landing)), 0)
-        self.holds.release(list(release_order(fetch.hits)), 0)
+        self.holds.release(list(release_order(fetch.miss.hits)), 0)

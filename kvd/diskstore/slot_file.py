@@ -1,7 +1,7 @@
 """The disk tier's one file: created and reserved whole, then read and written between its
 byte ranges and callers' buffers, with direct I/O where the file system allows it.
 
-``SlotFile.open`` creates ``kvd-disk.slots`` (kvd/disk/layout.py) in an existing directory
+``SlotFile.open`` creates ``kvd-disk.slots`` (kvd/diskstore/layout.py) in an existing directory
 and reserves all of it with ``posix_fallocate``, so a full file system refuses the tier when
 it opens (``OSError`` ENOSPC, which the store turns into a refusal), never at a write. Then
 it asks the file system whether direct I/O works (``statx``'s STATX_DIOALIGN, Linux 6.1 and
@@ -18,7 +18,7 @@ a view that does not (a page size not a multiple of 4 KiB) goes whole through an
 bounce buffer, and is counted (``bounced`` in the results). Staging and bounce buffers are
 anonymous maps (page-aligned), one per thread, grown as needed.
 
-Every method blocks: the store (kvd/disk/store.py) calls them on its worker threads only.
+Every method blocks: the store (kvd/diskstore/store.py) calls them on its worker threads only.
 Errors are ``OSError`` as the kernel gives them; ``inject`` makes the next calls of one kind
 fail with a given errno (a test hook at the syscall boundary: EIO, ENOSPC).
 """
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvd.disk import crashpoints
-from kvd.disk.layout import BLOCK, FILE_NAME
+from kvd.diskstore import crashpoints
+from kvd.diskstore.layout import BLOCK, FILE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The disk tier's slot file: where each page lies in it, and the headers that say what it is (version 1).
 
-The storage engine (kvd/disk/store.py) keeps every page in one preallocated file,
-``kvd-disk.slots`` in the tier's directory (kvd/disk/slot_file.py). Everything is
+The storage engine (kvd/diskstore/store.py) keeps every page in one preallocated file,
+``kvd-disk.slots`` in the tier's directory (kvd/diskstore/slot_file.py). Everything is
 little-endian, and every region below starts on a ``BLOCK`` (4 KiB) boundary and is a
 whole number of blocks long, so the file can be read and written with O_DIRECT on any
 device whose direct-I/O alignment is at most 4 KiB::

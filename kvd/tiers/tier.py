@@ -1,12 +1,12 @@
-"""Tiers beside the cache: everything the cache tells one, in one narrow interface, and the
+"""Tiers below the cache: everything the cache tells one, in one narrow interface, and the
 one place a tier plugs in.
 
 A ``Tier`` hears the moments a tier cares about and knows nothing else of the cache: a
 page published and indexed, a publish done, a published page about to be freed (through
 ``PageEvents``, kvd/cache/page_events.py, in the order it documents), a request matched
-and an allocation's hits (from the manager and kvd/cache/allocation.py). The disk tier
-(kvd/disk/tier.py) and the remote store's tier (kvd/remote/tier.py), each imported only
-when configured, implement it.
+and an allocation's hits (from the manager and kvd/cache/allocation.py), a request's
+``Miss``. The disk tier (kvd/disk/tier.py) and the remote store's tier (kvd/remote/tier.py),
+each imported only when configured, implement it; the cache names neither.
 
 ``Tiers`` holds a cache's tiers, nearest host memory first, and is what the cache calls:
 each call goes to every tier in that order. A tier plugs in with ``Tiers.attach``, once,
@@ -19,15 +19,48 @@ without a tier and its store client.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Protocol
 
-from kvd.cache.stats import DiskStats, RemoteStats
 from kvd.core.index import ChainSpec, ExtraKey, PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.types import PageId, PageKey
+from kvd.tiers.stats import TierStats
+from kvd.wire.codec import TOKEN_BYTES
 
-S = TypeVar("S", RemoteStats, DiskStats)
+
+@dataclass(frozen=True)
+class Miss:
+    """A request matched ``hits`` locally (``hit_keys`` their keys) and its prompt may have
+    full pages past them: what a tier hears of it, in one value."""
+
+    ns: Namespace
+    chain: ChainSpec
+    extra_keys: tuple[ExtraKey, ...]  # as requested, for the KV events of pages a tier brings
+    tokens: bytes  # the prompt's token ids, packed
+    hits: list[PageId]
+    hit_keys: list[PageKey]
+
+    @property
+    def full_pages(self) -> int:
+        """The prompt's full pages, the hit's included."""
+        return len(self.tokens) // (self.ns.page_size * TOKEN_BYTES)
+
+    @property
+    def full_page_tokens(self) -> bytes:
+        """The token ids of the prompt's full pages, packed."""
+        return self.tokens[: self.full_pages * self.ns.page_size * TOKEN_BYTES]
+
+    @property
+    def missing(self) -> range:
+        """The chain indexes of the full pages past the hit."""
+        return range(len(self.hits), self.full_pages)
+
+    @property
+    def parent_key(self) -> bytes:
+        """The key of the first missing page's parent: the last hit page's, or the chain root."""
+        return self.hit_keys[-1] if self.hit_keys else self.chain.root
 
 
 class Tier(Protocol):
@@ -43,23 +76,15 @@ class Tier(Protocol):
     def served(self, hits: list[PageId], page_size: int) -> None:
         """An allocation took these prefix hits."""
 
-    def missed(
-        self,
-        ns: Namespace,
-        chain: ChainSpec,
-        extra_keys: tuple[ExtraKey, ...],
-        tokens: bytes,
-        hits: list[PageId],
-        hit_keys: list[PageKey],
-    ) -> int:
-        """A request matched ``hits`` locally; returns the tokens past them the tier may still
-        bring (ask again), 0 for none."""
+    def missed(self, miss: Miss) -> int:
+        """A request matched ``miss.hits`` locally; returns the tokens past them the tier may
+        still bring (ask again), 0 for none."""
 
     def holds(self) -> Counter[PageId]:
         """The pool references the tier holds right now, by page (kvd/cache/invariants.py)."""
 
-    def stats(self) -> RemoteStats | DiskStats:
-        """Its state and counters (kvd/cache/stats.py)."""
+    def stats(self) -> TierStats:
+        """Its state and counters, under its ``kind`` in the cache's stats (kvd/cache/stats.py)."""
 
 
 class Tiers:
@@ -90,20 +115,12 @@ class Tiers:
         for tier in self._tiers:
             tier.served(hits, page_size)
 
-    def missed(
-        self,
-        ns: Namespace,
-        chain: ChainSpec,
-        extra_keys: tuple[ExtraKey, ...],
-        tokens: bytes,
-        hits: list[PageId],
-        hit_keys: list[PageKey],
-    ) -> int:
+    def missed(self, miss: Miss) -> int:
         """The tiers hear of the miss nearest first, until one may still bring tokens: a page
         the disk is bringing is not fetched from the remote store too. The client asks again
         once that fetch ends, and the next tier hears of what it did not bring."""
         for tier in self._tiers:
-            pending = tier.missed(ns, chain, extra_keys, tokens, hits, hit_keys)
+            pending = tier.missed(miss)
             if pending:
                 return pending
         return 0
@@ -115,10 +132,9 @@ class Tiers:
             held.update(tier.holds())
         return held
 
-    def stats(self, kind: type[S]) -> S:
-        """The stats of the tier whose stats are of ``kind`` (RemoteStats, DiskStats); the
-        kind's default ("off") without one."""
-        return next((s for s in (tier.stats() for tier in self._tiers) if isinstance(s, kind)), kind())
+    def stats(self) -> dict[str, TierStats]:
+        """Each tier's stats, by its kind."""
+        return {stats.kind: stats for stats in (tier.stats() for tier in self._tiers)}
 
 
 class _NoTiers(Tiers):

@@ -1,6 +1,7 @@
-"""Which pages the disk tier keeps when it is full: its eviction policy, apart from the tier's
-index (kvd/disk/tier.py). bench/trace_sim.py replays traces through these same classes, so
-what the study measured is what the daemon runs.
+"""Which pages a tier keeps when it is full: the disk tier's eviction policy (``[disk]
+policy``, whose names kvd/config.py reads from ``POLICIES`` here), apart from its index
+(kvd/disk/index.py). bench/trace_sim.py replays traces through these same classes, so what
+the study measured is what the daemon runs.
 
 A policy holds the keys of the pages on disk (or on their way there), ``capacity`` of them
 at most; keys are the tier's (namespace root, chain key), any hashable in the simulator.

@@ -1,4 +1,4 @@
-"""What the disk tier's storage engine answers (kvd/disk/store.py): the outcome of opening
+"""What the disk tier's storage engine answers (kvd/diskstore/store.py): the outcome of opening
 it (``Opened`` is the store's own, beside it), of each page written or read, and the
 counters the tier exposes.
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.disk.layout import DiskPage, PageIdentity, SlotClass, SlotId
+from kvd.diskstore.layout import DiskPage, PageIdentity, SlotClass, SlotId
 
 
 class OpenRefusal(enum.Enum):
@@ -115,8 +115,9 @@ ReadResult = ReadOk | ReadMiss
 
 
 @dataclass
-class DiskCounters:
-    """What the tier exposes; gauges (pages, bytes, backlog) and counts that only grow."""
+class StoreCounters:
+    """What the store counts (the tier reports some of it in its ``DiskStats``, kvd/disk/ledger.py):
+    gauges (pages, bytes) and counts that only grow."""
 
     direct_io: bool = False
     capacity_bytes: int = 0  # the file's size

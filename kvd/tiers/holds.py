@@ -1,8 +1,7 @@
 """The pool references a tier holds: every page a tier's transfer reads or writes is held
 with a pool reference (kvd/core/pool.py), so it is never evicted or reused meanwhile (pages
 being stored, a fetch's local hit and the pages it lands in). ``Holds`` keeps them, and the
-backlog bytes they take; ``all`` lists them for kvd/cache/invariants.py. The remote tier
-(kvd/remote/tier.py) and the disk tier (kvd/disk/tier.py) have one each.
+backlog bytes they take; ``all`` lists them for kvd/cache/invariants.py. Each tier has one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which slots of the slot file are free: per chunk, and per page size across chunks.
 
-The store (kvd/disk/store.py) owns one ``SlotTable`` and calls it under its lock. A chunk is
-formatted for one ``SlotClass`` (kvd/disk/layout.py) the first time pages of that size need
+The store (kvd/diskstore/store.py) owns one ``SlotTable`` and calls it under its lock. A chunk is
+formatted for one ``SlotClass`` (kvd/diskstore/layout.py) the first time pages of that size need
 room and none of their chunks has a free slot: the lowest chunk with no slot in use, never
 formatted or of another size (all its slots free, so all their headers zeroed on disk). Free
 slots are handed out lowest first, from the lowest chunk of the size that has some, so the
@@ -21,7 +21,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable
 
-from kvd.disk.layout import ChunkFormat, DiskPage, SlotClass, SlotId, chunk_of, slot_id
+from kvd.diskstore.layout import ChunkFormat, DiskPage, SlotClass, SlotId, chunk_of, slot_id
 
 
 class Chunk:
@@ -51,7 +51,7 @@ class SlotTable:
         self._empty: set[int] = set(range(chunks))  # chunks with no slot in use (unformatted or all free)
 
     def adopt(self, formats: list[ChunkFormat | None], pages: list[DiskPage]) -> None:
-        """The chunks and pages found when the file was opened (kvd/disk/recovery.py)."""
+        """The chunks and pages found when the file was opened (kvd/diskstore/recovery.py)."""
         used: dict[int, list[int]] = defaultdict(list)
         for page in pages:
             index, i = chunk_of(page.slot)

@@ -2,12 +2,12 @@
 read back, freed and found again after a crash, all off the caller's thread.
 
 ``DiskStore.open(directory, budget_bytes)`` creates or opens the slot file
-(kvd/disk/slot_file.py, format in kvd/disk/layout.py), recovers what it holds
-(kvd/disk/recovery.py) and answers ``Opened`` (the store and every valid page on disk,
+(kvd/diskstore/slot_file.py, format in kvd/diskstore/layout.py), recovers what it holds
+(kvd/diskstore/recovery.py) and answers ``Opened`` (the store and every valid page on disk,
 for the tier to index) or ``OpenRefused`` (no such directory, not writable, the budget
 does not fit, the file cannot be read). Opening reads every slot header and blocks while
 it does (~0.2-0.5 s for 10,000 pages here): call it at start-up or on a thread, never on
-the event loop. Then (results in kvd/disk/results.py, free slots in kvd/disk/slots.py):
+the event loop. Then (results in kvd/diskstore/results.py, free slots in kvd/diskstore/slots.py):
 
 - ``write([PageWrite(identity, view, seal)])`` stores pages from the caller's buffers
   (numpy views of shared-memory pages): the store picks free slots (pages of one size
@@ -16,7 +16,7 @@ the event loop. Then (results in kvd/disk/results.py, free slots in kvd/disk/slo
 - ``read([PageRead(slot, view)])`` reads pages into the caller's buffers (newly allocated
   host pages) and checks each against its header's checksum; a page that fails, or whose
   read fails, is a miss and is dropped from the disk (its slot freed).
-- ``free(slots)`` frees slots the tier evicts (by its policy, kvd/disk/eviction.py).
+- ``free(slots)`` frees slots the tier evicts (by its policy, kvd/tiers/eviction.py).
 
 Pages are known by slot: the tier keeps its own index from chain key to slot (from
 ``Opened.pages`` and each ``Written.page``). Two slots may hold the same identity (written
@@ -58,8 +58,8 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from kvd.core.records import page_checksum
-from kvd.disk import crashpoints
-from kvd.disk.layout import (
+from kvd.diskstore import crashpoints
+from kvd.diskstore.layout import (
     BLOCK,
     HEAD_BYTES,
     SCOPE_BYTES,
@@ -72,9 +72,8 @@ from kvd.disk.layout import (
     pack_chunk_header,
     pack_slot_header,
 )
-from kvd.disk.recovery import recover
-from kvd.disk.results import (
-    DiskCounters,
+from kvd.diskstore.recovery import recover
+from kvd.diskstore.results import (
     NotWritten,
     OpenRefusal,
     OpenRefused,
@@ -85,12 +84,13 @@ from kvd.disk.results import (
     ReadOk,
     ReadResult,
     RecoveryReport,
+    StoreCounters,
     WriteRefusal,
     WriteResult,
     Written,
 )
-from kvd.disk.slot_file import SlotFile, Staging
-from kvd.disk.slots import Chunk, SlotTable
+from kvd.diskstore.slot_file import SlotFile, Staging
+from kvd.diskstore.slots import Chunk, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class DiskStore:
         self._free_after_read: set[SlotId] = set()
         self._sequence = itertools.count(1)
         self._headers = Staging()  # slot headers on their way to the file
-        self._counters = DiskCounters(direct_io=file.direct, capacity_bytes=file.size)
+        self._counters = StoreCounters(direct_io=file.direct, capacity_bytes=file.size)
 
     @classmethod
     def open(
@@ -228,13 +228,13 @@ class DiskStore:
         """How many pages of ``page_class`` the file holds, every chunk formatted for them."""
         return self._slots.most(page_class)
 
-    def counters(self) -> DiskCounters:
+    def counters(self) -> StoreCounters:
         """A copy of the counters, consistent at one instant."""
         with self._lock:
             return dataclasses.replace(self._counters)
 
     def inject(self, op: str, error: int, count: int = 1, skip: int = 0) -> None:
-        """Test hook (kvd/disk/slot_file.py): after ``skip`` file calls of ``op`` ("read", "write",
+        """Test hook (kvd/diskstore/slot_file.py): after ``skip`` file calls of ``op`` ("read", "write",
         "sync"), the next ``count`` fail with ``error``."""
         self._file.inject(op, error, count, skip)
 
