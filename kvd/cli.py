@@ -140,6 +140,7 @@ def recovery_line(r: dict) -> str:
         f"last start: recovered {r['recovered_pages']:,} published pages ({r['resealed_pages']:,} sealed by "
         f"recovery); dropped {dropped}; incomplete extents {r['incomplete_extents']:,}"
     )
+    line += f"; {r['pending_pages']:,} still to verify (recovering while serving)" if r["pending_pages"] else ""
     return line + (f"; discarded every segment: {r['discarded']}" if r["discarded"] else "")
 
 

@@ -9,6 +9,10 @@ tests aim at them with a variable in the daemon's environment, read once at impo
   at that instant, with a segment named ``FILLER`` that stays until someone unlinks it.
   Only in a private mount namespace with a small tmpfs on /dev/shm (tests/small_shm.py):
   on a host's /dev/shm it starves every other user.
+- ``KVD_HOLD_AT=STEP[:N]`` with ``KVD_HOLD_FILE=PATH`` holds what runs in steps (``holding``)
+  from the N-th time it completes STEP on, for as long as the file PATH exists: a test
+  makes its calls while a background job stands still at a known point, then removes the
+  file.
 
 Steps:
 
@@ -18,7 +22,9 @@ Steps:
 - ``extent-data``: the data segment is created, reserved and pre-faulted, and the extent
   is not yet adopted (its pages were never handed out);
 - ``publish-recorded``: a publish wrote its pages' records (state PUBLISHED) and has not
-  handed them to the sealer, so none has a checksum yet.
+  handed them to the sealer, so none has a checksum yet;
+- ``recovery-step``: a warm restart verified and indexed one more step of pages
+  (kvd/durability/reindexing.py; ``STEP_PAGES`` each, parents first).
 
 Unset (always, in production) a step costs one dictionary lookup.
 """
@@ -34,7 +40,7 @@ from collections.abc import Callable
 
 import posix_ipc
 
-STEPS = ("extent-meta", "extent-reserved", "extent-data", "publish-recorded")
+STEPS = ("extent-meta", "extent-reserved", "extent-data", "publish-recorded", "recovery-step")
 FILLER = "/kvd-test-shm-filler"  # the segment KVD_FILL_SHM_AT fills /dev/shm with
 
 
@@ -80,6 +86,8 @@ def _armed() -> dict[str, list[tuple[int, Callable[[], None]]]]:
 
 
 _ARMED = _armed()
+_HOLD = _parse("KVD_HOLD_AT", os.environ.get("KVD_HOLD_AT", ""))
+_HOLD_FILE = os.environ.get("KVD_HOLD_FILE", "")
 _seen: dict[str, int] = {}
 _lock = threading.Lock()  # extents are built on a worker thread as well as the event loop
 
@@ -87,10 +95,18 @@ _lock = threading.Lock()  # extents are built on a worker thread as well as the 
 def reached(step: str) -> None:
     """Marks ``step`` as done; runs the hook set for this occurrence of it, if any."""
     hooks = _ARMED.get(step)
-    if hooks is None:
+    if hooks is None and (_HOLD is None or _HOLD[0] != step):
         return
     with _lock:
         _seen[step] = seen = _seen.get(step, 0) + 1
-        for nth, action in hooks:
+        for nth, action in hooks or ():
             if nth == seen:
                 action()
+
+
+def holding(step: str) -> bool:
+    """True while ``KVD_HOLD_AT`` holds ``step``: it was completed N times or more, and the
+    file ``KVD_HOLD_FILE`` exists."""
+    if _HOLD is None or _HOLD[0] != step:
+        return False
+    return _seen.get(step, 0) >= _HOLD[1] and os.path.exists(_HOLD_FILE)

@@ -103,6 +103,7 @@ def test_stats_json_fields_and_values(tmp_path):
                 "orphaned": 0,
                 "mismatch": 0,
                 "incomplete_extent": 0,
+                "evicted": 0,
             }
             [entry] = stats["namespaces"]
             assert set(entry) == {*STAT_FIELDS, "namespace_id", "model", "page_bytes"}

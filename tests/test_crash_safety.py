@@ -1,5 +1,6 @@
 """Crash safety at the dangerous instants (issue 11): a kill -9 while an extent is being
-created, right after a publish returned, and a /dev/shm smaller than the host budget."""
+created, right after a publish returned, while a warm restart's recovery runs, and a
+/dev/shm smaller than the host budget."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import agents
 import numpy as np
 import pytest
 from conftest import clean_env
-from test_restart import ARGS, PAGE, assert_prefix_served, publish_prefix
+from test_restart import ARGS, BIG_ARGS, CHAIN_PAGES, PAGE, SMALL, assert_prefix_served, chain_tokens, publish_prefix
 
 from engine_client import KVDClient, KVDError, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
+from kvd.durability.reindexing import STEP_PAGES
 
 
 @pytest.mark.parametrize("step", ["extent-meta", "extent-reserved", "extent-data"])
@@ -104,6 +107,44 @@ def test_a_kill_before_any_seal_loses_no_published_page(daemon_factory, tmp_path
         assert all((c.page_array(ns, page) == i).all() for i, page in enumerate(hit.hit_pages))
         recovery = c.stats()["recovery"]
     assert recovery["recovered_pages"] == 40 and recovery["resealed_pages"] == 40
+
+
+def test_a_kill_during_the_recovery_loses_nothing(daemon_factory, tmp_path):
+    """Four prompts published, the last one's pages never sealed (crash point
+    ``publish-recorded``); the next daemon dies while its recovery runs (``recovery-step``),
+    having sealed some of them; the third serves every page, sealing the rest."""
+    chains, steps = 4, 20
+    d = daemon_factory(*BIG_ARGS, env=clean_env(tmp_path, KVD_CRASH_AT=f"publish-recorded:{chains}"))
+    with KVDClient.connect(d.socket) as client:
+        ns = client.register_namespace("small", SMALL)
+        for chain in range(chains):
+            client.allocate_with_prefix(ns, [SequenceRequest(f"c{chain}", chain_tokens(chain))])
+            if chain < chains - 1:
+                client.publish(ns, [f"c{chain}"])
+                client.release(ns, [f"c{chain}"])
+                client.verify_pages()  # sealed
+            else:
+                with pytest.raises(KVDError):
+                    client.publish(ns, [f"c{chain}"])
+    assert d.process.wait(timeout=20) == -signal.SIGKILL, d.log()
+
+    env = clean_env(tmp_path, KVD_CRASH_AT=f"recovery-step:{steps}")
+    dying = DaemonProcess(d.socket, BIG_ARGS, str(tmp_path / "dying.log"), env)
+    assert dying.process.wait(timeout=60) == -signal.SIGKILL, dying.log()
+
+    d3 = daemon_factory(*BIG_ARGS, env=clean_env(tmp_path))
+    with KVDClient.connect(d3.socket) as c:
+        assert c.register_namespace("small", SMALL) == ns
+        c.verify_pages()  # waits for the recovery
+        recovery = c.stats()["recovery"]
+        for chain in range(chains):
+            [hit] = c.lookup(ns, [SequenceRequest("probe", chain_tokens(chain))])
+            assert hit.hit_tokens == CHAIN_PAGES * PAGE
+        assert c.check_invariants() == []
+    # Parents first: the dying daemon sealed the last prompt's pages it reached.
+    assert recovery["recovered_pages"] == chains * CHAIN_PAGES
+    assert recovery["resealed_pages"] == CHAIN_PAGES - steps * STEP_PAGES // chains
+    assert sum(recovery["dropped_pages"].values()) == 0
 
 
 needs_private_shm = pytest.mark.skipif(

@@ -10,9 +10,9 @@ import time
 import agents
 import numpy as np
 import pytest
-from conftest import raw_page
+from conftest import clean_env, raw_page, wait_until
 
-from engine_client import KVDClient, SequenceRequest
+from engine_client import KVDClient, PageLayout, SequenceRequest
 from engine_client.types import KVDError
 from kvd.cache import invariants
 from kvd.cache.manager import KVCacheManager
@@ -22,6 +22,7 @@ from kvd.core.arena import SHM_DIR, Arena, daemon_segments
 from kvd.core.namespaces import NamespaceIdentity, make_layout
 from kvd.core.records import manifest_name
 from kvd.durability import recovery
+from kvd.durability.reindexing import STEP_PAGES
 
 PAGE = agents.LAYOUT.page_size
 ARGS = ("--enable-prefix-reuse", "--host-bytes", "64MiB", "--extent-bytes", "4MiB")
@@ -123,7 +124,9 @@ def test_recovery_cost_per_gib(tmp_path):
         first.close(unlink=False)  # what kill -9 leaves
         second = KVCacheManager(Arena(512 << 20, 64 << 20, prefix, lock_memory=False), prefix_reuse=True)
         try:
-            report = recovery.recover(second)
+            assert recovery.recover(second).pending_pages == 1024
+            second.catalog.reindexing.finish()  # what a daemon does between calls
+            report = second.catalog.last_recovery
             assert report.recovered_pages == 1024 and report.corrupted_pages == 0 and report.discarded is None
             assert invariants.violations(second) == []
             hits = second.lookup(second.open_session("bench", 1).id, ns.id, [CoreRequest("probe", tokens)])[0]
@@ -165,6 +168,7 @@ def test_a_page_corrupted_while_the_daemon_was_down_is_not_served(daemon_factory
             "orphaned": 2,
             "mismatch": 0,
             "incomplete_extent": 0,
+            "evicted": 0,
         }
         assert c.check_invariants() == []
     assert "failed their checksum" in d2.log() and "1 failed their checksum, 2 dropped" in d2.log()
@@ -271,3 +275,111 @@ def test_clients_fail_fast_and_reconnect_after_a_restart(daemon_factory):
     assert all(holds(client, ns, page, tokens, i) for i, page in enumerate(hit.shared_pages))
     client.close()
     d2.stop()
+
+
+CHAINS, CHAIN_PAGES = 20, 3125  # 62,500 pages of 1 KiB: twenty 50K-token prompts
+SMALL = PageLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=16, dtype="float16")
+BIG_ARGS = ("--enable-prefix-reuse", "--host-bytes", "96MiB", "--extent-bytes", "4MiB")
+
+
+def chain_tokens(chain: int) -> np.ndarray:
+    return (np.arange(CHAIN_PAGES * PAGE, dtype=np.int32) + chain * 1_000_000) % 2_000_000_000
+
+
+def test_a_restart_answers_at_once_and_serves_no_page_before_it_is_verified(daemon_factory, tmp_path):
+    """The daemon answers before its recovery indexed anything past a held step; a page
+    corrupted after the kill is never served, not while the recovery runs nor after it, and
+    is counted; a prompt published again meanwhile takes its keys, and the recovered copies
+    of those pages are dropped, not indexed twice."""
+    d = daemon_factory(*BIG_ARGS)
+    client = KVDClient.connect(d.socket)
+    ns = client.register_namespace("small", SMALL)
+    for chain in range(CHAINS):
+        client.allocate_with_prefix(ns, [SequenceRequest(f"c{chain}", chain_tokens(chain))])
+        client.publish(ns, [f"c{chain}"])
+        client.release(ns, [f"c{chain}"])
+    [first] = client.lookup(ns, [SequenceRequest("probe", chain_tokens(3))])
+    client.verify_pages()  # every page sealed
+    corrupted = raw_page(client, ns, first.hit_pages[1000])
+    d.stop(signal.SIGKILL)
+    corrupted[0, 0, 0, 0, 0] += 1  # chain 3's page 1000 changes in /dev/shm
+    client.close()
+
+    # Parents first: step k covers the pages of chain index < k * STEP_PAGES / CHAINS of every chain.
+    held_steps = 60
+    verified = held_steps * STEP_PAGES // CHAINS
+    hold = tmp_path / "hold"
+    hold.touch()
+    env = clean_env(tmp_path, KVD_HOLD_AT=f"recovery-step:{held_steps}", KVD_HOLD_FILE=str(hold))
+    d2 = daemon_factory(*BIG_ARGS, env=env)
+    serving = re.search(r"serving on .* after (\d+) ms", d2.log())
+    assert serving and int(serving.group(1)) < 1000, d2.log()
+    with KVDClient.connect(d2.socket) as c:
+        assert c.register_namespace("small", SMALL) == ns
+        # It runs between calls up to the held step, and stands there.
+        wait_until(lambda: c.stats()["recovery"]["recovered_pages"] == held_steps * STEP_PAGES, "the held step", 30)
+        recovery_now = c.stats()["recovery"]
+        assert recovery_now["pending_pages"] == CHAINS * CHAIN_PAGES - held_steps * STEP_PAGES
+        assert recovery_now["recovered_pages"] == held_steps * STEP_PAGES
+        [during] = c.lookup(ns, [SequenceRequest("probe", chain_tokens(3))])
+        assert during.hit_pages == first.hit_pages[:verified], "a miss past what is verified"
+        # Chain 5 published again meanwhile: its pages past the verified ones are new pages
+        # under the keys the recovery holds unverified.
+        [again] = c.allocate_with_prefix(ns, [SequenceRequest("again", chain_tokens(5))])
+        assert again.shared_prefix_tokens == verified * PAGE
+        c.publish(ns, ["again"])
+        c.release(ns, ["again"])
+        assert c.check_invariants() == []
+
+        hold.unlink()
+        c.verify_pages()  # waits for the recovery: its report counts every page
+        stats = c.stats()
+        dropped = stats["recovery"]["dropped_pages"]
+        chain_5_again = CHAIN_PAGES - verified
+        assert dropped["corrupted"] == 1 and dropped["orphaned"] == CHAIN_PAGES - 1001 + chain_5_again
+        assert stats["recovery"]["pending_pages"] == 0
+        assert stats["recovery"]["recovered_pages"] == CHAINS * CHAIN_PAGES - 1 - dropped["orphaned"]
+        [after] = c.lookup(ns, [SequenceRequest("probe", chain_tokens(3))])
+        assert after.hit_pages == first.hit_pages[:1000]
+        [five] = c.lookup(ns, [SequenceRequest("probe", chain_tokens(5))])
+        assert five.hit_pages == again.pages[:CHAIN_PAGES]
+        [other] = c.lookup(ns, [SequenceRequest("probe", chain_tokens(7))])
+        assert other.hit_tokens == CHAIN_PAGES * PAGE
+        assert c.check_invariants() == []
+
+
+def test_an_allocation_short_of_room_takes_the_deepest_pages_the_recovery_holds(daemon_factory, tmp_path):
+    """A full cache restarted, its recovery held before its first step: a new prompt's pages
+    come from the pages the recovery holds unverified, the deepest in their chains, so no
+    page left to recover loses its parent; they are counted evicted."""
+    args = ("--enable-prefix-reuse", "--host-bytes", "16MiB", "--extent-bytes", "4MiB")
+    d = daemon_factory(*args)
+    with KVDClient.connect(d.socket) as client:
+        ns = client.register_namespace("small", SMALL)
+        for chain in range(5):  # more than the budget holds: the cache ends full of cached pages
+            client.allocate_with_prefix(ns, [SequenceRequest(f"c{chain}", chain_tokens(chain))])
+            client.publish(ns, [f"c{chain}"])
+            client.release(ns, [f"c{chain}"])
+        client.verify_pages()
+        before = client.stats()
+    d.stop(signal.SIGKILL)
+    hold = tmp_path / "hold"
+    hold.touch()
+    d2 = daemon_factory(*args, env=clean_env(tmp_path, KVD_HOLD_AT="recovery-step:0", KVD_HOLD_FILE=str(hold)))
+    with KVDClient.connect(d2.socket) as c:
+        assert c.register_namespace("small", SMALL) == ns
+        found = before["cached_pages"]
+        assert c.stats()["recovery"]["pending_pages"] == found
+        [new] = c.allocate_with_prefix(ns, [SequenceRequest("new", chain_tokens(99))])
+        assert len(new.pages) == CHAIN_PAGES and new.shared_prefix_tokens == 0
+        short = CHAIN_PAGES - before["free_pages"]
+        recovery_now = c.stats()["recovery"]
+        assert (recovery_now["recovered_pages"], recovery_now["evicted_pages"]) == (0, short)
+        assert recovery_now["pending_pages"] == found - short
+        assert c.check_invariants() == []
+        hold.unlink()
+        c.verify_pages()
+        recovery_now = c.stats()["recovery"]
+        assert recovery_now["pending_pages"] == 0 and recovery_now["dropped_pages"]["orphaned"] == 0
+        assert recovery_now["recovered_pages"] == found - short
+        assert c.check_invariants() == []

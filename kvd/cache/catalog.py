@@ -14,17 +14,17 @@ from kvd.cache.requests import ResetResult
 from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
 from kvd.core.errors import ResourceExhausted
-from kvd.core.index import PageContent
-from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry, identity_doc
 from kvd.core.pool import PagePool
 from kvd.core.records import MetaError
 from kvd.core.supply import ExtentSupply
-from kvd.core.types import PageId, PageKey, PageState
+from kvd.core.types import NamespaceId, PageState
 from kvd.durability.integrity import Integrity
+from kvd.durability.reindexing import Reindexing
 
 if TYPE_CHECKING:
-    from kvd.durability.recovery import Recovered, RecoveryReport
+    from kvd.durability.recovery import Recovered
+    from kvd.durability.report import RecoveryReport
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class Catalog:
         self.integrity = integrity
         self.supply = supply
         self.counters = counters
-        self.last_recovery: RecoveryReport | None = None  # of this start, set by restore()
+        self._report: RecoveryReport | None = None  # of this start, set by restore()
+        self.reindexing: Reindexing | None = None  # a warm restart's pages, verified and indexed in steps
 
     def register_namespace(self, identity: NamespaceIdentity) -> Namespace:
         """The namespace of ``identity``; a new one is registered all or nothing: it is
@@ -81,38 +82,40 @@ class Catalog:
         return [e.plan for e in self.arena.extents() if e.plan.namespace == ns.id]
 
     def restore(self, report: RecoveryReport, found: Recovered | None = None) -> None:
-        """Takes what a warm restart (kvd/durability/recovery.py) verified, before any call: its namespaces
-        with their old ids, its extents' pages as FREE, its pages as CACHED (indexed, refcount 0,
-        chain tails first in the LRU) and their checksums. ``report`` is kept for stats."""
-        self.last_recovery = report
+        """Takes what a warm restart (kvd/durability/recovery.py) attached, before any call: its
+        namespaces with their old ids, its extents' pages as FREE but the published ones, held
+        until ``reindexing`` verifies and indexes them (kvd/durability/reindexing.py)."""
+        self._report = report
         if found is None:
             return
         for identity, ns_id in found.namespaces:
             got = self.namespaces.register(identity)
             assert got.id == ns_id, f"recovered namespace {identity.model} got id {got.id}, not {ns_id}"
-        for extent in found.extents:
+        for extent, held in zip(found.extents, found.held):
             self.arena.adopt_recovered(extent)
-            self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages)
-        recovered: list[tuple[ChainPlace, PageContent]] = []
-        keys: dict[PageId, PageKey] = {}
-        for page_index, content in found.pages:  # parents first
-            keys[content.page] = content.key
-            # The records keep no chain root and no extra keys: recovered pages are announced
-            # without a LoRA name (kvd/cache/page_events.py).
-            parent = None if content.parent is None else keys[content.parent]
-            ns = self.namespaces.get(self.pool.namespace_of(content.page))
-            recovered.append((ChainPlace(ns, page_index, parent), content))
-        self.pool.restore(recovered)
-        for ns_id, corrupted in found.corrupted.items():
-            self.counters.of(ns_id).corrupted_pages += corrupted
-        self.integrity.restore(found.checksums)
+            self.pool.add_pages(extent.plan.namespace, extent.name, extent.first_page, extent.num_pages, held)
+        self.reindexing = Reindexing(
+            found.pending, self.arena, found.extents, self.pool, self.integrity, self.counters, self.namespaces, report
+        )
         self.write_manifest()
+
+    def give_up_recovery(self, namespace: NamespaceId, count: int) -> int:
+        """Frees ``count`` pages of the namespace a warm restart's recovery holds and has not
+        verified yet, or none, for an allocation short of room (kvd/cache/room.py); how many."""
+        return 0 if self.reindexing is None else self.reindexing.give_up(namespace, count)
+
+    @property
+    def last_recovery(self) -> RecoveryReport | None:
+        """What this start recovered, so far while ``reindexing`` runs; None before ``restore``."""
+        return self._report if self.reindexing is None else self.reindexing.report()
 
     def reset_prefix_cache(self, namespace_id: int | None = None) -> ResetResult:
         """Drops every cached (published, unreferenced) page of a namespace, or of all: what
         vLLM's ``reset_prefix_cache`` does after a weight update. Pages a sequence or pin
         references stay as they are, indexed; nothing is refused."""
         namespaces = self.namespaces.all() if namespace_id is None else [self.namespaces.get(namespace_id)]
+        if self.reindexing is not None:
+            self.reindexing.finish()  # the pages it holds are cached ones too
         ids = {ns.id for ns in namespaces}
         dropped = 0
         for ns_id in ids:

@@ -77,9 +77,11 @@ def _references(manager, found: list[str]) -> _References:
     for job in manager.allocations:  # hits an allocation in progress holds (kvd/cache/allocation.py)
         refs.expected.update(job.held())
     refs.held = manager.tiers.holds()  # pages the tiers' stores read or write right now
+    if manager.catalog.reindexing is not None:  # a warm restart's pages not verified yet
+        refs.held.update(manager.catalog.reindexing.held())
     if refs.held:
         refs.expected.update(refs.held)
-        refs.counted = "sequences + pins + remote holds"
+        refs.counted = "sequences + pins + tier and recovery holds"
     return refs
 
 

@@ -101,6 +101,7 @@ class KVCacheManager:
         self.supply = ExtentSupply(arena, self.pool)
         self.room = Room(arena, self.pool, self.supply, self.sequences, self.sessions, self.counters, self.integrity)
         self.catalog = Catalog(arena, self.namespaces, self.pool, self.integrity, self.supply, self.counters)
+        self.room.give_up_recovery = self.catalog.give_up_recovery
         # non-KV state of all sequences
         self.aux = AuxBudget(aux_budget, self.limits.max_aux_bytes, self.sequences)
         self.allocations: set[AllocationJob] = set()  # open jobs: their held hits are references

@@ -11,8 +11,8 @@ tells the others in this order:
   kvd/cache/events.py) and 3. the tiers hear of it (``Tiers``, kvd/tiers/tier.py, nearest
   host memory first). A publishing call ends with ``submit``: 1. the sealer takes the pages
   described, 2. the tiers send what they queued.
-- **restored** (a warm restart's page, indexed): the event log announces it. Its record and
-  seal were there before; a tier attaches after the restore and finds it in the index.
+- **restored** (a warm restart's page, verified and indexed, kvd/durability/reindexing.py):
+  the event log announces it, then the tiers hear of it. Its record and seal were there before.
 - **unindexed**: the event log (``BlockRemoved``).
 - **unpublished** (a published page about to be freed): 1. the tiers (the remote tier, with
   policy "evict", copies the page while its bytes and seal are there), 2. the sealer forgets
@@ -50,6 +50,7 @@ class PageEvents:
 
     def restored(self, content: PageContent, place: ChainPlace) -> None:
         self._announce(content, place)
+        self.tiers.restored(content, place)
 
     def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
         self.log.removed(namespace, content.key)

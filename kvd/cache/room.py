@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
 from kvd.cache.requests import STEP_SECONDS
@@ -66,6 +66,9 @@ class Room:
         self.counters = counters  # read for the log line of what was evicted
         self.integrity = integrity  # its sealer may still read the pages of an extent reclaimed
         self._evicted: list[Sequence] = []  # on-hold sequences evicted since ``report_evictions``
+        # Frees pages a warm restart's recovery holds unverified (namespace, count) -> how
+        # many: the room of last resort (kvd/cache/catalog.py sets it).
+        self.give_up_recovery: Callable[[NamespaceId, int], int] = lambda namespace, count: 0
 
     def grant(self, ns: Namespace, counts: list[int], protect: Sequence | None = None) -> list[list[PageId]]:
         """``counts[i]`` new PRIVATE pages for the i-th taker of one call, all or nothing: room
@@ -168,19 +171,25 @@ class Room:
         if self.pool.free_count(ns.id) >= need:
             return
         held = frozenset(held)
-        held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
-        available = (
-            self._own(ns)
-            - held_cached
-            + self.arena.pages_within(sum(e.plan.footprint for e in self._reclaimable(ns)), ns.page_bytes, ns.page_size)
-            + self._freeable_on_hold(ns, protect, held)
-        )
+        available = self._available(ns, protect, held)
+        if need > available and self.give_up_recovery(ns.id, need - available):
+            available = self._available(ns, protect, held)
         if need > available:
             raise ResourceExhausted(
                 f"namespace {ns.id} needs {need} more pages of {ns.page_bytes} bytes; only {available} can be "
                 f"freed within the host budget of {self.arena.budget_bytes} bytes"
                 + (f" ({self.arena.shm_note})" if self.arena.shm_note else "")
             )
+
+    def _available(self, ns: Namespace, protect: Sequence | None, held: frozenset[PageId]) -> int:
+        """Pages that can be made free for the namespace (``check``)."""
+        held_cached = sum(1 for page in held if self.pool.state(page) is PageState.CACHED)
+        return (
+            self._own(ns)
+            - held_cached
+            + self.arena.pages_within(sum(e.plan.footprint for e in self._reclaimable(ns)), ns.page_bytes, ns.page_size)
+            + self._freeable_on_hold(ns, protect, held)
+        )
 
     def spare(self, ns: Namespace) -> int:
         """Pages the namespace can get by giving up nothing but its own cached pages: free ones,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from kvd.core.types import PageState
-from kvd.durability.recovery import RecoveryReport
+from kvd.durability.report import RecoveryReport
 from kvd.tiers.stats import TierStats
 
 

@@ -64,11 +64,20 @@ class PagePool:
 
     # ---- extents ------------------------------------------------------------------
 
-    def add_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
-        """Adds a new extent's pages as FREE."""
-        self._extents[extent] = self._columns.add(first, count, namespace)
+    def add_pages(
+        self, namespace: NamespaceId, extent: str, first: PageId, count: int, held: np.ndarray | None = None
+    ) -> None:
+        """Adds a new extent's pages as FREE; those at the offsets ``held`` (a warm restart's,
+        not verified yet) as PRIVATE with refcount 1, the reference the recovery holds until
+        it restores or releases them (kvd/durability/reindexing.py)."""
+        slots = self._extents[extent] = self._columns.add(first, count, namespace)
+        free = np.ones(count, bool)
+        if held is not None and len(held):
+            free[held] = False
+            self._columns.state[slots.start + held] = PRIVATE
+            self._columns.refcount[slots.start + held] = 1
         # pop() hands out low ids first
-        self._ns(namespace).free.extend(map(PageId, range(first + count - 1, first - 1, -1)))
+        self._ns(namespace).free.extend((first + np.flatnonzero(free)[::-1]).tolist())
 
     def remove_pages(self, namespace: NamespaceId, extent: str, first: PageId, count: int) -> None:
         """Forgets an extent whose pages are all FREE."""
@@ -84,29 +93,25 @@ class PagePool:
         pages.free = [p for p in pages.free if p not in gone]
 
     def restore(self, recovered: list[tuple[ChainPlace, PageContent]]) -> None:
-        """FREE → CACHED (indexed, refcount 0) for the pages a warm restart recovered, of any
-        namespace, parents first; each namespace's queued in eviction order (kvd/core/eviction.py)."""
+        """PRIVATE (held by the recovery, ``add_pages``) → CACHED (indexed, refcount 0) for pages
+        a warm restart verified, of any namespace, parents first (each parent indexed already
+        or in the same batch); each namespace's queued in eviction order (kvd/core/eviction.py)."""
         by_namespace: dict[NamespaceId, list[tuple[int, PageContent]]] = {}
         for place, content in recovered:
             self.index.insert(content, place.page_index)
             by_namespace.setdefault(place.ns.id, []).append((place.page_index, content))
         c = self._columns
         for namespace, indexed in by_namespace.items():
-            pages = self._ns(namespace)
             contents = restore_order(indexed)
-            slots = []
-            for content in contents:
-                slot = c.slot(content.page)
-                assert c.state_at[slot] == FREE and c.namespace_at[slot] == namespace, (
-                    f"page {content.page} restored while {self.state(content.page).value}"
-                )
+            slots = c.slots([content.page for content in contents])
+            held = (c.state[slots] == PRIVATE) & (c.refcount[slots] == 1) & (c.namespace[slots] == namespace)
+            assert held.all(), f"page {c.page[slots[~held][0]]} restored while {STATES[c.state[slots[~held][0]]]}"
+            for slot, content in zip(slots.tolist(), contents):
                 c.content[slot] = content
-                c.indexed_at[slot] = True
-                c.state_at[slot] = CACHED
-                slots.append(slot)
-            pages.cached.push(np.array(slots, np.int64))
-            restored = {content.page for content in contents}
-            pages.free = [page for page in pages.free if page not in restored]
+            c.indexed[slots] = True
+            c.state[slots] = CACHED
+            c.refcount[slots] = 0
+            self._ns(namespace).cached.push(slots)
         for place, content in recovered:
             self.listener.restored(content, place)
 

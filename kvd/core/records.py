@@ -267,6 +267,19 @@ class ExtentMeta:
         raw = np.frombuffer(self.memory, dtype=np.uint8, count=self.header.num_pages * self._size, offset=HEADER_BYTES)
         return raw[:: self._size].copy()
 
+    def columns(self) -> np.ndarray:
+        """Every record's numeric fields as one structured view (no copy): ``state``,
+        ``checksum``, ``has_parent``, ``page_index``, ``parent``; one row per page."""
+        dtype = np.dtype(
+            {
+                "names": ["state", "checksum", "has_parent", "page_index", "parent"],
+                "formats": ["u1", "<u8", "u1", "<u4", "<u8"],
+                "offsets": [0, 8, 16, 20, 24],
+                "itemsize": self._size,
+            }
+        )
+        return np.frombuffer(self.memory, dtype=dtype, count=self.header.num_pages, offset=HEADER_BYTES)
+
     def record(self, i: int) -> Record:
         off = self._offset(i)
         (checksum,) = _CHECKSUM.unpack_from(self.memory, off + 8)

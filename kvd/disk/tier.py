@@ -56,7 +56,7 @@ from kvd.diskstore.results import PageWrite, Seal
 from kvd.diskstore.store import Opened
 from kvd.tiers.fetches import Fetches
 from kvd.tiers.holds import Holds
-from kvd.tiers.places import page_seal, recovered_places
+from kvd.tiers.places import page_seal
 from kvd.tiers.tier import Miss
 
 
@@ -66,9 +66,9 @@ class DiskTier:
     def __init__(
         self, opened: Opened, scope: str, settings: DiskConfig, ports: TierPorts, loop: asyncio.AbstractEventLoop
     ) -> None:
-        """Built before the daemon takes any call, after a warm restart's pages are restored;
-        ``opened`` is the tenant's store as ``DiskStore.open`` found it, ``ports`` what the
-        tenant's cache lends it."""
+        """Built before the daemon takes any call and before a warm restart's pages are
+        restored (``restored``); ``opened`` is the tenant's store as ``DiskStore.open`` found
+        it, ``ports`` what the tenant's cache lends it."""
         self.store = opened.store
         self.arena, self.pool, self.integrity = ports.arena, ports.pool, ports.integrity
         self.counters = DiskTierCounters()
@@ -78,13 +78,17 @@ class DiskTier:
         self.write_back = WriteBack(self.store, self.index, self.answers, self.counters, settings, loop)
         self.source = DiskSource(self.store, scope, self.index, self.write_back, self.answers, self.counters, loop)
         self._holds = Holds(ports.pool)
-        self._placed: dict[PageId, ChainPlace] = recovered_places(ports.pool, ports.index, ports.namespaces)
+        self._placed: dict[PageId, ChainPlace] = {}
         self.scope = scope
         self.fetches = Fetches(
             self.source, self._holds, self.counters, ports.arena, ports.pool, ports.index, ports.room, ports.pages
         )
 
     # ---- Tier -------------------------------------------------------------------------
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        if place.parent_key is not None:  # else its chain root is not known: it cannot be written
+            self._placed[content.page] = place
 
     def published(self, content: PageContent, place: ChainPlace) -> None:
         self._placed[content.page] = place

@@ -1,4 +1,4 @@
-"""Warm restart: re-attach the extents a killed daemon left, verify and re-index its pages.
+"""Warm restart: re-attach the extents a killed daemon left and list its pages to verify.
 
 ``kvd serve`` on the same socket (hence the same shared-memory prefix) calls ``recover``
 before it accepts calls. It keeps everything it can verify and drops only what it cannot:
@@ -13,16 +13,18 @@ before it accepts calls. It keeps everything it can verify and drops only what i
   out, so no published page is lost with it.
 
 Otherwise namespaces come back with their old ids, every extent counts against the
-budget again, and each page record (kvd/core/records.py) is read. A SEALED page is checked
+budget again, and the state, chain place and checksum of every page record
+(kvd/core/records.py) are read as arrays, a few operations per extent: the published pages
+(``Pending``) are held, unverified, until ``Reindexing`` (kvd/durability/reindexing.py)
+verifies and indexes them, parents first, while the daemon serves. A SEALED page is checked
 against its checksum (``corrupted`` when it fails). A PUBLISHED page was published (its
 bytes written before the call, its record before the reply) but the daemon died before
-the sealer recorded its checksum: recovery seals it now, so a publish that returned
-survives a ``kill -9``. Pages are re-indexed as CACHED with refcount 0, parents first; a
-page whose parent did not come back is dropped too (``orphaned``): a lookup walks chains
-from page 0 and could never reach it. Private pages of dead sessions are simply free.
-The ``RecoveryReport`` is kept for ``kvd stats``, metrics and ``kvd verify``.
+the sealer recorded its checksum: it is sealed then, so a publish that returned survives
+a ``kill -9``. A page whose parent did not come back is dropped too (``orphaned``).
+Private pages of dead sessions are simply free. The ``RecoveryReport``
+(kvd/durability/report.py) is kept for ``kvd stats``, metrics and ``kvd verify``.
 
-This module only reads and checks segments; what it verified reaches the manager through
+This module only reads and checks segments; what it attached reaches the manager through
 one call, ``Catalog.restore`` (kvd/cache/catalog.py), which owns the pool, index, checksums and counters.
 """
 
@@ -31,13 +33,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvd.core.arena import Extent, ExtentPlan, daemon_segments, leftover_segments, unlink_segments
 from kvd.core.errors import KVDError
-from kvd.core.index import PageContent
 from kvd.core.namespaces import NamespaceIdentity, NamespaceRegistry, identity_from_doc
 from kvd.core.records import (
     META_SUFFIX,
@@ -45,64 +46,18 @@ from kvd.core.records import (
     ExtentMeta,
     MetaError,
     manifest_name,
-    page_checksum,
     read_manifest,
 )
 from kvd.core.shm import SHM_DIR, ShmFull, unlink_quietly
-from kvd.core.types import NamespaceId, PageId, PageKey
+from kvd.core.types import NamespaceId, PageId
+from kvd.durability.reindexing import Pending
+from kvd.durability.report import RecoveryReport
 
 log = logging.getLogger(__name__)
 
 
 class Mismatch(Exception):
     """The segments left behind cannot be used by this daemon; the message says why."""
-
-
-# Below this many verified bytes a warm restart's time is mostly fixed costs (opening
-# segments, the manifest), so a per-GiB rate extrapolated from it would mislead.
-RATE_MIN_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    """What the last start found in shared memory; every dropped page is counted by reason."""
-
-    extents: int = 0
-    recovered_pages: int = 0
-    resealed_pages: int = 0  # of recovered_pages: published but not sealed when the daemon died
-    corrupted_pages: int = 0  # failed their checksum
-    orphaned_pages: int = 0  # verified, but their parent did not come back
-    mismatch_pages: int = 0  # published pages of segments another configuration left
-    incomplete_pages: int = 0  # published pages of incomplete extents
-    incomplete_extents: int = 0  # extents a crash left half created or half deleted
-    verified_bytes: int = 0
-    seconds: float = 0.0
-    discarded: str | None = None  # why the previous daemon's segments were deleted
-
-    @property
-    def ms_per_gib(self) -> float | None:
-        """The verification rate; None below RATE_MIN_BYTES, where fixed costs would dominate it."""
-        if self.verified_bytes < RATE_MIN_BYTES:
-            return None
-        return self.seconds * 1e3 / (self.verified_bytes / (1 << 30))
-
-    @property
-    def dropped_pages(self) -> dict[str, int]:
-        return {
-            "corrupted": self.corrupted_pages,
-            "orphaned": self.orphaned_pages,
-            "mismatch": self.mismatch_pages,
-            "incomplete_extent": self.incomplete_pages,
-        }
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "discarded": self.discarded or "", "dropped_pages": self.dropped_pages}
-
-    @classmethod
-    def combined(cls, reports: list[RecoveryReport]) -> RecoveryReport:
-        """Several tenants' reports as one daemon's: counts summed, reasons for discarding joined."""
-        counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(cls) if f.name != "discarded"}
-        return cls(**counts, discarded="; ".join(r.discarded for r in reports if r.discarded) or None)
 
 
 @dataclass
@@ -117,17 +72,17 @@ class _Found:
 
 @dataclass
 class Recovered:
-    """What a warm restart verified, for ``Catalog.restore``."""
+    """What a warm restart attached, for ``Catalog.restore``; its pages are verified later (``Reindexing``)."""
 
     namespaces: list[tuple[NamespaceIdentity, NamespaceId]]  # with the ids they had
     extents: list[Extent] = field(default_factory=list)  # attached, not yet adopted
-    pages: list[tuple[int, PageContent]] = field(default_factory=list)  # (chain page index, content), parents first
-    checksums: dict[PageId, int] = field(default_factory=dict)
-    corrupted: dict[NamespaceId, int] = field(default_factory=dict)  # failed their checksum, per namespace
+    held: list[np.ndarray] = field(default_factory=list)  # per extent: offsets of its published pages
+    pending: Pending | None = None
 
 
 def recover(manager) -> RecoveryReport:
-    """Re-attaches what a previous daemon on this prefix left; see the module docstring."""
+    """Re-attaches what a previous daemon on this prefix left; see the module docstring. Its
+    pages are verified and indexed next, in steps (``manager.catalog.reindexing``)."""
     report, found = _recover(manager.arena)
     manager.catalog.restore(report, found)
     return report
@@ -154,21 +109,19 @@ def _recover(arena) -> tuple[RecoveryReport, Recovered | None]:
             e,
         )
         return RecoveryReport(mismatch_pages=lost, discarded=str(e), seconds=time.perf_counter() - start), None
-    report, recovered = _adopt(arena, found, start)
-    rate = f", {report.ms_per_gib:.0f} ms per GiB" if report.ms_per_gib is not None else ""
+    recovered = _attach(arena, found)
+    report = RecoveryReport(
+        extents=len(recovered.extents),
+        incomplete_pages=found.incomplete_pages,
+        incomplete_extents=found.incomplete_extents,
+        pending_pages=len(recovered.pending),
+        seconds=time.perf_counter() - start,
+    )
     log.info(
-        "warm restart: recovered %d published pages from %d extents in %.1f ms (%d bytes verified%s, "
-        "%d sealed now); %d failed their checksum, %d dropped with a missing parent, "
-        "%d incomplete extents dropped",
-        report.recovered_pages,
+        "warm restart: %d extents attached in %.1f ms, %d published pages to verify and index while serving",
         report.extents,
         report.seconds * 1e3,
-        report.verified_bytes,
-        rate,
-        report.resealed_pages,
-        report.corrupted_pages,
-        report.orphaned_pages,
-        report.incomplete_extents,
+        report.pending_pages,
     )
     return report, recovered
 
@@ -255,12 +208,10 @@ def _drop_incomplete(found: _Found, name: str, meta: ExtentMeta | None, why: str
     log.warning("warm restart: dropping incomplete extent %s (%s; %d published pages)", name, why, lost)
 
 
-def _adopt(arena, found: _Found, start: float) -> tuple[RecoveryReport, Recovered]:
-    """Attaches the usable extents and verifies their published pages."""
+def _attach(arena, found: _Found) -> Recovered:
+    """Attaches the usable extents and lists their published pages (``Pending``)."""
     recovered = Recovered([(ns.identity, ns.id) for ns in found.registry.all()])
-    candidates = []
-    verified = 0
-    resealed: set[PageId] = set()
+    rows = []
     for meta in sorted(found.metas, key=lambda m: m.header.first_page):
         h = meta.header
         plan = ExtentPlan(
@@ -277,53 +228,22 @@ def _adopt(arena, found: _Found, start: float) -> tuple[RecoveryReport, Recovere
         except ShmFull as e:  # never map memory the tmpfs cannot back
             _drop_incomplete(found, plan.name, meta, str(e))
             continue
-        recovered.extents.append(extent)
-        states = meta.states()
-        for slot in map(int, np.flatnonzero(states >= PUBLISHED)):
-            record = meta.record(slot)
-            page = PageId(h.first_page + slot)
-            verified += h.page_bytes
-            checksum = page_checksum(record.covered, extent.page_bytes_view(page))
-            if states[slot] == PUBLISHED:  # its publish returned; the seal had not followed yet
-                meta.seal(slot, checksum)
-                resealed.add(page)
-            elif checksum != record.checksum:
-                meta.clear(slot)
-                recovered.corrupted[plan.namespace] = recovered.corrupted.get(plan.namespace, 0) + 1
-                log.warning("warm restart: page %d of extent %s failed its checksum; not recovered", page, plan.name)
-                continue
-            candidates.append((record.page_index, page, record, plan.namespace, meta, slot, checksum))
-    orphaned = _chain(candidates, recovered)
-    return RecoveryReport(
-        extents=len(recovered.extents),
-        recovered_pages=len(recovered.pages),
-        resealed_pages=len(resealed & recovered.checksums.keys()),
-        corrupted_pages=sum(recovered.corrupted.values()),
-        orphaned_pages=orphaned,
-        incomplete_pages=found.incomplete_pages,
-        incomplete_extents=found.incomplete_extents,
-        verified_bytes=verified,
-        seconds=time.perf_counter() - start,
-    ), recovered
-
-
-def _chain(candidates: list, recovered: Recovered) -> int:
-    """Accepts, parents first, the verified pages whose parent came back; clears the records of
-    the others (orphans, and a second page under a key already taken). Returns how many it dropped."""
-    accepted: dict[PageId, tuple[int, NamespaceId]] = {}
-    keys: set[PageKey] = set()
-    orphaned = 0
-    for page_index, page, record, ns_id, meta, slot, checksum in sorted(candidates, key=lambda c: c[0]):
-        content = PageContent(page, PageKey(record.key), record.tokens, record.parent, record.local)
-        chained = (record.parent is None and page_index == 0) or (
-            record.parent is not None and accepted.get(PageId(record.parent)) == (page_index - 1, ns_id)
+        columns = meta.columns()
+        states = columns["state"]
+        held = np.flatnonzero(states >= PUBLISHED)
+        rows.append(
+            {
+                "page": held + h.first_page,
+                "extent": np.full(len(held), len(recovered.extents), np.int64),
+                "slot": held,
+                "page_index": columns["page_index"][held].astype(np.int64),
+                "parent": np.where(columns["has_parent"][held] != 0, columns["parent"][held].astype(np.int64), -1),
+                "sealed_checksum": columns["checksum"][held],
+                "state": states[held],
+                "namespace": np.full(len(held), h.namespace, np.int64),
+            }
         )
-        if not chained or content.key in keys:
-            meta.clear(slot)
-            orphaned += 1
-            continue
-        keys.add(content.key)
-        accepted[page] = (page_index, ns_id)
-        recovered.pages.append((page_index, content))
-        recovered.checksums[page] = checksum
-    return orphaned
+        recovered.extents.append(extent)
+        recovered.held.append(held)
+    recovered.pending = Pending.of(rows)
+    return recovered

@@ -13,9 +13,8 @@ stored from the copy, which must still match the page's seal (kvd/durability/int
 so a page whose bytes changed in host memory never reaches the store.
 
 Every published page the tier knows of has its place recorded (``ChainPlace``): published
-here, fetched, or, for a warm restart's pages, read from the index before the first call
-(a page 0's parent key is its chain root, which records do not keep: known only without
-request-wide extra keys).
+here, fetched, or, for a warm restart's pages, as they are restored (a page 0's parent key
+is its chain root, which records do not keep: known only without request-wide extra keys).
 
 Offering again: Mooncake's master keeps the store's index in memory, so a master that
 restarts has lost every page. Each time the link turns UP (connected first, or back after
@@ -36,7 +35,7 @@ from kvd.cache.events import MEDIUM_REMOTE, EventLog
 from kvd.config import RemoteConfig
 from kvd.core.arena import Arena
 from kvd.core.eviction import release_order
-from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import NamespaceRegistry
 from kvd.core.pool import PagePool
@@ -47,7 +46,7 @@ from kvd.remote.jobs import MAX_BATCH_PAGES, Put, TierJobs, Unsent, put
 from kvd.remote.ledger import RemoteCounters
 from kvd.remote.mooncake_store import PutOutcome
 from kvd.tiers.holds import Holds
-from kvd.tiers.places import page_seal, recovered_places
+from kvd.tiers.places import page_seal
 from kvd.wire.codec import TOKEN_BYTES
 
 # A batch of pages offered again holds at most this long's worth of the re-offer rate, so a
@@ -66,13 +65,12 @@ class WriteBehind:
         settings: RemoteConfig,
         arena: Arena,
         pool: PagePool,
-        index: PrefixIndex,
         integrity: Integrity,
         events: EventLog,
         namespaces: NamespaceRegistry,
     ) -> None:
-        """Built before the daemon takes any call: the pages a warm restart recovered are all
-        the published pages there are, and each one's parent is still the page its record names."""
+        """Built before the daemon takes any call and before a warm restart's pages are
+        restored (``restored``)."""
         self.jobs = jobs
         self.holds = holds
         self.counters = counters
@@ -86,11 +84,17 @@ class WriteBehind:
         self.reoffer_rate = settings.reoffer_bytes_per_second
         self._queued: list[Put] = []
         # Published pages whose place in their chain is known: what storing them needs.
-        self._placed: dict[PageId, ChainPlace] = recovered_places(pool, index, namespaces)
+        self._placed: dict[PageId, ChainPlace] = {}
         self._reoffer: list[PageId] = []  # pages left to offer again, the next one last
         self._reoffering = False  # a batch offered again is in flight, or the next one is scheduled
 
     # ---- write-behind ---------------------------------------------------------------
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        """A warm restart's page: offered when the store comes back up, stored when evicted
+        (policy "evict"); not without its parent's key (a page 0 of an unknown root)."""
+        if place.parent_key is not None:
+            self._placed[content.page] = place
 
     def published(self, content: PageContent, place: ChainPlace, fetched: bool) -> None:
         """A page was just published and indexed: store it (with policy "evict", only once

@@ -41,15 +41,14 @@ class RemoteTier:
     def __init__(self, link: RemoteLink, scope: str, settings: RemoteConfig, ports: TierPorts) -> None:
         """The tier of one tenant's cache (``ports``: what the cache lends it); ``scope`` keeps
         this tenant's pages apart from other tenants' in the store. Built before the daemon
-        takes any call, after a warm restart's pages are restored (``WriteBehind`` reads their
-        places)."""
+        takes any call, and before a warm restart's pages are restored (``restored`` places them)."""
         p = ports
         self.link = link
         self.counters = RemoteCounters()
         self._holds = Holds(p.pool)
         jobs = TierJobs(link, scope, p.arena)
         self.write_behind = WriteBehind(
-            jobs, self._holds, self.counters, settings, p.arena, p.pool, p.index, p.integrity, p.events, p.namespaces
+            jobs, self._holds, self.counters, settings, p.arena, p.pool, p.integrity, p.events, p.namespaces
         )
         self.fetches = Fetches(
             RemoteSource(jobs), self._holds, self.counters, p.arena, p.pool, p.index, p.room, p.pages
@@ -58,6 +57,9 @@ class RemoteTier:
 
     def published(self, content: PageContent, place: ChainPlace) -> None:
         self.write_behind.published(content, place, fetched=self.fetches.brought(content.page))
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        self.write_behind.restored(content, place)
 
     def submit(self) -> None:
         self.write_behind.submit()

@@ -12,7 +12,9 @@ and ``serve`` exits without Mooncake's teardown, kvd/remote/link.py says why), t
 arena is unmapped and unlinked. A
 daemon that dies instead (``kill -9``, a crash) leaves its extents and their metadata;
 the next one on the same socket re-attaches them and serves the published pages again
-(warm restart, kvd/durability/recovery.py).
+(warm restart, kvd/durability/recovery.py): it answers at once, and verifies and indexes
+them while it serves, for up to ``FOREGROUND_SECONDS`` before its first answer, then
+between calls (kvd/durability/reindexing.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvd.config import ServeConfig
 from kvd.core.arena import Arena, daemon_segments, memlock_limit, unlink_segments
 from kvd.core.shm import SHM_DIR, shm_free_bytes
 from kvd.durability import recovery
+from kvd.durability.reindexing import FOREGROUND_SECONDS, Reindexing
 from kvd.server import handshake
 from kvd.server.loop_watch import LoopWatch
 from kvd.server.messages import SERVICE
@@ -314,6 +317,11 @@ class _Daemon:
         loop = asyncio.get_running_loop()
         self.disk = _disk_tiers(config, self.tenants, loop)
         self.link = _remote_link(config, self.tenants, loop)
+        self.reindexing = [m.catalog.reindexing for m in self.tenants.managers() if m.catalog.reindexing is not None]
+        deadline = time.perf_counter() + FOREGROUND_SECONDS  # once every tier listens: they hear each page restored
+        for each in self.reindexing:
+            each.run_for(deadline - time.perf_counter())
+        self.background: asyncio.Task | None = None  # what is left of them, between calls
         for manager in self.tenants.managers():
             manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)
         self.offload = Offload()  # a large call's work that needs no core (kvd/server/offload.py)
@@ -348,6 +356,8 @@ class _Daemon:
             raise
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if not all(each.done for each in self.reindexing):
+            self.background = asyncio.create_task(_reindex(self.reindexing))
 
     def _main_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -381,6 +391,8 @@ class _Daemon:
         log.info("stopping: finishing calls in flight")
         notify_systemd("STOPPING=1")
         await self.health.enter_graceful_shutdown()
+        if self.background is not None:  # what it has not verified stays in shared memory for the next start
+            self.background.cancel()
         self._close_handshake()
         self.servicer.end_sessions()
         await self._close(grace=self.config.shutdown_grace_seconds, keep_cache=keep_cache)
@@ -437,6 +449,12 @@ def _log_serving(config: ServeConfig, metrics: bool, started: float) -> None:
         f"on http://{config.metrics_host}:{config.metrics_port}/metrics" if metrics else "off (--metrics-port)",
         (time.perf_counter() - started) * 1e3,
     )
+
+
+async def _reindex(reindexing: list[Reindexing]) -> None:
+    """The warm restart's pages left after the first answer, verified and indexed between calls."""
+    for each in reindexing:
+        await each.run()
 
 
 async def _sweep_pins(tenants: Tenants) -> None:

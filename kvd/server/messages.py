@@ -35,7 +35,7 @@ from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.core.index import ExtraKey
 from kvd.core.namespaces import Namespace, NamespaceIdentity, make_layout
 from kvd.core.types import SequenceState
-from kvd.durability.recovery import RecoveryReport
+from kvd.durability.report import RecoveryReport
 from kvd.server import shape
 from kvd.server.offload import LARGE_REQUEST_BYTES
 from kvd.tiers.stats import Latencies

@@ -185,6 +185,11 @@ class _StatsCollector:
             dropped.add_metric([reason], pages)
         yield dropped
         yield GaugeMetricFamily(
+            "kvd_recovery_pending_pages",
+            "Published pages the daemon's start found and has not verified yet (it recovers while serving)",
+            value=recovery.pending_pages,
+        )
+        yield GaugeMetricFamily(
             "kvd_recovery_incomplete_extents",
             "Extents a crash left incomplete, dropped at start",
             value=recovery.incomplete_extents,

@@ -39,7 +39,7 @@ from kvd.core.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from kvd.durability.recovery import RecoveryReport
+from kvd.durability.report import RecoveryReport
 from kvd.server import messages
 from kvd.server.offload import Offload, large_call
 from kvd.wire import kvd_pb2 as pb
@@ -440,6 +440,8 @@ class KvdServicer(kvd_pb2_grpc.KVDServicer):
         self.tenants.check_admin(r.ticket)
         results = []
         for m in self.tenants.managers():
+            if m.catalog.reindexing is not None:  # the audit and its report cover every page a warm restart found
+                await m.catalog.reindexing.run()
             audit = m.integrity.verification()
             await _drive(audit.steps())
             results.append(audit.result)

@@ -67,6 +67,10 @@ class Tier(Protocol):
     def published(self, content: PageContent, place: ChainPlace) -> None:
         """A page was just published and indexed (one the tier fetched itself too)."""
 
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        """A warm restart's page was verified and indexed (CACHED); ``place.parent_key`` is
+        None for a page 0 whose chain root is not known."""
+
     def submit(self) -> None:
         """A call's pages are all published: what it indexed may go now."""
 
@@ -102,6 +106,10 @@ class Tiers:
     def published(self, content: PageContent, place: ChainPlace) -> None:
         for tier in self._tiers:
             tier.published(content, place)
+
+    def restored(self, content: PageContent, place: ChainPlace) -> None:
+        for tier in self._tiers:
+            tier.restored(content, place)
 
     def submit(self) -> None:
         for tier in self._tiers:

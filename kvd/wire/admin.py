@@ -28,6 +28,7 @@ DROP_REASONS = {
     "orphaned": "orphaned_pages",
     "mismatch": "mismatch_pages",
     "incomplete_extent": "incomplete_pages",
+    "evicted": "evicted_pages",
 }
 
 

@@ -600,7 +600,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., model: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages: _Optional[_Union[PageStats, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class RecoveryStats(_message.Message):
-    __slots__ = ("recovered_pages", "resealed_pages", "corrupted_pages", "orphaned_pages", "mismatch_pages", "incomplete_pages", "incomplete_extents", "discarded", "seconds")
+    __slots__ = ("recovered_pages", "resealed_pages", "corrupted_pages", "orphaned_pages", "mismatch_pages", "incomplete_pages", "incomplete_extents", "discarded", "seconds", "pending_pages", "evicted_pages")
     RECOVERED_PAGES_FIELD_NUMBER: _ClassVar[int]
     RESEALED_PAGES_FIELD_NUMBER: _ClassVar[int]
     CORRUPTED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -610,6 +610,8 @@ class RecoveryStats(_message.Message):
     INCOMPLETE_EXTENTS_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     recovered_pages: int
     resealed_pages: int
     corrupted_pages: int
@@ -619,7 +621,9 @@ class RecoveryStats(_message.Message):
     incomplete_extents: int
     discarded: str
     seconds: float
-    def __init__(self, recovered_pages: _Optional[int] = ..., resealed_pages: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., orphaned_pages: _Optional[int] = ..., mismatch_pages: _Optional[int] = ..., incomplete_pages: _Optional[int] = ..., incomplete_extents: _Optional[int] = ..., discarded: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    pending_pages: int
+    evicted_pages: int
+    def __init__(self, recovered_pages: _Optional[int] = ..., resealed_pages: _Optional[int] = ..., corrupted_pages: _Optional[int] = ..., orphaned_pages: _Optional[int] = ..., mismatch_pages: _Optional[int] = ..., incomplete_pages: _Optional[int] = ..., incomplete_extents: _Optional[int] = ..., discarded: _Optional[str] = ..., seconds: _Optional[float] = ..., pending_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("state", "stored_pages", "fetched_pages", "hit_tokens", "refused_pages", "skipped_pages", "rejected_pages", "errors", "outages", "reoffered_pages", "resets")

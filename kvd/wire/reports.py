@@ -56,8 +56,10 @@ class RecoveryStats(TypedDict):
     incomplete_pages: int
     incomplete_extents: int
     discarded: str  # why every segment was discarded; "" when none was
-    seconds: float
-    dropped_pages: dict[str, int]  # by reason: corrupted, orphaned, mismatch, incomplete_extent
+    seconds: float  # until every page found was verified (so far, while pages are pending)
+    pending_pages: int  # found, not verified and indexed yet: the recovery runs while the daemon serves
+    evicted_pages: int  # found, then freed unverified for an allocation short of room
+    dropped_pages: dict[str, int]  # by reason: corrupted, orphaned, mismatch, incomplete_extent, evicted
 
 
 class RemoteStats(TypedDict):
