@@ -53,6 +53,9 @@ class PageColumns:
         self.sealed = np.zeros(0, np.bool_)
         self.checksum = np.zeros(0, np.uint64)
         self.run = np.zeros(0, np.int64)  # an indexed page's place in its run: kvd/core/index.py's
+        # Which publish of its slot a published page is (counted up at each, modulo 2**32): what
+        # work begun on a page checks it still holds, rather than the identity of its content
+        self.publication = np.zeros(0, np.uint32)
         # What a PUBLISHED or CACHED page holds (kvd/core/index.py PageContent), None for any
         # other: a list, one reference a slot, where a dict by page id took ~50 B a page.
         self.content: list = []
@@ -70,6 +73,7 @@ class PageColumns:
         self.sealed_at = memoryview(self.sealed)
         self.checksum_at = memoryview(self.checksum)
         self.run_at = memoryview(self.run)
+        self.publication_at = memoryview(self.publication)
 
     def _resize(self, size: int) -> None:
         """Makes every column ``size`` slots long, keeping what they hold."""
@@ -83,6 +87,7 @@ class PageColumns:
         self.sealed = _longer(self.sealed, size)
         self.checksum = _longer(self.checksum, size)
         self.run = _longer(self.run, size)
+        self.publication = _longer(self.publication, size)
         self.content += [None] * (size - len(self.content))
         self._views()
 
@@ -121,6 +126,7 @@ class PageColumns:
         self.indexed[held] = False
         self.sealed[held] = False
         self.run[held] = -1
+        self.publication[held] = 0
         self.content[held] = [None] * count
         return slots
 

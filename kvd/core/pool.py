@@ -111,6 +111,7 @@ class PagePool:
             c.indexed[slots] = True
             c.state[slots] = CACHED
             c.refcount[slots] = 0
+            c.publication[slots] += 1
             self._ns(namespace).cached.push(slots)
         for place, content in recovered:
             self.listener.restored(content, place)
@@ -143,6 +144,16 @@ class PagePool:
             return self._columns.content[self._columns.slot(page)]
         except KeyError:
             return None  # a page of no live extent
+
+    def publication(self, page: PageId) -> int | None:
+        """Which publish of its slot a PUBLISHED or CACHED page holds (``PageColumns.publication``):
+        equal for as long as the page holds that content; None for any other page."""
+        c = self._columns
+        try:
+            slot = c.slot(page)
+        except KeyError:
+            return None  # a page of no live extent
+        return c.publication_at[slot] if c.content[slot] is not None else None
 
     def checksum(self, page: PageId) -> int | None:
         """A published page's sealed checksum; None before it is sealed, once its seal is gone,
@@ -359,6 +370,7 @@ class PagePool:
         c.state_at[slot] = PUBLISHED
         c.indexed_at[slot] = indexed
         c.content[slot] = content
+        c.publication_at[slot] = (c.publication_at[slot] + 1) & 0xFFFFFFFF
         if indexed:
             self.index.insert(content, place.page_index)
         self.listener.published((content,), (place,), indexed)
@@ -378,6 +390,7 @@ class PagePool:
             self.publish(contents[wrong[0]].page, contents[wrong[0]], places[wrong[0]])  # names what is wrong
         c.state[slots] = PUBLISHED
         c.indexed[slots] = True
+        c.publication[slots] += 1
         for slot, content in zip(slots.tolist(), contents):
             c.content[slot] = content
         self.index.insert_chain(contents, places[0].page_index)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 class SealJob(NamedTuple):  # a named tuple: one is made per page published
     page: PageId
-    content: PageContent  # identity-checked when the checksum comes back
+    publication: int  # the page's (PagePool.publication), checked when the checksum comes back
     meta: ExtentMeta
     slot: int  # the page's record in meta
     covered: bytes  # the record fields the checksum covers
@@ -151,14 +151,14 @@ class Integrity:
                 end = first + extent.num_pages
             slot = page - first
             covered = meta.describe(slot, content.key, content.parent, place.page_index, content.local, content.tokens)
-            jobs.append(SealJob(page, content, meta, slot, covered, pages[slot]))
+            jobs.append(SealJob(page, self.pool.publication(page), meta, slot, covered, pages[slot]))
 
-    def seal_job(self, content: PageContent) -> SealJob:
+    def seal_job(self, page: PageId) -> SealJob:
         """What hashing a described page again reads: its record's fields and its bytes."""
-        page = content.page
         extent = self.arena.extent_of(page)
         slot = page - extent.first_page
-        return SealJob(page, content, extent.meta, slot, extent.meta.covered(slot), extent.page_bytes_view(page))
+        meta = extent.meta
+        return SealJob(page, self.pool.publication(page), meta, slot, meta.covered(slot), extent.page_bytes_view(page))
 
     def submit(self) -> None:
         """Hands the pages described since the last call to the sealer thread."""
@@ -170,7 +170,7 @@ class Integrity:
         """Records the checksums the sealer computed; returns how many pages were sealed."""
         sealed = 0
         for job, checksum in self.sealer.finished(wait):
-            if job.page in self.pool and self.pool.content(job.page) is job.content:
+            if self.pool.publication(job.page) == job.publication:
                 job.meta.seal(job.slot, checksum)
                 self.pool.seal(job.page, checksum)
                 sealed += 1
@@ -257,7 +257,7 @@ class Verification:
                 at += 1
                 if integrity.checksum(page) != checksum:
                     continue  # freed, or published anew, since the snapshot
-                batch.append((integrity.seal_job(integrity.pool.content(page)), checksum))
+                batch.append((integrity.seal_job(page), checksum))
                 size += batch[-1][0].view.nbytes
             if not batch:
                 continue
@@ -266,7 +266,7 @@ class Verification:
             judged = [
                 (job, computed != checksum)
                 for (job, checksum), computed in zip(batch, future.result())
-                if integrity.checksum(job.page) == checksum and integrity.pool.content(job.page) is job.content
+                if integrity.checksum(job.page) == checksum and integrity.pool.publication(job.page) == job.publication
             ]  # the others were freed, or published anew, while they were hashed
             checked += len(judged)
             checked_bytes += sum(job.view.nbytes for job, _ in judged)
