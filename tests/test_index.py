@@ -271,7 +271,7 @@ def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
         plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))]).result[0]
         assert plan.shared_pages == [] and plan.shared_prefix_tokens == 0
     finally:
-        m.index.remove(planted)
+        m.index.remove(planted.page, planted.key)
     assert invariants.violations(m) == []
 
 
@@ -294,7 +294,7 @@ def test_prefix_index_rejects_a_second_page_under_one_key():
     with pytest.raises(AssertionError, match="already indexed to page 1"):
         index.insert(second, 0)
     with pytest.raises(AssertionError, match="index held page 1 under the key of page 2"):
-        index.remove(second)
+        index.remove(second.page, second.key)
 
 
 # ---- tokens only --------------------------------------------------------------------

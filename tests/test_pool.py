@@ -46,9 +46,9 @@ class Heard:
     def restored(self, content: PageContent, place: ChainPlace) -> None:
         self.published([content], [place], True)
 
-    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
-        assert content.page in self.indexed, f"page {content.page} unindexed but not indexed"
-        self.indexed.remove(content.page)
+    def unindexed(self, page: PageId, key: PageKey, namespace: NamespaceId) -> None:
+        assert page in self.indexed, f"page {page} unindexed but not indexed"
+        self.indexed.remove(page)
 
     def unpublished(self, page: PageId) -> None:
         self.freed.append(page)
@@ -102,7 +102,7 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
     assert [pool.state(p) for p in pages[:31]] == [PageState.PUBLISHED] * 30 + [PageState.CACHED]
     pool.release_all(reversed(pages[:30]))
     assert pool.lru_order(ns) == pages[:29:-1] + pages[29::-1]
-    evicted = [pool.evict_many(ns, 1)[0].page for _ in range(12)]
+    evicted = [pool.evict_many(ns, 1)[0] for _ in range(12)]
     assert evicted == pages[:29:-1] + pages[29:27:-1] and pool.cached_count(ns) == 28
 
 
@@ -286,12 +286,12 @@ def test_both_paths_agree_with_the_model(monkeypatch):
                     refs.remove((page, pin))
         elif op < 0.8 and model.lru[ns]:
             page = next(iter(model.lru[ns]))
-            assert [c.page for c in pool.evict_many(NamespaceId(ns), 1)] == [page]
+            assert pool.evict_many(NamespaceId(ns), 1) == [page]
             model.evict(page)
         elif op < 0.82 and model.lru[ns]:
             count = rng.randint(1, 60)  # more than are cached at times
             victims = list(model.lru[ns])[:count]
-            assert [c.page for c in pool.evict_many(NamespaceId(ns), count)] == victims
+            assert pool.evict_many(NamespaceId(ns), count) == victims
             for page in victims:
                 model.evict(page)
         elif op < 0.86 and model.lru[ns]:

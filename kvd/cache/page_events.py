@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from kvd.cache.events import EventLog
 from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
-from kvd.core.types import NamespaceId, PageId
+from kvd.core.types import NamespaceId, PageId, PageKey
 from kvd.durability.integrity import Integrity
 from kvd.tiers.tier import Tiers
 
@@ -52,8 +52,8 @@ class PageEvents:
         self._announce(content, place)
         self.tiers.restored(content, place)
 
-    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
-        self.log.removed(namespace, content.key)
+    def unindexed(self, page: PageId, key: PageKey, namespace: NamespaceId) -> None:
+        self.log.removed(namespace, key)
 
     def unpublished(self, page: PageId) -> None:
         self.tiers.unpublished(page)  # first: with policy "evict" the remote tier reads the page's seal

@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 
 from kvd.core.index import ExtraKey, PageContent
 from kvd.core.namespaces import Namespace
-from kvd.core.types import NamespaceId, PageId
+from kvd.core.types import NamespaceId, PageId, PageKey
 
 
 class ChainPlace(NamedTuple):
@@ -48,8 +48,8 @@ class PageListener(Protocol):
         """A page a warm restart recovered is indexed (CACHED); its record and checksum were
         there before."""
 
-    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
-        """The page left the index, whatever the reason (evicted, freed, reclaimed, reset, a
+    def unindexed(self, page: PageId, key: PageKey, namespace: NamespaceId) -> None:
+        """The page (under ``key``) left the index, whatever the reason (evicted, freed, reclaimed, reset, a
         failed checksum, or behind a page that left): no lookup finds it any more."""
 
     def unpublished(self, page: PageId) -> None:
@@ -66,7 +66,7 @@ class _Silent:
     def restored(self, content: PageContent, place: ChainPlace) -> None:
         pass
 
-    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
+    def unindexed(self, page: PageId, key: PageKey, namespace: NamespaceId) -> None:
         pass
 
     def unpublished(self, page: PageId) -> None:
