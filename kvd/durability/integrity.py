@@ -9,7 +9,7 @@ Hashing costs ~35 ms per GiB (xxh3_64, measured on this host), so publishing a
 hashed synchronously. Instead ``publish`` writes each page's record (state PUBLISHED,
 kvd/core/records.py) and hands the page to one background sealer thread; the checksum is
 recorded (state SEALED) on the event loop a moment later, and only if the page still
-holds the same content. A page whose daemon died before its seal is sealed by recovery
+holds the same publish (``PagePool.publication``). A page whose daemon died before its seal is sealed by recovery
 (kvd/durability/recovery.py): its bytes and record were complete before ``publish`` replied.
 Published pages are immutable, so hashing them beside the event loop is safe; the
 manager waits for the sealer before it unmaps an extent.
