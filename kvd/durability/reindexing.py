@@ -257,6 +257,7 @@ class Reindexing:
         if self._at == len(p):
             while self._unlocked:
                 self.arena.lock(self._unlocked.pop())
+            self._accepted[:] = None  # the index holds what they hold (no PageContent kept a page)
             self._seconds = time.perf_counter() - self._started
             self._log()
 
