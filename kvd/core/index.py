@@ -222,7 +222,8 @@ class PrefixIndex:
 
     def insert(self, content: PageContent, page_index: int) -> None:
         """Indexes a published page, ``page_index`` pages from the start of its chain."""
-        assert self._packed(content.page) < 0, f"page {content.page} indexed twice"
+        slot = self._columns.slot(content.page)
+        assert self._columns.run_at[slot] < 0, f"page {content.page} indexed twice"
         held = self._entries.setdefault(content.key, content.page)
         assert held == content.page, f"page key {content.key.hex()} already indexed to page {held}"
         parent = self._place(content.parent) if content.parent is not None else None
@@ -238,7 +239,7 @@ class PrefixIndex:
             f"page {content.page} at chain index {page_index} joins a run ending at index "
             f"{run.start + len(run.pages) - 1}"
         )
-        self._columns.run_at[self._columns.slot(content.page)] = run.number << 32 | len(run.pages)
+        self._columns.run_at[slot] = run.number << 32 | len(run.pages)
         run.append(content)
 
     def insert_chain(self, contents: list[PageContent], page_index: int) -> None:

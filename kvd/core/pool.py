@@ -160,6 +160,14 @@ class PagePool:
         c, slot = self._columns, self._slot_or_none(page)
         return None if slot is None or c.state_at[slot] not in (PUBLISHED, CACHED) else c.publication_at[slot]
 
+    def publications(self, pages: Sequence[PageId]) -> np.ndarray:
+        """``publication`` of a batch of PUBLISHED or CACHED pages of live extents (uint32)."""
+        c = self._columns
+        slots = c.slots(pages)
+        held = np.isin(c.state[slots], (PUBLISHED, CACHED))
+        assert held.all(), f"page {c.page[slots[~held][0]]} is {STATES[c.state[slots[~held][0]]].value}"
+        return c.publication[slots]
+
     def checksum(self, page: PageId) -> int | None:
         """A published page's sealed checksum; None before it is sealed, once its seal is gone,
         and for a page of no live extent."""

@@ -245,8 +245,7 @@ class Reindexing:
             checksums[page] = checksum
         self._at = end
         self.pool.restore(restored)
-        publication = self.pool.publication
-        self._publication[accepted] = [publication(content.page) for _, content in restored]
+        self._publication[accepted] = self.pool.publications([content.page for _, content in restored])
         self.integrity.restore(checksums)
         for pages in dropped.values():  # one namespace a call
             self.pool.release_all(pages)
