@@ -18,6 +18,7 @@ from kvd.cache import invariants
 from kvd.cache.manager import SequenceRequest
 from kvd.core.errors import InvalidArgument, ResourceExhausted
 from kvd.core.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.core.page_columns import PageColumns
 from kvd.core.types import PageId, PageKey, PageState
 
 PAGE_SIZE = 4
@@ -270,7 +271,7 @@ def test_an_index_entry_pointing_at_other_tokens_is_not_a_hit(core):
         plan = m.allocate(sid, ns, [SequenceRequest("b", toks(wanted))]).result[0]
         assert plan.shared_pages == [] and plan.shared_prefix_tokens == 0
     finally:
-        m.index.remove(planted)
+        m.index.remove(planted.page, planted.key)
     assert invariants.violations(m) == []
 
 
@@ -284,14 +285,16 @@ def test_page_content_confirms_tokens_parent_and_local_bytes():
 
 
 def test_prefix_index_rejects_a_second_page_under_one_key():
-    index = PrefixIndex()
+    columns = PageColumns()
+    columns.add(PageId(0), 4, 0)  # pages 0-3
+    index = PrefixIndex(columns)
     first = PageContent(PageId(1), PageKey(b"k"), toks([1, 2, 3, 4]), None, b"")
     second = dataclasses.replace(first, page=PageId(2))
     index.insert(first, 0)
     with pytest.raises(AssertionError, match="already indexed to page 1"):
         index.insert(second, 0)
     with pytest.raises(AssertionError, match="index held page 1 under the key of page 2"):
-        index.remove(second)
+        index.remove(second.page, second.key)
 
 
 # ---- tokens only --------------------------------------------------------------------

@@ -16,7 +16,7 @@ import kvd.core.eviction
 import kvd.core.pool
 from kvd.core.counters import Counters
 from kvd.core.errors import InvalidArgument, NotFound
-from kvd.core.index import PageContent, PrefixIndex
+from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
 from kvd.core.namespaces import Namespace
 from kvd.core.page_columns import PageColumns
@@ -38,17 +38,17 @@ class Heard:
         self.indexed: set[PageId] = set()
         self.freed: list[PageId] = []  # unpublished, in order
 
-    def published(self, content: PageContent, place: ChainPlace, indexed: bool) -> None:
-        if indexed:
+    def published(self, contents: list[PageContent], places: list[ChainPlace], indexed: bool) -> None:
+        for content in contents if indexed else ():
             assert content.page not in self.indexed, f"page {content.page} indexed twice"
             self.indexed.add(content.page)
 
     def restored(self, content: PageContent, place: ChainPlace) -> None:
-        self.published(content, place, True)
+        self.published([content], [place], True)
 
-    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
-        assert content.page in self.indexed, f"page {content.page} unindexed but not indexed"
-        self.indexed.remove(content.page)
+    def unindexed(self, page: PageId, key: PageKey, namespace: NamespaceId) -> None:
+        assert page in self.indexed, f"page {page} unindexed but not indexed"
+        self.indexed.remove(page)
 
     def unpublished(self, page: PageId) -> None:
         self.freed.append(page)
@@ -90,7 +90,7 @@ def test_slots_of_live_extents_and_reuse_of_removed_ones():
 
 
 def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path):
-    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
+    pool, ns = PagePool(Counters()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 64)
     pages = pool.allocate(ns, 40)
     for page in pages:
@@ -102,13 +102,37 @@ def test_a_hit_on_cached_pages_keeps_the_lru_order_of_remove_and_add(batch_path)
     assert [pool.state(p) for p in pages[:31]] == [PageState.PUBLISHED] * 30 + [PageState.CACHED]
     pool.release_all(reversed(pages[:30]))
     assert pool.lru_order(ns) == pages[:29:-1] + pages[29::-1]
-    evicted = [pool.evict_many(ns, 1)[0].page for _ in range(12)]
+    evicted = [pool.evict_many(ns, 1)[0] for _ in range(12)]
     assert evicted == pages[:29:-1] + pages[29:27:-1] and pool.cached_count(ns) == 28
+
+
+def test_a_chain_published_as_one_batch_is_what_page_by_page_publishes_make(batch_path):
+    """``publish_chain`` (a publish's batch) leaves the pages, the index's run and what the
+    listener heard as publishing each page does; a page not PRIVATE names the broken invariant."""
+    pool, ns = PagePool(Counters()), NamespaceId(0)
+    heard = pool.listener = Heard()
+    pool.add_pages(ns, "e", PageId(0), 64)
+    pages = pool.allocate(ns, 40)
+    contents = [
+        PageContent(page, PageKey(page.to_bytes(8, "little")), b"\0" * 16, pages[i - 1] if i else None, b"")
+        for i, page in enumerate(pages)
+    ]
+    places = [OWN_CHAIN._replace(page_index=i) for i in range(len(pages))]
+    pool.publish_chain(contents[:1], places[:1])  # a batch of one: page by page
+    pool.publish_chain(contents[1:], places[1:])
+    assert [pool.state(p) for p in pages] == [PageState.PUBLISHED] * 40 and heard.indexed == set(pages)
+    assert [pool.content(p) for p in pages] == contents and pool.index.run_problems() == []
+    assert len(pool.index._numbered) == 1  # one run: the batch joined its parent's
+    more = pool.allocate(ns, 2)
+    pool.release_all(more[1:])  # FREE again: publishing it is a broken invariant
+    late = [PageContent(p, PageKey(p.to_bytes(8, "little")), b"\1" * 16, None, b"") for p in more]
+    with pytest.raises(AssertionError, match=f"page {more[1]} published while free"):
+        pool.publish_chain(late, [OWN_CHAIN] * 2)
 
 
 def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch):
     monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 8)
-    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
+    pool, ns = PagePool(Counters()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 16)
     pages = pool.allocate(ns, 16)
     for page in pages:
@@ -124,7 +148,7 @@ def test_left_behind_entries_are_dropped_and_the_queue_stays_bounded(monkeypatch
 
 @pytest.mark.parametrize("count", [1, 40])
 def test_broken_invariants_name_the_page(batch_path, count):
-    pool, ns = PagePool(Counters(), PrefixIndex()), NamespaceId(0)
+    pool, ns = PagePool(Counters()), NamespaceId(0)
     pool.add_pages(ns, "e", PageId(0), 64)
     pool.add_pages(NamespaceId(1), "f", PageId(64), 8)
     pages = pool.allocate(ns, count)
@@ -210,7 +234,7 @@ def test_both_paths_agree_with_the_model(monkeypatch):
     monkeypatch.setattr(kvd.core.eviction, "STALE_ENTRIES", 4)  # drop left-behind entries often
     rng = random.Random(15)
     model = Model()
-    pool = PagePool(Counters(), PrefixIndex())
+    pool = PagePool(Counters())
     pool.listener = heard = Heard()
     refs: list[tuple[int, bool]] = []  # references taken: (page, pinned)
     extents: dict[str, tuple[int, int, int]] = {}  # name -> (namespace, first, count)
@@ -262,12 +286,12 @@ def test_both_paths_agree_with_the_model(monkeypatch):
                     refs.remove((page, pin))
         elif op < 0.8 and model.lru[ns]:
             page = next(iter(model.lru[ns]))
-            assert [c.page for c in pool.evict_many(NamespaceId(ns), 1)] == [page]
+            assert pool.evict_many(NamespaceId(ns), 1) == [page]
             model.evict(page)
         elif op < 0.82 and model.lru[ns]:
             count = rng.randint(1, 60)  # more than are cached at times
             victims = list(model.lru[ns])[:count]
-            assert [c.page for c in pool.evict_many(NamespaceId(ns), count)] == victims
+            assert pool.evict_many(NamespaceId(ns), count) == victims
             for page in victims:
                 model.evict(page)
         elif op < 0.86 and model.lru[ns]:

@@ -63,7 +63,7 @@ from kvd.core.arena import Arena, ExtentPlan
 from kvd.core.counters import Counters
 from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvd.core.eviction import release_order
-from kvd.core.index import ExtraKey, Match, PrefixIndex
+from kvd.core.index import ExtraKey, Match
 from kvd.core.namespaces import Namespace, NamespaceIdentity, NamespaceRegistry
 from kvd.core.pool import PagePool
 from kvd.core.supply import ExtentSupply
@@ -90,8 +90,8 @@ class KVCacheManager:
         self.namespaces = NamespaceRegistry()
         self.events = events or EventLog()
         self.counters = Counters()
-        self.index = PrefixIndex()
-        self.pool = PagePool(self.counters, self.index)  # owns the index's entries
+        self.pool = PagePool(self.counters)  # owns the index's entries
+        self.index = self.pool.index
         self.integrity = Integrity(arena, self.pool, self.counters)
         self.tiers = Tiers()  # none until the launcher attaches one (kvd/server/daemon.py)
         self.page_events = PageEvents(self.integrity, self.events, self.tiers)

@@ -23,10 +23,12 @@ A new tier plugs in at ``Tiers.attach`` and hears all of it from there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvd.cache.events import EventLog
 from kvd.core.index import PageContent
 from kvd.core.listener import ChainPlace
-from kvd.core.types import NamespaceId, PageId
+from kvd.core.types import NamespaceId, PageId, PageKey
 from kvd.durability.integrity import Integrity
 from kvd.tiers.tier import Tiers
 
@@ -39,18 +41,19 @@ class PageEvents:
         self.log = log
         self.tiers = tiers
 
-    def published(self, content: PageContent, place: ChainPlace, indexed: bool) -> None:
-        self.integrity.describe(content, place.page_index)
+    def published(self, contents: Sequence[PageContent], places: Sequence[ChainPlace], indexed: bool) -> None:
+        self.integrity.describe(contents, places)
         if indexed:
-            self._announce(content, place)
-            self.tiers.published(content, place)
+            for content, place in zip(contents, places):
+                self._announce(content, place)
+                self.tiers.published(content, place)
 
     def restored(self, content: PageContent, place: ChainPlace) -> None:
         self._announce(content, place)
         self.tiers.restored(content, place)
 
-    def unindexed(self, content: PageContent, namespace: NamespaceId) -> None:
-        self.log.removed(namespace, content.key)
+    def unindexed(self, page: PageId, key: PageKey, namespace: NamespaceId) -> None:
+        self.log.removed(namespace, key)
 
     def unpublished(self, page: PageId) -> None:
         self.tiers.unpublished(page)  # first: with policy "evict" the remote tier reads the page's seal

@@ -1,10 +1,13 @@
 """Publishing: a sequence's full private pages become immutable, indexed and shareable.
 
-A 50K-token prompt of 16-token pages is 3,125 pages, ~7 µs each (key, index entry, page
-state, metadata record): ~22 ms. Done in one piece it holds the event loop that long and
+A 50K-token prompt of 16-token pages is 3,125 pages, ~5 µs each (key, index entry, page
+state, metadata record): ~16 ms. Done in one piece it holds the event loop that long and
 every engine's calls wait behind it. A ``PublishJob`` is validated whole first (by the
 manager: a refused publish changes nothing), then publishes in ``step``s of a bounded
-time, and the servicer lets the loop serve other calls between them.
+time, and the servicer lets the loop serve other calls between them. Within a step the
+pages of a chain go in batches (``RUN_PAGES``): the pool changes a batch's columns in a few
+array operations, the index takes it as one run, the sealer's records are written in one
+pass (bench/RESULTS.md, 2026-12-03).
 
 Every step leaves a state the invariants accept: a sequence's pages are published in
 position order, so between steps it is a sequence whose first k pages are published,
@@ -42,6 +45,14 @@ from kvd.core.pool import PagePool
 from kvd.core.types import SequenceState
 from kvd.wire.codec import TOKEN_BYTES
 
+RUN_PAGES = 64  # pages published in one batch at most, between two looks at the step's deadline
+PAGE_SECONDS = 4e-6  # about what publishing one page of a batch takes (bench/bench_scale.py)
+
+
+def _batch_pages(seconds: float) -> int:
+    """The pages of the next batch with ``seconds`` left of a step: one at least."""
+    return RUN_PAGES if seconds >= RUN_PAGES * PAGE_SECONDS else max(1, int(seconds / PAGE_SECONDS))
+
 
 @dataclass
 class PublishJob:
@@ -74,8 +85,9 @@ class PublishJob:
             if self.sequences.find(seq.namespace, seq.seq_id) is not seq or seq.state is SequenceState.EVICTED:
                 upto = 0  # it went away between steps: nothing of it is left to publish
             while seq.num_published < upto:
-                rebind = self._publish_page(seq, seq.num_published)
-                self.published[self._next] += 1
+                batch = _batch_pages(deadline - time.perf_counter())
+                count, rebind = self._publish_pages(seq, seq.num_published, min(upto, seq.num_published + batch))
+                self.published[self._next] += count
                 if rebind is not None:
                     self.rebinds[self._next].append(rebind)
                 if time.perf_counter() > deadline:
@@ -111,24 +123,42 @@ class PublishJob:
             for (seq, _), published, rebinds in zip(self.targets, self.published, self.rebinds)
         ]
 
-    def _publish_page(self, seq: Sequence, i: int) -> Rebind | None:
-        """Page ``i``, the sequence's first unpublished one: indexed, or replaced by an equal
-        page published earlier (dedup: the rebind)."""
+    def _publish_pages(self, seq: Sequence, start: int, stop: int) -> tuple[int, Rebind | None]:
+        """Pages [start, stop) of the sequence, its first unpublished ones, in chain order:
+        indexed in one batch up to the first whose key is indexed already, which is replaced
+        by the equal page published earlier (dedup: the rebind) or, on a verified hash
+        collision, published but left out of the index (a key taken inside the batch is
+        looked up again at the next one). Returns the pages published and that rebind."""
         step = self.ns.page_size * TOKEN_BYTES
-        page = seq.pages[i]
-        page_tokens = bytes(seq.tokens[i * step : (i + 1) * step])
-        local = seq.chain.local_bytes(i)
-        parent_key, parent = (seq.keys[i - 1], seq.pages[i - 1]) if i else (seq.chain.root, None)
-        key = page_key(parent_key, i, page_tokens, local)
+        chain, tokens, pages = seq.chain, seq.tokens, seq.pages
+        parent_key, parent = (seq.keys[start - 1], pages[start - 1]) if start else (chain.root, None)
+        contents: list[PageContent] = []
+        places: list[ChainPlace] = []
+        existing = None
+        batch: set[bytes] = set()  # the batch's keys: a (forced) collision inside it waits for the next batch
+        for i in range(start, stop):
+            page_tokens = bytes(tokens[i * step : (i + 1) * step])
+            local = chain.local_bytes(i)
+            key = page_key(parent_key, i, page_tokens, local)
+            local = chain.local_digest(i) if local else b""
+            place = ChainPlace(self.ns, i, parent_key, seq.extra_keys)
+            existing = self.index.lookup(key)
+            if existing is not None or key in batch:
+                break
+            batch.add(key)
+            contents.append(PageContent(pages[i], key, page_tokens, parent, local))
+            places.append(place)
+            parent_key, parent = key, pages[i]
+        seq.keys += [content.key for content in contents]
+        self.pool.publish_chain(contents, places)
+        if existing is None:
+            return len(contents), None
         seq.keys.append(key)
-        local = seq.chain.local_digest(i)
-        existing = self.index.lookup(key)
-        if existing is not None and existing.matches(page_tokens, parent, local):
+        page = pages[i]
+        if existing.matches(page_tokens, parent, local):
             self.pool.acquire(existing.page)
-            seq.pages[i] = existing.page
+            pages[i] = existing.page
             self.pool.release(page)
-            return Rebind(i, page, existing.page)
-        # On a (verified) hash collision the page is published but left out of the index.
-        content = PageContent(page, key, page_tokens, parent, local)
-        self.pool.publish(page, content, ChainPlace(self.ns, i, parent_key, seq.extra_keys), indexed=existing is None)
-        return None
+            return len(contents) + 1, Rebind(i, page, existing.page)
+        self.pool.publish(page, PageContent(page, key, page_tokens, parent, local), place, indexed=False)
+        return len(contents) + 1, None

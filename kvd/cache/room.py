@@ -261,7 +261,7 @@ class Room:
         for page in map(PageId, range(first, first + count)):
             # each goes with the cached pages of its chain after it, elsewhere too (cached as
             # well: a referenced page's whole prefix is referenced): none could hit again
-            if self.pool.content(page) is not None:
+            if self.pool.publication(page) is not None:  # PUBLISHED or CACHED
                 self.pool.evict(page)
         self.pool.remove_pages(ns_id, extent.name, first, count)
         self.arena.release(extent)

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvd.core.page_columns import CACHED, PageColumns
 
+SLOT = np.int32  # an entry's slot: a page column's index (kvd/core/page_columns.py), 4 B an entry less than int64
 STALE_ENTRIES = 1024  # entries left behind in a queue, beyond its live ones, before they are dropped
 
 T = TypeVar("T")
@@ -48,7 +49,7 @@ class CachedQueue:
 
     def __init__(self, columns: PageColumns) -> None:
         self._columns = columns
-        self._arrays(np.zeros(1024, np.int64), np.zeros(1024, np.int64))
+        self._arrays(np.zeros(1024, SLOT), np.zeros(1024, np.int64))
         self._head = 0  # the next entry to pop
         self._tail = 0  # one past the last entry
         self._live = 0  # live entries: the namespace's cached pages
@@ -108,7 +109,7 @@ class CachedQueue:
         """Takes the next ``count`` pages to evict out of the queue (all when fewer); their slots."""
         count = min(count, self._live)
         if not count:
-            return np.zeros(0, np.int64)
+            return np.zeros(0, SLOT)
         slots, stamps = self._entries()
         window = count  # entries looked at: doubled until ``count`` live ones are in it
         while True:
@@ -148,7 +149,7 @@ class CachedQueue:
         size = len(self._slots)
         if entries + count > size // 2:
             size = max(2 * size, 2 * (entries + count))
-        slots, stamps = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        slots, stamps = np.zeros(size, SLOT), np.zeros(size, np.int64)
         slots[:entries], stamps[:entries] = self._entries()
         self._arrays(slots, stamps)
         self._head, self._tail = 0, entries

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd.core.page_columns import PageColumns
 from kvd.core.types import PageId, PageKey
 from kvd.wire.codec import TOKEN_BYTES, token_array
 from kvd.wire.enums import ExtraKind
@@ -42,9 +43,10 @@ class ExtraKey:
     length: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a publish makes one a page
 class PageContent:
-    """What a published page holds, kept with its index entry to confirm hash hits."""
+    """What a published page holds. An indexed page's is kept in its run (``_Run``) and built
+    again when asked for (``PrefixIndex.content``); one out of the index, the pool keeps."""
 
     page: PageId
     key: PageKey
@@ -82,23 +84,41 @@ class _Run:
     """
 
     start: int  # chain page index of pages[0]
+    number: int  # the run's number in ``PrefixIndex._numbered``
+    parent: PageId | None  # pages[0]'s parent
+    page_bytes: int  # of one page's token ids
     pages: list[PageId] = field(default_factory=list)
     keys: list[PageKey] = field(default_factory=list)
     tokens: bytearray = field(default_factory=bytearray)  # the pages' token ids, in order
     local_positions: list[int] = field(default_factory=list)  # positions of pages with local bytes
+    locals: list[bytes] = field(default_factory=list)  # their local digests (PageContent.local)
 
     def append(self, content: PageContent) -> None:
         if content.local:
             self.local_positions.append(len(self.pages))
+            self.locals.append(content.local)
         self.pages.append(content.page)
         self.keys.append(content.key)
         self.tokens += content.tokens
 
-    def truncate(self, length: int, page_bytes: int) -> list[PageId]:
-        """Keeps the first ``length`` pages; returns the ones cut off."""
-        cut = self.pages[length:]
-        del self.pages[length:], self.keys[length:], self.tokens[length * page_bytes :]
-        del self.local_positions[bisect.bisect_left(self.local_positions, length) :]
+    def content(self, position: int) -> PageContent:
+        """What the page at ``position`` holds."""
+        local_at = bisect.bisect_left(self.local_positions, position)
+        has_local = local_at < len(self.local_positions) and self.local_positions[local_at] == position
+        return PageContent(
+            self.pages[position],
+            self.keys[position],
+            bytes(self.tokens[position * self.page_bytes : (position + 1) * self.page_bytes]),
+            self.pages[position - 1] if position else self.parent,
+            self.locals[local_at] if has_local else b"",
+        )
+
+    def truncate(self, length: int) -> list[PageContent]:
+        """Keeps the first ``length`` pages; returns what the ones cut off held."""
+        cut = [self.content(position) for position in range(length, len(self.pages))]
+        del self.pages[length:], self.keys[length:], self.tokens[length * self.page_bytes :]
+        local_at = bisect.bisect_left(self.local_positions, length)
+        del self.local_positions[local_at:], self.locals[local_at:]
         return cut
 
 
@@ -134,6 +154,9 @@ class _Shards:
     def get(self, key, default=None):
         return self._shards[hash(key) & 255].get(key, default)
 
+    def setdefault(self, key, value):
+        return self._shards[hash(key) & 255].setdefault(key, value)
+
     def pop(self, key, *default):
         return self._shards[hash(key) & 255].pop(key, *default)
 
@@ -155,7 +178,7 @@ class _Shards:
 
 
 class PrefixIndex:
-    """Maps page keys to the published page holding that content, with the content itself.
+    """Maps page keys to the published page holding that content; its content is in its run.
 
     Pages are also threaded into runs (``_Run``): matching a long prompt hashes and looks
     up one page per run it crosses and compares the rest of each run's tokens at once.
@@ -163,9 +186,14 @@ class PrefixIndex:
     the pages that followed the one removed, and the pool removes them too.
     """
 
-    def __init__(self) -> None:
-        self._entries = _Shards()  # PageKey -> PageContent
-        self._runs = _Shards()  # PageId -> (its _Run, its position in it)
+    def __init__(self, columns: PageColumns) -> None:
+        """``columns``: the pool's page columns, where the index keeps each page's place in
+        its run (``PageColumns.run``: its run's number << 32 | its position in the run, -1
+        for none; 8 B a page, where a dict entry and a tuple took ~130 B)."""
+        self._entries = _Shards()  # PageKey -> PageId (a PageContent a page took ~170 B more, issue 41)
+        self._columns = columns
+        self._numbered: dict[int, _Run] = {}  # the runs that hold pages, by number
+        self._next_run = 0
         # PageId -> the pages that start a run of their own under it (a chain that branches
         # off where its parent is not the last page of a run): with the runs, what follows
         # a removed page (``remove``)
@@ -175,55 +203,87 @@ class PrefixIndex:
         return len(self._entries)
 
     def get(self, key: PageKey) -> PageId | None:
-        content = self._entries.get(key)
-        return None if content is None else content.page
+        return self._entries.get(key)
 
     def lookup(self, key: PageKey) -> PageContent | None:
-        return self._entries.get(key)
+        page = self._entries.get(key)
+        return None if page is None else self.content(page)
+
+    def content(self, page: PageId) -> PageContent | None:
+        """What an indexed page holds, built from its run; None for a page of no run (one the
+        pool is taking out of the index: kvd/core/pool.py keeps what it held)."""
+        place = self._place(page)
+        return None if place is None else place[0].content(place[1])
+
+    def key_of(self, page: PageId) -> PageKey | None:
+        """An indexed page's key; None as ``content``."""
+        place = self._place(page)
+        return None if place is None else place[0].keys[place[1]]
 
     def insert(self, content: PageContent, page_index: int) -> None:
         """Indexes a published page, ``page_index`` pages from the start of its chain."""
-        held = self._entries.get(content.key)
-        assert held is None, f"page key {content.key.hex()} already indexed to page {held.page}"
-        self._entries[content.key] = content
-        parent = self._runs.get(content.parent) if content.parent is not None else None
+        slot = self._columns.slot(content.page)
+        assert self._columns.run_at[slot] < 0, f"page {content.page} indexed twice"
+        held = self._entries.setdefault(content.key, content.page)
+        assert held == content.page, f"page key {content.key.hex()} already indexed to page {held}"
+        parent = self._place(content.parent) if content.parent is not None else None
         if parent is not None and parent[1] == len(parent[0].pages) - 1:
             run = parent[0]
         else:
-            run = _Run(start=page_index)
+            run = _Run(page_index, self._next_run, content.parent, len(content.tokens))
+            self._numbered[self._next_run] = run
+            self._next_run += 1
             if content.parent is not None:
                 self._branches.setdefault(content.parent, []).append(content.page)
         assert run.start + len(run.pages) == page_index, (
             f"page {content.page} at chain index {page_index} joins a run ending at index "
             f"{run.start + len(run.pages) - 1}"
         )
-        self._runs[content.page] = (run, len(run.pages))
+        self._columns.run_at[slot] = run.number << 32 | len(run.pages)
         run.append(content)
 
-    def remove(self, content: PageContent) -> list[PageContent]:
-        """Takes the page's entry out; returns the indexed pages that followed it (the rest of
-        its run, the runs branching off it): no match reaches them any more. Only the pool
-        calls this (kvd/core/pool.py), and it takes those out too, so no indexed page lacks its
-        parent; a chain's tail, removed first as eviction goes, returns none."""
-        held = self._entries.pop(content.key)
-        assert held.page == content.page, f"index held page {held.page} under the key of page {content.page}"
+    def insert_chain(self, contents: list[PageContent], page_index: int) -> None:
+        """``insert`` for consecutive pages of one chain, parents first, the first
+        ``page_index`` pages from the start of its chain: the rest extend its run."""
+        self.insert(contents[0], page_index)
+        run = self._place(contents[0].page)[0]
+        first = len(run.pages)
+        entries = self._entries
+        for content in contents[1:]:
+            held = entries.setdefault(content.key, content.page)
+            assert held == content.page, f"page key {content.key.hex()} already indexed to page {held}"
+            assert content.parent == run.pages[-1], f"page {content.page} does not follow page {run.pages[-1]}"
+            run.append(content)
+        slots = self._columns.slots(run.pages[first:])
+        self._columns.run[slots] = (run.number << 32) + np.arange(first, len(run.pages))
+
+    def remove(self, page: PageId, key: PageKey) -> list[PageContent]:
+        """Takes the page's entry (under ``key``) out; returns what the indexed pages that
+        followed it held (the rest of its run, the runs branching off it): no match reaches
+        them any more, and their runs no longer hold them. Only the pool calls this
+        (kvd/core/pool.py), and it takes those out too, so no indexed page lacks its parent; a
+        chain's tail, removed first as eviction goes, returns none."""
+        held = self._entries.pop(key)
+        assert held == page, f"index held page {held} under the key of page {page}"
         orphans = []
-        place = self._runs.pop(content.page, None)
+        place = self._place(page)
         if place is not None:
             run, position = place
-            if position == 0 and content.parent is not None:
-                siblings = self._branches.get(content.parent, [])
-                if content.page in siblings:  # absent when its parent left the index first
-                    siblings.remove(content.page)
+            parent = run.pages[position - 1] if position else run.parent
+            if position == 0 and parent is not None:
+                siblings = self._branches.get(parent, [])
+                if page in siblings:  # absent when its parent left the index first
+                    siblings.remove(page)
                     if not siblings:
-                        del self._branches[content.parent]
-            keys = run.keys[position + 1 :]
-            for page in run.truncate(position, len(content.tokens))[1:]:
-                del self._runs[page]
-            orphans += (self._entries[key] for key in keys)
-        for branch in self._branches.pop(content.page, ()):
-            branch_run, at = self._runs[branch]
-            orphans.append(self._entries[branch_run.keys[at]])
+                        del self._branches[parent]
+            cut = run.truncate(position)
+            self._columns.run[self._columns.slots([content.page for content in cut])] = -1
+            if not run.pages:
+                del self._numbered[run.number]
+            orphans += cut[1:]
+        for branch in self._branches.pop(page, ()):
+            branch_run, at = self._place(branch)
+            orphans.append(branch_run.content(at))
         return orphans
 
     def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> Match:
@@ -241,17 +301,18 @@ class PrefixIndex:
         while i < full_pages:
             page_tokens = tokens[i * page_bytes : (i + 1) * page_bytes]
             local = chain.local_bytes(i)
-            content = self._entries.get(page_key(parent_key, i, page_tokens, local))
+            page = self._entries.get(page_key(parent_key, i, page_tokens, local))
+            content = None if page is None else self.content(page)
             if content is None or not content.matches(page_tokens, parent, chain.local_digest(i) if local else b""):
                 break  # a miss; on a hash collision too, never wrong KV
-            pages.append(content.page)
+            pages.append(page)
             keys.append(content.key)
             i += 1
             # The run's next pages are hits as far as their tokens equal the request's, up to
             # the first page with local bytes on either side (those need the per-page check).
             local_at = bisect.bisect_left(local_pages, i)
             stop = min(full_pages, local_pages[local_at] if local_at < len(local_pages) else full_pages)
-            followed, followed_keys = self._follow_run(content.page, tokens, i, stop, page_bytes)
+            followed, followed_keys = self._follow_run(page, tokens, i, stop, page_bytes)
             pages += followed
             keys += followed_keys
             i += len(followed)
@@ -262,7 +323,7 @@ class PrefixIndex:
         self, page: PageId, tokens: bytes, i: int, stop: int, page_bytes: int
     ) -> tuple[list[PageId], list[PageKey]]:
         """Pages after ``page`` in its run that hold the request's pages [i, stop)."""
-        place = self._runs.get(page)
+        place = self._place(page)
         if place is None or stop <= i:
             return [], []
         run, position = place
@@ -287,36 +348,54 @@ class PrefixIndex:
         return run.pages[first : first + equal_pages], run.keys[first : first + equal_pages]
 
     def run_problems(self) -> list[str]:
-        """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed at its
-        position, follows its run's previous page and carries its tokens in the run."""
+        """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed under
+        its key at its position, its run holding its token ids and local digest."""
         found = []
-        runs = {id(run): run for run, _ in self._runs.values()}
-        for page, (run, position) in self._runs.items():
+        c = self._columns
+        placed = np.flatnonzero(c.run[: c.capacity] >= 0)
+        for page, packed in zip(c.page[placed].tolist(), c.run[placed].tolist()):
+            run, position = self._numbered.get(packed >> 32), packed & 0xFFFFFFFF
+            if run is None:
+                found.append(f"page {page} is mapped to run {packed >> 32}, which holds no pages")
+                continue
             if position >= len(run.pages) or run.pages[position] != page:
                 found.append(f"page {page} is mapped to position {position} of a run that holds other pages there")
                 continue
-            content = self._entries.get(run.keys[position])
-            if content is None or content.page != page:
+            if self._entries.get(run.keys[position]) != page:
                 found.append(f"run page {page} is not indexed under its key")
-            elif position and content.parent != run.pages[position - 1]:
-                found.append(f"run page {page}'s parent is {content.parent}, not the run's previous page")
-            elif run.tokens[position * len(content.tokens) : (position + 1) * len(content.tokens)] != content.tokens:
-                found.append(f"run page {page}'s token ids differ from the run's copy")
-            elif bool(content.local) != (position in run.local_positions):
-                found.append(f"run page {page}'s local bytes are not recorded in its run")
+            elif len(run.tokens) != len(run.pages) * run.page_bytes:
+                found.append(f"run page {page}'s run holds {len(run.tokens)} token bytes for {len(run.pages)} pages")
+            elif len(run.locals) != len(run.local_positions):
+                found.append(
+                    f"run page {page}'s run holds {len(run.locals)} local digests, "
+                    f"{len(run.local_positions)} positions with local bytes"
+                )
         for parent, branches in self._branches.items():
             for page in branches:
-                run, position = self._runs.get(page, (None, -1))
-                if position != 0 or self._entries[run.keys[0]].parent != parent:
+                run, position = self._place(page) or (None, -1)
+                if position != 0 or run.parent != parent:
                     found.append(
                         f"page {page} is recorded as a branch under page {parent} but does not start a run there"
                     )
-        for run in runs.values():
-            missing = [p for q, p in enumerate(run.pages) if self._runs.get(p, (None, -1))[1] != q]
+        for run in self._numbered.values():
+            missing = [p for q, p in enumerate(run.pages) if self._packed(p) != run.number << 32 | q]
             if missing:
                 found.append(f"run starting at chain index {run.start} holds pages {missing} not mapped to it")
         return found
 
+    def _place(self, page: PageId) -> tuple[_Run, int] | None:
+        """The run ``page`` is threaded into and its position there; None for a page of none."""
+        packed = self._packed(page)
+        return None if packed < 0 else (self._numbered[packed >> 32], packed & 0xFFFFFFFF)
+
+    def _packed(self, page: PageId) -> int:
+        """The page's place in its run as ``PageColumns.run`` holds it; -1 for none (a page of
+        no live extent too)."""
+        try:
+            return self._columns.run_at[self._columns.slot(page)]
+        except KeyError:
+            return -1
+
     def items(self):
         """(key, page) of every entry."""
-        return ((key, content.page) for key, content in self._entries.items())
+        return self._entries.items()

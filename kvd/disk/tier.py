@@ -106,7 +106,7 @@ class DiskTier:
         self.fetches.forget(page)
         if place is None or place.parent_key is None:
             return
-        key = (place.ns.root, self.pool.content(page).key)
+        key = (place.ns.root, self.pool.key(page))
         self.index.sized(SlotClass(place.ns.page_bytes, place.ns.page_size))
         if self.index.admitted(key):  # on disk, or on its way there
             self.index.hit(key)
@@ -123,7 +123,7 @@ class DiskTier:
             for page in hits:
                 place = self._placed.get(page)
                 if place is not None:
-                    self.index.uses.used((place.ns.root, self.pool.content(page).key))
+                    self.index.uses.used((place.ns.root, self.pool.key(page)))
 
     def missed(self, miss: Miss) -> int:
         """Starts a promotion only when the disk holds the first page missing: a prompt the

@@ -9,7 +9,7 @@ Hashing costs ~35 ms per GiB (xxh3_64, measured on this host), so publishing a
 hashed synchronously. Instead ``publish`` writes each page's record (state PUBLISHED,
 kvd/core/records.py) and hands the page to one background sealer thread; the checksum is
 recorded (state SEALED) on the event loop a moment later, and only if the page still
-holds the same content. A page whose daemon died before its seal is sealed by recovery
+holds the same publish (``PagePool.publication``). A page whose daemon died before its seal is sealed by recovery
 (kvd/durability/recovery.py): its bytes and record were complete before ``publish`` replied.
 Published pages are immutable, so hashing them beside the event loop is safe; the
 manager waits for the sealer before it unmaps an extent.
@@ -20,15 +20,17 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from kvd.core.arena import Arena
 from kvd.core.counters import Counters
 from kvd.core.index import PageContent
+from kvd.core.listener import ChainPlace
 from kvd.core.pool import PagePool
 from kvd.core.records import ExtentMeta, page_checksum
 from kvd.core.types import PageId
@@ -36,10 +38,9 @@ from kvd.core.types import PageId
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SealJob:
+class SealJob(NamedTuple):  # a named tuple: one is made per page published
     page: PageId
-    content: PageContent  # identity-checked when the checksum comes back
+    publication: int  # the page's (PagePool.publication), checked when the checksum comes back
     meta: ExtentMeta
     slot: int  # the page's record in meta
     covered: bytes  # the record fields the checksum covers
@@ -131,28 +132,33 @@ class Integrity:
         self.arena = arena
         self.pool = pool
         self.counters = counters
-        self.sealer = Sealer()
-        self.checksums: dict[PageId, int] = {}
+        self.sealer = Sealer()  # the checksums themselves are the pool's (PagePool.seal)
         self._to_seal: list[SealJob] = []
 
     def close(self) -> None:
         self.apply(wait=True)
         self.sealer.close()
 
-    def describe(self, content: PageContent, page_index: int) -> None:
-        """Writes a freshly published page's record; its checksum follows on ``submit``."""
-        page = content.page
-        extent = self.arena.extent_of(page)
-        slot = page - extent.first_page
-        covered = extent.meta.describe(slot, content.key, content.parent, page_index, content.local, content.tokens)
-        self._to_seal.append(SealJob(page, content, extent.meta, slot, covered, extent.page_bytes_view(page)))
+    def describe(self, contents: Sequence[PageContent], places: Sequence[ChainPlace]) -> None:
+        """Writes freshly published pages' records; their checksums follow on ``submit``."""
+        jobs = self._to_seal
+        first = end = 0  # the pages of the extent found last: a batch's mostly share one
+        for content, place in zip(contents, places):
+            page = content.page
+            if not first <= page < end:
+                extent = self.arena.extent_of(page)
+                first, meta, pages = extent.first_page, extent.meta, extent.pages
+                end = first + extent.num_pages
+            slot = page - first
+            covered = meta.describe(slot, content.key, content.parent, place.page_index, content.local, content.tokens)
+            jobs.append(SealJob(page, self.pool.publication(page), meta, slot, covered, pages[slot]))
 
-    def seal_job(self, content: PageContent) -> SealJob:
+    def seal_job(self, page: PageId) -> SealJob:
         """What hashing a described page again reads: its record's fields and its bytes."""
-        page = content.page
         extent = self.arena.extent_of(page)
         slot = page - extent.first_page
-        return SealJob(page, content, extent.meta, slot, extent.meta.covered(slot), extent.page_bytes_view(page))
+        meta = extent.meta
+        return SealJob(page, self.pool.publication(page), meta, slot, meta.covered(slot), extent.page_bytes_view(page))
 
     def submit(self) -> None:
         """Hands the pages described since the last call to the sealer thread."""
@@ -164,15 +170,20 @@ class Integrity:
         """Records the checksums the sealer computed; returns how many pages were sealed."""
         sealed = 0
         for job, checksum in self.sealer.finished(wait):
-            if job.page in self.pool and self.pool.content(job.page) is job.content:
+            if self.pool.publication(job.page) == job.publication:
                 job.meta.seal(job.slot, checksum)
-                self.checksums[job.page] = checksum
+                self.pool.seal(job.page, checksum)
                 sealed += 1
         return sealed
 
     def restore(self, checksums: dict[PageId, int]) -> None:
         """The checksums of the pages a warm restart verified."""
-        self.checksums.update(checksums)
+        for page, checksum in checksums.items():
+            self.pool.seal(page, checksum)
+
+    def checksum(self, page: PageId) -> int | None:
+        """The page's sealed checksum; None before it is sealed, or once its seal is gone."""
+        return self.pool.checksum(page)
 
     def verification(self) -> Verification:
         """An audit of every sealed published or cached page, done in steps (``Verification``)."""
@@ -201,7 +212,7 @@ class Integrity:
         """The page leaves the published states: its record must not be recovered."""
         extent = self.arena.extent_of(page)
         extent.meta.clear(page - extent.first_page)
-        self.checksums.pop(page, None)
+        self.pool.seal(page, None)
 
 
 # Bytes an audit hashes per step off the loop (~2 ms at xxh3's speed here): the loop
@@ -236,7 +247,7 @@ class Verification:
             yield future
         for _ in in_flight:  # each takes one finished batch (none that came later: never waits)
             integrity.apply()
-        sealed = list(integrity.checksums.items())
+        sealed = integrity.pool.sealed()
         checked = checked_bytes = corrupted = 0
         at = 0
         while at < len(sealed):
@@ -244,9 +255,9 @@ class Verification:
             while at < len(sealed) and size < VERIFY_BATCH_BYTES:
                 page, checksum = sealed[at]
                 at += 1
-                if integrity.checksums.get(page) != checksum:
+                if integrity.checksum(page) != checksum:
                     continue  # freed, or published anew, since the snapshot
-                batch.append((integrity.seal_job(integrity.pool.content(page)), checksum))
+                batch.append((integrity.seal_job(page), checksum))
                 size += batch[-1][0].view.nbytes
             if not batch:
                 continue
@@ -255,7 +266,7 @@ class Verification:
             judged = [
                 (job, computed != checksum)
                 for (job, checksum), computed in zip(batch, future.result())
-                if integrity.checksums.get(job.page) == checksum and integrity.pool.content(job.page) is job.content
+                if integrity.checksum(job.page) == checksum and integrity.pool.publication(job.page) == job.publication
             ]  # the others were freed, or published anew, while they were hashed
             checked += len(judged)
             checked_bytes += sum(job.view.nbytes for job, _ in judged)

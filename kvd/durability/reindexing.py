@@ -109,6 +109,7 @@ class Reindexing:
         self._row_of = np.full(int(pending.page.max()) + 1 if len(pending) else 0, -1, np.int64)
         self._row_of[pending.page] = np.arange(len(pending))
         self._accepted = np.full(len(pending), None, dtype=object)  # row -> its restored PageContent
+        self._publication = np.zeros(len(pending), np.int64)  # row -> its page's, once restored (PagePool.publication)
         self._given_up = np.zeros(len(pending), bool)  # rows freed unverified for room (``give_up``)
         self._namespaces = {ns.id: ns for ns in namespaces.all()}
         self._plain = {ns.id: chain_spec(ns.root, ns.page_size, ()) for ns in namespaces.all()}
@@ -195,6 +196,7 @@ class Reindexing:
         checksums: dict[PageId, int] = {}
         dropped: dict[NamespaceId, list[PageId]] = {}
         keys: set[PageKey] = set()  # of this step's pages, not in the index yet
+        accepted: list[int] = []  # the rows of ``restored``
         indexed = self.pool.index.get
         corrupted = orphaned = resealed = verified = 0
         at = slice(start, end)
@@ -237,11 +239,13 @@ class Reindexing:
                 continue
             keys.add(key)
             self._accepted[row] = content
+            accepted.append(row)
             resealed += state == PUBLISHED
             restored.append((ChainPlace(self._namespaces[ns_id], page_index, parent_key or None), content))
             checksums[page] = checksum
         self._at = end
         self.pool.restore(restored)
+        self._publication[accepted] = self.pool.publications([content.page for _, content in restored])
         self.integrity.restore(checksums)
         for pages in dropped.values():  # one namespace a call
             self.pool.release_all(pages)
@@ -252,6 +256,7 @@ class Reindexing:
         if self._at == len(p):
             while self._unlocked:
                 self.arena.lock(self._unlocked.pop())
+            self._accepted[:] = None  # the index holds what they hold (no PageContent kept a page)
             self._seconds = time.perf_counter() - self._started
             self._log()
 
@@ -270,7 +275,9 @@ class Reindexing:
         accepted = self._accepted[row] if row >= 0 else None
         if accepted is None or self.pending.page_index[row] != page_index - 1 or self.pending.namespace[row] != ns_id:
             return None
-        if row < step_start and (self.pool.content(accepted.page) is not accepted or not self.pool.is_indexed(parent)):
+        if row < step_start and (
+            self.pool.publication(accepted.page) != self._publication[row] or not self.pool.is_indexed(parent)
+        ):
             return None  # evicted, dropped or reused since
         return accepted.key
 

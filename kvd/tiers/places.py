@@ -16,7 +16,7 @@ from kvd.durability.integrity import Integrity
 def page_seal(integrity: Integrity, arena: Arena, page: PageId) -> tuple[bytes, int] | None:
     """The page's record fields and checksum, which its bytes must match; None before it is
     sealed, or once its seal is gone."""
-    checksum = integrity.checksums.get(page)
+    checksum = integrity.checksum(page)
     if checksum is None:
         return None
     extent = arena.extent_of(page)
