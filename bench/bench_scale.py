@@ -11,23 +11,28 @@ host pages, and prints side by side with the box's floor (an empty gRPC round tr
 - a 50K-token hit's p50 (``allocate_with_prefix`` of a held prompt, all 3,125 pages shared)
   with 12.5K pages held against with ``--pages`` held.
 
-The tier figures (warm restart, reboot with the disk tier, graceful stop writes, the disk
-index's memory) are bench/scale_tiers.py's; ``tier_figures`` is where they join this run.
+Then the same page count through bench/scale_tiers.py, each beside its target or floor: a
+warm restart after ``kill -9`` (first answer, every page hittable), a graceful stop that
+writes the host pages to the disk tier (beside the disk's sequential write bandwidth, as
+bench/bench_disk.py measures it), the start after a reboot on that disk tier (first answer,
+all indexed) and the daemon's private memory per disk page (``--host-only`` skips them).
 
-    python bench/bench_scale.py                      # 1M pages of 4 KiB (~4.2 GiB of /dev/shm)
-    python bench/bench_scale.py --pages 10000000 --page-kib 1   # 10M pages of 1 KiB (~11 GiB)
+    python bench/bench_scale.py                      # 1M pages of 4 KiB (~4.2 GiB of /dev/shm, ~8 GiB of disk)
+    python bench/bench_scale.py --pages 10000000 --page-kib 1 --host-only   # 10M pages of 1 KiB (~11 GiB)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import scale_tiers
 from footprint import cpu_seconds, host_memory
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
@@ -172,26 +177,45 @@ def measure(tmp: str, pages: int, page_kib: int) -> Figures:
         daemon.clean()
 
 
-def tier_figures(tmp: str, pages: int) -> list[str]:
-    """The tiers' figures for the same page count, each with its floor: lines to print.
-    bench/scale_tiers.py (issue 41's restart half) measures them, each in a function that
-    returns a dict (``warm_restart(pages, work)``; ``reboot_start(pages, work, disk_dir)``: the
-    graceful stop's writes, the start after a reboot, the disk index's memory;
-    ``disk_write_bandwidth(disk_dir)``, the floor); they are printed here once that module
-    joins this run. None until then."""
-    return []
+def tier_figures(tmp: str, pages: int, disk_dir: str) -> list[str]:
+    """The restart and disk figures for the same page count (bench/scale_tiers.py measures
+    each in a function that returns a dict), each beside its target or floor: lines to print."""
+    warm = scale_tiers.warm_restart(pages, tmp)
+    work = tempfile.mkdtemp(dir=disk_dir)
+    try:
+        reboot = scale_tiers.reboot_start(pages, tmp, work)
+    finally:
+        shutil.rmtree(work)
+    disk = scale_tiers.disk_write_bandwidth(disk_dir)["disk_write_mb_per_second"]
+    return [
+        f"warm restart after kill -9, {warm['pages']:,} pages: first answer {warm['first_answer_seconds']:.2f} s "
+        f"(target <= 1 s; the daemon's own {warm['daemon_serving_after_ms']:.0f} ms), every page hittable "
+        f"{warm['all_hittable_seconds']:.1f} s = {warm['all_hittable_seconds_per_million']:.1f} s per million "
+        "(target <= 5 s)",
+        f"start after a reboot with the disk tier, {reboot['disk_pages']:,} disk pages: first answer "
+        f"{reboot['first_answer_seconds']:.2f} s (target <= 1 s), all indexed "
+        f"{reboot['all_indexed_seconds_per_million']:.1f} s per million (target <= 5 s); daemon private memory "
+        f"{reboot['daemon_private_bytes_per_disk_page']} B a disk page (target <= 64 B)",
+        f"graceful stop writing {reboot['stop_written_pages']:,} host pages: "
+        f"{reboot['stop_write_pages_per_second']:,} pages/s, {reboot['stop_write_mb_per_second']:.0f} MB/s "
+        f"= {reboot['stop_write_mb_per_second'] / disk:.2f}x the disk's sequential write bandwidth ({disk:.0f} MB/s) "
+        "(target >= 100,000 pages/s, or >= 0.8x the disk where that is lower)",
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=1_000_000, help="host pages to fill (rounded up to whole prompts)")
     ap.add_argument("--page-kib", type=int, default=4, choices=(1, 2, 4), help="page size: 4 KiB, or 1 KiB for 10M")
+    ap.add_argument("--disk-dir", default="/var/tmp", help="where the disk tier's file goes (a real disk, not tmpfs)")
+    ap.add_argument("--host-only", action="store_true", help="the host-page figures only: no restart or disk tier")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         print(f"{args.pages:,} host pages of {args.page_kib} KiB (16 tokens), filled by {TOKENS:,}-token prompts")
-        print(measure(tmp, args.pages, args.page_kib).report())
-        for line in tier_figures(tmp, args.pages):
-            print(line)
+        print(measure(tmp, args.pages, args.page_kib).report(), flush=True)
+        if not args.host_only:
+            for line in tier_figures(tmp, args.pages, args.disk_dir):
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
