@@ -23,7 +23,8 @@ Each copy is timed in turns with `numpy.copyto` of the slice's bytes between two
 contiguous buffers (median of `--repeats`, after one untimed run of each), with numpy
 (what gpu_worker/vllm/page_copies.py does on CPU) and with torch `copy_` on one thread:
 "run", the pages of the batch into consecutive blocks (one copy per layer for them all);
-"page", page by page into scattered blocks (one copy per page and layer). More ranks than
+"page", page by page into scattered blocks (one copy per page and layer); "indexed", into
+the same scattered blocks with one indexed copy per layer (a gather or a scatter). More ranks than
 KV heads (TP=16 on 8 heads): vLLM replicates heads, a rank holds one, and one rank per
 head writes. A batch is `--batch-mib` of the rank's bytes (a 50K-token prompt's 3,125
 pages where they fit). Target (issue 42): >= 0.5 x numpy.copyto per rank. Figures: bench/RESULTS.md.
@@ -128,6 +129,30 @@ def copy_slices(pages, layout, caches, heads, page_ids, block_ids, into_blocks: 
                 copy(slice_, block)
 
 
+def copy_indexed(pages, layout, caches, heads, block_ids: list[int], into_blocks: bool, library: str) -> None:
+    """Copies the rank's slice of every page to or from its block, one indexed copy per layer
+    (numpy's fancy indexing or torch's `index_put_` / `index_select` on the block axis)."""
+    order = LAYOUTS[layout].replace("L", "")
+    to_block_axes = (0, *(1 + order.index(axis) for axis in BLOCK_AXES))
+    ids = np.asarray(block_ids) if library == "numpy" else torch.tensor(block_ids)
+    for layer, cache in enumerate(caches):
+        slice_ = slice_view(pages, layout, layer, *heads)
+        if library == "numpy" and into_blocks:
+            cache[ids] = slice_.transpose(to_block_axes)
+        elif library == "numpy":
+            np.copyto(slice_, blocks_as(cache[ids], layout))
+        elif into_blocks:
+            _signed(cache).index_put_((ids,), _signed(slice_.transpose(to_block_axes)))
+        else:
+            gathered = _signed(cache).index_select(0, ids).numpy()
+            _signed(slice_).copy_(_signed(blocks_as(gathered, layout)))
+
+
+def _signed(array: np.ndarray) -> torch.Tensor:
+    """The uint16 array's bytes as a torch int16 tensor (torch indexes no uint16), no copy."""
+    return torch.from_numpy(array.view(np.int16))
+
+
 def numpy_copy(destination: np.ndarray, source: np.ndarray) -> None:
     np.copyto(destination, source)
 
@@ -167,12 +192,15 @@ def measure(model: Model, tp_size: int, batch_bytes: int, repeats: int) -> tuple
     ratios = {}
     for layout in LAYOUTS:
         pages = np.zeros((num_pages, *model.page_shape(layout)), model.dtype)
-        for mode, blocks in (("run", consecutive), ("page", scattered)):
+        for mode, blocks in (("run", consecutive), ("page", scattered), ("indexed", scattered)):
             for direction, into_blocks in (("save", False), ("load", True)):
                 for library, copy in (("numpy", numpy_copy), ("torch", torch_copy)):
-                    action = partial(
-                        copy_slices, pages, layout, caches, heads, range(num_pages), blocks, into_blocks, copy
-                    )
+                    if mode == "indexed":
+                        action = partial(copy_indexed, pages, layout, caches, heads, blocks, into_blocks, library)
+                    else:
+                        action = partial(
+                            copy_slices, pages, layout, caches, heads, range(num_pages), blocks, into_blocks, copy
+                        )
                     ratios[layout, mode, direction, library] = ratio_to_copyto(action, slice_bytes, repeats)
     return num_pages, ratios
 
@@ -192,7 +220,7 @@ def main() -> None:
             f"median of {args.repeats} in turns, x numpy.copyto of the rank's bytes"
         )
         print(
-            f"{'TP':>3} {'heads':>6} {'pages':>5} {'mode':>4} {'dir':>4} {'lib':>5}  "
+            f"{'TP':>3} {'heads':>6} {'pages':>5} {'mode':>7} {'dir':>4} {'lib':>5}  "
             + "  ".join(f"{n:>5}" for n in LAYOUTS)
         )
         for tp_size in (int(t) for t in args.tp.split(",")):
@@ -200,12 +228,12 @@ def main() -> None:
             heads = f"{first}-{last - 1}" if last - first > 1 else f"{first}"
             heads += "" if writes(model.kv_heads, tp_size, tp_size - 1) else " r"  # r: a reader only (replica)
             num_pages, ratios = measure(model, tp_size, args.batch_mib << 20, args.repeats)
-            for mode in ("run", "page"):
+            for mode in ("run", "page", "indexed"):
                 for direction in ("save", "load"):
                     for library in ("numpy", "torch"):
                         row = "  ".join(f"{ratios[n, mode, direction, library]:5.2f}" for n in LAYOUTS)
                         print(
-                            f"{tp_size:>3} {heads:>6} {num_pages:>5} {mode:>4} {direction:>4} {library:>5}  {row}",
+                            f"{tp_size:>3} {heads:>6} {num_pages:>5} {mode:>7} {direction:>4} {library:>5}  {row}",
                             flush=True,
                         )
 

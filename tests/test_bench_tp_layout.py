@@ -58,6 +58,23 @@ def test_every_tp_degree_saves_and_loads_the_same_pages(layout, copy):
                 assert np.array_equal(loaded[layer][BLOCK_IDS], expected[layer][BLOCK_IDS])
 
 
+@pytest.mark.parametrize("layout", list(bench.LAYOUTS))
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_indexed_copies_equal_page_by_page_ones(layout, library):
+    rng = np.random.default_rng(1)
+    shape = (NUM_BLOCKS, 2, 2, MODEL.page_size, MODEL.head_dim)  # rank 1 of 2: heads 2-3
+    caches = [rng.integers(0, 1 << 16, shape, dtype=np.uint16) for _ in range(MODEL.layers)]
+    pages = np.zeros((NUM_PAGES, *MODEL.page_shape(layout)), MODEL.dtype)
+    bench.copy_indexed(pages, layout, caches, (2, 4), BLOCK_IDS, False, library)
+    expected = np.zeros_like(pages)
+    bench.copy_slices(expected, layout, caches, (2, 4), range(NUM_PAGES), BLOCK_IDS, False, bench.numpy_copy)
+    assert np.array_equal(pages, expected)
+    loaded = [np.zeros_like(layer) for layer in caches]
+    bench.copy_indexed(pages, layout, loaded, (2, 4), BLOCK_IDS, True, library)
+    for layer in range(MODEL.layers):
+        assert np.array_equal(loaded[layer][BLOCK_IDS], caches[layer][BLOCK_IDS])
+
+
 def test_more_ranks_than_heads_have_one_writer_per_head():
     holders = [bench.rank_heads(4, 8, rank) for rank in range(8)]
     assert holders == [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (3, 4), (3, 4)]
