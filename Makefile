@@ -101,6 +101,7 @@ bench: setup
 	$(PY) bench/bench_decode_loads.py
 	$(PY) bench/bench_decode_step.py
 	$(PY) bench/bench_remote.py
+	$(PY) bench/bench_tp_layout.py
 
 clean-venv:
 	rm -rf $(VENV)
