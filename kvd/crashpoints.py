@@ -24,7 +24,9 @@ Steps:
 - ``publish-recorded``: a publish wrote its pages' records (state PUBLISHED) and has not
   handed them to the sealer, so none has a checksum yet;
 - ``recovery-step``: a warm restart verified and indexed one more step of pages
-  (kvd/durability/reindexing.py; ``STEP_PAGES`` each, parents first).
+  (kvd/durability/reindexing.py; ``STEP_PAGES`` each, parents first);
+- ``disk-opened``: the disk tier's store read every header on disk, back on the event
+  loop, and its index has learnt none of the pages yet (kvd/disk/opening.py).
 
 Unset (always, in production) a step costs one dictionary lookup.
 """
@@ -40,7 +42,7 @@ from collections.abc import Callable
 
 import posix_ipc
 
-STEPS = ("extent-meta", "extent-reserved", "extent-data", "publish-recorded", "recovery-step")
+STEPS = ("extent-meta", "extent-reserved", "extent-data", "publish-recorded", "recovery-step", "disk-opened")
 FILLER = "/kvd-test-shm-filler"  # the segment KVD_FILL_SHM_AT fills /dev/shm with
 
 

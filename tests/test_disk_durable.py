@@ -17,12 +17,15 @@ of the page written in its place: ``disk-data-written`` of the write after the f
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 from conftest import budget_for, clean_env, remove_shared_memory, wait_until
 
 from engine_client import KVDClient, PageLayout, SequenceRequest
+from engine_client.launch import DaemonProcess
 from kvd.diskstore.layout import BLOCK, SlotClass
 
 # A slot header with 256 token ids spans three 512-byte sectors: a torn one loses token ids.
@@ -91,6 +94,14 @@ class Prompts:
 
 def written(prompts: Prompts, pages: int) -> None:
     wait_until(lambda: prompts.disk()["written_pages"] >= pages, f"{pages} pages written to disk", 10)
+
+
+def five_prompts(prompts: Prompts) -> dict[int, list[np.ndarray]]:
+    """Prompts 1-5 published, each page's bytes: 1 and 2 evicted and written to disk, 3-5
+    cached in host memory."""
+    want = {seed: prompts.publish(seed) for seed in range(1, 6)}
+    written(prompts, 2 * PAGES)
+    return want
 
 
 def crashed(d, prompts: Prompts, seed: int) -> None:
@@ -186,8 +197,7 @@ def test_a_read_error_during_a_promotion_is_a_miss_and_host_memory_keeps_serving
     d = daemon_factory(*daemon_args(disk), env=clean_env(tmp_path, KVD_DISK_FAULT="read:EIO"))  # the first read
     with KVDClient.connect(d.socket) as c:
         p = Prompts(c)
-        want = {seed: p.publish(seed) for seed in range(1, 6)}  # prompts 1 and 2 evicted
-        written(p, 2 * PAGES)
+        want = five_prompts(p)
         [held] = c.allocate_with_prefix(p.ns, [SequenceRequest("held", p.tokens(5))])  # served from RAM
         held_bytes = [c.page_array(p.ns, page).copy() for page in held.shared_pages]
         assert p.served(1, want[1]) == 0, "a read error is a miss"
@@ -232,8 +242,7 @@ def test_a_clean_stop_writes_what_host_memory_holds_and_a_reboot_finds_it_warm(t
     d = daemon_factory(*daemon_args(disk))
     with KVDClient.connect(d.socket) as c:
         p = Prompts(c)
-        want = {seed: p.publish(seed) for seed in range(1, 6)}
-        written(p, 2 * PAGES)
+        want = five_prompts(p)
         c.allocate_with_prefix(p.ns, [SequenceRequest("held", p.tokens(5))])  # referenced at the stop
         assert p.disk()["pages"] == 2 * PAGES
     assert d.stop() == 0
@@ -259,8 +268,7 @@ def test_a_clean_stop_writes_no_more_than_the_disk_holds_nor_for_longer_than_its
     d = daemon_factory(*args)
     with KVDClient.connect(d.socket) as c:
         p = Prompts(c)
-        want = {seed: p.publish(seed) for seed in range(1, 6)}
-        written(p, 2 * PAGES)
+        want = five_prompts(p)
     assert d.stop() == 0
     left = 3 * PAGES - SLOTS if chunks == 1 else 3 * PAGES
     assert f"wrote {3 * PAGES - left} pages host memory held" in d.log()
@@ -306,3 +314,83 @@ def test_a_full_disk_of_another_page_size_empties_a_chunk_for_the_refused_pages(
         assert c.check_invariants() == []
     assert d.stop() == 0 and "Traceback" not in d.log(), d.log()  # the stop writes pages of both sizes
     assert "not written" not in d.log()
+
+
+def test_a_rebooted_daemon_answers_before_its_disk_is_indexed_and_serves_each_page_once_learnt(
+    tmp_path, daemon_factory
+):
+    """A reboot on a disk tier that holds prompts 1-5, its open held once the headers are read
+    (``KVD_HOLD_AT=disk-opened``): the daemon answers, says its disk is opening with every page
+    pending, misses them all, and queues an eviction without writing it (the slots are not its
+    yet); released, every page on disk is announced, every prompt is served with its own
+    bytes, a prompt never written is never served, and the queued eviction is written."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(d.socket) as c:
+        p = Prompts(c)
+        want = five_prompts(p)
+    assert d.stop() == 0
+    remove_shared_memory(d.socket)  # a reboot
+    hold = tmp_path / "hold"
+    hold.touch()
+    env = clean_env(tmp_path, KVD_HOLD_AT="disk-opened", KVD_HOLD_FILE=str(hold))
+    again = daemon_factory(*daemon_args(disk), env=env, name="again")
+    with KVDClient.connect(again.socket) as c:
+        p = Prompts(c)
+        s = p.disk()
+        assert (s["state"], s["pages"]) == ("opening", 0)
+        assert s["pending_pages"] == s["recovered_pages"] == 5 * PAGES
+        for seed in want:
+            [r] = c.lookup(p.ns, [SequenceRequest("ask", p.tokens(seed))])
+            assert (r.hit_tokens, r.remote_pending_tokens) == (0, 0), "a page the disk's index has not learnt"
+        events, heard = c.subscribe_events(), []
+        reader = threading.Thread(target=lambda: heard.extend(e for batch in events for e in batch.events))
+        reader.start()
+        new = {}  # host memory holds three: the others are evicted, until the subscription hears a publish
+        for seed in range(6, 30):
+            new[seed] = p.publish(seed)
+            time.sleep(0.05)
+            if len(new) >= 4 and heard:
+                break
+        assert heard, "the subscription never heard a publish"
+        assert p.disk()["written_pages"] == 0 and p.disk()["backlog_bytes"] > 0
+        hold.unlink()
+        wait_until(lambda: p.disk()["state"] == "on", "the disk's pages indexed", 10)
+        written(p, PAGES)
+        assert p.disk()["pending_pages"] == 0
+        found = {k for seed in want for k in c.page_keys(p.ns, p.tokens(seed))}
+
+        def stored() -> set[bytes]:
+            return {k for e in list(heard) if getattr(e, "medium", "") == "STORAGE" for k in e.block_hashes}
+
+        wait_until(lambda: stored() >= found and len(stored()) == p.disk()["pages"], "each page on disk announced", 10)
+        events.cancel()
+        reader.join(5.0)
+        assert all(p.served(seed, want[seed]) == PAGES for seed in want)
+        assert all(p.served(seed, new[seed]) == PAGES for seed in new)
+        assert p.served(99, []) == 0, "a prompt never written"
+        assert c.check_invariants() == []
+
+
+def test_a_kill_while_the_disk_tier_opens_loses_no_page(tmp_path, daemon_factory):
+    """``kill -9`` of a rebooted daemon once its store read the headers and before its index
+    learnt any page (``KVD_CRASH_AT=disk-opened``): the next start serves every page on disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    d = daemon_factory(*daemon_args(disk))
+    with KVDClient.connect(d.socket) as c:
+        want = five_prompts(Prompts(c))
+    assert d.stop() == 0
+    remove_shared_memory(d.socket)  # a reboot
+    env = clean_env(tmp_path, KVD_CRASH_AT="disk-opened")
+    killed = DaemonProcess(d.socket, daemon_args(disk), str(tmp_path / "killed.log"), env)
+    assert killed.process.wait(timeout=20) == -signal.SIGKILL, killed.log()
+    remove_shared_memory(d.socket)
+    again = daemon_factory(*daemon_args(disk), name="again")
+    with KVDClient.connect(again.socket) as c:
+        p = Prompts(c)
+        wait_until(lambda: p.disk()["state"] == "on", "the disk's pages indexed", 10)
+        assert p.disk()["pages"] == 5 * PAGES
+        assert all(p.served(seed, want[seed]) == PAGES for seed in want)
+        assert c.check_invariants() == []

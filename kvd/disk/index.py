@@ -2,9 +2,10 @@
 holds them, and the KV events that announce them.
 
 ``DiskIndex`` maps (namespace root, chain key) to the ``DiskPage`` that holds it: built at
-start-up from the pages the store recovered (``DiskStore.open`` reads every header; the
-daemon opens it before taking calls; they enter the policy in the order they were written,
-as pages used once), then from each page the write-back writes (kvd/disk/write_back.py).
+start-up from the pages the store recovered (``DiskStore.opening`` reads every header on
+its threads while the daemon serves, and ``DiskOpening``, kvd/disk/opening.py, hands them
+to ``learn`` in steps; they enter the policy in the order they were written, as pages used
+once), then from each page the write-back writes (kvd/disk/write_back.py).
 The policy (``[disk] policy``: ARC or LRU, kvd/tiers/eviction.py, the same classes the
 trace study replays) holds as many pages as the file has slots of the first page size the
 tier sees; each page is admitted before it is written, and the pages it gives up for it
@@ -35,7 +36,7 @@ from kvd.disk import reclaim
 from kvd.disk.admission import UseCounts
 from kvd.disk.ledger import DiskTierCounters
 from kvd.diskstore.layout import DiskPage, PageIdentity, SlotClass
-from kvd.diskstore.store import Opened
+from kvd.diskstore.store import DiskStore
 from kvd.tiers.eviction import POLICIES, EvictionPolicy
 from kvd.wire.codec import TOKEN_BYTES
 
@@ -54,7 +55,7 @@ class DiskIndex:
 
     def __init__(
         self,
-        opened: Opened,
+        store: DiskStore,
         scope: str,
         settings: DiskConfig,
         events: EventLog,
@@ -62,8 +63,10 @@ class DiskIndex:
         counters: DiskTierCounters,
         of_tenant: str,
     ) -> None:
-        """Indexes the pages of tenant ``scope`` that ``opened`` found on disk."""
-        self.store = opened.store
+        """Empty: the pages tenant ``scope`` has on disk are learnt as the store's recovery
+        finds them (``learn``)."""
+        self.store = store
+        self.scope = scope
         self.settings = settings
         self.events, self.namespaces = events, namespaces
         self.counters = counters
@@ -71,14 +74,20 @@ class DiskIndex:
         self.policy: EvictionPolicy | None = None  # sized by the first page size seen (sized)
         self.uses: UseCounts | None = None  # with min_uses > 1
         self._on_disk: dict[DiskKey, DiskPage] = {}
+
+    def learn(self, pages: list[DiskPage]) -> None:
+        """Pages the store found on disk at its opening (in the order they were written: the
+        policy holds them as pages used once) become findable; other tenants' are skipped,
+        and those the policy gives up for them are freed."""
         freed: list[DiskPage] = []
-        for page in sorted(opened.pages, key=lambda p: p.sequence):
-            if page.identity.scope == scope:
+        for page in pages:
+            if page.identity.scope == self.scope:
                 key = disk_key(page.identity)
                 if key not in self.sized(page.page_class):
                     freed += self.admit(key)
                 self.index(page, (), key)
-        self.store.free([p.slot for p in freed])
+        if freed:
+            self.store.free([p.slot for p in freed])
 
     def __len__(self) -> int:
         return len(self._on_disk)

@@ -32,7 +32,7 @@ class DiskStats:
     """The disk tier (kvd/disk/tier.py): what it holds and its counters."""
 
     kind: ClassVar[str] = "disk"
-    state: str = "on"
+    state: str = "on"  # "opening" while the pages on disk are still being read and indexed (kvd/disk/opening.py)
     pages: int = 0  # pages on disk now
     bytes: int = 0  # their page bytes
     capacity_bytes: int = 0  # the file reserved
@@ -50,11 +50,14 @@ class DiskStats:
     promotion_seconds: float = 0.0  # their seconds, summed
     backlog_bytes: int = 0  # copies of evicted pages waiting to be written
     recovered_pages: int = 0  # found on disk at start-up
+    pending_pages: int = 0  # of those, not indexed yet (not hittable yet): the tier opens while the daemon serves
     direct_io: bool = False
 
     def combined(self, other: DiskStats) -> DiskStats:
-        """Two tenants' disk tiers together: counts summed, direct I/O when both are."""
+        """Two tenants' disk tiers together: counts summed, direct I/O when both are, opening
+        while either is."""
         total = DiskStats(direct_io=self.direct_io and other.direct_io)
+        total.state = "opening" if "opening" in (self.state, other.state) else self.state
         for f in fields(self):
             if f.name not in ("state", "direct_io", "promotion_buckets"):
                 setattr(total, f.name, getattr(self, f.name) + getattr(other, f.name))

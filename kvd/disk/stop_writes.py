@@ -17,6 +17,8 @@ disk frees its policy's victims). Bounded twice:
 
 Most valuable first means the disk's recency (its write order, which the next start reads
 back) has these pages in reverse among themselves: a hit makes a page the most recent again.
+A tier still opening (kvd/disk/opening.py) is waited for, within the same time: until its
+index has learnt the pages on disk it cannot tell which host pages the disk holds already.
 The launcher (kvd/server/daemon.py) calls it for every tenant at once, before the tiers close.
 """
 
@@ -43,6 +45,8 @@ async def write_host_pages(tiers: list[DiskTier], seconds: float) -> None:
 
 async def _write_tier(tier: DiskTier, deadline: float) -> None:
     started = time.monotonic()
+    while not tier.opening.done and time.monotonic() < deadline:  # what the disk holds is not known yet
+        await asyncio.sleep(POLL_SECONDS)
     tier.integrity.apply(wait=True)  # the seals of the last pages published (the sealer's last batch)
     writes = _within(tier.unwritten()[::-1], tier.store)
     written = 0

@@ -15,6 +15,8 @@ restart or a host reboot.
   ``FetchSource`` (``DiskSource``, kvd/disk/source.py), for promotions;
 - ``StoreAnswers`` (kvd/disk/answers.py): the store's answers on the event loop, dropped
   once the tier closes.
+- ``DiskOpening`` (kvd/disk/opening.py): the store opened in the background, the pages it
+  finds learnt by the index between calls; the write-back waits for it.
 
 Hits: ``missed`` starts a promotion only when the disk holds the prompt's first page missing
 (else it answers 0 at once, and the remote tier below hears of the miss in the same call);
@@ -49,11 +51,12 @@ from kvd.core.types import PageId
 from kvd.disk.answers import StoreAnswers
 from kvd.disk.index import DiskIndex, disk_key
 from kvd.disk.ledger import DiskStats, DiskTierCounters
+from kvd.disk.opening import DiskOpening
 from kvd.disk.source import DiskSource
 from kvd.disk.write_back import WriteBack
 from kvd.diskstore.layout import PageIdentity, SlotClass
 from kvd.diskstore.results import PageWrite, Seal
-from kvd.diskstore.store import Opened
+from kvd.diskstore.store import Opening
 from kvd.tiers.fetches import Fetches
 from kvd.tiers.holds import Holds
 from kvd.tiers.places import page_seal
@@ -64,18 +67,20 @@ class DiskTier:
     """One tenant's pages on disk: their index, the writes on their way, the promotions."""
 
     def __init__(
-        self, opened: Opened, scope: str, settings: DiskConfig, ports: TierPorts, loop: asyncio.AbstractEventLoop
+        self, opening: Opening, scope: str, settings: DiskConfig, ports: TierPorts, loop: asyncio.AbstractEventLoop
     ) -> None:
         """Built before the daemon takes any call and before a warm restart's pages are
-        restored (``restored``); ``opened`` is the tenant's store as ``DiskStore.open`` found
-        it, ``ports`` what the tenant's cache lends it."""
-        self.store = opened.store
+        restored (``restored``); ``opening`` is the tenant's store as ``DiskStore.opening``
+        started it (its pages are learnt in the background, kvd/disk/opening.py), ``ports``
+        what the tenant's cache lends it."""
+        self.store = opening.store
         self.arena, self.pool, self.integrity = ports.arena, ports.pool, ports.integrity
         self.counters = DiskTierCounters()
         of_tenant = f" of tenant {scope}" if scope else ""  # for log lines
         self.answers = StoreAnswers(loop, of_tenant)
-        self.index = DiskIndex(opened, scope, settings, ports.events, ports.namespaces, self.counters, of_tenant)
+        self.index = DiskIndex(self.store, scope, settings, ports.events, ports.namespaces, self.counters, of_tenant)
         self.write_back = WriteBack(self.store, self.index, self.answers, self.counters, settings, loop)
+        self.opening = DiskOpening(opening, self.index, self.answers, loop, self.write_back.opened)
         self.source = DiskSource(self.store, scope, self.index, self.write_back, self.answers, self.counters, loop)
         self._holds = Holds(ports.pool)
         self._placed: dict[PageId, ChainPlace] = {}
@@ -143,6 +148,7 @@ class DiskTier:
     def stats(self) -> DiskStats:
         c, s = self.counters, self.store.counters()
         return DiskStats(
+            state="on" if self.opening.done else "opening",
             pages=len(self.index),
             bytes=self.index.bytes,
             capacity_bytes=s.capacity_bytes,
@@ -160,6 +166,7 @@ class DiskTier:
             promotion_seconds=c.promotions.seconds,
             backlog_bytes=self.write_back.backlog_bytes,
             recovered_pages=s.recovered_pages,
+            pending_pages=self.opening.pending_pages,
             direct_io=s.direct_io,
         )
 
@@ -188,6 +195,7 @@ class DiskTier:
     def close(self) -> None:
         """Waits for the transfers in flight (before host memory is unmapped); their answers
         are dropped: the cache is closing."""
+        self.opening.close()
         self.answers.close()
         self.store.close()
 

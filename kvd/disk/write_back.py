@@ -26,6 +26,10 @@ At a graceful stop the pages host memory still holds are written through the sam
 copies a page still on its way from its write's copy, ``from_copy``, so an eviction is never
 a miss while its write waits), the extra keys of the pages queued (for their KV events) and
 the backlog bytes.
+
+While the tier opens (kvd/disk/opening.py) the queue waits: nothing is admitted or
+written until the store knows which of its slots hold pages and the index has learnt them
+(``opened``); the backlog bounds what waits, as it bounds a slow disk.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class WriteBack:
         self._writing = False  # a batch is on its way to the disk
         self._copies: dict[DiskKey, PageWrite] = {}  # queued or being written: hits read the copy meanwhile
         self._extra_keys: dict[DiskKey, tuple[ExtraKey, ...]] = {}  # of queued pages that have some: their events
+        self._open = False  # the store knows its slots and the index its pages (kvd/disk/opening.py)
 
     @property
     def backlog_bytes(self) -> int:
@@ -95,6 +100,22 @@ class WriteBack:
         self._queued += writes
         self._write_queued()
 
+    def opened(self) -> None:
+        """The store's slots and the index's pages are known: the pages queued meanwhile are
+        written, but those the disk held already (they count as used there)."""
+        self._open = True
+        queued, self._queued = self._queued, []
+        for write in queued:
+            key = disk_key(write.identity)
+            if self.index.get(key) is None:
+                self._queued.append(write)
+                continue
+            self.index.hit(key)
+            self._backlog -= write.view.nbytes
+            self._extra_keys.pop(key, None)
+            self.drop_copy(write)
+        self._write_queued()
+
     def keep_extra_keys(self, write: PageWrite, extra_keys: tuple[ExtraKey, ...]) -> None:
         """The extra keys of a page on its way to the disk, for the KV event once it is written."""
         if extra_keys:
@@ -114,8 +135,9 @@ class WriteBack:
         """Admits the queued pages to the policy and writes those it still holds once the
         pages it gave up for them are freed: one batch at a time, so every page the policy
         gives up is on disk (its slot freed before the write) or in this very batch (not
-        written). Pages queued meanwhile wait for the next batch."""
-        if self._writing or not self._queued:
+        written). Pages queued meanwhile wait for the next batch, and all wait for the
+        tier's open (``opened``)."""
+        if self._writing or not self._queued or not self._open:
             return
         self._writing = True
         queued, self._queued = self._queued, []

@@ -6,8 +6,10 @@ read back, freed and found again after a crash, all off the caller's thread.
 (kvd/diskstore/recovery.py) and answers ``Opened`` (the store and every valid page on disk,
 for the tier to index) or ``OpenRefused`` (no such directory, not writable, the budget
 does not fit, the file cannot be read). Opening reads every slot header and blocks while
-it does (~0.2-0.5 s for 10,000 pages here): call it at start-up or on a thread, never on
-the event loop. Then (results in kvd/diskstore/results.py, free slots in kvd/diskstore/slots.py):
+it does (~0.8 s per 100,000 pages here): never on the event loop. ``DiskStore.opening``
+opens the file and answers at once (``Opening``), the headers read on a thread of the
+store's own; until that recovery is done the store holds no page and takes no write (its
+slots are not known yet). Then (results in kvd/diskstore/results.py, free slots in kvd/diskstore/slots.py):
 
 - ``write([PageWrite(identity, view, seal)])`` stores pages from the caller's buffers
   (numpy views of shared-memory pages): the store picks free slots (pages of one size
@@ -53,7 +55,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -140,8 +142,18 @@ class _Item:
 @dataclass(frozen=True)
 class Opened:
     store: DiskStore
-    pages: list[DiskPage]  # every valid page on disk, for the tier to index
+    pages: list[DiskPage]  # every valid page on disk, in the order they were written, for the tier to index
     recovery: RecoveryReport
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A store whose file is open and whose recovery runs on its threads: ``opened``
+    completes with ``Opened`` (its slots known: it writes from then on) or ``OpenRefused``
+    (the file could not be read; the store is the caller's to close)."""
+
+    store: DiskStore
+    opened: Future[Opened | OpenRefused]
 
 
 class DiskStore:
@@ -152,6 +164,8 @@ class DiskStore:
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvd-disk")
         self._lock = threading.Lock()  # everything below; never held across a transfer
         self._closed = False
+        self._adopted = False  # the file's slots are known (its recovery done): writes may take them
+        self._recovery: threading.Thread | None = None  # reads what the file holds (``opening``)
         self._file_id = b""
         self._slots = SlotTable(chunk_bytes, chunks)
         self._pages: dict[SlotId, DiskPage] = {}
@@ -162,7 +176,18 @@ class DiskStore:
         self._counters = StoreCounters(direct_io=file.direct, capacity_bytes=file.size)
 
     @classmethod
-    def open(
+    def open(cls, directory: str, budget_bytes: int, **options: Any) -> Opened | OpenRefused:
+        """``opening``'s store (the same options), once its recovery is done."""
+        opening = cls.opening(directory, budget_bytes, **options)
+        if isinstance(opening, OpenRefused):
+            return opening
+        opened = opening.opened.result()
+        if isinstance(opened, OpenRefused):
+            opening.store.close()
+        return opened
+
+    @classmethod
+    def opening(
         cls,
         directory: str,
         budget_bytes: int,
@@ -170,9 +195,11 @@ class DiskStore:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         threads: int = DEFAULT_THREADS,
         direct: bool = True,
-    ) -> Opened | OpenRefused:
-        """Opens the store in ``directory`` (which must exist), its file reserved at the
-        chunks ``budget_bytes`` holds. ``direct=False`` never uses direct I/O."""
+    ) -> Opening | OpenRefused:
+        """Opens (or creates) the file in ``directory`` (which must exist), reserved at the
+        chunks ``budget_bytes`` holds, and starts its recovery on a thread of the store's
+        own (``Opening.opened``); refused at once when the file cannot be opened or
+        reserved. ``direct=False`` never uses direct I/O."""
         if chunk_bytes % BLOCK or chunk_bytes < 2 * BLOCK:
             raise ValueError(f"chunk_bytes {chunk_bytes}: a multiple of {BLOCK} bytes, two blocks at least")
         chunks = (budget_bytes - BLOCK) // chunk_bytes
@@ -183,32 +210,46 @@ class DiskStore:
         except OSError as e:
             return _refused(_OPEN_REFUSALS.get(e.errno, OpenRefusal.IO_ERROR), directory, e)
         store = cls(file, chunk_bytes, chunks, threads)
-        try:
-            recovered = recover(file, chunk_bytes, chunks, store._executor)
-        except OSError as e:
-            store.close()
-            return _refused(OpenRefusal.IO_ERROR, directory, e)
-        store._adopt(recovered.file_id, recovered.chunks, recovered.pages)
-        if crashpoints.FAULT is not None:
-            store.inject(*crashpoints.FAULT)
-        report = RecoveryReport(
-            len(recovered.pages), recovered.torn, recovered.formatted, recovered.header_bytes_read, recovered.seconds
+        opened: Future[Opened | OpenRefused] = Future()
+        store._recovery = threading.Thread(
+            target=_complete, args=(opened, store._recover, directory, chunks), name="kvd-disk-open", daemon=True
         )
-        store._counters.torn_headers = report.torn
-        store._counters.recovery_seconds = report.seconds
+        store._recovery.start()
+        return Opening(store, opened)
+
+    def _recover(self, directory: str, chunks: int) -> Opened | OpenRefused:
+        """Reads what the file holds (kvd/diskstore/recovery.py: on its own thread, the reads
+        on the workers), then adopts it: from then on the store writes."""
+        try:
+            recovered = recover(self._file, self._slots.chunk_bytes, chunks, self._executor)
+        except OSError as e:
+            return _refused(OpenRefusal.IO_ERROR, directory, e)
+        pages = sorted(recovered.pages, key=lambda p: p.sequence)
+        with self._lock:
+            self._adopt(recovered.file_id, recovered.chunks, pages, recovered.torn, recovered.seconds)
+        if crashpoints.FAULT is not None:
+            self.inject(*crashpoints.FAULT)
+        report = RecoveryReport(
+            len(pages), recovered.torn, recovered.formatted, recovered.header_bytes_read, recovered.seconds
+        )
         log.info(
             "disk tier in %s: %d bytes, %s I/O; %d pages recovered (%d invalid headers) in %.3f s",
-            directory, file.size, "direct" if file.direct else "buffered", report.pages, report.torn, report.seconds,
+            directory, self._file.size, "direct" if self._file.direct else "buffered", report.pages, report.torn,
+            report.seconds,
         )  # fmt: skip
-        return Opened(store, recovered.pages, report)
+        return Opened(self, pages, report)
 
-    def _adopt(self, file_id: bytes, formats: list[ChunkFormat | None], pages: list[DiskPage]) -> None:
+    def _adopt(
+        self, file_id: bytes, formats: list[ChunkFormat | None], pages: list[DiskPage], torn: int, seconds: float
+    ) -> None:
         self._file_id = file_id
         self._slots.adopt(formats, pages)
         self._pages = {page.slot: page for page in pages}
         self._sequence = itertools.count(max((p.sequence for p in pages), default=0) + 1)
         c = self._counters
         c.pages, c.bytes, c.recovered_pages = len(pages), sum(p.page_bytes for p in pages), len(pages)
+        c.torn_headers, c.recovery_seconds = torn, seconds
+        self._adopted = True
 
     # ---- what the tier calls (any thread; nothing here waits on the disk) -----------------
 
@@ -243,6 +284,7 @@ class DiskStore:
         results: list[WriteResult | None] = [None] * len(pages)
         placed: list[_Item] = []
         with self._lock:
+            assert self._adopted or self._closed, "a write before the store's recovery knew which slots hold pages"
             by_class: dict[SlotClass, list[int]] = defaultdict(list)
             for i, w in enumerate(pages):
                 _check_write(w)
@@ -296,6 +338,8 @@ class DiskStore:
             if self._closed:
                 return
             self._closed = True
+        if self._recovery is not None and self._recovery is not threading.current_thread():
+            self._recovery.join()  # its reads run on the workers
         self._executor.shutdown(wait=True)
         self._file.close()
 
@@ -496,6 +540,14 @@ class DiskStore:
             with self._lock:
                 self._slots.release(item.slot for item in run)
         return [(item.index, True) for item in run]
+
+
+def _complete(future: Future[T], work: Callable[..., T], *args) -> None:
+    try:
+        future.set_result(work(*args))
+    except BaseException as e:  # a bug, not a disk fault (those are results): the caller sees it
+        log.exception("disk tier: opening the store failed unexpectedly")
+        future.set_exception(e)
 
 
 def _run(work: Callable[[list[_Item]], list[tuple[int, T]]], run: list[_Item], calls: _Calls[T]) -> None:

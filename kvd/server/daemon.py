@@ -14,7 +14,8 @@ daemon that dies instead (``kill -9``, a crash) leaves its extents and their met
 the next one on the same socket re-attaches them and serves the published pages again
 (warm restart, kvd/durability/recovery.py): it answers at once, and verifies and indexes
 them while it serves, for up to ``FOREGROUND_SECONDS`` before its first answer, then
-between calls (kvd/durability/reindexing.py).
+between calls (kvd/durability/reindexing.py). The disk tier's pages are read and indexed
+the same way, after the same short wait (kvd/disk/opening.py).
 """
 
 from __future__ import annotations
@@ -221,9 +222,9 @@ def _check_shm_room(tenants: Tenants) -> None:
 
 def _disk_tiers(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEventLoop) -> list:
     """Each tenant's disk tier (kvd/disk/tier.py), attached first (RAM → disk → store); none
-    without [disk]. Opening reads every page header on disk, so the pages a previous run (or
-    boot) left are hittable from the first call; a directory that cannot hold the store is a
-    StartupError."""
+    without [disk]. Its file is opened now (a directory that cannot hold the store is a
+    StartupError); the page headers on disk are read in the background, and the pages a
+    previous run (or boot) left become hittable as the tier learns them (kvd/disk/opening.py)."""
     disk = config.disk
     if disk is None:
         return []
@@ -241,11 +242,11 @@ def _disk_tiers(config: ServeConfig, tenants: Tenants, loop: asyncio.AbstractEve
             except OSError as e:
                 _close_disk(tiers)
                 raise StartupError(f"disk.path: cannot create {directory}: {e.strerror}") from None
-        opened = DiskStore.open(directory, budget, chunk_bytes=disk.chunk_bytes)
-        if isinstance(opened, OpenRefused):
+        opening = DiskStore.opening(directory, budget, chunk_bytes=disk.chunk_bytes)
+        if isinstance(opening, OpenRefused):
             _close_disk(tiers)
-            raise StartupError(f"disk.path: {directory}: {opened.reason.value}: {opened.detail}")
-        tier = DiskTier(opened, name, disk, manager.tier_ports(), loop)
+            raise StartupError(f"disk.path: {directory}: {opening.reason.value}: {opening.detail}")
+        tier = DiskTier(opening, name, disk, manager.tier_ports(), loop)
         manager.tiers.attach(tier)
         tiers.append(tier)
     return tiers
@@ -321,6 +322,8 @@ class _Daemon:
         deadline = time.perf_counter() + FOREGROUND_SECONDS  # once every tier listens: they hear each page restored
         for each in self.reindexing:
             each.run_for(deadline - time.perf_counter())
+        for tier in self.disk:  # the rest of the time: what the disk holds (kvd/disk/opening.py)
+            tier.opening.run_for(max(0.0, deadline - time.perf_counter()))
         self.background: asyncio.Task | None = None  # what is left of them, between calls
         for manager in self.tenants.managers():
             manager.integrity.sealer.notify = functools.partial(loop.call_soon_threadsafe, manager.integrity.apply)

@@ -100,13 +100,14 @@ _DISK_GAUGES = {
     "bytes": "Page bytes on the disk tier",
     "capacity_bytes": "Bytes of the disk tier's file",
     "backlog_bytes": "Copies of evicted pages waiting to be written to disk",
+    "pending_pages": "Pages found on disk at start-up, not indexed yet (the disk tier opens while the daemon serves)",
     "direct_io": "1 when the disk tier bypasses the page cache (O_DIRECT)",
 }
 
 
 def _disk_families(disk):
     """The disk tier: on or off, what it holds, and its counters."""
-    yield GaugeMetricFamily("kvd_disk_on", "1 when the disk tier is configured", value=float(disk.state == "on"))
+    yield GaugeMetricFamily("kvd_disk_on", "1 when the disk tier is configured", value=float(disk.state != "off"))
     for name, doc in _DISK_GAUGES.items():
         yield GaugeMetricFamily(f"kvd_disk_{name}", doc, value=float(getattr(disk, name)))
     for name, doc in _DISK_COUNTERS.items():

@@ -710,7 +710,7 @@ class RemoteStats(_message.Message):
     def __init__(self, state: _Optional[str] = ..., stored_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., refused_pages: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., outages: _Optional[int] = ..., reoffered_pages: _Optional[int] = ..., resets: _Optional[int] = ...) -> None: ...
 
 class DiskStats(_message.Message):
-    __slots__ = ("state", "pages", "bytes", "capacity_bytes", "written_pages", "fetched_pages", "hit_tokens", "skipped_pages", "refused_pages", "evicted_pages", "rejected_pages", "errors", "backlog_bytes", "recovered_pages", "direct_io", "written_bytes", "read_bytes", "promotion_buckets", "promotion_seconds")
+    __slots__ = ("state", "pages", "bytes", "capacity_bytes", "written_pages", "fetched_pages", "hit_tokens", "skipped_pages", "refused_pages", "evicted_pages", "rejected_pages", "errors", "backlog_bytes", "recovered_pages", "direct_io", "written_bytes", "read_bytes", "promotion_buckets", "promotion_seconds", "pending_pages")
     STATE_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -730,6 +730,7 @@ class DiskStats(_message.Message):
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMOTION_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PROMOTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
     state: str
     pages: int
     bytes: int
@@ -749,7 +750,8 @@ class DiskStats(_message.Message):
     read_bytes: int
     promotion_buckets: _containers.RepeatedScalarFieldContainer[int]
     promotion_seconds: float
-    def __init__(self, state: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., refused_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., backlog_bytes: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., direct_io: _Optional[bool] = ..., written_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotion_buckets: _Optional[_Iterable[int]] = ..., promotion_seconds: _Optional[float] = ...) -> None: ...
+    pending_pages: int
+    def __init__(self, state: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., written_pages: _Optional[int] = ..., fetched_pages: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., skipped_pages: _Optional[int] = ..., refused_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., rejected_pages: _Optional[int] = ..., errors: _Optional[int] = ..., backlog_bytes: _Optional[int] = ..., recovered_pages: _Optional[int] = ..., direct_io: _Optional[bool] = ..., written_bytes: _Optional[int] = ..., read_bytes: _Optional[int] = ..., promotion_buckets: _Optional[_Iterable[int]] = ..., promotion_seconds: _Optional[float] = ..., pending_pages: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("totals", "host_bytes", "arena_bytes", "prefix_reuse", "namespaces", "shm_refusals", "recovery", "host_bytes_used", "host_bytes_free", "aux_bytes", "aux_bytes_used", "aux_bytes_per_sequence", "remote", "disk", "prewarm")

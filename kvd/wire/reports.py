@@ -81,7 +81,7 @@ class RemoteStats(TypedDict):
 class DiskStats(TypedDict):
     """The disk tier's work; ``state`` is "off" without one."""
 
-    state: str  # off, on
+    state: str  # off, opening (pages on disk still being indexed), on
     pages: int  # on disk now
     bytes: int
     capacity_bytes: int
@@ -95,6 +95,7 @@ class DiskStats(TypedDict):
     errors: int
     backlog_bytes: int
     recovered_pages: int
+    pending_pages: int  # found at start, not indexed yet (not hittable yet)
     direct_io: bool
     written_bytes: int
     read_bytes: int  # promotions' reads
