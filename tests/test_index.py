@@ -288,7 +288,7 @@ def test_prefix_index_rejects_a_second_page_under_one_key():
     columns = PageColumns()
     columns.add(PageId(0), 4, 0)  # pages 0-3
     index = PrefixIndex(columns)
-    first = PageContent(PageId(1), PageKey(b"k"), toks([1, 2, 3, 4]), None, b"")
+    first = PageContent(PageId(1), PageKey(b"k" * 16), toks([1, 2, 3, 4]), None, b"")
     second = dataclasses.replace(first, page=PageId(2))
     index.insert(first, 0)
     with pytest.raises(AssertionError, match="already indexed to page 1"):
