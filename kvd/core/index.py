@@ -174,7 +174,7 @@ class PrefixIndex:
         held = self._entries.find(content.key)
         assert held < 0, f"page key {content.key.hex()} already indexed to page {self._columns.page_at[held]}"
         self._columns.key_at[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = content.key
-        self._entries.add(slot)
+        self._entries.add([slot])
         parent = self._place(content.parent) if content.parent is not None else None
         if parent is not None and parent[1] == len(parent[0].pages) - 1:
             run = parent[0]
@@ -205,7 +205,7 @@ class PrefixIndex:
         self._columns.key[slots] = np.frombuffer(
             b"".join(content.key for content in contents[1:]), self._columns.key.dtype
         )
-        self._entries.add_many(slots)
+        self._entries.add(slots)
 
     def remove(self, page: PageId, key: PageKey) -> list[PageContent]:
         """Takes the page's entry (under ``key``) out; returns what the indexed pages that

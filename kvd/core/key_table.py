@@ -13,12 +13,16 @@ is added, and the table rebuilt when it grows, with numpy.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from kvd.core.page_columns import KEY_BYTES, PageColumns
 
 _EMPTY = -1
 _FIRST_SIZE = 1 << 10  # buckets; a power of two
+_MANY = 512  # slots added at once from which numpy beats a Python loop (measured: 64 took 1.8x the loop)
+_low = struct.Struct("<Q").unpack_from  # a key's first 8 bytes, its hash here
 
 
 class KeyTable:
@@ -37,37 +41,36 @@ class KeyTable:
     def find(self, key: bytes) -> int:
         """The slot whose key is ``key``; -1 for none."""
         table, keys, mask = self._table_at, self._columns.key_at, self._mask
-        bucket = int.from_bytes(key[:8], "little") & mask
+        bucket = _low(key)[0] & mask
         while True:
             slot = table[bucket]
             if slot < 0 or keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] == key:
                 return slot
             bucket = (bucket + 1) & mask
 
-    def add(self, slot: int) -> None:
-        """Adds ``slot`` under the key its column holds, which no slot here has."""
-        self._reserve(self._count + 1)
-        table, keys, mask = self._table_at, self._columns.key_at, self._mask
-        key = keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES]
-        bucket = int.from_bytes(key[:8], "little") & mask
-        while table[bucket] >= 0:
-            held = table[bucket]
-            assert keys[held * KEY_BYTES : (held + 1) * KEY_BYTES] != key, f"key {bytes(key).hex()} added twice"
-            bucket = (bucket + 1) & mask
-        table[bucket] = slot
-        self._count += 1
-
-    def add_many(self, slots: np.ndarray) -> None:
-        """``add`` for a batch of slots whose keys differ."""
+    def add(self, slots: list[int] | np.ndarray) -> None:
+        """Adds ``slots``, each under the key its column holds, which no other slot has."""
         self._reserve(self._count + len(slots))
-        self._place(np.asarray(slots, np.int64))
-        self._count += len(slots)
+        if len(slots) >= _MANY:
+            self._place(np.asarray(slots, np.int64))
+            self._count += len(slots)
+            return
+        table, keys, mask = self._table_at, self._columns.key_at, self._mask
+        for slot in slots.tolist() if isinstance(slots, np.ndarray) else slots:
+            key = keys[slot * KEY_BYTES : (slot + 1) * KEY_BYTES]
+            bucket = _low(key)[0] & mask
+            while table[bucket] >= 0:
+                held = table[bucket]
+                assert keys[held * KEY_BYTES : (held + 1) * KEY_BYTES] != key, f"key {bytes(key).hex()} added twice"
+                bucket = (bucket + 1) & mask
+            table[bucket] = slot
+            self._count += 1
 
     def remove(self, key: bytes) -> int:
         """Takes ``key`` out; returns its slot. The entries after it in its probe sequence
         move back (no tombstones: a table that keys come and go in never fills up with them)."""
         table, keys, mask = self._table_at, self._columns.key_at, self._mask
-        bucket = int.from_bytes(key[:8], "little") & mask
+        bucket = _low(key)[0] & mask
         while True:
             slot = table[bucket]
             assert slot >= 0, f"key {key.hex()} is not in the table"
@@ -80,7 +83,7 @@ class KeyTable:
             moved = table[probe]
             if moved < 0:
                 break
-            home = int.from_bytes(keys[moved * KEY_BYTES : moved * KEY_BYTES + 8], "little") & mask
+            home = _low(keys, moved * KEY_BYTES)[0] & mask
             if (probe - home) & mask >= (probe - hole) & mask:  # the hole lies on its probe path
                 table[hole] = moved
                 hole = probe
@@ -104,16 +107,27 @@ class KeyTable:
         self._table = np.full(size, _EMPTY, np.int32)
         self._table_at = memoryview(self._table)
         self._mask = size - 1
-        self._place(held)
+        # Into an empty table, linear probing puts the i-th slot in order of home bucket at
+        # max(its home, the bucket after the (i-1)-th's): one sort and one running maximum
+        # (~40 ms at 1M keys, where placing them in rounds took ~130 ms on the event loop).
+        homes = (self._columns.key[held].view("<u8")[::2] & np.uint64(size - 1)).astype(np.int64)
+        order = np.argsort(homes)
+        steps = np.arange(len(held))
+        buckets = np.maximum.accumulate(homes[order] - steps) + steps
+        inside = buckets < size
+        self._table[buckets[inside]] = held[order[inside]]
+        # a cluster that runs past the end goes on from bucket 0
+        self._place(held[order[~inside]], np.zeros(np.count_nonzero(~inside), np.int64))
 
-    def _place(self, slots: np.ndarray) -> None:
+    def _place(self, slots: np.ndarray, buckets: np.ndarray | None = None) -> None:
         """Puts slots whose keys are not in the table into it, each in the first empty bucket
-        from its key's home, in rounds: a round fills the empty buckets the remaining slots
-        face (one slot a bucket) and moves the others one bucket on."""
+        from its key's home (or from ``buckets``, where the buckets up to there are taken), in
+        rounds: a round fills the empty buckets the remaining slots face (one slot a bucket)
+        and moves the others one bucket on."""
         table, mask = self._table, self._mask
         keys = self._columns.key
-        buckets = keys[slots].view("<u8")[::2] & np.uint64(mask)
-        buckets = buckets.astype(np.int64)
+        if buckets is None:
+            buckets = (keys[slots].view("<u8")[::2] & np.uint64(mask)).astype(np.int64)
         while slots.size:
             held = table[buckets]
             taken = held >= 0
