@@ -295,9 +295,8 @@ class PrefixIndex:
             ours = token_array(tokens)[i * page_bytes // TOKEN_BYTES : (i + span) * page_bytes // TOKEN_BYTES]
             differ = np.flatnonzero(theirs != ours)
             equal_pages = span if not differ.size else int(differ[0]) * 4 // page_bytes
-        followed = run.pages[first : first + equal_pages].tolist()
-        keys = self._columns.key[self._columns.slots(followed)].tobytes()
-        return followed, [PageKey(keys[k : k + KEY_BYTES]) for k in range(0, len(keys), KEY_BYTES)]
+        followed = run.pages[first : first + equal_pages]
+        return followed.tolist(), self._columns.key[self._columns.slots(followed)].tolist()
 
     def run_problems(self) -> list[str]:
         """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed under
@@ -350,10 +349,5 @@ class PrefixIndex:
 
     def items(self):
         """(key, page) of every entry."""
-        c = self._columns
         slots = self._entries.slots()
-        keys = c.key[slots].tobytes()
-        return [
-            (PageKey(keys[k * KEY_BYTES : (k + 1) * KEY_BYTES]), PageId(page))
-            for k, page in enumerate(c.page[slots].tolist())
-        ]
+        return list(zip(self._columns.key[slots].tolist(), self._columns.page[slots].tolist()))
