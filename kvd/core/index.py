@@ -171,8 +171,6 @@ class PrefixIndex:
         """Indexes a published page, ``page_index`` pages from the start of its chain."""
         slot = self._columns.slot(content.page)
         assert self._columns.run_at[slot] < 0, f"page {content.page} indexed twice"
-        held = self._entries.find(content.key)
-        assert held < 0, f"page key {content.key.hex()} already indexed to page {self._columns.page_at[held]}"
         self._columns.key_at[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = content.key
         self._entries.add([slot])
         parent = self._place(content.parent) if content.parent is not None else None

@@ -61,7 +61,9 @@ class KeyTable:
             bucket = _low(key)[0] & mask
             while table[bucket] >= 0:
                 held = table[bucket]
-                assert keys[held * KEY_BYTES : (held + 1) * KEY_BYTES] != key, f"key {bytes(key).hex()} added twice"
+                assert keys[held * KEY_BYTES : (held + 1) * KEY_BYTES] != key, (
+                    f"page key {bytes(key).hex()} already indexed to page {self._columns.page_at[held]}"
+                )
                 bucket = (bucket + 1) & mask
             table[bucket] = slot
             self._count += 1
@@ -132,7 +134,7 @@ class KeyTable:
             held = table[buckets]
             taken = held >= 0
             if taken.any():
-                assert not (keys[held[taken]] == keys[slots[taken]]).any(), "a key added twice"
+                assert not (keys[held[taken]] == keys[slots[taken]]).any(), "a page key already indexed"
             empty = np.flatnonzero(~taken)
             _, first = np.unique(buckets[empty], return_index=True)
             placed = empty[first]
