@@ -18,6 +18,7 @@ from kvd.cache import invariants
 from kvd.cache.manager import SequenceRequest
 from kvd.core.errors import InvalidArgument, ResourceExhausted
 from kvd.core.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
+from kvd.core.key_table import KeyTable
 from kvd.core.page_columns import PageColumns
 from kvd.core.types import PageId, PageKey, PageState
 
@@ -288,13 +289,34 @@ def test_prefix_index_rejects_a_second_page_under_one_key():
     columns = PageColumns()
     columns.add(PageId(0), 4, 0)  # pages 0-3
     index = PrefixIndex(columns)
-    first = PageContent(PageId(1), PageKey(b"k"), toks([1, 2, 3, 4]), None, b"")
+    first = PageContent(PageId(1), PageKey(b"k" * 16), toks([1, 2, 3, 4]), None, b"")
     second = dataclasses.replace(first, page=PageId(2))
     index.insert(first, 0)
     with pytest.raises(AssertionError, match="already indexed to page 1"):
         index.insert(second, 0)
     with pytest.raises(AssertionError, match="index held page 1 under the key of page 2"):
         index.remove(second.page, second.key)
+
+
+def test_the_key_table_finds_every_key_after_removals_inside_a_probe_run_and_growth():
+    columns = PageColumns()
+    columns.add(PageId(0), 5000, 0)
+    table = KeyTable(columns)
+    # keys 0-7 share their first 8 bytes (one home bucket: a run of 8 probes); the rest spread
+    keys = [b"\7" * 8 + k.to_bytes(8, "little") for k in range(8)]
+    keys += [hashlib.blake2b(k.to_bytes(4, "little"), digest_size=16).digest() for k in range(8, 5000)]
+    columns.key[:] = np.frombuffer(b"".join(keys), columns.key.dtype)
+    table.add([0, 1, 2])  # one at a time
+    table.add(np.arange(3, 5000))  # in one numpy pass, through a few growths
+    assert len(table) == 5000 and [table.find(k) for k in keys] == list(range(5000))
+    for slot in (1, 4, 0):  # each move of a later key of the run back keeps it findable
+        assert table.remove(keys[slot]) == slot
+    assert [table.find(k) for k in keys[:8]] == [-1, -1, 2, 3, -1, 5, 6, 7]
+    assert table.find(b"\7" * 16) == -1 and len(table) == 4997
+    table.add([4, 1, 0])
+    assert [table.find(k) for k in keys] == list(range(5000))
+    with pytest.raises(AssertionError, match="already indexed to page 7"):
+        table.add([7])
 
 
 # ---- tokens only --------------------------------------------------------------------

@@ -27,7 +27,7 @@ OWN_CHAIN = ChainPlace(Namespace(NamespaceId(0), identity(), b"root"), 0, b"root
 
 
 def content(page: int) -> PageContent:
-    return PageContent(PageId(page), PageKey(page.to_bytes(8, "little")), b"\0" * 16, None, b"")
+    return PageContent(PageId(page), PageKey(page.to_bytes(16, "little")), b"\0" * 16, None, b"")
 
 
 class Heard:
@@ -114,7 +114,7 @@ def test_a_chain_published_as_one_batch_is_what_page_by_page_publishes_make(batc
     pool.add_pages(ns, "e", PageId(0), 64)
     pages = pool.allocate(ns, 40)
     contents = [
-        PageContent(page, PageKey(page.to_bytes(8, "little")), b"\0" * 16, pages[i - 1] if i else None, b"")
+        PageContent(page, PageKey(page.to_bytes(16, "little")), b"\0" * 16, pages[i - 1] if i else None, b"")
         for i, page in enumerate(pages)
     ]
     places = [OWN_CHAIN._replace(page_index=i) for i in range(len(pages))]
@@ -125,7 +125,7 @@ def test_a_chain_published_as_one_batch_is_what_page_by_page_publishes_make(batc
     assert len(pool.index._numbered) == 1  # one run: the batch joined its parent's
     more = pool.allocate(ns, 2)
     pool.release_all(more[1:])  # FREE again: publishing it is a broken invariant
-    late = [PageContent(p, PageKey(p.to_bytes(8, "little")), b"\1" * 16, None, b"") for p in more]
+    late = [PageContent(p, PageKey(p.to_bytes(16, "little")), b"\1" * 16, None, b"") for p in more]
     with pytest.raises(AssertionError, match=f"page {more[1]} published while free"):
         pool.publish_chain(late, [OWN_CHAIN] * 2)
 

@@ -14,12 +14,14 @@ costs a miss, never wrong KV.
 
 from __future__ import annotations
 
+import array
 import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.core.page_columns import PageColumns
+from kvd.core.key_table import KeyTable
+from kvd.core.page_columns import KEY_BYTES, PageColumns
 from kvd.core.types import PageId, PageKey
 from kvd.wire.codec import TOKEN_BYTES, token_array
 from kvd.wire.enums import ExtraKind
@@ -87,8 +89,8 @@ class _Run:
     number: int  # the run's number in ``PrefixIndex._numbered``
     parent: PageId | None  # pages[0]'s parent
     page_bytes: int  # of one page's token ids
-    pages: list[PageId] = field(default_factory=list)
-    keys: list[PageKey] = field(default_factory=list)
+    # the page ids (uint32 on the wire): 4 B a page, where a list of ints took 8 B and the ints ~32 B
+    pages: array.array = field(default_factory=lambda: array.array("I"))
     tokens: bytearray = field(default_factory=bytearray)  # the pages' token ids, in order
     local_positions: list[int] = field(default_factory=list)  # positions of pages with local bytes
     locals: list[bytes] = field(default_factory=list)  # their local digests (PageContent.local)
@@ -98,83 +100,25 @@ class _Run:
             self.local_positions.append(len(self.pages))
             self.locals.append(content.local)
         self.pages.append(content.page)
-        self.keys.append(content.key)
         self.tokens += content.tokens
 
-    def content(self, position: int) -> PageContent:
-        """What the page at ``position`` holds."""
+    def content(self, position: int, key: PageKey) -> PageContent:
+        """What the page at ``position`` holds, ``key`` its key."""
         local_at = bisect.bisect_left(self.local_positions, position)
         has_local = local_at < len(self.local_positions) and self.local_positions[local_at] == position
         return PageContent(
             self.pages[position],
-            self.keys[position],
+            key,
             bytes(self.tokens[position * self.page_bytes : (position + 1) * self.page_bytes]),
             self.pages[position - 1] if position else self.parent,
             self.locals[local_at] if has_local else b"",
         )
 
-    def truncate(self, length: int) -> list[PageContent]:
-        """Keeps the first ``length`` pages; returns what the ones cut off held."""
-        cut = [self.content(position) for position in range(length, len(self.pages))]
-        del self.pages[length:], self.keys[length:], self.tokens[length * self.page_bytes :]
+    def truncate(self, length: int) -> None:
+        """Keeps the first ``length`` pages."""
+        del self.pages[length:], self.tokens[length * self.page_bytes :]
         local_at = bisect.bisect_left(self.local_positions, length)
         del self.local_positions[local_at:], self.locals[local_at:]
-        return cut
-
-
-class _Shards:
-    """A mapping split by key hash into 256 dicts, with the few methods the index uses.
-
-    A dict that keys come and go in rebuilds its whole table now and then, on the insert
-    that finds no slot left: ~30–50 ms at 512K pages, on the event loop inside whichever
-    publish step inserted (bench/bench_gc.py saw it as the longest loop step). Split, each
-    rebuild copies 1/256 of the entries.
-    """
-
-    __slots__ = ("_shards",)
-
-    def __init__(self) -> None:
-        self._shards: tuple[dict, ...] = tuple({} for _ in range(256))
-
-    def __len__(self) -> int:
-        return sum(map(len, self._shards))
-
-    def __contains__(self, key) -> bool:
-        return key in self._shards[hash(key) & 255]
-
-    def __getitem__(self, key):
-        return self._shards[hash(key) & 255][key]
-
-    def __setitem__(self, key, value) -> None:
-        self._shards[hash(key) & 255][key] = value
-
-    def __delitem__(self, key) -> None:
-        del self._shards[hash(key) & 255][key]
-
-    def get(self, key, default=None):
-        return self._shards[hash(key) & 255].get(key, default)
-
-    def setdefault(self, key, value):
-        return self._shards[hash(key) & 255].setdefault(key, value)
-
-    def pop(self, key, *default):
-        return self._shards[hash(key) & 255].pop(key, *default)
-
-    def items(self):
-        return (item for shard in self._shards for item in shard.items())
-
-    def values(self):
-        return (value for shard in self._shards for value in shard.values())
-
-    def keys(self):
-        return (key for shard in self._shards for key in shard)
-
-    def __iter__(self):
-        return self.keys()
-
-    def clear(self) -> None:
-        for shard in self._shards:
-            shard.clear()
 
 
 class PrefixIndex:
@@ -190,7 +134,7 @@ class PrefixIndex:
         """``columns``: the pool's page columns, where the index keeps each page's place in
         its run (``PageColumns.run``: its run's number << 32 | its position in the run, -1
         for none; 8 B a page, where a dict entry and a tuple took ~130 B)."""
-        self._entries = _Shards()  # PageKey -> PageId (a PageContent a page took ~170 B more, issue 41)
+        self._entries = KeyTable(columns)  # PageKey -> the slot of its page (columns.key holds the keys)
         self._columns = columns
         self._numbered: dict[int, _Run] = {}  # the runs that hold pages, by number
         self._next_run = 0
@@ -203,29 +147,32 @@ class PrefixIndex:
         return len(self._entries)
 
     def get(self, key: PageKey) -> PageId | None:
-        return self._entries.get(key)
+        slot = self._entries.find(key)
+        return None if slot < 0 else PageId(self._columns.page_at[slot])
 
     def lookup(self, key: PageKey) -> PageContent | None:
-        page = self._entries.get(key)
+        page = self.get(key)
         return None if page is None else self.content(page)
 
     def content(self, page: PageId) -> PageContent | None:
         """What an indexed page holds, built from its run; None for a page of no run (one the
         pool is taking out of the index: kvd/core/pool.py keeps what it held)."""
         place = self._place(page)
-        return None if place is None else place[0].content(place[1])
+        return None if place is None else place[0].content(place[1], self.key_of(page))
 
     def key_of(self, page: PageId) -> PageKey | None:
         """An indexed page's key; None as ``content``."""
-        place = self._place(page)
-        return None if place is None else place[0].keys[place[1]]
+        if self._packed(page) < 0:
+            return None
+        slot = self._columns.slot(page)
+        return PageKey(bytes(self._columns.key_at[slot * KEY_BYTES : (slot + 1) * KEY_BYTES]))
 
     def insert(self, content: PageContent, page_index: int) -> None:
         """Indexes a published page, ``page_index`` pages from the start of its chain."""
         slot = self._columns.slot(content.page)
         assert self._columns.run_at[slot] < 0, f"page {content.page} indexed twice"
-        held = self._entries.setdefault(content.key, content.page)
-        assert held == content.page, f"page key {content.key.hex()} already indexed to page {held}"
+        self._columns.key_at[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = content.key
+        self._entries.add([slot])
         parent = self._place(content.parent) if content.parent is not None else None
         if parent is not None and parent[1] == len(parent[0].pages) - 1:
             run = parent[0]
@@ -248,14 +195,15 @@ class PrefixIndex:
         self.insert(contents[0], page_index)
         run = self._place(contents[0].page)[0]
         first = len(run.pages)
-        entries = self._entries
         for content in contents[1:]:
-            held = entries.setdefault(content.key, content.page)
-            assert held == content.page, f"page key {content.key.hex()} already indexed to page {held}"
             assert content.parent == run.pages[-1], f"page {content.page} does not follow page {run.pages[-1]}"
             run.append(content)
         slots = self._columns.slots(run.pages[first:])
         self._columns.run[slots] = (run.number << 32) + np.arange(first, len(run.pages))
+        self._columns.key[slots] = np.frombuffer(
+            b"".join(content.key for content in contents[1:]), self._columns.key.dtype
+        )
+        self._entries.add(slots)
 
     def remove(self, page: PageId, key: PageKey) -> list[PageContent]:
         """Takes the page's entry (under ``key``) out; returns what the indexed pages that
@@ -263,12 +211,13 @@ class PrefixIndex:
         them any more, and their runs no longer hold them. Only the pool calls this
         (kvd/core/pool.py), and it takes those out too, so no indexed page lacks its parent; a
         chain's tail, removed first as eviction goes, returns none."""
-        held = self._entries.pop(key)
+        held = self._columns.page_at[self._entries.remove(key)]
         assert held == page, f"index held page {held} under the key of page {page}"
         orphans = []
         place = self._place(page)
         if place is not None:
             run, position = place
+            cut = [run.content(q, self.key_of(p)) for q, p in enumerate(run.pages[position:], position)]
             parent = run.pages[position - 1] if position else run.parent
             if position == 0 and parent is not None:
                 siblings = self._branches.get(parent, [])
@@ -276,14 +225,13 @@ class PrefixIndex:
                     siblings.remove(page)
                     if not siblings:
                         del self._branches[parent]
-            cut = run.truncate(position)
+            run.truncate(position)
             self._columns.run[self._columns.slots([content.page for content in cut])] = -1
             if not run.pages:
                 del self._numbered[run.number]
             orphans += cut[1:]
         for branch in self._branches.pop(page, ()):
-            branch_run, at = self._place(branch)
-            orphans.append(branch_run.content(at))
+            orphans.append(self.content(branch))
         return orphans
 
     def match(self, chain: ChainSpec, tokens: bytes, page_bytes: int, full_pages: int) -> Match:
@@ -301,7 +249,7 @@ class PrefixIndex:
         while i < full_pages:
             page_tokens = tokens[i * page_bytes : (i + 1) * page_bytes]
             local = chain.local_bytes(i)
-            page = self._entries.get(page_key(parent_key, i, page_tokens, local))
+            page = self.get(page_key(parent_key, i, page_tokens, local))
             content = None if page is None else self.content(page)
             if content is None or not content.matches(page_tokens, parent, chain.local_digest(i) if local else b""):
                 break  # a miss; on a hash collision too, never wrong KV
@@ -345,7 +293,8 @@ class PrefixIndex:
             ours = token_array(tokens)[i * page_bytes // TOKEN_BYTES : (i + span) * page_bytes // TOKEN_BYTES]
             differ = np.flatnonzero(theirs != ours)
             equal_pages = span if not differ.size else int(differ[0]) * 4 // page_bytes
-        return run.pages[first : first + equal_pages], run.keys[first : first + equal_pages]
+        followed = run.pages[first : first + equal_pages]
+        return followed.tolist(), self._columns.key[self._columns.slots(followed)].tolist()
 
     def run_problems(self) -> list[str]:
         """Broken run invariants, for kvd/cache/invariants.py: every run page is indexed under
@@ -361,7 +310,7 @@ class PrefixIndex:
             if position >= len(run.pages) or run.pages[position] != page:
                 found.append(f"page {page} is mapped to position {position} of a run that holds other pages there")
                 continue
-            if self._entries.get(run.keys[position]) != page:
+            if self.get(self.key_of(page)) != page:
                 found.append(f"run page {page} is not indexed under its key")
             elif len(run.tokens) != len(run.pages) * run.page_bytes:
                 found.append(f"run page {page}'s run holds {len(run.tokens)} token bytes for {len(run.pages)} pages")
@@ -398,4 +347,5 @@ class PrefixIndex:
 
     def items(self):
         """(key, page) of every entry."""
-        return self._entries.items()
+        slots = self._entries.slots()
+        return list(zip(self._columns.key[slots].tolist(), self._columns.page[slots].tolist()))

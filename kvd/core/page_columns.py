@@ -26,6 +26,7 @@ STATES = tuple(PageState)  # ``state`` holds a page's position here (its code)
 FREE, PRIVATE, PUBLISHED, CACHED = (
     STATES.index(s) for s in (PageState.FREE, PageState.PRIVATE, PageState.PUBLISHED, PageState.CACHED)
 )
+KEY_BYTES = 16  # of a page key (kvd/wire/keys.py)
 
 
 class PageColumns:
@@ -53,6 +54,9 @@ class PageColumns:
         self.sealed = np.zeros(0, np.bool_)
         self.checksum = np.zeros(0, np.uint64)
         self.run = np.zeros(0, np.int64)  # an indexed page's place in its run: kvd/core/index.py's
+        # An indexed page's key (kvd/core/index.py writes it, kvd/core/key_table.py finds it);
+        # ``key_at`` is its bytes, KEY_BYTES a slot
+        self.key = np.zeros(0, f"V{KEY_BYTES}")
         # Which publish of its slot a published page is (counted up at each, modulo 2**32): what
         # work begun on a page checks it still holds, rather than the identity of its content
         self.publication = np.zeros(0, np.uint32)
@@ -73,6 +77,7 @@ class PageColumns:
         self.sealed_at = memoryview(self.sealed)
         self.checksum_at = memoryview(self.checksum)
         self.run_at = memoryview(self.run)
+        self.key_at = memoryview(self.key.view(np.uint8))
         self.publication_at = memoryview(self.publication)
 
     def _resize(self, size: int) -> None:
@@ -87,6 +92,7 @@ class PageColumns:
         self.sealed = _longer(self.sealed, size)
         self.checksum = _longer(self.checksum, size)
         self.run = _longer(self.run, size)
+        self.key = _longer(self.key, size)
         self.publication = _longer(self.publication, size)
         self.content += [None] * (size - len(self.content))
         self._views()
