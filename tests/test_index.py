@@ -16,6 +16,7 @@ import kvd.core.index
 import kvd.wire.keys
 from kvd.cache import invariants
 from kvd.cache.manager import SequenceRequest
+from kvd.core import key_table
 from kvd.core.errors import InvalidArgument, ResourceExhausted
 from kvd.core.index import ChainSpec, ExtraKey, ExtraKind, PageContent, PrefixIndex, chain_spec, page_key
 from kvd.core.key_table import KeyTable
@@ -317,6 +318,25 @@ def test_the_key_table_finds_every_key_after_removals_inside_a_probe_run_and_gro
     assert [table.find(k) for k in keys] == list(range(5000))
     with pytest.raises(AssertionError, match="already indexed to page 7"):
         table.add([7])
+
+
+def test_keys_a_client_lines_up_on_their_low_bits_spread_over_the_key_table():
+    """Without the process's secret, a bucket would be a key's low bits: a client computing
+    the keys of the token ids it sends (kvd/wire/keys.py) could find keys that agree there
+    and build one probe run every look-up walks. Keys equal in their low 32 bits spread."""
+    columns = PageColumns()
+    columns.add(PageId(0), 4096, 0)
+    table = KeyTable(columns)
+    keys = [(0xC0FFEE | i << 32).to_bytes(8, "little") + bytes(8) for i in range(4096)]
+    columns.key[:] = np.frombuffer(b"".join(keys), columns.key.dtype)
+    table.add(list(range(2048)))
+    table.add(np.arange(2048, 4096))
+    assert [table.find(k) for k in keys] == list(range(4096))
+    held = table.slots()
+    buckets = np.flatnonzero(table._table >= 0)
+    homes = key_table._homes(columns.key[held], table._shift)
+    longest = int(((buckets - homes) & table._mask).max())
+    assert longest < 64, f"a probe run of {longest} buckets"
 
 
 # ---- tokens only --------------------------------------------------------------------
