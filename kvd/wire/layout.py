@@ -96,3 +96,28 @@ class PageLayout:
     def token_bytes(self) -> int:
         """Bytes of one token's cache (K and V, or its latent vector) across all layers."""
         return self.page_bytes // self.page_size
+
+
+def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """The KV heads (of a page's ``num_kv_heads``, the model's) that tensor-parallel rank
+    ``tp_rank`` of ``tp_size`` holds, as vLLM splits them: ``num_kv_heads // tp_size``
+    consecutive heads a rank, or, with more ranks than heads, the one head that vLLM
+    replicates on ``tp_size // num_kv_heads`` consecutive ranks. LayoutError when neither
+    count divides the other (vLLM refuses such a model too)."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"tensor-parallel rank {tp_rank} is not in [0, {tp_size})")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise LayoutError(f"{num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
+    if tp_size <= num_kv_heads:
+        per_rank = num_kv_heads // tp_size
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    head = tp_rank * num_kv_heads // tp_size
+    return range(head, head + 1)
+
+
+def writes_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> bool:
+    """Whether rank ``tp_rank`` writes its heads into shared pages: the first rank that
+    holds them (every rank while ``tp_size <= num_kv_heads``; of the ranks a head is
+    replicated on, the first)."""
+    rank_heads(num_kv_heads, tp_size, tp_rank)  # checks the split
+    return tp_size <= num_kv_heads or tp_rank % (tp_size // num_kv_heads) == 0
